@@ -1,0 +1,41 @@
+//! All-to-all with per-pair sizes: every block travels at once, the
+//! transport interleaving them, so no ordering between pairs can deadlock.
+
+use super::Comm;
+use crate::error::Result;
+use crate::transport::{Recv, Send};
+use std::ops::Range;
+
+/// Sends `input[send[i]]` to rank `i` and receives rank `i`'s block into
+/// `output[recv[i]]`; this rank's own block is copied locally.
+pub fn alltoallv(
+    comm: &dyn Comm,
+    input: &[u8],
+    send: &[Range<usize>],
+    output: &mut [u8],
+    recv: &[Range<usize>],
+) -> Result<()> {
+    let r = comm.rank();
+    output[recv[r].clone()].copy_from_slice(&input[send[r].clone()]);
+    let mut sends: Vec<Send<'_>> = (0..comm.size())
+        .filter(|&p| p != r)
+        .map(|p| Send::new(p, &input[send[p].clone()]))
+        .collect();
+    let mut rest: Vec<(usize, &mut [u8])> = Vec::new();
+    let mut tail = output;
+    let mut offset = 0;
+    let mut order: Vec<usize> = (0..comm.size()).collect();
+    order.sort_by_key(|&p| recv[p].start);
+    for p in order {
+        let range = recv[p].clone();
+        let (_, after) = std::mem::take(&mut tail).split_at_mut(range.start - offset);
+        let (mine, after) = after.split_at_mut(range.len());
+        offset = range.end;
+        tail = after;
+        if p != r {
+            rest.push((p, mine));
+        }
+    }
+    let mut recvs: Vec<Recv<'_>> = rest.into_iter().map(|(p, b)| Recv::new(p, b)).collect();
+    comm.transfer(&mut sends, &mut recvs, &mut |_, _| {})
+}

@@ -1,0 +1,283 @@
+//! Every collective, every group size 1-7, sizes that exercise the direct,
+//! ring and segmented paths, ranks as threads over in-memory channels.
+
+use super::*;
+use crate::dtype::{DataType, ReduceOp};
+use crate::error::PerseusError;
+use crate::kernels::AlignedBuf;
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::time::Duration;
+
+/// A rank of an in-memory group: a channel to and from every other rank.
+struct ThreadComm {
+    rank: usize,
+    tx: Vec<Sender<Vec<u8>>>,
+    rx: Vec<Receiver<Vec<u8>>>,
+}
+
+fn group(n: usize) -> Vec<ThreadComm> {
+    let mut txs: Vec<Vec<Option<Sender<Vec<u8>>>>> = (0..n).map(|_| vec![None; n]).collect();
+    let mut rxs: Vec<Vec<Option<Receiver<Vec<u8>>>>> =
+        (0..n).map(|_| (0..n).map(|_| None).collect()).collect();
+    for (a, row) in txs.iter_mut().enumerate() {
+        for (b, slot) in row.iter_mut().enumerate() {
+            let (t, r) = channel();
+            *slot = Some(t);
+            rxs[b][a] = Some(r);
+        }
+    }
+    txs.into_iter()
+        .zip(rxs)
+        .enumerate()
+        .map(|(rank, (tx, rx))| ThreadComm {
+            rank,
+            tx: tx.into_iter().map(Option::unwrap).collect(),
+            rx: rx.into_iter().map(Option::unwrap).collect(),
+        })
+        .collect()
+}
+
+impl Comm for ThreadComm {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn size(&self) -> usize {
+        self.tx.len()
+    }
+    fn transfer(
+        &self,
+        sends: &mut [Send<'_>],
+        recvs: &mut [Recv<'_>],
+        on_recv: &mut dyn FnMut(usize, &[u8]),
+    ) -> crate::error::Result<()> {
+        for s in sends.iter() {
+            self.tx[s.peer()].send(s.data().to_vec()).unwrap();
+        }
+        for (i, r) in recvs.iter_mut().enumerate() {
+            let got = self.rx[r.peer()]
+                .recv_timeout(Duration::from_secs(10))
+                .map_err(|_| PerseusError::Peer(format!("rank {} is silent", r.peer())))?;
+            assert_eq!(got.len(), r.data_mut().len(), "message length");
+            r.data_mut().copy_from_slice(&got);
+            if !got.is_empty() {
+                on_recv(i, r.data_mut());
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Runs `f(comm)` on `n` threads and returns their results in rank order.
+fn run<T: std::marker::Send + 'static>(
+    n: usize,
+    f: impl Fn(&ThreadComm) -> T + std::marker::Send + Sync + 'static,
+) -> Vec<T> {
+    let f = std::sync::Arc::new(f);
+    let handles: Vec<_> = group(n)
+        .into_iter()
+        .map(|c| {
+            let f = f.clone();
+            std::thread::spawn(move || f(&c))
+        })
+        .collect();
+    handles.into_iter().map(|h| h.join().unwrap()).collect()
+}
+
+fn f32s(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_ne_bytes()).collect()
+}
+
+fn to_f32s(b: &[u8]) -> Vec<f32> {
+    b.chunks(4)
+        .map(|c| f32::from_ne_bytes(c.try_into().unwrap()))
+        .collect()
+}
+
+const SIZES: [usize; 7] = [0, 1, 3, 17, 5000, 70_001, 300_000];
+
+#[test]
+fn allreduce_sum_matches_reference() {
+    for n in [1, 2, 3, 4, 5, 7] {
+        for count in SIZES {
+            let out = run(n, move |c| {
+                let v: Vec<f32> = (0..count)
+                    .map(|i| ((i * 7 + c.rank()) % 13) as f32)
+                    .collect();
+                let mut b = AlignedBuf::from_slice(&f32s(&v));
+                let mut scratch = AlignedBuf::default();
+                allreduce(
+                    c,
+                    b.as_mut_slice(),
+                    DataType::F32,
+                    ReduceOp::Sum,
+                    &mut scratch,
+                )
+                .unwrap();
+                to_f32s(b.as_slice())
+            });
+            let want: Vec<f32> = (0..count)
+                .map(|i| (0..n).map(|r| ((i * 7 + r) % 13) as f32).sum())
+                .collect();
+            for (r, got) in out.iter().enumerate() {
+                assert_eq!(got, &want, "n={n} count={count} rank={r}");
+            }
+        }
+    }
+}
+
+#[test]
+fn allreduce_min_max_product_on_ints() {
+    for n in [2, 3, 5] {
+        for op in [ReduceOp::Min, ReduceOp::Max, ReduceOp::Product] {
+            for count in [4usize, 40_000] {
+                let out = run(n, move |c| {
+                    let v: Vec<i32> = (0..count)
+                        .map(|i| (i % 5) as i32 - c.rank() as i32)
+                        .collect();
+                    let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_ne_bytes()).collect();
+                    let mut b = AlignedBuf::from_slice(&bytes);
+                    let mut s = AlignedBuf::default();
+                    allreduce(c, b.as_mut_slice(), DataType::I32, op, &mut s).unwrap();
+                    b.as_slice().to_vec()
+                });
+                let want: Vec<u8> = (0..count)
+                    .map(|i| {
+                        let vals = (0..n).map(|r| (i % 5) as i32 - r as i32);
+                        match op {
+                            ReduceOp::Min => vals.min().unwrap(),
+                            ReduceOp::Max => vals.max().unwrap(),
+                            _ => vals.product(),
+                        }
+                    })
+                    .flat_map(|x| x.to_ne_bytes())
+                    .collect();
+                assert!(
+                    out.iter().all(|o| o == &want),
+                    "n={n} op={op:?} count={count}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn reduce_scatter_gives_each_rank_its_rows() {
+    for n in [1, 2, 3, 4] {
+        let out = run(n, move |c| {
+            let counts: Vec<usize> = (0..n).map(|i| i * 1000 + 1).collect();
+            let total: usize = counts.iter().sum();
+            let v: Vec<f32> = (0..total).map(|i| (i + c.rank()) as f32).collect();
+            let mut b = AlignedBuf::from_slice(&f32s(&v));
+            let mut s = AlignedBuf::default();
+            let own = reduce_scatter(
+                c,
+                b.as_mut_slice(),
+                &counts,
+                DataType::F32,
+                ReduceOp::Sum,
+                &mut s,
+            )
+            .unwrap();
+            (own.start / 4, to_f32s(&b.as_slice()[own]))
+        });
+        for (start, vals) in out {
+            for (k, x) in vals.iter().enumerate() {
+                let i = start + k;
+                let want: f32 = (0..n).map(|r| (i + r) as f32).sum();
+                assert_eq!(*x, want);
+            }
+        }
+    }
+}
+
+#[test]
+fn allgatherv_with_uneven_blocks() {
+    for n in [1, 2, 3, 5] {
+        let sizes: Vec<usize> = (0..n).map(|i| (i * 37_003) % 90_000).collect();
+        let s2 = sizes.clone();
+        let out = run(n, move |c| {
+            let total: usize = s2.iter().sum();
+            let mut b = vec![0u8; total];
+            let off: usize = s2[..c.rank()].iter().sum();
+            b[off..off + s2[c.rank()]].fill(c.rank() as u8 + 1);
+            allgatherv(c, &mut b, &s2).unwrap();
+            b
+        });
+        let want: Vec<u8> = sizes
+            .iter()
+            .enumerate()
+            .flat_map(|(r, &s)| vec![r as u8 + 1; s])
+            .collect();
+        assert!(out.iter().all(|o| o == &want), "n={n}");
+    }
+}
+
+#[test]
+fn broadcast_from_every_root_small_and_chained() {
+    for n in [1, 2, 3, 4] {
+        for len in [0usize, 10, 3 * (1 << 20) + 5] {
+            for root in 0..n {
+                let out = run(n, move |c| {
+                    let mut b = if c.rank() == root {
+                        (0..len).map(|i| (i % 251) as u8).collect()
+                    } else {
+                        vec![0u8; len]
+                    };
+                    broadcast(c, &mut b, root).unwrap();
+                    b
+                });
+                let want: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+                assert!(
+                    out.iter().all(|o| o == &want),
+                    "n={n} len={len} root={root}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn alltoallv_uneven_splits() {
+    for n in [1, 2, 3, 4] {
+        // Rank r sends (r + d + 1) bytes of value r*16+d to rank d.
+        let out = run(n, move |c| {
+            let r = c.rank();
+            let mut input = Vec::new();
+            let mut send = Vec::new();
+            for d in 0..n {
+                let s = input.len();
+                input.extend(std::iter::repeat_n((r * 16 + d) as u8, r + d + 1));
+                send.push(s..input.len());
+            }
+            let mut recv = Vec::new();
+            let mut off = 0;
+            for s in 0..n {
+                recv.push(off..off + s + r + 1);
+                off += s + r + 1;
+            }
+            let mut output = vec![0u8; off];
+            alltoallv(c, &input, &send, &mut output, &recv).unwrap();
+            output
+        });
+        for (r, got) in out.iter().enumerate() {
+            let want: Vec<u8> = (0..n)
+                .flat_map(|s| std::iter::repeat_n((s * 16 + r) as u8, s + r + 1))
+                .collect();
+            assert_eq!(got, &want, "n={n} rank={r}");
+        }
+    }
+}
+
+#[test]
+fn barrier_returns_on_every_rank() {
+    for n in [1, 2, 3, 6] {
+        assert_eq!(run(n, |c| barrier(c).is_ok()), vec![true; n]);
+    }
+}
+
+#[test]
+fn partition_is_even_and_complete() {
+    let p = partition(10, 3);
+    assert_eq!(p, vec![0..4, 4..7, 7..10]);
+    assert_eq!(partition(2, 4), vec![0..1, 1..2, 2..2, 2..2]);
+}

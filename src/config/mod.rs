@@ -1,0 +1,211 @@
+//! Every environment variable the core reads, parsed and validated once at
+//! `init()`. Each knob is declared in [`PARAMS`] with its default and range;
+//! `docs/environment.md` is checked against that table by a test.
+
+mod topology;
+
+pub use topology::Topology;
+
+use crate::error::{PerseusError, Result};
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+/// A tunable: the variable, its default as text, and what it does.
+pub struct Param {
+    /// Environment variable name.
+    pub name: &'static str,
+    /// Default value, as a user would write it.
+    pub default: &'static str,
+    /// Allowed values, in words.
+    pub allowed: &'static str,
+    /// One line on its effect.
+    pub doc: &'static str,
+}
+
+/// The tunables the core honours today.
+pub const PARAMS: &[Param] = &[
+    Param {
+        name: "GLOO_TIMEOUT_SECONDS",
+        default: "60",
+        allowed: "an integer from 1 to 86400",
+        doc: "seconds to wait for a peer (connect, rendezvous, each transfer) before failing",
+    },
+    Param {
+        name: "HOROVOD_FUSION_THRESHOLD",
+        default: "67108864",
+        allowed: "an integer number of bytes >= 0 (0 disables fusion)",
+        doc: "largest fused buffer for small allreduces",
+    },
+    Param {
+        name: "HOROVOD_CYCLE_TIME",
+        default: "1",
+        allowed: "a number of milliseconds >= 0",
+        doc: "how long the coordinator holds ready tensors to fuse them while others are pending",
+    },
+    Param {
+        name: "HOROVOD_CACHE_CAPACITY",
+        default: "1024",
+        allowed: "an integer >= 0 (0 disables the response cache)",
+        doc: "number of tensor signatures remembered so steady-state requests travel as ids",
+    },
+    Param {
+        name: "PERSEUS_CHANGE_HVD_ALLGATHER",
+        default: "0",
+        allowed: "0 (stack equal shapes, DDP style) or 1 (concatenate along dim 0, Horovod style)",
+        doc: "allgather result layout",
+    },
+    Param {
+        name: "PERSEUS_TIMELINE",
+        default: "",
+        allowed: "a file path (HOROVOD_TIMELINE is an alias)",
+        doc: "write a Chrome-trace JSON of every operation to this file",
+    },
+];
+
+/// The parsed configuration of one rank.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Where this rank sits in the job.
+    pub topology: Topology,
+    /// Rendezvous host and port; `None` for a job of one rank.
+    pub rendezvous: Option<(String, u16)>,
+    /// Job secret every connection must present (hex text, may be empty).
+    pub secret: String,
+    /// Address to listen on and publish; `None` picks the route to the rendezvous.
+    pub iface_addr: Option<String>,
+    /// Peer timeout.
+    pub timeout: Duration,
+    /// Fusion buffer limit in bytes.
+    pub fusion_threshold: u64,
+    /// Coordinator batching window.
+    pub cycle_time: Duration,
+    /// Response cache capacity (entries).
+    pub cache_capacity: usize,
+    /// 0 = stack, 1 = concatenate.
+    pub allgather_mode: u8,
+    /// Timeline file to start with, if any.
+    pub timeline: Option<String>,
+}
+
+/// Reads a variable, treating empty as unset.
+pub fn var(name: &str) -> Option<String> {
+    std::env::var(name)
+        .ok()
+        .map(|v| v.trim().to_string())
+        .filter(|v| !v.is_empty())
+}
+
+fn invalid(name: &str, value: &str, allowed: &str) -> PerseusError {
+    PerseusError::InvalidConfig {
+        var: name.into(),
+        value: value.into(),
+        allowed: allowed.into(),
+    }
+}
+
+fn allowed_of(name: &str) -> &'static str {
+    PARAMS
+        .iter()
+        .find(|p| p.name == name)
+        .map(|p| p.allowed)
+        .unwrap_or("see docs/environment.md")
+}
+
+/// Parses an integer variable within `[min, max]`.
+pub fn int_var(name: &str, default: u64, min: u64, max: u64) -> Result<u64> {
+    match var(name) {
+        None => Ok(default),
+        Some(v) => match v.parse::<u64>() {
+            Ok(x) if (min..=max).contains(&x) => Ok(x),
+            _ => Err(invalid(name, &v, allowed_of(name))),
+        },
+    }
+}
+
+/// Parses a non-negative number variable.
+pub fn float_var(name: &str, default: f64) -> Result<f64> {
+    match var(name) {
+        None => Ok(default),
+        Some(v) => match v.parse::<f64>() {
+            Ok(x) if x.is_finite() && x >= 0.0 => Ok(x),
+            _ => Err(invalid(name, &v, allowed_of(name))),
+        },
+    }
+}
+
+impl Config {
+    /// Reads and validates the whole environment.
+    pub fn from_env() -> Result<Config> {
+        let topology = Topology::from_env()?;
+        let rendezvous = match (
+            var("PERSEUS_RENDEZVOUS_ADDR"),
+            var("PERSEUS_RENDEZVOUS_PORT"),
+        ) {
+            (Some(host), Some(port)) => {
+                let p = port.parse::<u16>().map_err(|_| {
+                    invalid(
+                        "PERSEUS_RENDEZVOUS_PORT",
+                        &port,
+                        "a TCP port from 1 to 65535",
+                    )
+                })?;
+                Some((host, p))
+            }
+            (None, None) if topology.size == 1 => None,
+            _ => {
+                return Err(PerseusError::InvalidArgument(format!(
+                    "a job of {} ranks needs PERSEUS_RENDEZVOUS_ADDR and PERSEUS_RENDEZVOUS_PORT; \
+                     start it with perseusrun",
+                    topology.size
+                )))
+            }
+        };
+        let timeout = int_var("GLOO_TIMEOUT_SECONDS", 60, 1, 86_400)?;
+        let fusion_threshold = int_var("HOROVOD_FUSION_THRESHOLD", 64 << 20, 0, u64::MAX)?;
+        let cycle_ms = float_var("HOROVOD_CYCLE_TIME", 1.0)?;
+        let cache_capacity = int_var("HOROVOD_CACHE_CAPACITY", 1024, 0, 1 << 24)? as usize;
+        let allgather_mode = int_var("PERSEUS_CHANGE_HVD_ALLGATHER", 0, 0, 1)? as u8;
+        Ok(Config {
+            topology,
+            rendezvous,
+            secret: var("PERSEUS_SECRET").unwrap_or_default(),
+            iface_addr: var("PERSEUS_IFACE_ADDR"),
+            timeout: Duration::from_secs(timeout),
+            fusion_threshold,
+            cycle_time: Duration::from_secs_f64(cycle_ms / 1000.0),
+            cache_capacity,
+            allgather_mode,
+            timeline: var("PERSEUS_TIMELINE").or_else(|| var("HOROVOD_TIMELINE")),
+        })
+    }
+
+    /// The effective values, keyed by variable name (what `_core.config()` returns).
+    pub fn to_map(&self) -> BTreeMap<String, String> {
+        let mut m = BTreeMap::new();
+        m.insert(
+            "GLOO_TIMEOUT_SECONDS".into(),
+            self.timeout.as_secs().to_string(),
+        );
+        m.insert(
+            "HOROVOD_FUSION_THRESHOLD".into(),
+            self.fusion_threshold.to_string(),
+        );
+        m.insert(
+            "HOROVOD_CYCLE_TIME".into(),
+            format!("{}", self.cycle_time.as_secs_f64() * 1000.0),
+        );
+        m.insert(
+            "HOROVOD_CACHE_CAPACITY".into(),
+            self.cache_capacity.to_string(),
+        );
+        m.insert(
+            "PERSEUS_CHANGE_HVD_ALLGATHER".into(),
+            self.allgather_mode.to_string(),
+        );
+        m.insert(
+            "PERSEUS_TIMELINE".into(),
+            self.timeline.clone().unwrap_or_default(),
+        );
+        m
+    }
+}

@@ -1,0 +1,442 @@
+//! Negotiation, without I/O: rank 0 feeds every rank's requests in and gets
+//! back the responses to send, in one total order that every rank then
+//! follows. A name becomes ready when every member of its process set has
+//! asked for it (or joined, for allreduce); ready names are checked for
+//! agreement, fused, and answered. Being pure, it is tested without sockets.
+
+use super::message::{OpKind, Request, Response};
+use std::collections::{BTreeMap, HashMap};
+
+/// Responses to send and to whom (global ranks), in order.
+pub type Outgoing = Vec<(Vec<usize>, Response)>;
+
+struct Pending {
+    seq: u64,
+    reqs: Vec<Option<Request>>,
+}
+
+struct SetState {
+    members: Vec<usize>,
+    pending: HashMap<String, Pending>,
+    joined: Vec<bool>,
+    last_joined: usize,
+}
+
+impl SetState {
+    fn new(members: Vec<usize>) -> SetState {
+        let n = members.len();
+        SetState {
+            members,
+            pending: HashMap::new(),
+            joined: vec![false; n],
+            last_joined: 0,
+        }
+    }
+}
+
+/// The coordinator's state.
+pub struct Coordinator {
+    fusion_threshold: usize,
+    sets: BTreeMap<u32, SetState>,
+    next_set_id: u32,
+    seq: u64,
+    shut: Vec<bool>,
+}
+
+impl Coordinator {
+    /// A coordinator for `size` ranks; process set 0 holds them all.
+    pub fn new(size: usize, fusion_threshold: usize) -> Coordinator {
+        let mut sets = BTreeMap::new();
+        sets.insert(0, SetState::new((0..size).collect()));
+        Coordinator {
+            fusion_threshold,
+            sets,
+            next_set_id: 1,
+            seq: 0,
+            shut: vec![false; size],
+        }
+    }
+
+    /// Takes a batch of requests from `rank` and returns what to send.
+    pub fn submit(&mut self, rank: usize, reqs: Vec<Request>) -> Outgoing {
+        let mut out = Outgoing::new();
+        for req in reqs {
+            let Some(set) = self.sets.get_mut(&req.process_set) else {
+                out.push((
+                    vec![rank],
+                    error(
+                        &req,
+                        format!("process set {} does not exist", req.process_set),
+                    ),
+                ));
+                continue;
+            };
+            let Some(idx) = set.members.iter().position(|&m| m == rank) else {
+                let msg = format!("rank {rank} is not in process set {}", req.process_set);
+                out.push((vec![rank], error(&req, msg)));
+                continue;
+            };
+            if req.kind == OpKind::Join {
+                set.joined[idx] = true;
+                set.last_joined = rank;
+                continue;
+            }
+            if req.kind == OpKind::Shutdown {
+                self.shut[rank] = true;
+            }
+            let n = set.members.len();
+            self.seq += 1;
+            let seq = self.seq;
+            let p = set
+                .pending
+                .entry(req.name.clone())
+                .or_insert_with(|| Pending {
+                    seq,
+                    reqs: vec![None; n],
+                });
+            p.reqs[idx] = Some(req);
+        }
+        self.flush(&mut out);
+        out
+    }
+
+    /// A rank's connection broke: the job cannot go on.
+    pub fn disconnect(&mut self, rank: usize, why: &str) -> Outgoing {
+        if self.shut[rank] {
+            // It announced its shutdown; leaving afterwards is expected.
+            return Outgoing::new();
+        }
+        let others: Vec<usize> = (0..self.shut.len()).filter(|&r| r != rank).collect();
+        let message = format!("rank {rank} is gone ({why}); the job cannot continue");
+        vec![(others, Response::Abort { message })]
+    }
+
+    /// Answers every name that became ready, and completed joins.
+    fn flush(&mut self, out: &mut Outgoing) {
+        let size = self.shut.len();
+        let mut added = Vec::new();
+        let mut removed = Vec::new();
+        for (&ps, set) in self.sets.iter_mut() {
+            let mut ready: Vec<(u64, String)> = set
+                .pending
+                .iter()
+                .filter(|(_, p)| {
+                    p.reqs
+                        .iter()
+                        .enumerate()
+                        .all(|(i, r)| r.is_some() || set.joined[i] || self.shut[set.members[i]])
+                })
+                .map(|(n, p)| (p.seq, n.clone()))
+                .collect();
+            ready.sort();
+            let mut answers = Vec::new();
+            for (_, name) in ready {
+                let p = set.pending.remove(&name).unwrap();
+                let ints = p
+                    .reqs
+                    .iter()
+                    .flatten()
+                    .next()
+                    .map(|r| r.ints.clone())
+                    .unwrap_or_default();
+                let mut a = decide(ps, set, &name, p.reqs, &self.shut);
+                if let Response::Done { kind, value, .. } = &mut a {
+                    let checked = match kind {
+                        OpKind::AddProcessSet => check_ranks(&ints, size).map(|ranks| {
+                            *value = self.next_set_id as i64;
+                            self.next_set_id += 1;
+                            added.push((*value as u32, ranks));
+                        }),
+                        OpKind::RemoveProcessSet => match ints.first() {
+                            Some(&id) if id > 0 && id < self.next_set_id as i64 => {
+                                removed.push(id as u32);
+                                Ok(())
+                            }
+                            _ => Err(format!("process set {ints:?} cannot be removed")),
+                        },
+                        _ => Ok(()),
+                    };
+                    if let Err(message) = checked {
+                        a = Response::Error {
+                            process_set: ps,
+                            names: vec![name.clone()],
+                            message,
+                        };
+                    }
+                }
+                answers.push(a);
+            }
+            for a in fuse(answers, self.fusion_threshold) {
+                out.push((set.members.clone(), a));
+            }
+            if set.joined.iter().all(|&j| j) {
+                let last = set.last_joined as i64;
+                set.joined.iter_mut().for_each(|j| *j = false);
+                let done = Response::Done {
+                    kind: OpKind::Join,
+                    process_set: ps,
+                    name: "join".into(),
+                    value: last,
+                };
+                out.push((set.members.clone(), done));
+            }
+        }
+        for (id, ranks) in added {
+            self.sets.insert(id, SetState::new(ranks));
+        }
+        for id in removed {
+            self.sets.remove(&id);
+        }
+    }
+}
+
+/// Validates the member list of a new process set.
+fn check_ranks(ints: &[i64], size: usize) -> Result<Vec<usize>, String> {
+    let ok = !ints.is_empty()
+        && ints.windows(2).all(|w| w[0] < w[1])
+        && ints.iter().all(|&r| r >= 0 && (r as usize) < size);
+    if ok {
+        Ok(ints.iter().map(|&r| r as usize).collect())
+    } else {
+        Err(format!(
+            "process set ranks {ints:?} must be distinct ranks from 0 to {} in increasing order",
+            size - 1
+        ))
+    }
+}
+
+fn error(req: &Request, message: String) -> Response {
+    Response::Error {
+        process_set: req.process_set,
+        names: vec![req.name.clone()],
+        message,
+    }
+}
+
+fn fmt_shape(s: &[i64]) -> String {
+    format!("{s:?}")
+}
+
+/// Checks that every rank asked for the same thing and builds the answer.
+fn decide(
+    ps: u32,
+    set: &SetState,
+    name: &str,
+    reqs: Vec<Option<Request>>,
+    shut: &[bool],
+) -> Response {
+    let fail = |message: String| Response::Error {
+        process_set: ps,
+        names: vec![name.into()],
+        message,
+    };
+    let present: Vec<(usize, &Request)> = reqs
+        .iter()
+        .enumerate()
+        .filter_map(|(i, r)| r.as_ref().map(|r| (i, r)))
+        .collect();
+    let (i0, first) = present[0];
+    let g = |i: usize| set.members[i];
+    let gone: Vec<usize> = (0..reqs.len())
+        .filter(|&i| reqs[i].is_none() && shut[set.members[i]] && !set.joined[i])
+        .map(g)
+        .collect();
+    if !gone.is_empty() && first.kind != OpKind::Shutdown {
+        return fail(format!(
+            "{} '{name}' can never complete: rank(s) {gone:?} shut down without submitting it",
+            first.kind.name()
+        ));
+    }
+    for &(i, r) in &present[1..] {
+        if r.kind != first.kind {
+            return fail(format!(
+                "Mismatched operations for '{name}': rank {} requested {}, rank {} requested {}",
+                g(i0),
+                first.kind.name(),
+                g(i),
+                r.kind.name()
+            ));
+        }
+    }
+    let kind = first.kind;
+    let joined: Vec<usize> = (0..reqs.len())
+        .filter(|&i| reqs[i].is_none())
+        .map(g)
+        .collect();
+    if !joined.is_empty() && kind != OpKind::Allreduce && kind != OpKind::Shutdown {
+        return fail(format!(
+            "{} '{name}' cannot run while rank(s) {joined:?} have joined; only allreduce \
+             supports join",
+            kind.name()
+        ));
+    }
+    for &(i, r) in &present[1..] {
+        let mismatch = |what: &str, a: String, b: String| {
+            fail(format!(
+                "Mismatched {} {what} for '{name}': rank {} sent {a}, rank {} sent {b}",
+                kind.name(),
+                g(i0),
+                g(i)
+            ))
+        };
+        if kind.has_data() && r.dtype != first.dtype {
+            return mismatch(
+                "data types",
+                first.dtype.name().into(),
+                r.dtype.name().into(),
+            );
+        }
+        if matches!(kind, OpKind::Allreduce | OpKind::Reducescatter) && r.op != first.op {
+            return mismatch("reduce ops", first.op.name().into(), r.op.name().into());
+        }
+        if matches!(kind, OpKind::Allreduce | OpKind::Reducescatter)
+            && (r.prescale != first.prescale || r.postscale != first.postscale)
+        {
+            return mismatch(
+                "scale factors",
+                format!("{}/{}", first.prescale, first.postscale),
+                format!("{}/{}", r.prescale, r.postscale),
+            );
+        }
+        if kind == OpKind::Broadcast && r.root != first.root {
+            return mismatch("root ranks", first.root.to_string(), r.root.to_string());
+        }
+        let same_shape = match kind {
+            OpKind::Allreduce | OpKind::Broadcast | OpKind::Reducescatter => r.shape == first.shape,
+            OpKind::Allgather if first.stack || r.stack => r.shape == first.shape,
+            OpKind::Allgather | OpKind::Alltoall => {
+                r.shape.len() == first.shape.len()
+                    && !r.shape.is_empty()
+                    && r.shape[1..] == first.shape[1..]
+            }
+            _ => true,
+        };
+        if !same_shape {
+            let mut e = mismatch(
+                "tensor shapes",
+                fmt_shape(&first.shape),
+                fmt_shape(&r.shape),
+            );
+            if kind == OpKind::Allgather && (first.stack || r.stack) {
+                if let Response::Error { message, .. } = &mut e {
+                    message.push_str(
+                        "; allgather stacks equal shapes by default: set \
+                         PERSEUS_CHANGE_HVD_ALLGATHER=1 to concatenate tensors of different \
+                         first dimensions along dim 0 (Horovod behaviour)",
+                    );
+                }
+            }
+            return e;
+        }
+        if matches!(kind, OpKind::AddProcessSet | OpKind::RemoveProcessSet) && r.ints != first.ints
+        {
+            return mismatch(
+                "arguments",
+                format!("{:?}", first.ints),
+                format!("{:?}", r.ints),
+            );
+        }
+    }
+    let n = reqs.len() as i64;
+    let op = |sizes: Vec<i64>| Response::Op {
+        kind,
+        process_set: ps,
+        names: vec![name.into()],
+        shapes: vec![first.shape.clone()],
+        dtype: first.dtype,
+        op: first.op,
+        root: first.root,
+        prescale: first.prescale,
+        postscale: first.postscale,
+        sizes,
+    };
+    let done = |value: i64| Response::Done {
+        kind,
+        process_set: ps,
+        name: name.into(),
+        value,
+    };
+    match kind {
+        OpKind::Allreduce | OpKind::Reducescatter => op(vec![]),
+        OpKind::Broadcast if !(0..n).contains(&first.root) => fail(format!(
+            "broadcast '{name}': root rank {} is not in 0..{n}",
+            first.root
+        )),
+        OpKind::Broadcast => op(vec![]),
+        OpKind::Allgather => op(present.iter().map(|(_, r)| r.shape[0]).collect()),
+        OpKind::Alltoall => {
+            let mut m = Vec::with_capacity((n * n) as usize);
+            for &(i, r) in &present {
+                if r.ints.len() as i64 != n
+                    || r.ints.iter().any(|&s| s < 0)
+                    || r.ints.iter().sum::<i64>() != r.shape[0]
+                {
+                    return fail(format!(
+                        "alltoall '{name}': rank {} sent splits {:?} that do not divide its {} \
+                         rows among {n} ranks",
+                        g(i),
+                        r.ints,
+                        r.shape[0]
+                    ));
+                }
+                m.extend_from_slice(&r.ints);
+            }
+            op(m)
+        }
+        OpKind::AddProcessSet => done(-1),
+        OpKind::RemoveProcessSet => done(first.ints.first().copied().unwrap_or(-1)),
+        OpKind::Barrier | OpKind::Shutdown | OpKind::Join => done(0),
+    }
+}
+
+/// Merges runs of compatible single-tensor allreduces up to `threshold` bytes.
+fn fuse(answers: Vec<Response>, threshold: usize) -> Vec<Response> {
+    let mut out: Vec<Response> = Vec::with_capacity(answers.len());
+    let mut fused_bytes = 0usize;
+    for a in answers {
+        if let (
+            Some(Response::Op {
+                kind: OpKind::Allreduce,
+                names,
+                shapes,
+                dtype,
+                op,
+                prescale,
+                postscale,
+                ..
+            }),
+            Response::Op {
+                kind: OpKind::Allreduce,
+                names: n2,
+                shapes: s2,
+                dtype: d2,
+                op: o2,
+                prescale: p2,
+                postscale: q2,
+                ..
+            },
+        ) = (out.last_mut(), &a)
+        {
+            let bytes: usize = s2[0].iter().product::<i64>().max(0) as usize * d2.size();
+            if dtype == d2
+                && op == o2
+                && prescale == p2
+                && postscale == q2
+                && fused_bytes + bytes <= threshold
+            {
+                names.extend(n2.iter().cloned());
+                shapes.extend(s2.iter().cloned());
+                fused_bytes += bytes;
+                continue;
+            }
+        }
+        fused_bytes = match &a {
+            Response::Op { shapes, dtype, .. } => {
+                shapes[0].iter().product::<i64>().max(0) as usize * dtype.size()
+            }
+            _ => 0,
+        };
+        out.push(a);
+    }
+    out
+}

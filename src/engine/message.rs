@@ -1,0 +1,351 @@
+//! What ranks tell the coordinator (requests) and what it answers
+//! (responses), with their wire encoding.
+
+use crate::dtype::{DataType, ReduceOp};
+use crate::error::{PerseusError, Result};
+use crate::wire::{Reader, Writer};
+
+/// The kind of an operation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum OpKind {
+    /// Reduce across ranks.
+    Allreduce = 0,
+    /// Concatenate along dim 0.
+    Allgather = 1,
+    /// Copy the root's tensor everywhere.
+    Broadcast = 2,
+    /// Exchange row blocks between every pair.
+    Alltoall = 3,
+    /// Reduce, then give each rank its rows.
+    Reducescatter = 4,
+    /// Wait for every rank.
+    Barrier = 5,
+    /// This rank is out of data.
+    Join = 6,
+    /// Register a process set (over all ranks).
+    AddProcessSet = 7,
+    /// Remove a process set (over all ranks).
+    RemoveProcessSet = 8,
+    /// This rank is leaving.
+    Shutdown = 9,
+}
+
+impl OpKind {
+    fn from_code(c: u8) -> Result<Self> {
+        use OpKind::*;
+        Ok(match c {
+            0 => Allreduce,
+            1 => Allgather,
+            2 => Broadcast,
+            3 => Alltoall,
+            4 => Reducescatter,
+            5 => Barrier,
+            6 => Join,
+            7 => AddProcessSet,
+            8 => RemoveProcessSet,
+            9 => Shutdown,
+            _ => return Err(PerseusError::Protocol(format!("unknown op kind {c}"))),
+        })
+    }
+
+    /// Lower-case name, used in auto-generated tensor names and messages.
+    pub fn name(self) -> &'static str {
+        use OpKind::*;
+        match self {
+            Allreduce => "allreduce",
+            Allgather => "allgather",
+            Broadcast => "broadcast",
+            Alltoall => "alltoall",
+            Reducescatter => "reducescatter",
+            Barrier => "barrier",
+            Join => "join",
+            AddProcessSet => "add_process_set",
+            RemoveProcessSet => "remove_process_set",
+            Shutdown => "shutdown",
+        }
+    }
+
+    /// True for operations that move tensor data.
+    pub fn has_data(self) -> bool {
+        (self as u8) <= OpKind::Reducescatter as u8
+    }
+}
+
+/// One rank's request for one named operation.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Request {
+    /// Operation kind.
+    pub kind: OpKind,
+    /// Tensor name, unique among this rank's in-flight operations of the set.
+    pub name: String,
+    /// Process set id (0 = all ranks).
+    pub process_set: u32,
+    /// Element type.
+    pub dtype: DataType,
+    /// Tensor shape.
+    pub shape: Vec<i64>,
+    /// Reduction (allreduce, reducescatter).
+    pub op: ReduceOp,
+    /// Root rank within the set (broadcast).
+    pub root: i64,
+    /// Factor applied before the reduction.
+    pub prescale: f64,
+    /// Factor applied after the reduction.
+    pub postscale: f64,
+    /// Allgather: every rank must send the same shape (results are stacked).
+    pub stack: bool,
+    /// Alltoall: rows for each destination; AddProcessSet: the member ranks;
+    /// RemoveProcessSet: the id.
+    pub ints: Vec<i64>,
+}
+
+impl Request {
+    /// A request with neutral defaults for everything but kind and name.
+    pub fn new(kind: OpKind, name: impl Into<String>, process_set: u32) -> Request {
+        Request {
+            kind,
+            name: name.into(),
+            process_set,
+            dtype: DataType::U8,
+            shape: vec![],
+            op: ReduceOp::Sum,
+            root: 0,
+            prescale: 1.0,
+            postscale: 1.0,
+            stack: false,
+            ints: vec![],
+        }
+    }
+
+    /// Bytes of the tensor.
+    pub fn nbytes(&self) -> usize {
+        self.shape.iter().product::<i64>().max(0) as usize * self.dtype.size()
+    }
+
+    fn encode(&self, w: &mut Writer) {
+        w.u8(self.kind as u8)
+            .str(&self.name)
+            .u32(self.process_set)
+            .u8(self.dtype.code());
+        w.i64s(&self.shape)
+            .u8(self.op as u8)
+            .i64(self.root)
+            .f64(self.prescale);
+        w.f64(self.postscale)
+            .u8(u8::from(self.stack))
+            .i64s(&self.ints);
+    }
+
+    fn decode(r: &mut Reader<'_>) -> Result<Request> {
+        Ok(Request {
+            kind: OpKind::from_code(r.u8()?)?,
+            name: r.str()?,
+            process_set: r.u32()?,
+            dtype: DataType::from_code(r.u8()?)?,
+            shape: r.i64s()?,
+            op: ReduceOp::from_code(r.u8()?).map_err(|e| PerseusError::Protocol(e.to_string()))?,
+            root: r.i64()?,
+            prescale: r.f64()?,
+            postscale: r.f64()?,
+            stack: r.u8()? != 0,
+            ints: r.i64s()?,
+        })
+    }
+}
+
+/// The coordinator's decision, sent to every member of the process set.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Response {
+    /// Run this operation now (several names: one fused allreduce).
+    Op {
+        /// Kind (data-moving kinds only).
+        kind: OpKind,
+        /// Process set.
+        process_set: u32,
+        /// Tensor names, in fusion order.
+        names: Vec<String>,
+        /// Shape of each tensor (lets joined ranks contribute zeros).
+        shapes: Vec<Vec<i64>>,
+        /// Element type.
+        dtype: DataType,
+        /// Reduction.
+        op: ReduceOp,
+        /// Broadcast root within the set.
+        root: i64,
+        /// Prescale factor.
+        prescale: f64,
+        /// Postscale factor.
+        postscale: f64,
+        /// Allgather: dim 0 of every rank; alltoall: the n×n split matrix,
+        /// row `s` holding what rank `s` sends to each rank.
+        sizes: Vec<i64>,
+    },
+    /// These names failed on every rank, with this message.
+    Error {
+        /// Process set.
+        process_set: u32,
+        /// Failed names.
+        names: Vec<String>,
+        /// Why.
+        message: String,
+    },
+    /// A negotiation-only operation finished (barrier, join, process sets, shutdown).
+    Done {
+        /// Kind.
+        kind: OpKind,
+        /// Process set.
+        process_set: u32,
+        /// Name of the request it answers.
+        name: String,
+        /// Join: last rank to join; AddProcessSet: the new id.
+        value: i64,
+    },
+    /// The job cannot go on (a rank died); every pending operation fails.
+    Abort {
+        /// Why.
+        message: String,
+    },
+}
+
+const TAG_OP: u8 = 0;
+const TAG_ERROR: u8 = 1;
+const TAG_DONE: u8 = 2;
+const TAG_ABORT: u8 = 3;
+
+/// Encodes a batch of requests.
+pub fn encode_requests(reqs: &[Request]) -> Vec<u8> {
+    let mut w = Writer::new();
+    w.u32(reqs.len() as u32);
+    reqs.iter().for_each(|r| r.encode(&mut w));
+    w.0
+}
+
+/// Decodes a batch of requests.
+pub fn decode_requests(buf: &[u8]) -> Result<Vec<Request>> {
+    let mut r = Reader::new(buf);
+    let n = r.u32()? as usize;
+    let reqs = (0..n)
+        .map(|_| Request::decode(&mut r))
+        .collect::<Result<Vec<_>>>()?;
+    r.finish()?;
+    Ok(reqs)
+}
+
+/// Encodes a batch of responses.
+pub fn encode_responses(resps: &[Response]) -> Vec<u8> {
+    let mut w = Writer::new();
+    w.u32(resps.len() as u32);
+    for resp in resps {
+        match resp {
+            Response::Op {
+                kind,
+                process_set,
+                names,
+                shapes,
+                dtype,
+                op,
+                root,
+                prescale,
+                postscale,
+                sizes,
+            } => {
+                w.u8(TAG_OP)
+                    .u8(*kind as u8)
+                    .u32(*process_set)
+                    .u32(names.len() as u32);
+                for (n, s) in names.iter().zip(shapes) {
+                    w.str(n).i64s(s);
+                }
+                w.u8(dtype.code())
+                    .u8(*op as u8)
+                    .i64(*root)
+                    .f64(*prescale)
+                    .f64(*postscale);
+                w.i64s(sizes);
+            }
+            Response::Error {
+                process_set,
+                names,
+                message,
+            } => {
+                w.u8(TAG_ERROR).u32(*process_set).u32(names.len() as u32);
+                names.iter().for_each(|n| {
+                    w.str(n);
+                });
+                w.str(message);
+            }
+            Response::Done {
+                kind,
+                process_set,
+                name,
+                value,
+            } => {
+                w.u8(TAG_DONE)
+                    .u8(*kind as u8)
+                    .u32(*process_set)
+                    .str(name)
+                    .i64(*value);
+            }
+            Response::Abort { message } => {
+                w.u8(TAG_ABORT).str(message);
+            }
+        }
+    }
+    w.0
+}
+
+/// Decodes a batch of responses.
+pub fn decode_responses(buf: &[u8]) -> Result<Vec<Response>> {
+    let mut r = Reader::new(buf);
+    let n = r.u32()? as usize;
+    let mut out = Vec::with_capacity(n.min(4096));
+    for _ in 0..n {
+        out.push(match r.u8()? {
+            TAG_OP => {
+                let kind = OpKind::from_code(r.u8()?)?;
+                let process_set = r.u32()?;
+                let k = r.u32()? as usize;
+                let mut names = Vec::with_capacity(k.min(4096));
+                let mut shapes = Vec::with_capacity(k.min(4096));
+                for _ in 0..k {
+                    names.push(r.str()?);
+                    shapes.push(r.i64s()?);
+                }
+                Response::Op {
+                    kind,
+                    process_set,
+                    names,
+                    shapes,
+                    dtype: DataType::from_code(r.u8()?)?,
+                    op: ReduceOp::from_code(r.u8()?)
+                        .map_err(|e| PerseusError::Protocol(e.to_string()))?,
+                    root: r.i64()?,
+                    prescale: r.f64()?,
+                    postscale: r.f64()?,
+                    sizes: r.i64s()?,
+                }
+            }
+            TAG_ERROR => {
+                let process_set = r.u32()?;
+                let k = r.u32()? as usize;
+                let names = (0..k).map(|_| r.str()).collect::<Result<Vec<_>>>()?;
+                Response::Error {
+                    process_set,
+                    names,
+                    message: r.str()?,
+                }
+            }
+            TAG_DONE => Response::Done {
+                kind: OpKind::from_code(r.u8()?)?,
+                process_set: r.u32()?,
+                name: r.str()?,
+                value: r.i64()?,
+            },
+            TAG_ABORT => Response::Abort { message: r.str()? },
+            t => return Err(PerseusError::Protocol(format!("unknown response tag {t}"))),
+        });
+    }
+    r.finish()?;
+    Ok(out)
+}

@@ -1,0 +1,597 @@
+//! The engine: one background thread per rank that sends requests to the
+//! coordinator, runs the responses in the order the coordinator fixed, and
+//! completes handles. Front-ends call [`Engine::enqueue`] and [`Engine::wait`].
+//!
+//! Threads: the engine thread (owns the data mesh); on rank 0 one reader per
+//! worker control stream feeding the [`coordinator::Coordinator`]; on other
+//! ranks one reader of the coordinator's responses. Everything reaches the
+//! engine thread through one channel, so it sleeps until there is work and
+//! wakes at once when there is.
+
+pub mod coordinator;
+mod exec;
+mod handles;
+pub mod message;
+pub mod tensor;
+
+pub use exec::Entry;
+pub use handles::Output;
+pub use message::{OpKind, Request, Response};
+pub use tensor::{Device, OwnedTensor, TensorView};
+
+use crate::collective::MeshComm;
+use crate::config::Config;
+use crate::dtype::{DataType, ReduceOp};
+use crate::error::{PerseusError, Result};
+use crate::timeline::Timeline;
+use crate::transport::{connect_mesh, Control, Mesh};
+use crate::wire::{read_frame, write_frame};
+use coordinator::{Coordinator, Outgoing};
+use handles::Handles;
+use message::{decode_requests, decode_responses, encode_requests, encode_responses};
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::net::TcpStream;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+const FRAME_REQUESTS: u16 = 0x300;
+const FRAME_RESPONSES: u16 = 0x301;
+
+enum Event {
+    Enqueue(Box<(Request, Entry, Instant)>),
+    Responses(Vec<Response>),
+    Fatal(String),
+}
+
+/// Rank 0's coordinator with the streams its answers go out on.
+struct Hub {
+    coord: Coordinator,
+    writers: Vec<Option<TcpStream>>,
+    local: Sender<Event>,
+}
+
+impl Hub {
+    fn dispatch(&mut self, out: Outgoing) {
+        let mut per_rank: BTreeMap<usize, Vec<Response>> = BTreeMap::new();
+        for (to, resp) in out {
+            for r in to {
+                per_rank.entry(r).or_default().push(resp.clone());
+            }
+        }
+        for (r, resps) in per_rank {
+            if r == 0 {
+                let _ = self.local.send(Event::Responses(resps));
+            } else if let Some(w) = self.writers[r].as_mut() {
+                // A failed write shows up as EOF in that rank's reader thread.
+                let _ = write_frame(w, FRAME_RESPONSES, &encode_responses(&resps));
+            }
+        }
+    }
+}
+
+/// How the engine thread reaches the coordinator.
+enum Uplink {
+    Local(Arc<Mutex<Hub>>),
+    Remote(TcpStream),
+}
+
+struct Shared {
+    handles: Handles,
+    sets: Mutex<BTreeMap<u32, Vec<usize>>>,
+    inflight: Mutex<HashSet<(u32, String)>>,
+    fatal: Mutex<Option<PerseusError>>,
+    stopping: AtomicBool,
+    timeline: Timeline,
+}
+
+/// A running engine.
+pub struct Engine {
+    config: Config,
+    tx: Mutex<Sender<Event>>,
+    shared: Arc<Shared>,
+    names: Mutex<HashMap<(u32, OpKind), u64>>,
+    thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+}
+
+impl Engine {
+    /// Connects to the job and starts the engine thread.
+    pub fn start(config: Config) -> Result<Engine> {
+        let parts = connect_mesh(&config)?;
+        let t = &config.topology;
+        let shared = Arc::new(Shared {
+            handles: Handles::default(),
+            sets: Mutex::new(BTreeMap::from([(0, (0..t.size).collect())])),
+            inflight: Mutex::new(HashSet::new()),
+            fatal: Mutex::new(None),
+            stopping: AtomicBool::new(false),
+            timeline: Timeline::new(t.rank),
+        });
+        if let Some(path) = &config.timeline {
+            shared.timeline.start(path)?;
+        }
+        let (tx, rx) = channel();
+        let uplink = match parts.control {
+            Control::Coordinator(streams) => {
+                let writers = streams
+                    .iter()
+                    .map(|s| s.as_ref().map(|s| s.try_clone()).transpose())
+                    .collect::<std::io::Result<Vec<_>>>()?;
+                let hub = Arc::new(Mutex::new(Hub {
+                    coord: Coordinator::new(t.size, config.fusion_threshold as usize),
+                    writers,
+                    local: tx.clone(),
+                }));
+                for (rank, s) in streams.into_iter().enumerate() {
+                    if let Some(s) = s {
+                        spawn_coordinator_reader(rank, s, hub.clone(), shared.clone())?;
+                    }
+                }
+                Uplink::Local(hub)
+            }
+            Control::Worker(s) => {
+                spawn_worker_reader(s.try_clone()?, tx.clone(), shared.clone())?;
+                Uplink::Remote(s)
+            }
+        };
+        let state = State {
+            mesh: parts.mesh,
+            uplink,
+            shared: shared.clone(),
+            entries: HashMap::new(),
+            joined: HashSet::new(),
+            bufs: exec::Buffers::default(),
+            exit: false,
+        };
+        let thread = std::thread::Builder::new()
+            .name("perseus-engine".into())
+            .spawn(move || state.run(rx))?;
+        Ok(Engine {
+            config,
+            tx: Mutex::new(tx),
+            shared,
+            names: Mutex::new(HashMap::new()),
+            thread: Mutex::new(Some(thread)),
+        })
+    }
+
+    /// The configuration it runs with.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// The timeline.
+    pub fn timeline(&self) -> &Timeline {
+        &self.shared.timeline
+    }
+
+    /// Members (global ranks) of a process set.
+    pub fn process_set(&self, id: u32) -> Result<Vec<usize>> {
+        self.shared
+            .sets
+            .lock()
+            .unwrap()
+            .get(&id)
+            .cloned()
+            .ok_or_else(|| {
+                PerseusError::InvalidArgument(format!("process set {id} is not registered"))
+            })
+    }
+
+    /// Ids of every registered process set.
+    pub fn process_set_ids(&self) -> Vec<u32> {
+        self.shared.sets.lock().unwrap().keys().copied().collect()
+    }
+
+    /// Checks a request, names it if unnamed, and queues it; returns its handle.
+    pub fn enqueue(
+        &self,
+        mut req: Request,
+        input: Option<TensorView>,
+        output: Option<TensorView>,
+    ) -> Result<u64> {
+        if let Some(e) = self.shared.fatal.lock().unwrap().clone() {
+            return Err(e);
+        }
+        let members = self.process_set(req.process_set)?;
+        let rank = self.config.topology.rank;
+        if !members.contains(&rank) {
+            return Err(PerseusError::InvalidArgument(format!(
+                "rank {rank} is not a member of process set {} (ranks {members:?})",
+                req.process_set
+            )));
+        }
+        check_locally(&req, members.len())?;
+        if req.name.is_empty() {
+            let mut names = self.names.lock().unwrap();
+            let k = names.entry((req.process_set, req.kind)).or_default();
+            *k += 1;
+            req.name = if req.kind.has_data() {
+                format!("{}.noname.{}", req.kind.name(), k)
+            } else {
+                format!("{}.{}", req.kind.name(), k)
+            };
+        }
+        let key = (req.process_set, req.name.clone());
+        if !self.shared.inflight.lock().unwrap().insert(key) {
+            return Err(PerseusError::InvalidArgument(format!(
+                "a {} named '{}' is already in flight on this rank; names must be unique \
+                 among outstanding operations",
+                req.kind.name(),
+                req.name
+            )));
+        }
+        let handle = self.shared.handles.create();
+        let entry = Entry {
+            handle,
+            input,
+            output,
+        };
+        let sent =
+            self.tx
+                .lock()
+                .unwrap()
+                .send(Event::Enqueue(Box::new((req, entry, Instant::now()))));
+        if sent.is_err() {
+            return Err(PerseusError::Aborted(
+                "the Perseus engine has stopped".into(),
+            ));
+        }
+        Ok(handle)
+    }
+
+    /// True once the operation finished.
+    pub fn poll(&self, handle: u64) -> bool {
+        self.shared.handles.poll(handle)
+    }
+
+    /// Waits for the operation; `interrupted` is asked every 100 ms whether
+    /// the caller wants to give up (Ctrl-C).
+    pub fn wait(
+        &self,
+        handle: u64,
+        interrupted: impl FnMut() -> Option<PerseusError>,
+    ) -> Result<Output> {
+        self.shared
+            .handles
+            .wait(handle, Duration::from_millis(100), interrupted)
+    }
+
+    /// Leaves the job in order: every rank's shutdown is negotiated, then the
+    /// engine thread ends and the sockets close.
+    pub fn shutdown(&self) -> Result<()> {
+        let handle = self.enqueue(Request::new(OpKind::Shutdown, "", 0), None, None);
+        let result = match handle {
+            Ok(h) => self.wait(h, || None).map(|_| ()),
+            Err(e) => Err(e),
+        };
+        self.shared.stopping.store(true, Ordering::SeqCst);
+        let _ = self
+            .tx
+            .lock()
+            .unwrap()
+            .send(Event::Fatal("shutdown".into()));
+        if let Some(t) = self.thread.lock().unwrap().take() {
+            let _ = t.join();
+        }
+        self.shared.timeline.stop();
+        match result {
+            Err(PerseusError::Aborted(_)) | Err(PerseusError::Peer(_)) | Ok(()) => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+/// Checks what one rank can check alone, so the error is raised at the call.
+fn check_locally(req: &Request, set_size: usize) -> Result<()> {
+    if req.op == ReduceOp::Adasum {
+        return Err(PerseusError::InvalidArgument(
+            "Adasum is not supported by Perseus".into(),
+        ));
+    }
+    if req.dtype == DataType::Bool && req.op == ReduceOp::Average && req.kind.has_data() {
+        return Err(PerseusError::UnsupportedType(
+            "bool tensors cannot be averaged; use op=Sum (logical or) or Min/Max".into(),
+        ));
+    }
+    if req.kind == OpKind::Broadcast && !(0..set_size as i64).contains(&req.root) {
+        return Err(PerseusError::InvalidArgument(format!(
+            "broadcast root rank {} is not in 0..{set_size}",
+            req.root
+        )));
+    }
+    if req.kind == OpKind::Allgather && req.shape.is_empty() {
+        return Err(PerseusError::InvalidArgument(
+            "allgather needs a tensor of at least one dimension".into(),
+        ));
+    }
+    if req.kind == OpKind::Alltoall {
+        let d0 = req.shape.first().copied().unwrap_or(0);
+        if req.shape.is_empty()
+            || req.ints.len() != set_size
+            || req.ints.iter().any(|&s| s < 0)
+            || req.ints.iter().sum::<i64>() != d0
+        {
+            return Err(PerseusError::InvalidArgument(format!(
+                "alltoall splits {:?} must be {set_size} non-negative row counts summing to the \
+                 first dimension ({d0})",
+                req.ints
+            )));
+        }
+    }
+    Ok(())
+}
+
+fn spawn_coordinator_reader(
+    rank: usize,
+    mut s: TcpStream,
+    hub: Arc<Mutex<Hub>>,
+    shared: Arc<Shared>,
+) -> std::io::Result<()> {
+    std::thread::Builder::new()
+        .name(format!("perseus-coord-{rank}"))
+        .spawn(move || loop {
+            let got = read_frame(&mut s).and_then(|(k, p)| {
+                if k != FRAME_REQUESTS {
+                    return Err(PerseusError::Protocol(format!(
+                        "unexpected frame kind {k:#x}"
+                    )));
+                }
+                decode_requests(&p)
+            });
+            let mut h = hub.lock().unwrap();
+            match got {
+                Ok(reqs) => {
+                    let out = h.coord.submit(rank, reqs);
+                    h.dispatch(out);
+                }
+                Err(e) => {
+                    if !shared.stopping.load(Ordering::SeqCst) {
+                        let out = h.coord.disconnect(rank, &e.to_string());
+                        h.dispatch(out);
+                    }
+                    return;
+                }
+            }
+        })?;
+    Ok(())
+}
+
+fn spawn_worker_reader(
+    mut s: TcpStream,
+    tx: Sender<Event>,
+    shared: Arc<Shared>,
+) -> std::io::Result<()> {
+    std::thread::Builder::new()
+        .name("perseus-responses".into())
+        .spawn(move || loop {
+            let got = read_frame(&mut s).and_then(|(k, p)| {
+                if k != FRAME_RESPONSES {
+                    return Err(PerseusError::Protocol(format!(
+                        "unexpected frame kind {k:#x}"
+                    )));
+                }
+                decode_responses(&p)
+            });
+            match got {
+                Ok(r) => {
+                    if tx.send(Event::Responses(r)).is_err() {
+                        return;
+                    }
+                }
+                Err(e) => {
+                    if !shared.stopping.load(Ordering::SeqCst) {
+                        let msg = format!("lost the connection to rank 0 (the coordinator): {e}");
+                        let _ = tx.send(Event::Fatal(msg));
+                    }
+                    return;
+                }
+            }
+        })?;
+    Ok(())
+}
+
+/// The engine thread's own state.
+struct State {
+    mesh: Mesh,
+    uplink: Uplink,
+    shared: Arc<Shared>,
+    entries: HashMap<(u32, String), (Request, Entry, Instant)>,
+    joined: HashSet<u32>,
+    bufs: exec::Buffers,
+    exit: bool,
+}
+
+impl State {
+    fn run(mut self, rx: Receiver<Event>) {
+        while let Ok(first) = rx.recv() {
+            let mut batch = Vec::new();
+            let mut next = Some(first);
+            while let Some(ev) = next.take().or_else(|| rx.try_recv().ok()) {
+                match ev {
+                    Event::Enqueue(b) => {
+                        let (req, entry, at) = *b;
+                        if let Some(e) = self.shared.fatal.lock().unwrap().clone() {
+                            self.finish(&req.process_set, &req.name, entry.handle, Err(e));
+                            continue;
+                        }
+                        if req.kind == OpKind::Join {
+                            self.joined.insert(req.process_set);
+                        }
+                        batch.push(req.clone());
+                        self.entries
+                            .insert((req.process_set, req.name.clone()), (req, entry, at));
+                    }
+                    Event::Responses(rs) => {
+                        self.send_up(std::mem::take(&mut batch));
+                        rs.into_iter().for_each(|r| self.execute(r));
+                    }
+                    Event::Fatal(msg) => self.fail_all(PerseusError::Aborted(msg)),
+                }
+                if self.exit {
+                    return;
+                }
+            }
+            self.send_up(batch);
+        }
+    }
+
+    fn send_up(&mut self, batch: Vec<Request>) {
+        if batch.is_empty() {
+            return;
+        }
+        match &mut self.uplink {
+            Uplink::Local(hub) => {
+                let mut h = hub.lock().unwrap();
+                let out = h.coord.submit(0, batch);
+                h.dispatch(out);
+            }
+            Uplink::Remote(s) => {
+                if let Err(e) = write_frame(s, FRAME_REQUESTS, &encode_requests(&batch)) {
+                    let msg = format!("lost the connection to rank 0 (the coordinator): {e}");
+                    self.fail_all(PerseusError::Aborted(msg));
+                }
+            }
+        }
+    }
+
+    fn finish(&self, ps: &u32, name: &str, handle: u64, r: Result<Output>) {
+        self.shared
+            .inflight
+            .lock()
+            .unwrap()
+            .remove(&(*ps, name.to_string()));
+        self.shared.handles.complete(handle, r);
+    }
+
+    fn fail_all(&mut self, e: PerseusError) {
+        self.shared.fatal.lock().unwrap().get_or_insert(e.clone());
+        for ((ps, name), (_, entry, _)) in std::mem::take(&mut self.entries) {
+            self.finish(&ps, &name, entry.handle, Err(e.clone()));
+        }
+        if self.shared.stopping.load(Ordering::SeqCst) {
+            self.exit = true;
+        }
+    }
+
+    fn execute(&mut self, resp: Response) {
+        match &resp {
+            Response::Op {
+                process_set,
+                names,
+                kind,
+                ..
+            } => {
+                let ps = *process_set;
+                let mut taken = Vec::with_capacity(names.len());
+                for n in names {
+                    match self.entries.remove(&(ps, n.clone())) {
+                        Some((_, e, at)) => taken.push(Some((e, at))),
+                        None if self.joined.contains(&ps) && *kind == OpKind::Allreduce => {
+                            taken.push(None)
+                        }
+                        None => {
+                            let msg = format!(
+                                "the coordinator scheduled {} '{n}', which this rank never submitted",
+                                kind.name()
+                            );
+                            return self.fail_all(PerseusError::Protocol(msg));
+                        }
+                    }
+                }
+                let members = self.shared.sets.lock().unwrap().get(&ps).cloned();
+                let Some(members) = members else {
+                    return self.fail_all(PerseusError::Protocol(format!("unknown set {ps}")));
+                };
+                let comm = MeshComm::new(&self.mesh, &members);
+                let start = Instant::now();
+                let (entries, queued): (Vec<Option<Entry>>, Vec<Option<Instant>>) =
+                    taken.into_iter().map(Option::unzip).unzip();
+                let results = exec::run_op(&comm, &resp, &entries, &mut self.bufs);
+                let end = Instant::now();
+                let shared = self.shared.clone();
+                let tl = &shared.timeline;
+                let phase = kind.name().to_uppercase();
+                for ((name, (e, at)), r) in names
+                    .iter()
+                    .zip(entries.into_iter().zip(queued))
+                    .zip(results)
+                {
+                    if tl.active() {
+                        if let Some(at) = at {
+                            tl.span(name, "NEGOTIATE", at, start, "");
+                        }
+                        tl.span(
+                            name,
+                            &phase,
+                            start,
+                            end,
+                            &format!("\"fused\":{}", names.len()),
+                        );
+                    }
+                    if let Some(e) = e {
+                        let failed = r.as_ref().err().cloned();
+                        self.finish(&ps, name, e.handle, r);
+                        if let Some(err @ (PerseusError::Peer(_) | PerseusError::Protocol(_))) =
+                            failed
+                        {
+                            self.fail_all(err);
+                        }
+                    }
+                }
+            }
+            Response::Error {
+                process_set,
+                names,
+                message,
+            } => {
+                for n in names {
+                    if let Some((_, e, _)) = self.entries.remove(&(*process_set, n.clone())) {
+                        self.finish(
+                            process_set,
+                            n,
+                            e.handle,
+                            Err(PerseusError::Mismatch(message.clone())),
+                        );
+                    }
+                }
+            }
+            Response::Done {
+                kind,
+                process_set,
+                name,
+                value,
+            } => {
+                let ps = *process_set;
+                let Some((req, e, _)) = self.entries.remove(&(ps, name.clone())) else {
+                    return;
+                };
+                match kind {
+                    OpKind::Join => {
+                        self.joined.remove(&ps);
+                    }
+                    OpKind::AddProcessSet => {
+                        let ranks = req.ints.iter().map(|&r| r as usize).collect();
+                        self.shared
+                            .sets
+                            .lock()
+                            .unwrap()
+                            .insert(*value as u32, ranks);
+                    }
+                    OpKind::RemoveProcessSet => {
+                        self.shared.sets.lock().unwrap().remove(&(*value as u32));
+                    }
+                    OpKind::Shutdown => self.exit = true,
+                    _ => {}
+                }
+                let out = Output {
+                    value: *value,
+                    ..Output::default()
+                };
+                self.finish(&ps, name, e.handle, Ok(out));
+            }
+            Response::Abort { message } => self.fail_all(PerseusError::Aborted(message.clone())),
+        }
+    }
+}

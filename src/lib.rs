@@ -1,0 +1,19 @@
+//! Perseus core: a framework-agnostic engine that moves and reduces tensors
+//! between the processes of a data-parallel training job. Nothing here knows
+//! Python except the `python` module, built only with the `python` feature.
+
+pub mod dtype;
+pub mod error;
+pub mod kernels;
+
+pub use dtype::{DataType, ReduceOp};
+pub use error::{PerseusError, Result};
+pub mod collective;
+pub mod config;
+pub mod engine;
+#[cfg(feature = "python")]
+mod python;
+pub mod rendezvous;
+pub mod timeline;
+pub mod transport;
+pub mod wire;

@@ -1,0 +1,29 @@
+//! The one place core errors become Python exceptions.
+
+use crate::error::PerseusError;
+use pyo3::create_exception;
+use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::PyErr;
+
+create_exception!(
+    _core,
+    HorovodInternalError,
+    PyRuntimeError,
+    "A collective failed on this rank: ranks disagreed about it, a peer died or timed out."
+);
+
+/// Maps a core error to its Python exception.
+pub fn to_py(e: PerseusError) -> PyErr {
+    let msg = e.to_string();
+    match e {
+        PerseusError::NotInitialized
+        | PerseusError::InvalidConfig { .. }
+        | PerseusError::InvalidArgument(_) => PyValueError::new_err(msg),
+        PerseusError::UnsupportedType(_) => PyTypeError::new_err(msg),
+        PerseusError::Mismatch(_)
+        | PerseusError::Peer(_)
+        | PerseusError::Protocol(_)
+        | PerseusError::Io(_)
+        | PerseusError::Aborted(_) => HorovodInternalError::new_err(msg),
+    }
+}

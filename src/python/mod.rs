@@ -1,0 +1,431 @@
+//! `perseus._core`: PyO3 bindings over the engine. Converts arguments,
+//! releases the GIL around every wait, and maps errors in `errors.rs`.
+//! Users reach these through `perseus.common`, never directly.
+
+mod dlpack;
+mod errors;
+
+use crate::config::Config;
+use crate::dtype::ReduceOp;
+use crate::engine::{Engine, OpKind, Output, Request};
+use crate::error::PerseusError;
+use crate::rendezvous::StoreServer;
+use errors::{to_py, HorovodInternalError};
+use pyo3::prelude::*;
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+
+static ENGINE: Mutex<Option<Arc<Engine>>> = Mutex::new(None);
+static OUTPUTS: Mutex<Option<HashMap<u64, Output>>> = Mutex::new(None);
+
+fn engine() -> PyResult<Arc<Engine>> {
+    ENGINE
+        .lock()
+        .unwrap()
+        .clone()
+        .ok_or_else(|| to_py(PerseusError::NotInitialized))
+}
+
+/// Waits for `handle` with the GIL released; Ctrl-C raises KeyboardInterrupt.
+fn wait_for(py: Python<'_>, e: &Engine, handle: u64) -> PyResult<Output> {
+    let mut interrupt: Option<PyErr> = None;
+    let r = py.detach(|| {
+        e.wait(handle, || {
+            Python::attach(|py| py.check_signals().err()).map(|err| {
+                interrupt = Some(err);
+                PerseusError::Aborted("interrupted".into())
+            })
+        })
+    });
+    if let Some(err) = interrupt {
+        return Err(err);
+    }
+    r.map_err(to_py)
+}
+
+fn submit(
+    req: Request,
+    inp: Option<&Bound<'_, PyAny>>,
+    out: Option<&Bound<'_, PyAny>>,
+) -> PyResult<u64> {
+    let e = engine()?;
+    let input = inp.map(dlpack::view).transpose().map_err(to_py)?;
+    let output = out.map(dlpack::view).transpose().map_err(to_py)?;
+    for v in input.iter().chain(output.iter()) {
+        if v.device != crate::engine::Device::Cpu {
+            return Err(to_py(PerseusError::InvalidArgument(
+                "CUDA tensors are not supported yet; move the tensor to the CPU".into(),
+            )));
+        }
+    }
+    if let (Some(i), Some(o)) = (&input, &output) {
+        if i.dtype != o.dtype || i.nbytes != o.nbytes {
+            return Err(to_py(PerseusError::InvalidArgument(
+                "output tensor must match the input's dtype and size".into(),
+            )));
+        }
+    }
+    let mut req = req;
+    if let Some(v) = input.as_ref().or(output.as_ref()) {
+        req.dtype = v.dtype;
+        req.shape = v.shape.clone();
+    }
+    e.enqueue(req, input, output).map_err(to_py)
+}
+
+fn op_of(op: u8) -> PyResult<ReduceOp> {
+    ReduceOp::from_code(op).map_err(to_py)
+}
+
+/// Connects to the job (see docs/core-api.md) and registers `process_sets`.
+#[pyfunction]
+#[pyo3(signature = (process_sets=None))]
+fn init(py: Python<'_>, process_sets: Option<Vec<Vec<i64>>>) -> PyResult<()> {
+    if ENGINE.lock().unwrap().is_some() {
+        return Ok(());
+    }
+    let cfg = Config::from_env().map_err(to_py)?;
+    let e = Arc::new(py.detach(|| Engine::start(cfg)).map_err(to_py)?);
+    *ENGINE.lock().unwrap() = Some(e.clone());
+    for ranks in process_sets.unwrap_or_default() {
+        add_process_set(py, ranks)?;
+    }
+    Ok(())
+}
+
+/// Leaves the job (negotiated with every rank) and stops the engine.
+#[pyfunction]
+fn shutdown(py: Python<'_>) -> PyResult<()> {
+    let e = ENGINE.lock().unwrap().take();
+    if let Some(e) = e {
+        py.detach(|| e.shutdown()).map_err(to_py)?;
+    }
+    OUTPUTS.lock().unwrap().take();
+    Ok(())
+}
+
+/// True between `init()` and `shutdown()`.
+#[pyfunction]
+fn is_initialized() -> bool {
+    ENGINE.lock().unwrap().is_some()
+}
+
+macro_rules! topo_fn {
+    ($($name:ident),*) => {$(
+        #[doc = concat!("This process's ", stringify!($name), ".")]
+        #[pyfunction]
+        fn $name() -> PyResult<usize> {
+            Ok(engine()?.config().topology.$name)
+        }
+    )*};
+}
+topo_fn!(rank, size, local_rank, local_size, cross_rank, cross_size);
+
+/// The effective configuration, keyed by variable name.
+#[pyfunction]
+fn config() -> PyResult<BTreeMap<String, String>> {
+    Ok(engine()?.config().to_map())
+}
+
+/// Registers a process set (collective over all ranks); returns its id.
+#[pyfunction]
+fn add_process_set(py: Python<'_>, ranks: Vec<i64>) -> PyResult<u32> {
+    let e = engine()?;
+    let mut req = Request::new(OpKind::AddProcessSet, "", 0);
+    req.ints = ranks;
+    let h = e.enqueue(req, None, None).map_err(to_py)?;
+    Ok(wait_for(py, &e, h)?.value as u32)
+}
+
+/// Removes a process set (collective over all ranks).
+#[pyfunction]
+fn remove_process_set(py: Python<'_>, id: u32) -> PyResult<()> {
+    let e = engine()?;
+    let mut req = Request::new(OpKind::RemoveProcessSet, "", 0);
+    req.ints = vec![id as i64];
+    let h = e.enqueue(req, None, None).map_err(to_py)?;
+    wait_for(py, &e, h).map(|_| ())
+}
+
+/// Global ranks of a process set.
+#[pyfunction]
+fn process_set_ranks(id: u32) -> PyResult<Vec<usize>> {
+    engine()?.process_set(id).map_err(to_py)
+}
+
+/// Ids of all registered process sets.
+#[pyfunction]
+fn process_set_ids() -> PyResult<Vec<u32>> {
+    Ok(engine()?.process_set_ids())
+}
+
+fn named(kind: OpKind, name: Option<String>, ps: u32) -> Request {
+    Request::new(kind, name.unwrap_or_default(), ps)
+}
+
+/// Starts an allreduce of `inp` into `out` (may be the same capsule).
+#[pyfunction]
+#[pyo3(signature = (inp, out, name, op, prescale, postscale, process_set))]
+fn allreduce(
+    inp: &Bound<'_, PyAny>,
+    out: &Bound<'_, PyAny>,
+    name: Option<String>,
+    op: u8,
+    prescale: f64,
+    postscale: f64,
+    process_set: u32,
+) -> PyResult<u64> {
+    let mut req = named(OpKind::Allreduce, name, process_set);
+    req.op = op_of(op)?;
+    req.prescale = prescale;
+    req.postscale = postscale;
+    submit(req, Some(inp), Some(out))
+}
+
+/// Starts an allgather (concatenation along dim 0, or stacking).
+#[pyfunction]
+#[pyo3(signature = (inp, name, stack, process_set))]
+fn allgather(
+    inp: &Bound<'_, PyAny>,
+    name: Option<String>,
+    stack: bool,
+    process_set: u32,
+) -> PyResult<u64> {
+    let mut req = named(OpKind::Allgather, name, process_set);
+    req.stack = stack;
+    submit(req, Some(inp), None)
+}
+
+/// Starts an in-place broadcast from set rank `root`.
+#[pyfunction]
+#[pyo3(signature = (buf, name, root, process_set))]
+fn broadcast(
+    buf: &Bound<'_, PyAny>,
+    name: Option<String>,
+    root: i64,
+    process_set: u32,
+) -> PyResult<u64> {
+    let mut req = named(OpKind::Broadcast, name, process_set);
+    req.root = root;
+    submit(req, None, Some(buf))
+}
+
+/// Starts an alltoall; `splits` = rows for each rank (None: equal parts).
+#[pyfunction]
+#[pyo3(signature = (inp, splits, name, process_set))]
+fn alltoall(
+    inp: &Bound<'_, PyAny>,
+    splits: Option<Vec<i64>>,
+    name: Option<String>,
+    process_set: u32,
+) -> PyResult<u64> {
+    let e = engine()?;
+    let n = e.process_set(process_set).map_err(to_py)?.len() as i64;
+    let v = dlpack::view(inp).map_err(to_py)?;
+    let d0 = v.shape.first().copied().unwrap_or(0);
+    let splits = match splits {
+        Some(s) => s,
+        None if d0 % n == 0 => vec![d0 / n; n as usize],
+        None => {
+            return Err(to_py(PerseusError::InvalidArgument(format!(
+                "alltoall without splits needs a first dimension ({d0}) divisible by the number \
+                 of ranks ({n})"
+            ))))
+        }
+    };
+    let mut req = named(OpKind::Alltoall, name, process_set);
+    req.ints = splits;
+    submit(req, Some(inp), None)
+}
+
+/// Starts a reducescatter along dim 0.
+#[pyfunction]
+#[pyo3(signature = (inp, name, op, prescale, postscale, process_set))]
+fn reducescatter(
+    inp: &Bound<'_, PyAny>,
+    name: Option<String>,
+    op: u8,
+    prescale: f64,
+    postscale: f64,
+    process_set: u32,
+) -> PyResult<u64> {
+    let mut req = named(OpKind::Reducescatter, name, process_set);
+    req.op = op_of(op)?;
+    req.prescale = prescale;
+    req.postscale = postscale;
+    submit(req, Some(inp), None)
+}
+
+/// Starts a barrier.
+#[pyfunction]
+#[pyo3(signature = (process_set=0))]
+fn barrier(process_set: u32) -> PyResult<u64> {
+    engine()?
+        .enqueue(named(OpKind::Barrier, None, process_set), None, None)
+        .map_err(to_py)
+}
+
+/// Starts a join: this rank contributes zeros until every rank joined.
+#[pyfunction]
+#[pyo3(signature = (process_set=0))]
+fn join(process_set: u32) -> PyResult<u64> {
+    let req = named(OpKind::Join, Some("join".into()), process_set);
+    engine()?.enqueue(req, None, None).map_err(to_py)
+}
+
+/// True once the operation finished.
+#[pyfunction]
+fn poll(handle: u64) -> PyResult<bool> {
+    Ok(engine()?.poll(handle))
+}
+
+/// Blocks until the operation finished; raises its error.
+#[pyfunction]
+fn wait(py: Python<'_>, handle: u64) -> PyResult<()> {
+    let e = engine()?;
+    let out = wait_for(py, &e, handle)?;
+    OUTPUTS
+        .lock()
+        .unwrap()
+        .get_or_insert_with(HashMap::new)
+        .insert(handle, out);
+    Ok(())
+}
+
+fn with_output<T>(handle: u64, f: impl FnOnce(&mut Output) -> T) -> PyResult<T> {
+    let mut g = OUTPUTS.lock().unwrap();
+    let out = g.as_mut().and_then(|m| m.get_mut(&handle)).ok_or_else(|| {
+        to_py(PerseusError::InvalidArgument(format!(
+            "handle {handle} has no result; wait() first"
+        )))
+    })?;
+    Ok(f(out))
+}
+
+/// The tensor the operation produced, as a DLPack capsule (once).
+#[pyfunction]
+fn take_output(py: Python<'_>, handle: u64) -> PyResult<Option<Py<PyAny>>> {
+    match with_output(handle, |o| o.tensor.take())? {
+        Some(t) => dlpack::capsule(py, t).map(Some),
+        None => Ok(None),
+    }
+}
+
+/// Rows received from each rank (allgather, alltoall).
+#[pyfunction]
+fn recv_splits(handle: u64) -> PyResult<Vec<i64>> {
+    with_output(handle, |o| o.splits.clone())
+}
+
+/// The last rank to join (join handles).
+#[pyfunction]
+fn join_result(handle: u64) -> PyResult<i64> {
+    with_output(handle, |o| o.value)
+}
+
+/// Forgets a finished handle's results.
+#[pyfunction]
+fn release(handle: u64) {
+    if let Some(m) = OUTPUTS.lock().unwrap().as_mut() {
+        m.remove(&handle);
+    }
+}
+
+/// Starts writing the timeline to `path`.
+#[pyfunction]
+#[pyo3(signature = (path, mark_cycles=false))]
+fn start_timeline(path: &str, mark_cycles: bool) -> PyResult<()> {
+    let _ = mark_cycles;
+    engine()?
+        .timeline()
+        .start(path)
+        .map_err(|e| to_py(e.into()))
+}
+
+/// Stops writing the timeline.
+#[pyfunction]
+fn stop_timeline() -> PyResult<()> {
+    engine()?.timeline().stop();
+    Ok(())
+}
+
+/// The rendezvous key-value server a launcher hosts.
+#[pyclass(module = "perseus._core")]
+struct RendezvousServer {
+    inner: Option<StoreServer>,
+    port: u16,
+}
+
+#[pymethods]
+impl RendezvousServer {
+    #[new]
+    #[pyo3(signature = (bind="0.0.0.0:0", secret=""))]
+    fn new(bind: &str, secret: &str) -> PyResult<Self> {
+        let s = StoreServer::start(bind, secret).map_err(to_py)?;
+        let port = s.port();
+        Ok(RendezvousServer {
+            inner: Some(s),
+            port,
+        })
+    }
+
+    /// The port it listens on.
+    #[getter]
+    fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// Stops the server.
+    fn stop(&mut self) {
+        if let Some(s) = self.inner.take() {
+            s.stop();
+        }
+    }
+}
+
+/// The extension module.
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add(
+        "HorovodInternalError",
+        m.py().get_type::<HorovodInternalError>(),
+    )?;
+    m.add("OP_AVERAGE", 0)?;
+    m.add("OP_SUM", 1)?;
+    m.add("OP_ADASUM", 2)?;
+    m.add("OP_MIN", 3)?;
+    m.add("OP_MAX", 4)?;
+    m.add("OP_PRODUCT", 5)?;
+    m.add("GLOBAL_PROCESS_SET", 0)?;
+    m.add_class::<RendezvousServer>()?;
+    m.add_function(wrap_pyfunction!(init, m)?)?;
+    m.add_function(wrap_pyfunction!(shutdown, m)?)?;
+    m.add_function(wrap_pyfunction!(is_initialized, m)?)?;
+    m.add_function(wrap_pyfunction!(rank, m)?)?;
+    m.add_function(wrap_pyfunction!(size, m)?)?;
+    m.add_function(wrap_pyfunction!(local_rank, m)?)?;
+    m.add_function(wrap_pyfunction!(local_size, m)?)?;
+    m.add_function(wrap_pyfunction!(cross_rank, m)?)?;
+    m.add_function(wrap_pyfunction!(cross_size, m)?)?;
+    m.add_function(wrap_pyfunction!(config, m)?)?;
+    m.add_function(wrap_pyfunction!(add_process_set, m)?)?;
+    m.add_function(wrap_pyfunction!(remove_process_set, m)?)?;
+    m.add_function(wrap_pyfunction!(process_set_ranks, m)?)?;
+    m.add_function(wrap_pyfunction!(process_set_ids, m)?)?;
+    m.add_function(wrap_pyfunction!(allreduce, m)?)?;
+    m.add_function(wrap_pyfunction!(allgather, m)?)?;
+    m.add_function(wrap_pyfunction!(broadcast, m)?)?;
+    m.add_function(wrap_pyfunction!(alltoall, m)?)?;
+    m.add_function(wrap_pyfunction!(reducescatter, m)?)?;
+    m.add_function(wrap_pyfunction!(barrier, m)?)?;
+    m.add_function(wrap_pyfunction!(join, m)?)?;
+    m.add_function(wrap_pyfunction!(poll, m)?)?;
+    m.add_function(wrap_pyfunction!(wait, m)?)?;
+    m.add_function(wrap_pyfunction!(take_output, m)?)?;
+    m.add_function(wrap_pyfunction!(recv_splits, m)?)?;
+    m.add_function(wrap_pyfunction!(join_result, m)?)?;
+    m.add_function(wrap_pyfunction!(release, m)?)?;
+    m.add_function(wrap_pyfunction!(start_timeline, m)?)?;
+    m.add_function(wrap_pyfunction!(stop_timeline, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,73 @@
+//! The rendezvous: a small key-value store over TCP where ranks publish their
+//! addresses and find each other's. `perseusrun` hosts the server; every rank
+//! is a client. Each connection starts with a hello frame carrying the job
+//! secret; a wrong secret or a malformed frame closes the connection.
+
+mod client;
+mod server;
+
+pub use client::StoreClient;
+pub use server::StoreServer;
+
+/// Frame kinds of the store protocol.
+pub(crate) mod kind {
+    /// Client → server: the job secret.
+    pub const HELLO: u16 = 1;
+    /// Client → server: key, value.
+    pub const SET: u16 = 2;
+    /// Client → server: key, timeout in ms.
+    pub const GET: u16 = 3;
+    /// Server → client: done.
+    pub const OK: u16 = 10;
+    /// Server → client: the value.
+    pub const VALUE: u16 = 11;
+    /// Server → client: an error message.
+    pub const ERR: u16 = 12;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn set_then_get_across_threads_and_wait() {
+        let server = StoreServer::start("127.0.0.1:0", "s3cret").unwrap();
+        let addr = ("127.0.0.1".to_string(), server.port());
+        let t = Duration::from_secs(5);
+        let a = addr.clone();
+        let getter = std::thread::spawn(move || {
+            let mut c = StoreClient::connect(&a.0, a.1, "s3cret", t).unwrap();
+            c.get("k", t).unwrap()
+        });
+        std::thread::sleep(Duration::from_millis(50));
+        let mut c = StoreClient::connect(&addr.0, addr.1, "s3cret", t).unwrap();
+        c.set("k", b"value").unwrap();
+        assert_eq!(getter.join().unwrap(), b"value");
+        let e = c.get("missing", Duration::from_millis(100)).unwrap_err();
+        assert!(e.to_string().contains("missing"), "{e}");
+        server.stop();
+    }
+
+    #[test]
+    fn wrong_secret_is_refused() {
+        let server = StoreServer::start("127.0.0.1:0", "right").unwrap();
+        let t = Duration::from_secs(2);
+        let e = StoreClient::connect("127.0.0.1", server.port(), "wrong", t)
+            .and_then(|mut c| c.set("k", b"v"))
+            .unwrap_err();
+        assert!(e.to_string().contains("secret"), "{e}");
+    }
+
+    #[test]
+    fn garbage_does_not_kill_the_server() {
+        use std::io::Write;
+        let server = StoreServer::start("127.0.0.1:0", "").unwrap();
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", server.port())).unwrap();
+        s.write_all(b"GET / HTTP/1.1\r\n\r\n").unwrap();
+        let t = Duration::from_secs(2);
+        let mut c = StoreClient::connect("127.0.0.1", server.port(), "", t).unwrap();
+        c.set("a", b"1").unwrap();
+        assert_eq!(c.get("a", t).unwrap(), b"1");
+    }
+}

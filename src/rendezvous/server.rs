@@ -1,0 +1,130 @@
+//! The store server: one thread accepting, one thread per client.
+
+use super::kind;
+use crate::error::Result;
+use crate::wire::{read_frame, write_frame, Reader, Writer};
+use std::collections::HashMap;
+use std::net::{TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+/// Largest key or value the store keeps.
+const MAX_ENTRY: usize = 1 << 20;
+
+#[derive(Default)]
+struct Store {
+    map: Mutex<HashMap<String, Vec<u8>>>,
+    changed: Condvar,
+}
+
+/// A running store server; stopped by [`StoreServer::stop`] or on drop.
+pub struct StoreServer {
+    port: u16,
+    stopping: Arc<AtomicBool>,
+}
+
+impl StoreServer {
+    /// Binds `bind` ("host:port", port 0 for any) and serves until stopped.
+    pub fn start(bind: &str, secret: &str) -> Result<StoreServer> {
+        let listener = TcpListener::bind(bind)?;
+        let port = listener.local_addr()?.port();
+        let stopping = Arc::new(AtomicBool::new(false));
+        let store = Arc::new(Store::default());
+        let (stop, secret) = (stopping.clone(), secret.to_string());
+        std::thread::Builder::new()
+            .name("perseus-store".into())
+            .spawn(move || {
+                for conn in listener.incoming() {
+                    if stop.load(Ordering::SeqCst) {
+                        break;
+                    }
+                    let Ok(conn) = conn else { continue };
+                    let (store, secret) = (store.clone(), secret.clone());
+                    let _ = std::thread::Builder::new()
+                        .name("perseus-store-conn".into())
+                        .spawn(move || serve(conn, &store, &secret));
+                }
+            })?;
+        Ok(StoreServer { port, stopping })
+    }
+
+    /// The port it listens on.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// Stops accepting; open connections end when their clients leave.
+    pub fn stop(&self) {
+        if !self.stopping.swap(true, Ordering::SeqCst) {
+            let _ = TcpStream::connect(("127.0.0.1", self.port));
+        }
+    }
+}
+
+impl Drop for StoreServer {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn serve(mut conn: TcpStream, store: &Store, secret: &str) {
+    let _ = conn.set_nodelay(true);
+    match read_frame(&mut conn) {
+        Ok((kind::HELLO, p)) if p == secret.as_bytes() => {
+            if write_frame(&mut conn, kind::OK, &[]).is_err() {
+                return;
+            }
+        }
+        Ok((kind::HELLO, _)) => {
+            let _ = write_frame(&mut conn, kind::ERR, b"wrong job secret");
+            return;
+        }
+        _ => return,
+    }
+    while let Ok((k, payload)) = read_frame(&mut conn) {
+        let reply = handle(store, k, &payload);
+        let sent = match reply {
+            Ok((rk, body)) => write_frame(&mut conn, rk, &body),
+            Err(msg) => write_frame(&mut conn, kind::ERR, msg.as_bytes()),
+        };
+        if sent.is_err() {
+            return;
+        }
+    }
+}
+
+fn handle(store: &Store, k: u16, payload: &[u8]) -> std::result::Result<(u16, Vec<u8>), String> {
+    let mut r = Reader::new(payload);
+    match k {
+        kind::SET => {
+            let key = r.str().map_err(|e| e.to_string())?;
+            let value = r.bytes().map_err(|e| e.to_string())?.to_vec();
+            if key.len() > MAX_ENTRY || value.len() > MAX_ENTRY {
+                return Err("key or value too large".into());
+            }
+            store.map.lock().unwrap().insert(key, value);
+            store.changed.notify_all();
+            Ok((kind::OK, vec![]))
+        }
+        kind::GET => {
+            let key = r.str().map_err(|e| e.to_string())?;
+            let wait = Duration::from_millis(r.u64().map_err(|e| e.to_string())?);
+            let deadline = Instant::now() + wait;
+            let mut map = store.map.lock().unwrap();
+            loop {
+                if let Some(v) = map.get(&key) {
+                    let mut w = Writer::new();
+                    w.bytes(v);
+                    return Ok((kind::VALUE, w.0));
+                }
+                let now = Instant::now();
+                if now >= deadline {
+                    return Err(format!("key {key:?} not published within {wait:?}"));
+                }
+                map = store.changed.wait_timeout(map, deadline - now).unwrap().0;
+            }
+        }
+        other => Err(format!("unknown request kind {other}")),
+    }
+}

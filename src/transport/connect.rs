@@ -1,0 +1,205 @@
+//! Building the mesh at `init()`: listen, publish the address in the
+//! rendezvous, connect to every lower rank, accept every higher one. Each new
+//! stream opens with a hello (job secret, sender rank, channel) that the
+//! acceptor checks and answers.
+
+use super::Mesh;
+use crate::config::Config;
+use crate::error::{PerseusError, Result};
+use crate::rendezvous::StoreClient;
+use crate::wire::{read_frame, write_frame, Reader, Writer};
+use std::net::{IpAddr, TcpListener, TcpStream, UdpSocket};
+use std::time::{Duration, Instant};
+
+const HELLO: u16 = 0x200;
+const HELLO_OK: u16 = 0x201;
+const HELLO_ERR: u16 = 0x202;
+const CHANNEL_DATA: u8 = 0;
+const CHANNEL_CONTROL: u8 = 1;
+
+/// The control streams of one rank (blocking sockets).
+pub enum Control {
+    /// Rank 0: a stream from every other rank (`None` at index 0).
+    Coordinator(Vec<Option<TcpStream>>),
+    /// Any other rank: its stream to rank 0.
+    Worker(TcpStream),
+}
+
+/// What `connect_mesh` builds.
+pub struct MeshParts {
+    /// Data streams.
+    pub mesh: Mesh,
+    /// Control streams.
+    pub control: Control,
+}
+
+/// The address peers should use to reach this rank.
+fn local_addr(cfg: &Config, rdv_host: &str) -> Result<IpAddr> {
+    if let Some(a) = &cfg.iface_addr {
+        return a.parse().map_err(|_| PerseusError::InvalidConfig {
+            var: "PERSEUS_IFACE_ADDR".into(),
+            value: a.clone(),
+            allowed: "an IP address of this host".into(),
+        });
+    }
+    let probe = UdpSocket::bind("0.0.0.0:0")?;
+    probe.connect((rdv_host, 9))?;
+    Ok(probe.local_addr()?.ip())
+}
+
+fn hello(secret: &str, rank: usize, channel: u8) -> Vec<u8> {
+    let mut w = Writer::new();
+    w.str(secret).u32(rank as u32).u8(channel);
+    w.0
+}
+
+/// Connects the whole job. Blocks until every peer is connected or the
+/// timeout passes.
+pub fn connect_mesh(cfg: &Config) -> Result<MeshParts> {
+    let t = &cfg.topology;
+    let (rank, size, timeout) = (t.rank, t.size, cfg.timeout);
+    let Some((host, port)) = &cfg.rendezvous else {
+        return Ok(MeshParts {
+            mesh: Mesh::new(0, vec![None], timeout),
+            control: Control::Coordinator(vec![None]),
+        });
+    };
+    let mut store = StoreClient::connect(host, *port, &cfg.secret, timeout)?;
+    let ip = local_addr(cfg, host)?;
+    let listener = TcpListener::bind((ip, 0))?;
+    let addr = listener.local_addr()?;
+    store.set(&format!("mesh/{rank}"), addr.to_string().as_bytes())?;
+
+    let mut data: Vec<Option<TcpStream>> = (0..size).map(|_| None).collect();
+    let mut control: Vec<Option<TcpStream>> = (0..size).map(|_| None).collect();
+    let mut worker_control = None;
+    for (peer, slot) in data.iter_mut().enumerate().take(rank) {
+        let a = String::from_utf8_lossy(&store.get(&format!("mesh/{peer}"), timeout)?).to_string();
+        *slot = Some(dial(
+            &a,
+            peer,
+            &hello(&cfg.secret, rank, CHANNEL_DATA),
+            timeout,
+        )?);
+        if peer == 0 {
+            let h = hello(&cfg.secret, rank, CHANNEL_CONTROL);
+            worker_control = Some(dial(&a, 0, &h, timeout)?);
+        }
+    }
+    let mut expect = size - 1 - rank + if rank == 0 { size - 1 } else { 0 };
+    listener.set_nonblocking(true)?;
+    let deadline = Instant::now() + timeout;
+    while expect > 0 {
+        let conn = match listener.accept() {
+            Ok((c, _)) => c,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                if Instant::now() >= deadline {
+                    let missing: Vec<usize> =
+                        (rank + 1..size).filter(|&r| data[r].is_none()).collect();
+                    return Err(PerseusError::Peer(format!(
+                        "rank {rank}: ranks {missing:?} did not connect within {timeout:?}"
+                    )));
+                }
+                std::thread::sleep(Duration::from_millis(2));
+                continue;
+            }
+            Err(e) => return Err(e.into()),
+        };
+        if let Some((from, channel, conn)) = admit(conn, cfg, &data, &control, timeout) {
+            let slot = if channel == CHANNEL_DATA {
+                &mut data
+            } else {
+                &mut control
+            };
+            slot[from] = Some(conn);
+            expect -= 1;
+        }
+    }
+    for s in data.iter().flatten() {
+        s.set_nonblocking(true)?;
+        s.set_nodelay(true)?;
+    }
+    let control = match worker_control {
+        Some(c) => Control::Worker(c),
+        None => Control::Coordinator(control),
+    };
+    Ok(MeshParts {
+        mesh: Mesh::new(rank, data, timeout),
+        control,
+    })
+}
+
+/// Connects to `addr`, says hello, waits for the answer.
+fn dial(addr: &str, peer: usize, hello: &[u8], timeout: Duration) -> Result<TcpStream> {
+    let deadline = Instant::now() + timeout;
+    let mut s = loop {
+        match TcpStream::connect(addr) {
+            Ok(s) => break s,
+            Err(e) if Instant::now() >= deadline => {
+                return Err(PerseusError::Peer(format!(
+                    "could not connect to rank {peer} at {addr}: {e}"
+                )))
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(20)),
+        }
+    };
+    s.set_nodelay(true)?;
+    s.set_read_timeout(Some(timeout))?;
+    write_frame(&mut s, HELLO, hello)?;
+    let (k, p) = read_frame(&mut s)
+        .map_err(|e| PerseusError::Peer(format!("rank {peer} at {addr} refused us: {e}")))?;
+    if k != HELLO_OK {
+        return Err(PerseusError::Peer(format!(
+            "rank {peer} at {addr} refused the connection: {}",
+            String::from_utf8_lossy(&p)
+        )));
+    }
+    s.set_read_timeout(None)?;
+    Ok(s)
+}
+
+/// Checks an incoming hello; answers and returns (rank, channel, stream) or
+/// drops a stranger.
+fn admit(
+    mut conn: TcpStream,
+    cfg: &Config,
+    data: &[Option<TcpStream>],
+    control: &[Option<TcpStream>],
+    timeout: Duration,
+) -> Option<(usize, u8, TcpStream)> {
+    conn.set_nonblocking(false).ok()?;
+    conn.set_read_timeout(Some(timeout.min(Duration::from_secs(10))))
+        .ok()?;
+    let (k, p) = read_frame(&mut conn).ok()?;
+    let mut r = Reader::new(&p);
+    let parsed = (k == HELLO)
+        .then(|| Some((r.str().ok()?, r.u32().ok()? as usize, r.u8().ok()?)))
+        .flatten();
+    let me = cfg.topology.rank;
+    let verdict = match parsed {
+        None => Err("malformed hello".to_string()),
+        Some((secret, _, _)) if secret != cfg.secret => Err("wrong job secret".into()),
+        Some((_, from, _)) if from <= me || from >= cfg.topology.size => {
+            Err(format!("rank {from} must not connect to rank {me}"))
+        }
+        Some((_, from, CHANNEL_DATA)) if data[from].is_some() => {
+            Err(format!("rank {from} is already connected"))
+        }
+        Some((_, from, CHANNEL_CONTROL)) if me != 0 || control[from].is_some() => {
+            Err(format!("unexpected control connection from rank {from}"))
+        }
+        Some((_, from, ch)) if ch == CHANNEL_DATA || ch == CHANNEL_CONTROL => Ok((from, ch)),
+        Some((_, _, ch)) => Err(format!("unknown channel {ch}")),
+    };
+    match verdict {
+        Ok((from, ch)) => {
+            write_frame(&mut conn, HELLO_OK, &[]).ok()?;
+            conn.set_read_timeout(None).ok()?;
+            Some((from, ch, conn))
+        }
+        Err(msg) => {
+            let _ = write_frame(&mut conn, HELLO_ERR, msg.as_bytes());
+            None
+        }
+    }
+}

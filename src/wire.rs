@@ -1,0 +1,275 @@
+//! The byte encoding of every control message (rendezvous, handshake,
+//! negotiation): little-endian integers, length-prefixed strings and lists,
+//! inside frames that carry a magic number, a protocol version, a kind and a
+//! length. A frame that breaks any of these rules is a [`PerseusError::Protocol`].
+
+use crate::error::{PerseusError, Result};
+use std::io::{Read, Write};
+
+/// First four bytes of every frame: "PRSS".
+pub const MAGIC: u32 = 0x5052_5353;
+/// Version of the frame layout and of every message inside it.
+pub const VERSION: u16 = 1;
+/// Largest control frame accepted (control messages are small; data moves elsewhere).
+pub const MAX_FRAME: usize = 256 << 20;
+/// Bytes in a frame header: magic u32, version u16, kind u16, length u64.
+pub const HEADER: usize = 16;
+
+/// Encodes a frame header.
+pub fn header(kind: u16, len: usize) -> [u8; HEADER] {
+    let mut h = [0u8; HEADER];
+    h[0..4].copy_from_slice(&MAGIC.to_le_bytes());
+    h[4..6].copy_from_slice(&VERSION.to_le_bytes());
+    h[6..8].copy_from_slice(&kind.to_le_bytes());
+    h[8..16].copy_from_slice(&(len as u64).to_le_bytes());
+    h
+}
+
+/// Decodes and checks a frame header, returning (kind, payload length).
+pub fn parse_header(h: &[u8; HEADER], max: usize) -> Result<(u16, usize)> {
+    let magic = u32::from_le_bytes(h[0..4].try_into().unwrap());
+    if magic != MAGIC {
+        return Err(PerseusError::Protocol(format!(
+            "bad frame magic {magic:#010x} (not a Perseus peer, or a corrupted stream)"
+        )));
+    }
+    let version = u16::from_le_bytes(h[4..6].try_into().unwrap());
+    if version != VERSION {
+        return Err(PerseusError::Protocol(format!(
+            "peer speaks protocol version {version}, this build speaks {VERSION}"
+        )));
+    }
+    let kind = u16::from_le_bytes(h[6..8].try_into().unwrap());
+    let len = u64::from_le_bytes(h[8..16].try_into().unwrap());
+    if len > max as u64 {
+        return Err(PerseusError::Protocol(format!(
+            "frame of {len} bytes exceeds the limit of {max}"
+        )));
+    }
+    Ok((kind, len as usize))
+}
+
+/// Writes one frame to a blocking stream.
+pub fn write_frame(w: &mut impl Write, kind: u16, payload: &[u8]) -> std::io::Result<()> {
+    let mut buf = Vec::with_capacity(HEADER + payload.len());
+    buf.extend_from_slice(&header(kind, payload.len()));
+    buf.extend_from_slice(payload);
+    w.write_all(&buf)?;
+    w.flush()
+}
+
+/// Reads one frame from a blocking stream: (kind, payload).
+pub fn read_frame(r: &mut impl Read) -> Result<(u16, Vec<u8>)> {
+    let mut h = [0u8; HEADER];
+    r.read_exact(&mut h)?;
+    let (kind, len) = parse_header(&h, MAX_FRAME)?;
+    let mut payload = vec![0u8; len];
+    r.read_exact(&mut payload)?;
+    Ok((kind, payload))
+}
+
+/// Builds a message payload.
+#[derive(Default)]
+pub struct Writer(pub Vec<u8>);
+
+impl Writer {
+    /// An empty payload.
+    pub fn new() -> Self {
+        Writer(Vec::new())
+    }
+    /// Appends a byte.
+    pub fn u8(&mut self, v: u8) -> &mut Self {
+        self.0.push(v);
+        self
+    }
+    /// Appends a u32.
+    pub fn u32(&mut self, v: u32) -> &mut Self {
+        self.0.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+    /// Appends a u64.
+    pub fn u64(&mut self, v: u64) -> &mut Self {
+        self.0.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+    /// Appends an i64.
+    pub fn i64(&mut self, v: i64) -> &mut Self {
+        self.0.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+    /// Appends an f64.
+    pub fn f64(&mut self, v: f64) -> &mut Self {
+        self.0.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+    /// Appends length-prefixed bytes.
+    pub fn bytes(&mut self, v: &[u8]) -> &mut Self {
+        self.u32(v.len() as u32);
+        self.0.extend_from_slice(v);
+        self
+    }
+    /// Appends a length-prefixed UTF-8 string.
+    pub fn str(&mut self, v: &str) -> &mut Self {
+        self.bytes(v.as_bytes())
+    }
+    /// Appends a length-prefixed list of u64.
+    pub fn u64s(&mut self, v: &[u64]) -> &mut Self {
+        self.u32(v.len() as u32);
+        v.iter().for_each(|x| {
+            self.u64(*x);
+        });
+        self
+    }
+    /// Appends a length-prefixed list of i64.
+    pub fn i64s(&mut self, v: &[i64]) -> &mut Self {
+        self.u32(v.len() as u32);
+        v.iter().for_each(|x| {
+            self.i64(*x);
+        });
+        self
+    }
+}
+
+/// Reads a message payload; every read checks the remaining length.
+pub struct Reader<'a> {
+    buf: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Reader<'a> {
+    /// A reader over `buf`.
+    pub fn new(buf: &'a [u8]) -> Self {
+        Reader { buf, pos: 0 }
+    }
+    fn take(&mut self, n: usize) -> Result<&'a [u8]> {
+        if self.buf.len() - self.pos < n {
+            return Err(PerseusError::Protocol(format!(
+                "message truncated: wanted {n} bytes at offset {}, have {}",
+                self.pos,
+                self.buf.len() - self.pos
+            )));
+        }
+        let s = &self.buf[self.pos..self.pos + n];
+        self.pos += n;
+        Ok(s)
+    }
+    /// Reads a byte.
+    pub fn u8(&mut self) -> Result<u8> {
+        Ok(self.take(1)?[0])
+    }
+    /// Reads a u32.
+    pub fn u32(&mut self) -> Result<u32> {
+        Ok(u32::from_le_bytes(self.take(4)?.try_into().unwrap()))
+    }
+    /// Reads a u64.
+    pub fn u64(&mut self) -> Result<u64> {
+        Ok(u64::from_le_bytes(self.take(8)?.try_into().unwrap()))
+    }
+    /// Reads an i64.
+    pub fn i64(&mut self) -> Result<i64> {
+        Ok(i64::from_le_bytes(self.take(8)?.try_into().unwrap()))
+    }
+    /// Reads an f64.
+    pub fn f64(&mut self) -> Result<f64> {
+        Ok(f64::from_le_bytes(self.take(8)?.try_into().unwrap()))
+    }
+    /// Reads length-prefixed bytes.
+    pub fn bytes(&mut self) -> Result<&'a [u8]> {
+        let n = self.u32()? as usize;
+        self.take(n)
+    }
+    /// Reads a length-prefixed UTF-8 string.
+    pub fn str(&mut self) -> Result<String> {
+        String::from_utf8(self.bytes()?.to_vec())
+            .map_err(|_| PerseusError::Protocol("string is not UTF-8".into()))
+    }
+    fn count(&mut self, elem: usize) -> Result<usize> {
+        let n = self.u32()? as usize;
+        if n.saturating_mul(elem) > self.buf.len() - self.pos {
+            return Err(PerseusError::Protocol(format!(
+                "list of {n} elements overruns the message"
+            )));
+        }
+        Ok(n)
+    }
+    /// Reads a length-prefixed list of u64.
+    pub fn u64s(&mut self) -> Result<Vec<u64>> {
+        let n = self.count(8)?;
+        (0..n).map(|_| self.u64()).collect()
+    }
+    /// Reads a length-prefixed list of i64.
+    pub fn i64s(&mut self) -> Result<Vec<i64>> {
+        let n = self.count(8)?;
+        (0..n).map(|_| self.i64()).collect()
+    }
+    /// Fails unless every byte was consumed.
+    pub fn finish(&self) -> Result<()> {
+        if self.pos != self.buf.len() {
+            return Err(PerseusError::Protocol(format!(
+                "{} trailing bytes after the message",
+                self.buf.len() - self.pos
+            )));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn round_trip_and_truncation() {
+        let mut w = Writer::new();
+        w.u8(7)
+            .u32(9)
+            .u64(1 << 40)
+            .f64(0.5)
+            .str("layer1.weight")
+            .u64s(&[1, 2, 3])
+            .i64s(&[-1]);
+        let mut r = Reader::new(&w.0);
+        assert_eq!(r.u8().unwrap(), 7);
+        assert_eq!(r.u32().unwrap(), 9);
+        assert_eq!(r.u64().unwrap(), 1 << 40);
+        assert_eq!(r.f64().unwrap(), 0.5);
+        assert_eq!(r.str().unwrap(), "layer1.weight");
+        assert_eq!(r.u64s().unwrap(), vec![1, 2, 3]);
+        assert_eq!(r.i64s().unwrap(), vec![-1]);
+        r.finish().unwrap();
+        let cut = &w.0[..w.0.len() - 3];
+        let mut r = Reader::new(cut);
+        r.take(cut.len() - 2).unwrap();
+        assert!(matches!(r.u64(), Err(PerseusError::Protocol(_))));
+    }
+
+    #[test]
+    fn frames_are_checked() {
+        let mut buf = Vec::new();
+        write_frame(&mut buf, 3, b"abc").unwrap();
+        let (k, p) = read_frame(&mut buf.as_slice()).unwrap();
+        assert_eq!((k, p.as_slice()), (3, &b"abc"[..]));
+        let mut bad = buf.clone();
+        bad[0] ^= 0xff;
+        let e = read_frame(&mut bad.as_slice()).unwrap_err();
+        assert!(e.to_string().contains("bad frame magic"), "{e}");
+        let mut bad = buf.clone();
+        bad[4] = 9;
+        assert!(read_frame(&mut bad.as_slice())
+            .unwrap_err()
+            .to_string()
+            .contains("version 9"));
+        let huge = header(1, MAX_FRAME + 1);
+        assert!(read_frame(&mut &huge[..])
+            .unwrap_err()
+            .to_string()
+            .contains("exceeds"));
+    }
+
+    #[test]
+    fn list_length_cannot_overrun() {
+        let mut w = Writer::new();
+        w.u32(1_000_000);
+        assert!(Reader::new(&w.0).u64s().is_err());
+    }
+}
