@@ -4,7 +4,7 @@
 //! asked for it (or joined, for allreduce); ready names are checked for
 //! agreement, fused, and answered. Being pure, it is tested without sockets.
 
-use super::message::{OpKind, Request, Response};
+use super::message::{OpKind, Request, Response, WireRequest};
 use std::collections::{BTreeMap, HashMap};
 
 /// Responses to send and to whom (global ranks), in order.
@@ -41,9 +41,33 @@ pub struct Coordinator {
     next_set_id: u32,
     seq: u64,
     shut: Vec<bool>,
+    cache: Vec<Request>,
+    cache_index: HashMap<(u32, String), u32>,
+    cache_capacity: usize,
 }
 
 impl Coordinator {
+    /// Enables the response cache with room for `capacity` signatures.
+    pub fn with_cache(mut self, capacity: usize) -> Coordinator {
+        self.cache_capacity = capacity;
+        self
+    }
+
+    /// Expands cached ids, then does what [`Coordinator::submit`] does.
+    pub fn submit_wire(&mut self, rank: usize, reqs: Vec<WireRequest>) -> Outgoing {
+        let mut full = Vec::with_capacity(reqs.len());
+        for r in reqs {
+            match r {
+                WireRequest::Full(r) => full.push(r),
+                WireRequest::Cached(id) => match self.cache.get((id as usize).wrapping_sub(1)) {
+                    Some(r) => full.push(r.clone()),
+                    None => return self.disconnect(rank, &format!("sent unknown cache id {id}")),
+                },
+            }
+        }
+        self.submit(rank, full)
+    }
+
     /// A coordinator for `size` ranks; process set 0 holds them all.
     pub fn new(size: usize, fusion_threshold: usize) -> Coordinator {
         let mut sets = BTreeMap::new();
@@ -54,6 +78,9 @@ impl Coordinator {
             next_set_id: 1,
             seq: 0,
             shut: vec![false; size],
+            cache: Vec::new(),
+            cache_index: HashMap::new(),
+            cache_capacity: 0,
         }
     }
 
@@ -139,6 +166,12 @@ impl Coordinator {
                     .next()
                     .map(|r| r.ints.clone())
                     .unwrap_or_default();
+                let cacheable = p.reqs.iter().all(Option::is_some)
+                    && matches!(
+                        p.reqs[0].as_ref().map(|r| r.kind),
+                        Some(OpKind::Allreduce | OpKind::Broadcast | OpKind::Reducescatter)
+                    );
+                let first = p.reqs[0].clone();
                 let mut a = decide(ps, set, &name, p.reqs, &self.shut);
                 if let Response::Done { kind, value, .. } = &mut a {
                     let checked = match kind {
@@ -163,6 +196,24 @@ impl Coordinator {
                             message,
                         };
                     }
+                }
+                if cacheable
+                    && matches!(a, Response::Op { .. })
+                    && self.cache.len() < self.cache_capacity
+                    && !self.cache_index.contains_key(&(ps, name.clone()))
+                {
+                    self.cache
+                        .push(first.expect("cacheable requests are present"));
+                    let id = self.cache.len() as u32;
+                    self.cache_index.insert((ps, name.clone()), id);
+                    out.push((
+                        set.members.clone(),
+                        Response::Cached {
+                            process_set: ps,
+                            name,
+                            id,
+                        },
+                    ));
                 }
                 answers.push(a);
             }

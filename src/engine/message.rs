@@ -201,6 +201,16 @@ pub enum Response {
         /// Join: last rank to join; AddProcessSet: the new id.
         value: i64,
     },
+    /// From now on, every rank may send `id` instead of this request in full
+    /// (the response cache); sent just before the name's first `Op`.
+    Cached {
+        /// Process set.
+        process_set: u32,
+        /// Tensor name.
+        name: String,
+        /// Cache id (never reused).
+        id: u32,
+    },
     /// The job cannot go on (a rank died); every pending operation fails.
     Abort {
         /// Why.
@@ -212,24 +222,49 @@ const TAG_OP: u8 = 0;
 const TAG_ERROR: u8 = 1;
 const TAG_DONE: u8 = 2;
 const TAG_ABORT: u8 = 3;
+const TAG_CACHED: u8 = 4;
+
+/// A request as it travels: in full, or as a response-cache id.
+#[derive(Debug, Clone, PartialEq)]
+pub enum WireRequest {
+    /// The whole request.
+    Full(Request),
+    /// A request identical to the one cached under this id.
+    Cached(u32),
+}
 
 /// Encodes a batch of requests.
-pub fn encode_requests(reqs: &[Request]) -> Vec<u8> {
+pub fn encode_requests(reqs: &[WireRequest]) -> Vec<u8> {
     let mut w = Writer::new();
     w.u32(reqs.len() as u32);
-    reqs.iter().for_each(|r| r.encode(&mut w));
+    for r in reqs {
+        match r {
+            WireRequest::Full(r) => {
+                w.u8(0);
+                r.encode(&mut w);
+            }
+            WireRequest::Cached(id) => {
+                w.u8(1).u32(*id);
+            }
+        }
+    }
     w.0
 }
 
 /// Decodes a batch of requests.
-pub fn decode_requests(buf: &[u8]) -> Result<Vec<Request>> {
+pub fn decode_requests(buf: &[u8]) -> Result<Vec<WireRequest>> {
     let mut r = Reader::new(buf);
     let n = r.u32()? as usize;
-    let reqs = (0..n)
-        .map(|_| Request::decode(&mut r))
-        .collect::<Result<Vec<_>>>()?;
+    let mut out = Vec::with_capacity(n.min(4096));
+    for _ in 0..n {
+        out.push(match r.u8()? {
+            0 => WireRequest::Full(Request::decode(&mut r)?),
+            1 => WireRequest::Cached(r.u32()?),
+            t => return Err(PerseusError::Protocol(format!("unknown request tag {t}"))),
+        });
+    }
     r.finish()?;
-    Ok(reqs)
+    Ok(out)
 }
 
 /// Encodes a batch of responses.
@@ -290,6 +325,13 @@ pub fn encode_responses(resps: &[Response]) -> Vec<u8> {
             Response::Abort { message } => {
                 w.u8(TAG_ABORT).str(message);
             }
+            Response::Cached {
+                process_set,
+                name,
+                id,
+            } => {
+                w.u8(TAG_CACHED).u32(*process_set).str(name).u32(*id);
+            }
         }
     }
     w.0
@@ -343,6 +385,11 @@ pub fn decode_responses(buf: &[u8]) -> Result<Vec<Response>> {
                 value: r.i64()?,
             },
             TAG_ABORT => Response::Abort { message: r.str()? },
+            TAG_CACHED => Response::Cached {
+                process_set: r.u32()?,
+                name: r.str()?,
+                id: r.u32()?,
+            },
             t => return Err(PerseusError::Protocol(format!("unknown response tag {t}"))),
         });
     }

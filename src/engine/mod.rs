@@ -9,6 +9,8 @@
 //! wakes at once when there is.
 
 pub mod coordinator;
+#[cfg(test)]
+mod coordinator_tests;
 mod exec;
 mod handles;
 pub mod message;
@@ -28,10 +30,10 @@ use crate::transport::{connect_mesh, Control, Mesh};
 use crate::wire::{read_frame, write_frame};
 use coordinator::{Coordinator, Outgoing};
 use handles::Handles;
-use message::{decode_requests, decode_responses, encode_requests, encode_responses};
+use message::{decode_requests, decode_responses, encode_requests, encode_responses, WireRequest};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::TcpStream;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -84,6 +86,7 @@ struct Shared {
     fatal: Mutex<Option<PerseusError>>,
     stopping: AtomicBool,
     timeline: Timeline,
+    cache_hits: AtomicU64,
 }
 
 /// A running engine.
@@ -107,6 +110,7 @@ impl Engine {
             fatal: Mutex::new(None),
             stopping: AtomicBool::new(false),
             timeline: Timeline::new(t.rank),
+            cache_hits: AtomicU64::new(0),
         });
         if let Some(path) = &config.timeline {
             shared.timeline.start(path)?;
@@ -119,7 +123,8 @@ impl Engine {
                     .map(|s| s.as_ref().map(|s| s.try_clone()).transpose())
                     .collect::<std::io::Result<Vec<_>>>()?;
                 let hub = Arc::new(Mutex::new(Hub {
-                    coord: Coordinator::new(t.size, config.fusion_threshold as usize),
+                    coord: Coordinator::new(t.size, config.fusion_threshold as usize)
+                        .with_cache(config.cache_capacity),
                     writers,
                     local: tx.clone(),
                 }));
@@ -141,6 +146,7 @@ impl Engine {
             shared: shared.clone(),
             entries: HashMap::new(),
             joined: HashSet::new(),
+            cache: HashMap::new(),
             bufs: exec::Buffers::default(),
             exit: false,
         };
@@ -159,6 +165,11 @@ impl Engine {
     /// The configuration it runs with.
     pub fn config(&self) -> &Config {
         &self.config
+    }
+
+    /// Requests this rank sent as response-cache ids instead of in full.
+    pub fn cache_hits(&self) -> u64 {
+        self.shared.cache_hits.load(Ordering::Relaxed)
     }
 
     /// The timeline.
@@ -343,7 +354,7 @@ fn spawn_coordinator_reader(
             let mut h = hub.lock().unwrap();
             match got {
                 Ok(reqs) => {
-                    let out = h.coord.submit(rank, reqs);
+                    let out = h.coord.submit_wire(rank, reqs);
                     h.dispatch(out);
                 }
                 Err(e) => {
@@ -399,6 +410,7 @@ struct State {
     shared: Arc<Shared>,
     entries: HashMap<(u32, String), (Request, Entry, Instant)>,
     joined: HashSet<u32>,
+    cache: HashMap<(u32, String), (u32, Request)>,
     bufs: exec::Buffers,
     exit: bool,
 }
@@ -448,7 +460,17 @@ impl State {
                 h.dispatch(out);
             }
             Uplink::Remote(s) => {
-                if let Err(e) = write_frame(s, FRAME_REQUESTS, &encode_requests(&batch)) {
+                let wire: Vec<WireRequest> = batch
+                    .into_iter()
+                    .map(|r| match self.cache.get(&(r.process_set, r.name.clone())) {
+                        Some((id, cached)) if *cached == r => {
+                            self.shared.cache_hits.fetch_add(1, Ordering::Relaxed);
+                            WireRequest::Cached(*id)
+                        }
+                        _ => WireRequest::Full(r),
+                    })
+                    .collect();
+                if let Err(e) = write_frame(s, FRAME_REQUESTS, &encode_requests(&wire)) {
                     let msg = format!("lost the connection to rank 0 (the coordinator): {e}");
                     self.fail_all(PerseusError::Aborted(msg));
                 }
@@ -592,6 +614,16 @@ impl State {
                 self.finish(&ps, name, e.handle, Ok(out));
             }
             Response::Abort { message } => self.fail_all(PerseusError::Aborted(message.clone())),
+            Response::Cached {
+                process_set,
+                name,
+                id,
+            } => {
+                let key = (*process_set, name.clone());
+                if let Some((req, _, _)) = self.entries.get(&key) {
+                    self.cache.insert(key, (*id, req.clone()));
+                }
+            }
         }
     }
 }

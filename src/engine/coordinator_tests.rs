@@ -1,0 +1,250 @@
+//! Negotiation without sockets: readiness, agreement checks, fusion, join,
+//! process sets and shutdown.
+
+use super::coordinator::Coordinator;
+use super::message::{OpKind, Request, Response};
+use crate::dtype::{DataType, ReduceOp};
+
+fn ar(name: &str, shape: &[i64]) -> Request {
+    let mut r = Request::new(OpKind::Allreduce, name, 0);
+    r.dtype = DataType::F32;
+    r.shape = shape.to_vec();
+    r
+}
+
+fn names(resp: &Response) -> Vec<String> {
+    match resp {
+        Response::Op { names, .. } | Response::Error { names, .. } => names.clone(),
+        Response::Done { name, .. } | Response::Cached { name, .. } => vec![name.clone()],
+        Response::Abort { .. } => vec![],
+    }
+}
+
+#[test]
+fn ready_only_when_every_rank_asked_and_same_order_for_all() {
+    let mut c = Coordinator::new(3, 1 << 20);
+    assert!(c.submit(0, vec![ar("a", &[2]), ar("b", &[2])]).is_empty());
+    assert!(c.submit(1, vec![ar("b", &[2]), ar("a", &[2])]).is_empty());
+    let out = c.submit(2, vec![ar("a", &[2]), ar("b", &[2])]);
+    assert_eq!(out.len(), 1, "a and b are fused into one response");
+    assert_eq!(out[0].0, vec![0, 1, 2]);
+    assert_eq!(names(&out[0].1), vec!["a", "b"], "first-submitted order");
+}
+
+#[test]
+fn fusion_respects_threshold_and_compatibility() {
+    let mut c = Coordinator::new(2, 16);
+    let mut reqs = vec![ar("a", &[2]), ar("b", &[2]), ar("c", &[2])];
+    let mut sum = ar("d", &[1]);
+    sum.op = ReduceOp::Max;
+    reqs.push(sum);
+    c.submit(0, reqs.clone());
+    let out = c.submit(1, reqs);
+    let got: Vec<Vec<String>> = out.iter().map(|(_, r)| names(r)).collect();
+    assert_eq!(got, vec![vec!["a", "b"], vec!["c"], vec!["d"]]);
+}
+
+#[test]
+fn mismatches_fail_on_every_rank_naming_tensor_and_ranks() {
+    let mut c = Coordinator::new(2, 1 << 20);
+    c.submit(0, vec![ar("w", &[2, 3])]);
+    let out = c.submit(1, vec![ar("w", &[4])]);
+    let Response::Error { message, .. } = &out[0].1 else {
+        panic!("{out:?}")
+    };
+    assert_eq!(out[0].0, vec![0, 1]);
+    assert!(message.contains("'w'") && message.contains("rank 0") && message.contains("rank 1"));
+    assert!(
+        message.contains("[2, 3]") && message.contains("[4]"),
+        "{message}"
+    );
+
+    let mut d = ar("x", &[2]);
+    d.dtype = DataType::I32;
+    c.submit(0, vec![ar("x", &[2])]);
+    let out = c.submit(1, vec![d]);
+    assert!(matches!(&out[0].1, Response::Error { message, .. } if message.contains("int32")));
+
+    let mut b0 = Request::new(OpKind::Broadcast, "p", 0);
+    b0.shape = vec![1];
+    let mut b1 = b0.clone();
+    b1.root = 1;
+    c.submit(0, vec![b0]);
+    let out = c.submit(1, vec![b1]);
+    assert!(matches!(&out[0].1, Response::Error { message, .. } if message.contains("root")));
+}
+
+#[test]
+fn stacked_allgather_of_unequal_shapes_points_at_the_variable() {
+    let mut c = Coordinator::new(2, 1 << 20);
+    let mut a = Request::new(OpKind::Allgather, "g", 0);
+    a.shape = vec![1, 2];
+    a.stack = true;
+    let mut b = a.clone();
+    b.shape = vec![2, 2];
+    c.submit(0, vec![a.clone()]);
+    let out = c.submit(1, vec![b.clone()]);
+    assert!(
+        matches!(&out[0].1, Response::Error { message, .. } if message.contains("PERSEUS_CHANGE_HVD_ALLGATHER=1"))
+    );
+    a.stack = false;
+    b.stack = false;
+    c.submit(0, vec![a]);
+    let out = c.submit(1, vec![b]);
+    assert!(matches!(&out[0].1, Response::Op { sizes, .. } if sizes == &vec![1, 2]));
+}
+
+#[test]
+fn joined_ranks_count_as_ready_for_allreduce_only() {
+    let mut c = Coordinator::new(3, 1 << 20);
+    assert!(c
+        .submit(2, vec![Request::new(OpKind::Join, "join", 0)])
+        .is_empty());
+    c.submit(0, vec![ar("a", &[2])]);
+    let out = c.submit(1, vec![ar("a", &[2])]);
+    assert!(matches!(&out[0].1, Response::Op { .. }));
+    assert_eq!(
+        out[0].0,
+        vec![0, 1, 2],
+        "the joined rank takes part with zeros"
+    );
+    let mut g = Request::new(OpKind::Allgather, "g", 0);
+    g.shape = vec![1];
+    c.submit(0, vec![g.clone()]);
+    let out = c.submit(1, vec![g]);
+    assert!(matches!(&out[0].1, Response::Error { message, .. } if message.contains("joined")));
+    c.submit(0, vec![Request::new(OpKind::Join, "join", 0)]);
+    let out = c.submit(1, vec![Request::new(OpKind::Join, "join", 0)]);
+    assert!(matches!(
+        out.last().unwrap().1,
+        Response::Done {
+            kind: OpKind::Join,
+            value: 1,
+            ..
+        }
+    ));
+}
+
+#[test]
+fn process_sets_get_ids_and_negotiate_alone() {
+    let mut c = Coordinator::new(3, 1 << 20);
+    let mut add = Request::new(OpKind::AddProcessSet, "add_process_set.1", 0);
+    add.ints = vec![0, 2];
+    for r in 0..2 {
+        assert!(c.submit(r, vec![add.clone()]).is_empty());
+    }
+    let out = c.submit(2, vec![add]);
+    assert!(matches!(
+        out[0].1,
+        Response::Done {
+            kind: OpKind::AddProcessSet,
+            value: 1,
+            ..
+        }
+    ));
+    let mut a = ar("s", &[1]);
+    a.process_set = 1;
+    c.submit(0, vec![a.clone()]);
+    let out = c.submit(2, vec![a.clone()]);
+    assert_eq!(out[0].0, vec![0, 2]);
+    let out = c.submit(1, vec![a]);
+    assert!(
+        matches!(&out[0].1, Response::Error { message, .. } if message.contains("not in process set"))
+    );
+    let mut bad = Request::new(OpKind::AddProcessSet, "add_process_set.2", 0);
+    bad.ints = vec![2, 0];
+    for r in 0..2 {
+        c.submit(r, vec![bad.clone()]);
+    }
+    let out = c.submit(2, vec![bad]);
+    assert!(matches!(&out[0].1, Response::Error { message, .. } if message.contains("increasing")));
+}
+
+#[test]
+fn shutdown_of_one_rank_fails_what_it_never_sent_and_disconnect_aborts() {
+    let mut c = Coordinator::new(2, 1 << 20);
+    c.submit(0, vec![ar("late", &[1])]);
+    let out = c.submit(1, vec![Request::new(OpKind::Shutdown, "shutdown.1", 0)]);
+    assert!(matches!(&out[0].1, Response::Error { message, .. } if message.contains("shut down")));
+    let out = c.submit(0, vec![Request::new(OpKind::Shutdown, "shutdown.1", 0)]);
+    assert!(matches!(
+        out[0].1,
+        Response::Done {
+            kind: OpKind::Shutdown,
+            ..
+        }
+    ));
+    assert!(
+        c.disconnect(1, "eof").is_empty(),
+        "leaving after shutdown is fine"
+    );
+    let mut c = Coordinator::new(3, 1 << 20);
+    let out = c.disconnect(2, "connection reset");
+    assert_eq!(out[0].0, vec![0, 1]);
+    assert!(matches!(&out[0].1, Response::Abort { message } if message.contains("rank 2")));
+}
+
+#[test]
+fn messages_round_trip_on_the_wire() {
+    use super::message::*;
+    let mut r = ar("layer.weight", &[3, 4]);
+    r.ints = vec![1, 2];
+    r.prescale = 0.5;
+    let wire = vec![WireRequest::Full(r), WireRequest::Cached(7)];
+    assert_eq!(decode_requests(&encode_requests(&wire)).unwrap(), wire);
+    let resps = vec![
+        Response::Op {
+            kind: OpKind::Alltoall,
+            process_set: 3,
+            names: vec!["a".into()],
+            shapes: vec![vec![2, 2]],
+            dtype: DataType::BF16,
+            op: ReduceOp::Min,
+            root: 1,
+            prescale: 2.0,
+            postscale: 0.25,
+            sizes: vec![1, 1, 0, 2],
+        },
+        Response::Error {
+            process_set: 0,
+            names: vec!["x".into()],
+            message: "m".into(),
+        },
+        Response::Done {
+            kind: OpKind::Join,
+            process_set: 0,
+            name: "join".into(),
+            value: 2,
+        },
+        Response::Abort {
+            message: "gone".into(),
+        },
+        Response::Cached {
+            process_set: 1,
+            name: "w".into(),
+            id: 3,
+        },
+    ];
+    assert_eq!(decode_responses(&encode_responses(&resps)).unwrap(), resps);
+    assert!(decode_responses(&[1, 0, 0, 0, 9]).is_err());
+}
+
+#[test]
+fn response_cache_assigns_ids_once_and_expands_them() {
+    use super::message::WireRequest;
+    let mut c = Coordinator::new(2, 1 << 20).with_cache(1);
+    c.submit(0, vec![ar("a", &[2])]);
+    let out = c.submit(1, vec![ar("a", &[2])]);
+    assert!(matches!(&out[0].1, Response::Cached { id: 1, name, .. } if name == "a"));
+    assert!(matches!(&out[1].1, Response::Op { .. }));
+    // Full capacity: "b" is not cached.
+    c.submit(0, vec![ar("b", &[2])]);
+    let out = c.submit(1, vec![ar("b", &[2])]);
+    assert_eq!(out.len(), 1);
+    // A cached id stands for the full request.
+    c.submit_wire(0, vec![WireRequest::Cached(1)]);
+    let out = c.submit_wire(1, vec![WireRequest::Full(ar("a", &[2]))]);
+    assert!(matches!(&out[0].1, Response::Op { names, .. } if names == &vec!["a".to_string()]));
+    let out = c.submit_wire(1, vec![WireRequest::Cached(9)]);
+    assert!(matches!(&out[0].1, Response::Abort { message } if message.contains("cache id 9")));
+}

@@ -1,0 +1,161 @@
+//! The whole engine over real loopback TCP: ranks as threads, each with its
+//! own rendezvous client, mesh and engine thread.
+
+use perseus::config::{Config, Topology};
+use perseus::engine::{Device, Engine, OpKind, Request, TensorView};
+use perseus::rendezvous::StoreServer;
+use perseus::{DataType, PerseusError, ReduceOp};
+use std::time::Duration;
+
+fn config(rank: usize, size: usize, port: u16) -> Config {
+    Config {
+        topology: Topology {
+            rank,
+            size,
+            local_rank: rank,
+            local_size: size,
+            cross_rank: 0,
+            cross_size: 1,
+            hostname: "localhost".into(),
+        },
+        rendezvous: Some(("127.0.0.1".into(), port)),
+        secret: "t".into(),
+        iface_addr: Some("127.0.0.1".into()),
+        timeout: Duration::from_secs(20),
+        fusion_threshold: 64 << 20,
+        cycle_time: Duration::from_millis(1),
+        cache_capacity: 1024,
+        allgather_mode: 0,
+        timeline: None,
+    }
+}
+
+fn view(v: &mut [f32]) -> TensorView {
+    TensorView {
+        ptr: v.as_mut_ptr().cast(),
+        nbytes: std::mem::size_of_val(v),
+        dtype: DataType::F32,
+        shape: vec![v.len() as i64],
+        device: Device::Cpu,
+    }
+}
+
+fn allreduce(e: &Engine, name: &str, v: &mut [f32], op: ReduceOp) -> Result<(), PerseusError> {
+    let mut r = Request::new(OpKind::Allreduce, name, 0);
+    r.dtype = DataType::F32;
+    r.shape = vec![v.len() as i64];
+    r.op = op;
+    let h = e.enqueue(r, Some(view(v)), Some(view(v)))?;
+    e.wait(h, || None).map(|_| ())
+}
+
+fn job<F>(n: usize, f: F)
+where
+    F: Fn(usize, &Engine) + Send + Sync + 'static,
+{
+    let server = StoreServer::start("127.0.0.1:0", "t").unwrap();
+    let port = server.port();
+    let f = std::sync::Arc::new(f);
+    let threads: Vec<_> = (0..n)
+        .map(|r| {
+            let f = f.clone();
+            std::thread::spawn(move || {
+                let e = Engine::start(config(r, n, port)).unwrap();
+                f(r, &e);
+                e.shutdown().unwrap();
+            })
+        })
+        .collect();
+    threads.into_iter().for_each(|t| t.join().unwrap());
+}
+
+#[test]
+fn allreduce_fused_and_ring_over_tcp() {
+    for n in [2, 3] {
+        job(n, move |r, e| {
+            let mut big: Vec<f32> = (0..300_001).map(|i| (i % 10) as f32 + r as f32).collect();
+            allreduce(e, "big", &mut big, ReduceOp::Sum).unwrap();
+            let off = (n * (n - 1) / 2) as f32;
+            assert!(big
+                .iter()
+                .enumerate()
+                .all(|(i, x)| *x == n as f32 * (i % 10) as f32 + off));
+            // Many small tensors in flight at once: fused by the coordinator.
+            let mut small: Vec<Vec<f32>> = (0..40).map(|i| vec![(i + r) as f32; 3]).collect();
+            let hs: Vec<u64> = small
+                .iter_mut()
+                .enumerate()
+                .map(|(i, v)| {
+                    let mut q = Request::new(OpKind::Allreduce, format!("s{i}"), 0);
+                    q.dtype = DataType::F32;
+                    q.shape = vec![3];
+                    q.op = ReduceOp::Average;
+                    e.enqueue(q, Some(view(v)), Some(view(v))).unwrap()
+                })
+                .collect();
+            hs.into_iter().for_each(|h| {
+                e.wait(h, || None).unwrap();
+            });
+            for (i, v) in small.iter().enumerate() {
+                let want = i as f32 + (n - 1) as f32 / 2.0;
+                assert!(v.iter().all(|x| (x - want).abs() < 1e-6), "{v:?} != {want}");
+            }
+        });
+    }
+}
+
+#[test]
+fn mismatch_fails_everywhere_and_the_job_goes_on() {
+    job(3, |r, e| {
+        let mut v = vec![1.0f32; 2 + r];
+        let err = allreduce(e, "bad", &mut v, ReduceOp::Sum).unwrap_err();
+        assert!(matches!(err, PerseusError::Mismatch(_)), "{err:?}");
+        assert!(err.to_string().contains("'bad'"), "{err}");
+        let mut v = vec![1.0f32; 4];
+        allreduce(e, "good", &mut v, ReduceOp::Max).unwrap();
+        assert_eq!(v, vec![1.0; 4]);
+    });
+}
+
+#[test]
+fn duplicate_in_flight_name_is_refused() {
+    job(2, |r, e| {
+        let mut a = vec![1.0f32; 4];
+        let mut b = vec![1.0f32; 4];
+        let mut q = Request::new(OpKind::Allreduce, "dup", 0);
+        q.dtype = DataType::F32;
+        q.shape = vec![4];
+        if r == 0 {
+            let h = e
+                .enqueue(q.clone(), Some(view(&mut a)), Some(view(&mut a)))
+                .unwrap();
+            let err = e
+                .enqueue(q, Some(view(&mut b)), Some(view(&mut b)))
+                .unwrap_err();
+            assert!(err.to_string().contains("already in flight"), "{err}");
+            e.wait(h, || None).unwrap();
+        } else {
+            let h = e
+                .enqueue(q, Some(view(&mut a)), Some(view(&mut a)))
+                .unwrap();
+            e.wait(h, || None).unwrap();
+        }
+        assert_eq!(a, vec![2.0; 4]);
+    });
+}
+
+#[test]
+fn steady_state_requests_travel_as_cache_ids() {
+    job(3, |r, e| {
+        for step in 0..6 {
+            let mut v = vec![step as f32; 5];
+            allreduce(e, "grad", &mut v, ReduceOp::Sum).unwrap();
+            assert_eq!(v, vec![3.0 * step as f32; 5]);
+        }
+        // Rank 0 talks to its own coordinator in memory; the others send ids
+        // for every step after the first.
+        if r > 0 {
+            assert_eq!(e.cache_hits(), 5);
+        }
+    });
+}
