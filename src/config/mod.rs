@@ -209,3 +209,36 @@ impl Config {
         m
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_param_is_documented_with_its_default() {
+        let doc = include_str!("../../docs/environment.md");
+        for p in PARAMS {
+            let row = doc
+                .lines()
+                .find(|l| l.starts_with(&format!("| `{}` |", p.name)))
+                .unwrap_or_else(|| panic!("{} is missing from docs/environment.md", p.name));
+            let default = if p.default.is_empty() { "unset" } else { p.default };
+            assert!(row.contains(default), "{}: default {default} not in {row}", p.name);
+        }
+    }
+
+    #[test]
+    fn bad_values_name_the_variable() {
+        // Parsing helpers only: the environment is process-global, so use names
+        // no other test sets.
+        std::env::set_var("PERSEUS_TEST_INT", "abc");
+        let e = int_var("PERSEUS_TEST_INT", 1, 0, 5).unwrap_err().to_string();
+        assert!(e.contains("PERSEUS_TEST_INT") && e.contains("\"abc\""), "{e}");
+        std::env::set_var("PERSEUS_TEST_INT", "9");
+        assert!(int_var("PERSEUS_TEST_INT", 1, 0, 5).is_err());
+        std::env::set_var("PERSEUS_TEST_INT", "4");
+        assert_eq!(int_var("PERSEUS_TEST_INT", 1, 0, 5).unwrap(), 4);
+        std::env::set_var("PERSEUS_TEST_FLOAT", "-1");
+        assert!(float_var("PERSEUS_TEST_FLOAT", 1.0).is_err());
+    }
+}
