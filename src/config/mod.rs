@@ -222,8 +222,16 @@ mod tests {
                 .lines()
                 .find(|l| l.starts_with(&format!("| `{}` |", p.name)))
                 .unwrap_or_else(|| panic!("{} is missing from docs/environment.md", p.name));
-            let default = if p.default.is_empty() { "unset" } else { p.default };
-            assert!(row.contains(default), "{}: default {default} not in {row}", p.name);
+            let default = if p.default.is_empty() {
+                "unset"
+            } else {
+                p.default
+            };
+            assert!(
+                row.contains(default),
+                "{}: default {default} not in {row}",
+                p.name
+            );
         }
     }
 
@@ -232,8 +240,13 @@ mod tests {
         // Parsing helpers only: the environment is process-global, so use names
         // no other test sets.
         std::env::set_var("PERSEUS_TEST_INT", "abc");
-        let e = int_var("PERSEUS_TEST_INT", 1, 0, 5).unwrap_err().to_string();
-        assert!(e.contains("PERSEUS_TEST_INT") && e.contains("\"abc\""), "{e}");
+        let e = int_var("PERSEUS_TEST_INT", 1, 0, 5)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("PERSEUS_TEST_INT") && e.contains("\"abc\""),
+            "{e}"
+        );
         std::env::set_var("PERSEUS_TEST_INT", "9");
         assert!(int_var("PERSEUS_TEST_INT", 1, 0, 5).is_err());
         std::env::set_var("PERSEUS_TEST_INT", "4");
