@@ -18,12 +18,21 @@ use std::sync::{Arc, Mutex};
 static ENGINE: Mutex<Option<Arc<Engine>>> = Mutex::new(None);
 static OUTPUTS: Mutex<Option<HashMap<u64, Output>>> = Mutex::new(None);
 
+/// The process that called `init()`: a forked child (a DataLoader worker)
+/// has no engine thread and must not use the parent's sockets.
+static OWNER_PID: Mutex<u32> = Mutex::new(0);
+
 fn engine() -> PyResult<Arc<Engine>> {
-    ENGINE
-        .lock()
-        .unwrap()
-        .clone()
-        .ok_or_else(|| to_py(PerseusError::NotInitialized))
+    let e = ENGINE.lock().unwrap().clone();
+    let e = e.ok_or_else(|| to_py(PerseusError::NotInitialized))?;
+    if *OWNER_PID.lock().unwrap() != std::process::id() {
+        return Err(to_py(PerseusError::InvalidArgument(
+            "Perseus was initialized in a parent process; a forked child (e.g. a DataLoader \
+             worker) cannot run collectives"
+                .into(),
+        )));
+    }
+    Ok(e)
 }
 
 /// Waits for `handle` with the GIL released; Ctrl-C raises KeyboardInterrupt.
@@ -86,7 +95,8 @@ fn init(py: Python<'_>, process_sets: Option<Vec<Vec<i64>>>) -> PyResult<()> {
     }
     let cfg = Config::from_env().map_err(to_py)?;
     let e = Arc::new(py.detach(|| Engine::start(cfg)).map_err(to_py)?);
-    *ENGINE.lock().unwrap() = Some(e.clone());
+    *OWNER_PID.lock().unwrap() = std::process::id();
+    *ENGINE.lock().unwrap() = Some(e);
     for ranks in process_sets.unwrap_or_default() {
         add_process_set(py, ranks)?;
     }
@@ -96,6 +106,9 @@ fn init(py: Python<'_>, process_sets: Option<Vec<Vec<i64>>>) -> PyResult<()> {
 /// Leaves the job (negotiated with every rank) and stops the engine.
 #[pyfunction]
 fn shutdown(py: Python<'_>) -> PyResult<()> {
+    if *OWNER_PID.lock().unwrap() != std::process::id() {
+        return Ok(());
+    }
     let e = ENGINE.lock().unwrap().take();
     if let Some(e) = e {
         py.detach(|| e.shutdown()).map_err(to_py)?;
@@ -104,10 +117,10 @@ fn shutdown(py: Python<'_>) -> PyResult<()> {
     Ok(())
 }
 
-/// True between `init()` and `shutdown()`.
+/// True between `init()` and `shutdown()`, in the process that called `init()`.
 #[pyfunction]
 fn is_initialized() -> bool {
-    ENGINE.lock().unwrap().is_some()
+    ENGINE.lock().unwrap().is_some() && *OWNER_PID.lock().unwrap() == std::process::id()
 }
 
 macro_rules! topo_fn {
