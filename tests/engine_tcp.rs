@@ -1,7 +1,7 @@
 //! The whole engine over real loopback TCP: ranks as threads, each with its
 //! own rendezvous client, mesh and engine thread.
 
-use perseus::config::{Config, Topology};
+use perseus::config::{Config, Launcher, Topology};
 use perseus::engine::{Device, Engine, OpKind, Request, TensorView};
 use perseus::rendezvous::StoreServer;
 use perseus::{DataType, PerseusError, ReduceOp};
@@ -17,8 +17,10 @@ fn config(rank: usize, size: usize, port: u16) -> Config {
             cross_rank: 0,
             cross_size: 1,
             hostname: "localhost".into(),
+            launcher: Launcher::Perseus,
         },
         rendezvous: Some(("127.0.0.1".into(), port)),
+        host_store: false,
         secret: "t".into(),
         iface_addr: Some("127.0.0.1".into()),
         timeout: Duration::from_secs(20),

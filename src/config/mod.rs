@@ -4,7 +4,7 @@
 
 mod topology;
 
-pub use topology::Topology;
+pub use topology::{first_slurm_host, Launcher, Topology};
 
 use crate::error::{PerseusError, Result};
 use std::collections::BTreeMap;
@@ -49,6 +49,18 @@ pub const PARAMS: &[Param] = &[
         doc: "number of tensor signatures remembered so steady-state requests travel as ids",
     },
     Param {
+        name: "PERSEUS_MASTER_PORT",
+        default: "6666",
+        allowed: "a TCP port from 1 to 65535",
+        doc: "port rank 0 hosts the rendezvous on when another launcher started the job",
+    },
+    Param {
+        name: "PERSEUS_USE_DDP_LAUNCHER",
+        default: "1",
+        allowed: "0 or 1",
+        doc: "1: read torchrun's RANK/WORLD_SIZE; 0: ignore them",
+    },
+    Param {
         name: "PERSEUS_CHANGE_HVD_ALLGATHER",
         default: "0",
         allowed: "0 (stack equal shapes, DDP style) or 1 (concatenate along dim 0, Horovod style)",
@@ -69,6 +81,8 @@ pub struct Config {
     pub topology: Topology,
     /// Rendezvous host and port; `None` for a job of one rank.
     pub rendezvous: Option<(String, u16)>,
+    /// True on rank 0 of a job another launcher started: it hosts the store.
+    pub host_store: bool,
     /// Job secret every connection must present (hex text, may be empty).
     pub secret: String,
     /// Address to listen on and publish; `None` picks the route to the rendezvous.
@@ -133,33 +147,50 @@ pub fn float_var(name: &str, default: f64) -> Result<f64> {
     }
 }
 
+/// Where the rendezvous store is, and whether this rank hosts it.
+fn rendezvous(t: &Topology) -> Result<(Option<(String, u16)>, bool)> {
+    match (
+        var("PERSEUS_RENDEZVOUS_ADDR"),
+        var("PERSEUS_RENDEZVOUS_PORT"),
+    ) {
+        (Some(host), Some(_)) => {
+            let port = int_var("PERSEUS_RENDEZVOUS_PORT", 0, 1, 65535)? as u16;
+            Ok((Some((host, port)), false))
+        }
+        (None, None) if t.size == 1 => Ok((None, false)),
+        (None, None) => {
+            let port = int_var("PERSEUS_MASTER_PORT", 6666, 1, 65535)? as u16;
+            let slurm = || {
+                (t.launcher == Launcher::Slurm)
+                    .then(|| var("SLURM_JOB_NODELIST").or_else(|| var("SLURM_NODELIST")))
+                    .flatten()
+                    .and_then(|l| first_slurm_host(&l))
+            };
+            let one_host = || (t.local_size == t.size).then(|| "127.0.0.1".to_string());
+            let host = var("PERSEUS_MASTER_ADDR")
+                .or_else(|| var("MASTER_ADDR"))
+                .or_else(slurm)
+                .or_else(one_host)
+                .ok_or_else(|| {
+                    PerseusError::InvalidArgument(format!(
+                        "a job of {} ranks on several hosts needs the address of rank 0: set \
+                         PERSEUS_MASTER_ADDR (or MASTER_ADDR), or start it with perseusrun",
+                        t.size
+                    ))
+                })?;
+            Ok((Some((host, port)), t.rank == 0))
+        }
+        _ => Err(PerseusError::InvalidArgument(
+            "PERSEUS_RENDEZVOUS_ADDR and PERSEUS_RENDEZVOUS_PORT must be set together".into(),
+        )),
+    }
+}
+
 impl Config {
     /// Reads and validates the whole environment.
     pub fn from_env() -> Result<Config> {
         let topology = Topology::from_env()?;
-        let rendezvous = match (
-            var("PERSEUS_RENDEZVOUS_ADDR"),
-            var("PERSEUS_RENDEZVOUS_PORT"),
-        ) {
-            (Some(host), Some(port)) => {
-                let p = port.parse::<u16>().map_err(|_| {
-                    invalid(
-                        "PERSEUS_RENDEZVOUS_PORT",
-                        &port,
-                        "a TCP port from 1 to 65535",
-                    )
-                })?;
-                Some((host, p))
-            }
-            (None, None) if topology.size == 1 => None,
-            _ => {
-                return Err(PerseusError::InvalidArgument(format!(
-                    "a job of {} ranks needs PERSEUS_RENDEZVOUS_ADDR and PERSEUS_RENDEZVOUS_PORT; \
-                     start it with perseusrun",
-                    topology.size
-                )))
-            }
-        };
+        let (rendezvous, host_store) = rendezvous(&topology)?;
         let timeout = int_var("GLOO_TIMEOUT_SECONDS", 60, 1, 86_400)?;
         let fusion_threshold = int_var("HOROVOD_FUSION_THRESHOLD", 64 << 20, 0, u64::MAX)?;
         let cycle_ms = float_var("HOROVOD_CYCLE_TIME", 1.0)?;
@@ -168,6 +199,7 @@ impl Config {
         Ok(Config {
             topology,
             rendezvous,
+            host_store,
             secret: var("PERSEUS_SECRET").unwrap_or_default(),
             iface_addr: var("PERSEUS_IFACE_ADDR"),
             timeout: Duration::from_secs(timeout),

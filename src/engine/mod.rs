@@ -25,6 +25,7 @@ use crate::collective::MeshComm;
 use crate::config::Config;
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::{PerseusError, Result};
+use crate::rendezvous::StoreServer;
 use crate::timeline::Timeline;
 use crate::transport::{connect_mesh, Control, Mesh};
 use crate::wire::{read_frame, write_frame};
@@ -91,6 +92,8 @@ struct Shared {
 
 /// A running engine.
 pub struct Engine {
+    /// The rendezvous this rank hosts (rank 0 under a foreign launcher).
+    _store: Option<StoreServer>,
     config: Config,
     tx: Mutex<Sender<Event>>,
     shared: Arc<Shared>,
@@ -101,6 +104,17 @@ pub struct Engine {
 impl Engine {
     /// Connects to the job and starts the engine thread.
     pub fn start(config: Config) -> Result<Engine> {
+        let store = match (&config.rendezvous, config.host_store) {
+            (Some((_, port)), true) => Some(
+                StoreServer::start(&format!("0.0.0.0:{port}"), &config.secret).map_err(|e| {
+                    PerseusError::Peer(format!(
+                        "rank 0 could not host the rendezvous on port {port} \
+                         (PERSEUS_MASTER_PORT): {e}"
+                    ))
+                })?,
+            ),
+            _ => None,
+        };
         let parts = connect_mesh(&config)?;
         let t = &config.topology;
         let shared = Arc::new(Shared {
@@ -154,6 +168,7 @@ impl Engine {
             .name("perseus-engine".into())
             .spawn(move || state.run(rx))?;
         Ok(Engine {
+            _store: store,
             config,
             tx: Mutex::new(tx),
             shared,
