@@ -1,0 +1,151 @@
+"""Lifecycle and topology: ``init``, ``shutdown``, ranks and sizes, build queries."""
+
+from perseus import _core
+from perseus.common import process_sets as _process_sets
+
+_NOT_INITIALIZED = "Perseus has not been initialized; use hvd.init()."
+
+_config = None  # the effective configuration, cached by init()
+
+
+def init(comm=None, process_sets=None):
+    """Start Perseus on this rank: rendezvous with the others and start the engine.
+
+    ``process_sets`` registers process sets up front: a list of :class:`ProcessSet`
+    objects or of rank lists (``"dynamic"`` is accepted and means nothing: sets can
+    always be added later with ``add_process_set``). Their ids are assigned in order.
+    Calling ``init()`` again while initialized does nothing. Invalid environment
+    values raise ``ValueError`` naming the variable.
+    """
+    global _config
+    if comm is not None:
+        raise NotImplementedError(
+            "Perseus does not use MPI: init(comm=...) is not supported; "
+            "pass process_sets=[...] to init() or use add_process_set()")
+    if _core.is_initialized():
+        return
+    sets = _process_sets._normalize(process_sets)
+    _core.init([ps.ranks for ps in sets] if sets else None)
+    _config = dict(_core.config())
+    _process_sets._after_init(sets)
+
+
+def shutdown():
+    """Stop the engine and leave the job; pending operations fail. ``init()`` may follow."""
+    global _config
+    from perseus.common import ops
+
+    _core.shutdown()
+    _config = None
+    ops._after_shutdown()
+    _process_sets._after_shutdown()
+
+
+def is_initialized():
+    """Whether ``init()`` has run (and ``shutdown()`` has not)."""
+    return _core.is_initialized()
+
+
+def check_initialized():
+    """Raise ``ValueError`` unless Perseus is initialized."""
+    if not _core.is_initialized():
+        raise ValueError(_NOT_INITIALIZED)
+
+
+def config():
+    """The effective configuration (variable name -> value), as read by ``init()``."""
+    check_initialized()
+    global _config
+    if _config is None:
+        _config = dict(_core.config())
+    return _config
+
+
+def allgather_stacks():
+    """True when allgather stacks equal shapes (``PERSEUS_CHANGE_HVD_ALLGATHER=0``)."""
+    return config().get("PERSEUS_CHANGE_HVD_ALLGATHER", "0") == "0"
+
+
+def size():
+    """Number of ranks in the job."""
+    return _core.size()
+
+
+def rank():
+    """This rank's index in the job, from 0 to ``size() - 1``."""
+    return _core.rank()
+
+
+def local_size():
+    """Number of ranks on this host."""
+    return _core.local_size()
+
+
+def local_rank():
+    """This rank's index among the ranks on its host."""
+    return _core.local_rank()
+
+
+def cross_size():
+    """Number of hosts (ranks with the same local rank across hosts)."""
+    return _core.cross_size()
+
+
+def cross_rank():
+    """This host's index among the hosts."""
+    return _core.cross_rank()
+
+
+def is_homogeneous():
+    """Whether every host runs the same number of ranks."""
+    return local_size() * cross_size() == size()
+
+
+def mpi_threads_supported():
+    """Always False: Perseus does not use MPI."""
+    return False
+
+
+def mpi_built():
+    """False: Perseus is not built with MPI."""
+    return False
+
+
+def mpi_enabled():
+    """False: Perseus never runs collectives over MPI."""
+    return False
+
+
+def gloo_built():
+    """True: Perseus's own TCP/shared-memory transport takes Gloo's place."""
+    return True
+
+
+def gloo_enabled():
+    """True: collectives run over Perseus's own (Gloo-like) controller."""
+    return True
+
+
+def nccl_built():
+    """False: no NCCL support in this build."""
+    return False
+
+
+def ddl_built():
+    """False: no IBM DDL support."""
+    return False
+
+
+def ccl_built():
+    """False: no oneCCL support."""
+    return False
+
+
+def cuda_built():
+    """False: this build handles CPU tensors only."""
+    return False
+
+
+def rocm_built():
+    """False: no ROCm support."""
+    return False

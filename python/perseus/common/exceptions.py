@@ -1,0 +1,22 @@
+"""Exceptions every front-end raises, shared so that user code can catch one type."""
+
+from perseus import _core
+
+#: A collective failed on this rank (mismatched requests, a lost peer, shutdown).
+#: Raised by ``synchronize()``; the job can go on with later collectives.
+HorovodInternalError = _core.HorovodInternalError
+
+#: Perseus's own name for :data:`HorovodInternalError` (the same class).
+PerseusInternalError = HorovodInternalError
+
+
+class HostsUpdatedInterrupt(RuntimeError):
+    """Raised in elastic mode when the set of hosts changed and workers must re-form.
+
+    ``skip_sync`` tells the elastic loop whether state must be synchronized again
+    (False when only hosts were added, so that no rank lost its state).
+    """
+
+    def __init__(self, skip_sync):
+        super().__init__("hosts updated")
+        self.skip_sync = skip_sync

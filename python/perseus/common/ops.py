@@ -1,0 +1,221 @@
+"""Reduce ops, handles, and the framework-neutral submission of every collective.
+
+A front-end turns its tensors into DLPack capsules and calls the functions here;
+each returns a :class:`Handle` that keeps the tensors and capsules alive until the
+core is done with them. ``finish`` callbacks turn the raw results (output capsules,
+received splits) into framework tensors when the handle is waited on.
+"""
+
+import contextlib
+import warnings
+
+from perseus import _core
+from perseus.common.basics import check_initialized
+from perseus.common.process_sets import process_set_id
+
+Average = _core.OP_AVERAGE
+Sum = _core.OP_SUM
+Adasum = _core.OP_ADASUM
+Min = _core.OP_MIN
+Max = _core.OP_MAX
+Product = _core.OP_PRODUCT
+
+_OP_NAMES = {Average: "Average", Sum: "Sum", Adasum: "Adasum", Min: "Min", Max: "Max",
+             Product: "Product"}
+
+# Handles whose operation may still touch memory: kept here so that dropping a
+# handle without synchronizing can never free a buffer the engine writes to.
+_inflight = {}
+
+
+def check_op(op):
+    """Validate a reduce op; Adasum raises ``NotImplementedError``."""
+    if op == Adasum:
+        raise NotImplementedError("Adasum is not supported by Perseus yet")
+    if isinstance(op, bool) or op not in _OP_NAMES:
+        raise ValueError(f"unknown reduce op {op!r}; use Average, Sum, Min, Max or Product")
+    return int(op)
+
+
+def resolve_op(op, average):
+    """Horovod's handling of the deprecated ``average`` argument: returns the op to use."""
+    if op is not None:
+        if average is not None:
+            raise ValueError(
+                "The op parameter supersedes average. Please provide only one of them.")
+        return op
+    if average is not None:
+        warnings.warn("Parameter `average` has been replaced with `op` and will be removed",
+                      DeprecationWarning, stacklevel=3)
+        return Average if average else Sum
+    return Average
+
+
+class Handle:
+    """One asynchronous collective. ``wait()`` (or ``synchronize(handle)``) gives its result.
+
+    ``keep`` holds whatever must outlive the operation (tensors, capsules);
+    ``finish(handle)`` computes the result once the core is done, using
+    :meth:`output`, :meth:`recv_splits` and :meth:`join_result`. Calling the
+    handle is the same as ``wait()``.
+    """
+
+    __slots__ = ("__weakref__", "_done", "_error", "_finish", "_id", "_keep", "_result")
+
+    def __init__(self, core_id, keep=(), finish=None):
+        self._id = core_id
+        self._keep = keep
+        self._finish = finish
+        self._done = False
+        self._result = None
+        self._error = None
+        _inflight[id(self)] = self
+
+    def poll(self):
+        """True once the operation finished (successfully or not); never blocks."""
+        return self._done or _core.poll(self._id)
+
+    def wait(self):
+        """Block until done and return the result; raise the operation's error."""
+        if not self._done:
+            try:
+                _core.wait(self._id)
+                self._result = self._finish(self) if self._finish is not None else None
+            except KeyboardInterrupt:
+                raise  # still in flight: keep everything alive
+            except Exception as e:  # noqa: BLE001 - stored and re-raised below
+                self._error = e
+            self._done = True
+            self._keep = self._finish = None
+            _inflight.pop(id(self), None)
+            with contextlib.suppress(Exception):  # the engine may be gone after shutdown()
+                _core.release(self._id)
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    __call__ = wait
+
+    def output(self):
+        """The output capsule the core allocated (inside ``finish`` only)."""
+        return _core.take_output(self._id)
+
+    def recv_splits(self):
+        """Rows received from each rank (allgather, alltoall; inside ``finish`` only)."""
+        return list(_core.recv_splits(self._id))
+
+    def join_result(self):
+        """The last rank to join (join; inside ``finish`` only)."""
+        return _core.join_result(self._id)
+
+    def __repr__(self):
+        state = "done" if self._done else "in flight"
+        return f"<perseus Handle {self._id} {state}>"
+
+
+class GroupHandle:
+    """Several handles waited on as one; the result is ``finish([results])`` (or the list)."""
+
+    __slots__ = ("__weakref__", "_done", "_error", "_finish", "_handles", "_result")
+
+    def __init__(self, handles, finish=None):
+        self._handles = list(handles)
+        self._finish = finish
+        self._done = False
+        self._result = None
+        self._error = None
+
+    def poll(self):
+        """True once every operation finished."""
+        return self._done or all(h.poll() for h in self._handles)
+
+    def wait(self):
+        """Wait for all (even after a failure) and return the combined result."""
+        if not self._done:
+            results, error = [], None
+            for h in self._handles:
+                try:
+                    results.append(h.wait())
+                except KeyboardInterrupt:
+                    raise
+                except Exception as e:  # noqa: BLE001 - first error re-raised below
+                    error = error or e
+            if error is None:
+                try:
+                    self._result = self._finish(results) if self._finish else results
+                except Exception as e:  # noqa: BLE001
+                    error = e
+            self._error, self._done = error, True
+            self._finish = None
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    __call__ = wait
+
+    def __repr__(self):
+        return f"<perseus GroupHandle of {len(self._handles)}>"
+
+
+def _after_shutdown():
+    """The engine is gone: nothing can write to kept memory any more."""
+    _inflight.clear()
+
+
+def _prepare(name, process_set):
+    check_initialized()
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"name must be a str or None, got {type(name).__name__}")
+    return process_set_id(process_set)
+
+
+def allreduce_async(inp, out, *, name=None, op=Average, prescale_factor=1.0,
+                    postscale_factor=1.0, process_set=None, keep=(), finish=None):
+    """Reduce capsule ``inp`` into ``out`` (may be the same capsule) across the set."""
+    ps = _prepare(name, process_set)
+    op = check_op(op)
+    hid = _core.allreduce(inp, out, name, op, float(prescale_factor), float(postscale_factor), ps)
+    return Handle(hid, (keep, inp, out), finish)
+
+
+def allgather_async(inp, *, name=None, stack=False, process_set=None, keep=(), finish=None):
+    """Concatenate ``inp`` along dim 0 across the set (``stack``: equal shapes required)."""
+    ps = _prepare(name, process_set)
+    return Handle(_core.allgather(inp, name, bool(stack), ps), (keep, inp), finish)
+
+
+def broadcast_async(buf, *, root_rank, name=None, process_set=None, keep=(), finish=None):
+    """Overwrite ``buf`` with the root's (``root_rank`` counted within the set)."""
+    ps = _prepare(name, process_set)
+    return Handle(_core.broadcast(buf, name, int(root_rank), ps), (keep, buf), finish)
+
+
+def alltoall_async(inp, *, splits=None, name=None, process_set=None, keep=(), finish=None):
+    """Send ``splits[i]`` rows of ``inp`` to set rank i; receive the others' rows."""
+    ps = _prepare(name, process_set)
+    if splits is not None:
+        splits = [int(s) for s in splits]
+        if any(s < 0 for s in splits):
+            raise ValueError(f"alltoall splits must be non-negative, got {splits}")
+    return Handle(_core.alltoall(inp, splits, name, ps), (keep, inp), finish)
+
+
+def reducescatter_async(inp, *, name=None, op=Average, prescale_factor=1.0, postscale_factor=1.0,
+                        process_set=None, keep=(), finish=None):
+    """Reduce ``inp`` across the set; each rank receives its block of dim-0 rows."""
+    ps = _prepare(name, process_set)
+    op = check_op(op)
+    hid = _core.reducescatter(inp, name, op, float(prescale_factor), float(postscale_factor), ps)
+    return Handle(hid, (keep, inp), finish)
+
+
+def barrier(process_set=None):
+    """Block until every rank of the set reached the barrier."""
+    ps = _prepare(None, process_set)
+    Handle(_core.barrier(ps)).wait()
+
+
+def join(process_set=None):
+    """Stop contributing (zeros go to others' allreduces) until all joined; last joiner's rank."""
+    ps = _prepare(None, process_set)
+    return Handle(_core.join(ps), finish=Handle.join_result).wait()

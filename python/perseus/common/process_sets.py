@@ -1,0 +1,161 @@
+"""Process sets: subsets of ranks that run collectives among themselves (Horovod 0.28 API)."""
+
+from perseus import _core
+
+_GLOBAL_ID = 0
+
+
+class ProcessSet:
+    """A set of ranks that runs collectives together.
+
+    Build one from a list of global ranks, then pass it to ``init(process_sets=[...])``
+    or to ``add_process_set()``; either assigns ``process_set_id``. Pass it as
+    ``process_set=`` to any collective. Only its members may call those.
+    """
+
+    process_set_id = None
+    ranks = None
+    mpi_comm = None
+
+    def __init__(self, ranks):
+        bad = "ProcessSet should be initialized with a list of process ranks"
+        try:
+            ranks = sorted(ranks)
+        except TypeError:
+            raise ValueError(bad) from None
+        if any(isinstance(r, bool) or not isinstance(r, int) for r in ranks):
+            raise ValueError(bad)
+        if len(set(ranks)) != len(ranks):
+            raise ValueError(f"ProcessSet ranks must be distinct, got {ranks}")
+        self.ranks = ranks
+
+    def _registered(self):
+        return self.process_set_id is not None and _core.is_initialized()
+
+    def size(self):
+        """Number of ranks in the set, or None before it is registered."""
+        if not self._registered():
+            return None
+        return len(self.ranks)
+
+    def rank(self):
+        """This process's rank within the set; -1 if not a member; None if unregistered."""
+        if not self._registered():
+            return None
+        me = _core.rank()
+        return self.ranks.index(me) if me in self.ranks else -1
+
+    def included(self):
+        """Whether this process belongs to the set, or None before it is registered."""
+        if not self._registered():
+            return None
+        return _core.rank() in self.ranks
+
+    def invalidate(self):
+        """Forget the registration (after removal or shutdown)."""
+        self.process_set_id = None
+
+    def __eq__(self, other):
+        if not isinstance(other, ProcessSet):
+            return NotImplemented
+        return self.process_set_id == other.process_set_id and self.ranks == other.ranks
+
+    def __hash__(self):
+        return hash(self.process_set_id)
+
+    def __repr__(self):
+        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks})"
+
+    __str__ = __repr__
+
+
+#: The set of all ranks (id 0); its ``ranks`` are filled in by ``init()``.
+global_process_set = ProcessSet([])
+global_process_set.process_set_id = _GLOBAL_ID
+
+_registry = {}  # id -> [ProcessSet, ...] (several objects may name one set)
+
+
+def _normalize(process_sets):
+    """``init()``'s argument as a list of ProcessSet objects (rank lists wrapped)."""
+    if process_sets is None or process_sets == "dynamic":
+        return []
+    if isinstance(process_sets, ProcessSet):
+        process_sets = [process_sets]
+    return [ps if isinstance(ps, ProcessSet) else ProcessSet(ps) for ps in process_sets]
+
+
+def _after_init(sets):
+    """Record the ids ``_core.init`` gave (1, 2, ... in order) and the global ranks."""
+    global_process_set.ranks = list(range(_core.size()))
+    _registry.clear()
+    _registry[_GLOBAL_ID] = [global_process_set]
+    for pid, ps in enumerate(sets, start=1):
+        ps.process_set_id = pid
+        _registry.setdefault(pid, []).append(ps)
+
+
+def _after_shutdown():
+    for pid, sets in _registry.items():
+        if pid != _GLOBAL_ID:
+            for ps in sets:
+                ps.invalidate()
+    _registry.clear()
+
+
+def process_set_id(process_set):
+    """The core id of ``process_set`` (a ProcessSet or an int id)."""
+    if process_set is None:
+        return _GLOBAL_ID
+    if isinstance(process_set, ProcessSet):
+        if process_set.process_set_id is None:
+            raise ValueError(
+                f"{process_set} is not registered: pass it to init(process_sets=...) or "
+                "add_process_set() first (a removed set cannot be used)")
+        return process_set.process_set_id
+    if isinstance(process_set, int) and not isinstance(process_set, bool):
+        return process_set
+    raise TypeError(f"process_set must be a ProcessSet, got {type(process_set).__name__}")
+
+
+def process_set_size(process_set):
+    """Number of ranks in ``process_set`` (a ProcessSet or an id)."""
+    if isinstance(process_set, ProcessSet) and process_set.ranks:
+        return len(process_set.ranks)
+    return len(_core.process_set_ranks(process_set_id(process_set)))
+
+
+def add_process_set(process_set):
+    """Register a new process set on every rank (a collective: all ranks must call it).
+
+    ``process_set`` is a :class:`ProcessSet` or a list of ranks; returns the
+    registered ProcessSet.
+    """
+    if not isinstance(process_set, ProcessSet):
+        process_set = ProcessSet(process_set)
+    if not _core.is_initialized():
+        raise ValueError("Perseus has not been initialized; use hvd.init().")
+    process_set.process_set_id = _core.add_process_set(list(process_set.ranks))
+    _registry.setdefault(process_set.process_set_id, []).append(process_set)
+    return process_set
+
+
+def remove_process_set(process_set):
+    """Unregister ``process_set`` on every rank (a collective); returns whether it was removed.
+
+    The global set is never removed. Every ProcessSet object naming the set is
+    invalidated.
+    """
+    pid = process_set.process_set_id
+    if pid is None or pid == _GLOBAL_ID:
+        return False
+    _core.remove_process_set(pid)
+    for ps in _registry.pop(pid, [process_set]):
+        ps.invalidate()
+    process_set.invalidate()
+    return True
+
+
+def process_sets():
+    """The registered process sets, one object per id, in id order."""
+    return [sets[0] for _, sets in sorted(_registry.items())]

@@ -1,0 +1,24 @@
+"""Timeline control: a Chrome-trace JSON of every operation (``chrome://tracing``)."""
+
+import os
+
+from perseus import _core
+from perseus.common.basics import check_initialized
+
+
+def start_timeline(file_path, mark_cycles=False):
+    """Start writing the timeline to ``file_path`` (replacing a running one).
+
+    ``mark_cycles`` also marks each engine cycle. ``PERSEUS_TIMELINE`` (or
+    ``HOROVOD_TIMELINE``) starts one at ``init()`` instead.
+    """
+    check_initialized()
+    if not file_path:
+        raise ValueError("start_timeline needs a file path")
+    _core.start_timeline(os.fspath(file_path), bool(mark_cycles))
+
+
+def stop_timeline():
+    """Stop writing the timeline and close its file."""
+    check_initialized()
+    _core.stop_timeline()

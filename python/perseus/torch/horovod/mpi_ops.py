@@ -1,0 +1,528 @@
+"""Collectives on PyTorch tensors: the ``horovod.torch`` operations of Horovod 0.28.
+
+Tensors reach the core as DLPack capsules of contiguous CPU memory; the handles
+of :mod:`perseus.common.ops` keep them alive until the operation completes.
+"""
+
+import torch
+
+from perseus.common import basics as _basics
+from perseus.common import ops as _ops
+from perseus.common.basics import (  # noqa: F401 - re-exported
+    ccl_built,
+    cross_rank,
+    cross_size,
+    cuda_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    init,
+    is_homogeneous,
+    is_initialized,
+    local_rank,
+    local_size,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    rank,
+    rocm_built,
+    shutdown,
+    size,
+)
+from perseus.common.exceptions import (  # noqa: F401 - re-exported
+    HorovodInternalError,
+    HostsUpdatedInterrupt,
+    PerseusInternalError,
+)
+from perseus.common.ops import Adasum, Average, Max, Min, Product, Sum  # noqa: F401
+from perseus.common.process_sets import (  # noqa: F401 - re-exported
+    ProcessSet,
+    add_process_set,
+    global_process_set,
+    remove_process_set,
+)
+from perseus.common.process_sets import process_set_size as _ps_size
+from perseus.common.timeline import start_timeline, stop_timeline  # noqa: F401
+from perseus.torch.horovod.compression import Compression
+
+_SUPPORTED_DTYPES = (torch.uint8, torch.int8, torch.int32, torch.int64, torch.float16,
+                     torch.bfloat16, torch.float32, torch.float64, torch.bool)
+
+
+# --------------------------------------------------------------------------- tensor adaptation
+
+def _check_tensor(tensor):
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in _SUPPORTED_DTYPES:
+        names = ", ".join(str(d).replace("torch.", "") for d in _SUPPORTED_DTYPES)
+        raise TypeError(f"Perseus does not support tensors of dtype {tensor.dtype}; "
+                        f"supported dtypes: {names}")
+    if tensor.device.type != "cpu":
+        raise ValueError(f"CUDA tensors are not supported yet: Perseus handles CPU tensors only "
+                         f"(got a tensor on {tensor.device})")
+    if tensor.layout != torch.strided:
+        raise ValueError(f"{tensor.layout} tensors are not supported here; sparse gradients go "
+                         "through sparse_allreduce_async or DistributedOptimizer")
+
+
+def _export(tensor):
+    """A contiguous detached tensor with ``tensor``'s values, and its DLPack capsule."""
+    t = tensor.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t, t.__dlpack__()
+
+
+def _in_place(tensor):
+    """Buffer, capsule and finish callback for an operation writing into ``tensor``."""
+    if tensor.is_contiguous():
+        buf = tensor.detach()
+        return buf, buf.__dlpack__(), lambda _h: tensor
+
+    buf = tensor.detach().contiguous()
+
+    def finish(_h):
+        with torch.no_grad():
+            tensor.copy_(buf)
+        return tensor
+
+    return buf, buf.__dlpack__(), finish
+
+
+def _output(handle):
+    """The tensor the core allocated for ``handle``."""
+    capsule = handle.output()
+    if capsule is None:
+        raise HorovodInternalError("the core returned no output tensor")
+    return torch.from_dlpack(capsule)
+
+
+# --------------------------------------------------------------------------- allreduce
+
+def _allreduce_async(tensor, output, name, op, prescale_factor, postscale_factor, process_set):
+    _check_tensor(tensor)
+    if output is None:
+        buf, cap, finish = _in_place(tensor)
+        out_cap, keep = cap, (tensor, buf)
+    else:
+        buf, cap = _export(tensor)
+        out_cap = output.__dlpack__()
+        keep = (tensor, buf, output)
+
+        def finish(_h):
+            return output
+    return _ops.allreduce_async(cap, out_cap, name=name, op=op, prescale_factor=prescale_factor,
+                                postscale_factor=postscale_factor, process_set=process_set,
+                                keep=keep, finish=finish)
+
+
+def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
+                    postscale_factor=1.0, process_set=global_process_set):
+    """Start averaging (or reducing with ``op``) ``tensor`` over all ranks; returns a handle.
+
+    The input is not modified; ``synchronize(handle)`` returns a new tensor. The
+    operation is keyed by ``name`` (auto-generated when None): every rank must
+    submit the same dtype and shape under one name. ``average`` is deprecated (use
+    ``op``). ``prescale_factor`` multiplies the input before the reduction,
+    ``postscale_factor`` the result after it.
+    """
+    op = _ops.resolve_op(op, average)
+    _check_tensor(tensor)
+    output = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+    return _allreduce_async(tensor, output, name, op, prescale_factor, postscale_factor,
+                            process_set)
+
+
+def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
+                     postscale_factor=1.0, process_set=global_process_set):
+    """Like :func:`allreduce_async`, but the result overwrites ``tensor``."""
+    op = _ops.resolve_op(op, average)
+    return _allreduce_async(tensor, None, name, op, prescale_factor, postscale_factor,
+                            process_set)
+
+
+class _Allreduce(torch.autograd.Function):
+    """Allreduce with a gradient: the gradient is allreduced the same way."""
+
+    @staticmethod
+    def forward(ctx, tensor, name, op, prescale_factor, postscale_factor, process_set):
+        ctx.args = (op, prescale_factor, postscale_factor, process_set)
+        return synchronize(allreduce_async(tensor, None, name, op, prescale_factor,
+                                           postscale_factor, process_set))
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        op, pre, post, ps = ctx.args
+        grad = allreduce(grad_output, op=op, prescale_factor=pre, postscale_factor=post,
+                         process_set=ps)
+        return grad, None, None, None, None, None
+
+
+def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None,
+              prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
+    """Average (or reduce with ``op``) ``tensor`` over all ranks and return the result.
+
+    The input is not modified. Differentiable: the gradient is allreduced with the
+    same op. ``compression`` (e.g. ``Compression.fp16``) is applied on the wire.
+    See :func:`allreduce_async` for the other arguments.
+    """
+    op = _ops.resolve_op(op, average)
+    compressed, ctx = compression.compress(tensor)
+    reduced = _Allreduce.apply(compressed, name, op, prescale_factor, postscale_factor,
+                               process_set)
+    return compression.decompress(reduced, ctx)
+
+
+def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
+               postscale_factor=1.0, process_set=global_process_set):
+    """Average (or reduce with ``op``) ``tensor`` in place over all ranks; returns it."""
+    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor,
+                                        postscale_factor, process_set))
+
+
+def _group_names(name, n):
+    return [None] * n if name is None else [f"{name}.{i}" for i in range(n)]
+
+
+def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                            postscale_factor=1.0, process_set=global_process_set):
+    """Start allreducing a list of tensors as one group; ``synchronize`` returns a list."""
+    op = _ops.resolve_op(op, average)
+    return _ops.GroupHandle([
+        allreduce_async(t, None, n, op, prescale_factor, postscale_factor, process_set)
+        for t, n in zip(tensors, _group_names(name, len(tensors)))])
+
+
+def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                             postscale_factor=1.0, process_set=global_process_set):
+    """Like :func:`grouped_allreduce_async`, writing each result into its input."""
+    op = _ops.resolve_op(op, average)
+    return _ops.GroupHandle([
+        allreduce_async_(t, None, n, op, prescale_factor, postscale_factor, process_set)
+        for t, n in zip(tensors, _group_names(name, len(tensors)))])
+
+
+class _GroupedAllreduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, op, prescale_factor, postscale_factor, process_set, *tensors):
+        ctx.args = (op, prescale_factor, postscale_factor, process_set)
+        return tuple(synchronize(grouped_allreduce_async(
+            list(tensors), None, name, op, prescale_factor, postscale_factor, process_set)))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        op, pre, post, ps = ctx.args
+        reduced = grouped_allreduce(list(grads), op=op, prescale_factor=pre,
+                                    postscale_factor=post, process_set=ps)
+        return (None, None, None, None, None, *reduced)
+
+
+def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
+                      prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
+    """Allreduce a list of tensors as one group; returns the list of results (differentiable)."""
+    op = _ops.resolve_op(op, average)
+    if not tensors:
+        return []
+    compressed, ctxs = zip(*[compression.compress(t) for t in tensors])
+    reduced = _GroupedAllreduce.apply(name, op, prescale_factor, postscale_factor, process_set,
+                                      *compressed)
+    return [compression.decompress(t, c) for t, c in zip(reduced, ctxs)]
+
+
+def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
+                       postscale_factor=1.0, process_set=global_process_set):
+    """Allreduce a list of tensors in place as one group; returns the list."""
+    return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
+                                                postscale_factor, process_set))
+
+
+def _set_rank(process_set):
+    r = process_set.rank() if isinstance(process_set, ProcessSet) else None
+    if r is None or r < 0:
+        raise ValueError(f"this rank is not a member of {process_set}")
+    return r
+
+
+def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
+    """Start reducing a sparse COO tensor by gathering every rank's indices and values.
+
+    Returns a handle: ``synchronize(handle)`` (or ``handle()``) gives the summed
+    sparse tensor (values divided by the set size for ``Average``).
+    """
+    op = _ops.check_op(op)
+    if op not in (Average, Sum):
+        raise ValueError("sparse allreduce supports only Average and Sum")
+    t = tensor
+    h_values = _allgather_concat_async(t._values(), f"{name}.values", process_set)
+    h_indices = _allgather_concat_async(t._indices().t().contiguous(), f"{name}.indices",
+                                        process_set)
+
+    def finish(results):
+        values, indices = results
+        if op == Average:
+            values = values / _ps_size(process_set)
+        return torch.sparse_coo_tensor(indices.t(), values, t.size(), check_invariants=True)
+
+    return _ops.GroupHandle([h_values, h_indices], finish)
+
+
+# --------------------------------------------------------------------------- allgather
+
+def _allgather_concat_async(tensor, name, process_set):
+    """Horovod-style allgather (concatenate along dim 0) whatever the allgather mode."""
+    _check_tensor(tensor)
+    src = tensor.reshape(1) if tensor.dim() == 0 else tensor
+    buf, cap = _export(src)
+    return _ops.allgather_async(cap, name=name, stack=False, process_set=process_set,
+                                keep=(tensor, buf), finish=_output)
+
+
+def allgather_async(tensor, name=None, process_set=global_process_set):
+    """Start gathering ``tensor`` from every rank; returns a handle.
+
+    With ``PERSEUS_CHANGE_HVD_ALLGATHER=0`` (the default) every rank sends the same
+    shape and the result stacks them: shape ``[size, *tensor.shape]``. With ``=1``
+    the tensors are concatenated along dimension 0 as Horovod does, so their first
+    dimensions may differ.
+    """
+    _check_tensor(tensor)
+    if not _basics.allgather_stacks():
+        return _allgather_concat_async(tensor, name, process_set)
+    buf, cap = _export(tensor.unsqueeze(0))
+    return _ops.allgather_async(cap, name=name, stack=True, process_set=process_set,
+                                keep=(tensor, buf), finish=_output)
+
+
+class _Allgather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, name, process_set):
+        ctx.shape = tensor.shape
+        ctx.process_set = process_set
+        ctx.stack = _basics.allgather_stacks()
+        return synchronize(allgather_async(tensor, name, process_set))
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        ps = ctx.process_set
+        reduced = allreduce(grad_output, op=Average, process_set=ps)
+        r = _set_rank(ps)
+        if ctx.stack:
+            return reduced[r], None, None
+        rows = ctx.shape[0] if len(ctx.shape) else 1
+        dims = synchronize(_allgather_concat_async(torch.tensor([rows]), None, ps))
+        offset = int(dims[:r].sum())
+        return reduced.narrow(0, offset, rows).reshape(ctx.shape), None, None
+
+
+def allgather(tensor, name=None, process_set=global_process_set):
+    """Gather ``tensor`` from every rank (see :func:`allgather_async` for the layout).
+
+    Differentiable: the gradient is the average of the result's gradients, sliced
+    back to this rank's part.
+    """
+    return _Allgather.apply(tensor, name, process_set)
+
+
+def grouped_allgather_async(tensors, name=None, process_set=global_process_set):
+    """Start gathering each tensor of a list; ``synchronize`` returns the list of results."""
+    return _ops.GroupHandle([allgather_async(t, n, process_set)
+                             for t, n in zip(tensors, _group_names(name, len(tensors)))])
+
+
+def grouped_allgather(tensors, name=None, process_set=global_process_set):
+    """Gather each tensor of a list from every rank; returns the list of results."""
+    return synchronize(grouped_allgather_async(tensors, name, process_set))
+
+
+# --------------------------------------------------------------------------- broadcast
+
+def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set):
+    """Start broadcasting ``tensor`` from ``root_rank``; the result is a new tensor.
+
+    ``root_rank`` counts within ``process_set``. Every rank must submit the same
+    dtype and shape under one name.
+    """
+    _check_tensor(tensor)
+    out = tensor.detach().clone(memory_format=torch.contiguous_format)
+    return _ops.broadcast_async(out.__dlpack__(), root_rank=root_rank, name=name,
+                                process_set=process_set, keep=(tensor, out),
+                                finish=lambda _h: out)
+
+
+def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set):
+    """Start broadcasting ``tensor`` from ``root_rank`` in place; returns a handle."""
+    _check_tensor(tensor)
+    buf, cap, finish = _in_place(tensor)
+    return _ops.broadcast_async(cap, root_rank=root_rank, name=name, process_set=process_set,
+                                keep=(tensor, buf), finish=finish)
+
+
+class _Broadcast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, root_rank, name, process_set):
+        ctx.root_rank, ctx.process_set = root_rank, process_set
+        return synchronize(broadcast_async(tensor, root_rank, name, process_set))
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad = allreduce(grad_output, op=Average, process_set=ctx.process_set)
+        if _set_rank(ctx.process_set) != ctx.root_rank:
+            grad = grad * 0
+        return grad, None, None, None
+
+
+def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
+    """Return ``root_rank``'s value of ``tensor`` on every rank (input not modified)."""
+    return _Broadcast.apply(tensor, root_rank, name, process_set)
+
+
+def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
+    """Overwrite ``tensor`` with ``root_rank``'s value; returns it."""
+    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+
+
+# --------------------------------------------------------------------------- alltoall
+
+def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set):
+    """Start an alltoall; ``synchronize`` returns ``(output, received_splits)``.
+
+    ``splits[i]`` rows (dim 0) of ``tensor`` go to rank i of the set, in order;
+    without ``splits`` dim 0 is split equally. ``received_splits[i]`` is the number
+    of rows that came from rank i.
+    """
+    _check_tensor(tensor)
+    splits_dtype = torch.int32
+    if isinstance(splits, torch.Tensor):
+        splits_dtype = splits.dtype
+        splits = splits.tolist()
+    elif splits is not None:
+        splits = list(splits)
+    buf, cap = _export(tensor)
+
+    def finish(h):
+        out = _output(h)
+        return out, torch.tensor(h.recv_splits(), dtype=splits_dtype)
+
+    return _ops.alltoall_async(cap, splits=splits, name=name, process_set=process_set,
+                               keep=(tensor, buf), finish=finish)
+
+
+class _Alltoall(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, splits, name, process_set):
+        output, received = synchronize(alltoall_async(tensor, splits, name, process_set))
+        ctx.process_set, ctx.received = process_set, received
+        if splits is None:
+            return output
+        ctx.mark_non_differentiable(received)
+        return output, received
+
+    @staticmethod
+    def backward(ctx, grad_output, *_):
+        grad, _ = synchronize(alltoall_async(grad_output, ctx.received, None, ctx.process_set))
+        return grad, None, None, None
+
+
+def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
+    """Scatter rows of ``tensor`` to every rank and gather the rows sent to this one.
+
+    Returns the gathered tensor, and, when ``splits`` is given, also the tensor of
+    rows received from each rank (as Horovod 0.28 does). Differentiable.
+    """
+    return _Alltoall.apply(tensor, splits, name, process_set)
+
+
+# --------------------------------------------------------------------------- reducescatter
+
+def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set,
+                        prescale_factor=1.0, postscale_factor=1.0):
+    """Start a reduce-scatter: reduce ``tensor`` over the set, keep this rank's rows.
+
+    Dim 0 is split as evenly as possible, the first ``d0 % size`` ranks getting one
+    more row. ``synchronize`` returns this rank's block.
+    """
+    _check_tensor(tensor)
+    buf, cap = _export(tensor)
+    return _ops.reducescatter_async(cap, name=name, op=op, prescale_factor=prescale_factor,
+                                    postscale_factor=postscale_factor, process_set=process_set,
+                                    keep=(tensor, buf), finish=_output)
+
+
+class _Reducescatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, name, op, process_set, prescale_factor, postscale_factor):
+        ctx.args = (op, process_set, prescale_factor * postscale_factor)
+        return synchronize(reducescatter_async(tensor, name, op, process_set, prescale_factor,
+                                               postscale_factor))
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        op, ps, scale = ctx.args
+        if op not in (Average, Sum):
+            raise NotImplementedError("reducescatter gradients exist for Sum and Average only")
+        grad = synchronize(_allgather_concat_async(grad_output, None, ps))
+        if op == Average:
+            scale = scale / _ps_size(ps)
+        return grad * scale if scale != 1.0 else grad, None, None, None, None, None
+
+
+def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
+                  process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
+    """Reduce ``tensor`` over the set and return this rank's block of rows (differentiable)."""
+    compressed, ctx = compression.compress(tensor)
+    out = _Reducescatter.apply(compressed, name, op, process_set, prescale_factor,
+                               postscale_factor)
+    return compression.decompress(out, ctx)
+
+
+def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set,
+                                prescale_factor=1.0, postscale_factor=1.0):
+    """Start reduce-scattering each tensor of a list; ``synchronize`` returns a list."""
+    return _ops.GroupHandle([
+        reducescatter_async(t, n, op, process_set, prescale_factor, postscale_factor)
+        for t, n in zip(tensors, _group_names(name, len(tensors)))])
+
+
+def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
+                          process_set=global_process_set, prescale_factor=1.0,
+                          postscale_factor=1.0):
+    """Reduce-scatter each tensor of a list; returns the list of this rank's blocks."""
+    compressed, ctxs = zip(*[compression.compress(t) for t in tensors]) if tensors else ((), ())
+    outs = synchronize(grouped_reducescatter_async(list(compressed), name, op, process_set,
+                                                   prescale_factor, postscale_factor))
+    return [compression.decompress(t, c) for t, c in zip(outs, ctxs)]
+
+
+# --------------------------------------------------------------------------- completion
+
+def poll(handle):
+    """True once the asynchronous operation behind ``handle`` has completed."""
+    return handle.poll()
+
+
+def synchronize(handle):
+    """Wait for ``handle``'s operation and return its result.
+
+    Allreduce, allgather, broadcast and reducescatter give a tensor; alltoall gives
+    ``(output, received_splits)``; grouped operations a list. Raises
+    ``HorovodInternalError`` when the collective failed.
+    """
+    if handle is None:
+        return None
+    return handle.wait()
+
+
+def join(device=-1):
+    """Declare that this rank has no more data; returns the rank that joined last.
+
+    Until every rank joined, this rank contributes zeros to the allreduces the
+    others still run. ``device`` is accepted for Horovod compatibility (CPU only).
+    """
+    return _ops.join()
+
+
+def barrier(process_set=global_process_set):
+    """Block until every rank of ``process_set`` has reached the barrier."""
+    _ops.barrier(process_set)

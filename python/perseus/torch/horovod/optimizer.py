@@ -1,0 +1,313 @@
+"""``DistributedOptimizer``: averages gradients across ranks while backward still runs."""
+
+import os
+import warnings
+from contextlib import contextmanager
+
+import torch
+
+from perseus.common.process_sets import global_process_set
+from perseus.torch.horovod.compression import Compression
+from perseus.torch.horovod.functions import broadcast_object
+from perseus.torch.horovod.mpi_ops import (
+    Adasum,
+    Average,
+    allreduce_async_,
+    grouped_allreduce_async_,
+    size,
+    sparse_allreduce_async,
+    synchronize,
+)
+
+
+def _split_list(items, n):
+    """``items`` cut into ``n`` consecutive chunks whose lengths differ by at most one."""
+    d, r = divmod(len(items), n)
+    return [items[i * d + min(i, r):(i + 1) * d + min(i + 1, r)] for i in range(n)]
+
+
+class _DistributedOptimizer:
+    """Mixed into the wrapped optimizer's class (see :func:`DistributedOptimizer`)."""
+
+    def __init__(self, params, named_parameters, compression, backward_passes_per_step=1,
+                 op=Average, gradient_predivide_factor=1.0, groups=None, sparse_as_dense=False,
+                 process_set=global_process_set):
+        super().__init__(params)
+        self._compression = compression
+
+        if named_parameters is not None:
+            named_parameters = list(named_parameters)
+        else:
+            named_parameters = [(f"allreduce.noname.{i}.{j}", v)
+                                for i, group in enumerate(self.param_groups)
+                                for j, v in enumerate(group["params"])]
+        if any(not isinstance(p, tuple) for p in named_parameters):
+            raise ValueError("named_parameters should be a sequence of tuples (name, parameter), "
+                             "usually produced by model.named_parameters().")
+        names = [k for k, _ in named_parameters]
+        dups = sorted({k for k in names if names.count(k) > 1})
+        if dups:
+            raise ValueError("Parameter names in named_parameters must be unique. "
+                             f"Found duplicates: {', '.join(dups)}")
+        all_ids = {id(v) for group in self.param_groups for v in group["params"]}
+        unnamed = all_ids - {id(v) for _, v in named_parameters}
+        if unnamed:
+            raise ValueError("named_parameters was specified, but one or more model parameters "
+                             f"were not named. Python object ids: {', '.join(map(str, unnamed))}")
+
+        self._parameter_names = {v: k for k, v in named_parameters}
+        self.backward_passes_per_step = backward_passes_per_step
+        self._allreduce_delay = {v: backward_passes_per_step for _, v in named_parameters}
+        self.op = op
+        self.gradient_predivide_factor = gradient_predivide_factor
+        self.sparse_as_dense = sparse_as_dense
+        self.process_set = process_set
+        self._handles = {}
+        self._hook_handles = []
+        self._requires_update = set()
+        self._synchronized = False
+        self._should_synchronize = True
+        self._groups = groups
+        self._p_to_group = {}
+        self._group_counts = {}
+        if size() > 1 or os.environ.get("HOROVOD_ELASTIC") == "1":
+            self._register_hooks()
+
+    def load_state_dict(self, *args, **kwargs):
+        """Load optimizer state; pending gradient reductions are forgotten."""
+        self._handles = {}
+        self._synchronized = False
+        self._should_synchronize = True
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = self.backward_passes_per_step
+        super().load_state_dict(*args, **kwargs)
+
+    def set_backward_passes_per_step(self, passes):
+        """Change how many backward passes accumulate locally before gradients are reduced."""
+        self.backward_passes_per_step = passes
+        for p in self._allreduce_delay:
+            self._allreduce_delay[p] = passes
+
+    def _form_groups(self):
+        if isinstance(self._groups, list):
+            groups = [tuple(g) for g in self._groups]
+        else:
+            params = [p for group in self.param_groups for p in group["params"]
+                      if p.requires_grad]
+            # Every rank must form the same groups: take rank 0's parameter order.
+            order = broadcast_object([self._parameter_names.get(p) for p in params],
+                                     root_rank=0, name="DistributedOptimizer.groups",
+                                     process_set=self.process_set)
+            position = {n: i for i, n in enumerate(order)}
+            params.sort(key=lambda p: position[self._parameter_names.get(p)])
+            groups = [tuple(g) for g in _split_list(params, self._groups) if g]
+        for group in groups:
+            for p in group:
+                self._p_to_group[p] = group
+            self._group_counts[group] = 0
+
+    def _register_hooks(self):
+        if self._groups is not None:
+            self._form_groups()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.requires_grad:
+                    self._requires_update.add(p)
+                    self._hook_handles.append(
+                        p.register_post_accumulate_grad_hook(self._make_hook(p)))
+
+    def _scale_factors(self):
+        if self.op == Average:
+            # Split the average: the core divides by the set size after postscale.
+            return 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
+        return 1.0, 1.0
+
+    def _allreduce_grad_async(self, p):
+        if p.grad is None:
+            # Not computed here (e.g. an unused branch), but others may have computed it.
+            p.grad = torch.zeros_like(p)
+        name = self._parameter_names.get(p)
+        tensor = p.grad
+        if tensor.is_sparse:
+            if not self.sparse_as_dense:
+                return sparse_allreduce_async(tensor.coalesce(), name, self.op,
+                                              self.process_set), None
+            tensor = tensor.to_dense()
+        compressed, ctx = self._compression.compress(tensor)
+        pre, post = self._scale_factors()
+        handle = allreduce_async_(compressed, name=name, op=self.op, prescale_factor=pre,
+                                  postscale_factor=post, process_set=self.process_set)
+        return handle, ctx
+
+    def _grouped_allreduce_grad_async(self, params):
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        name = self._parameter_names.get(params[0])
+        compressed, ctxs = zip(*[self._compression.compress(p.grad) for p in params])
+        pre, post = self._scale_factors()
+        handle = grouped_allreduce_async_(list(compressed), name=name, op=self.op,
+                                          prescale_factor=pre, postscale_factor=post,
+                                          process_set=self.process_set)
+        return handle, ctxs
+
+    def _make_hook(self, p):
+        def hook(*_):
+            pending = p in self._handles and self._handles[p][0] is not None
+            if pending and self._allreduce_delay[p] <= 0:
+                raise AssertionError(
+                    "Gradients were computed more than backward_passes_per_step times "
+                    "before call to step(). Increase backward_passes_per_step to "
+                    "accumulate gradients locally.")
+            assert not p.grad.requires_grad
+            assert self._allreduce_delay[p] > 0
+            handle, ctx = None, None
+            self._allreduce_delay[p] -= 1
+            if self._allreduce_delay[p] == 0:
+                group = self._p_to_group.get(p)
+                if group is not None:
+                    self._group_counts[group] += 1
+                    if self._group_counts[group] == len(group):
+                        self._handles[group] = self._grouped_allreduce_grad_async(group)
+                        for gp in group:
+                            self._handles.pop(gp, None)
+                        self._group_counts[group] = 0
+                        return
+                else:
+                    handle, ctx = self._allreduce_grad_async(p)
+            self._handles[p] = (handle, ctx)
+
+        return hook
+
+    def synchronize(self):
+        """Wait for every gradient reduction (starting those not started yet)."""
+        if not self.process_set.included():
+            self._synchronized = True
+            return
+        completed = set()
+        for key in self._handles:
+            completed.update(key) if isinstance(key, tuple) else completed.add(key)
+        for p in self._requires_update - completed:
+            self._handles[p] = self._allreduce_grad_async(p)
+        for p, (handle, _) in list(self._handles.items()):
+            if handle is None:
+                self._handles[p] = self._allreduce_grad_async(p)
+        try:
+            for p, (handle, ctx) in self._handles.items():
+                if isinstance(p, tuple):
+                    outputs = synchronize(handle)
+                    for gp, output, gctx in zip(p, outputs, ctx):
+                        self._allreduce_delay[gp] = self.backward_passes_per_step
+                        gp.grad.set_(self._compression.decompress(output, gctx))
+                    if p in self._group_counts:
+                        self._group_counts[p] = 0
+                    continue
+                output = synchronize(handle)
+                self._allreduce_delay[p] = self.backward_passes_per_step
+                group = self._p_to_group.get(p)
+                if group is not None:
+                    self._group_counts[group] = 0
+                if p.grad.is_sparse:
+                    reduced = self._compression.decompress(output, ctx)
+                    if not reduced.is_sparse:
+                        reduced = reduced.to_sparse()
+                    p.grad = reduced
+                else:
+                    p.grad.set_(self._compression.decompress(output, ctx))
+        finally:
+            self._handles.clear()
+        self._synchronized = True
+
+    @contextmanager
+    def skip_synchronize(self):
+        """Within this context ``step()`` does not synchronize (call ``synchronize()`` first).
+
+        Typical use: ``optimizer.synchronize()``, clip gradients, then
+        ``with optimizer.skip_synchronize(): optimizer.step()``.
+        """
+        self._should_synchronize = False
+        try:
+            yield
+        finally:
+            self._should_synchronize = True
+
+    def step(self, closure=None):
+        """Wait for the averaged gradients, then take the wrapped optimizer's step."""
+        if self._should_synchronize:
+            if self._synchronized:
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
+                              "context after optimizer.synchronize(). This can cause training "
+                              "slowdown. You may want to consider using "
+                              "optimizer.skip_synchronize() context if you use "
+                              "optimizer.synchronize() in your code.")
+            self.synchronize()
+        self._synchronized = False
+        return super().step(closure)
+
+    def zero_grad(self, *args, **kwargs):
+        """Clear gradients; refused while gradient reductions are in flight."""
+        if self._handles:
+            raise AssertionError("optimizer.zero_grad() was called after loss.backward() but "
+                                 "before optimizer.step() or optimizer.synchronize(). This is "
+                                 "prohibited as it can cause a race condition.")
+        return super().zero_grad(*args, **kwargs)
+
+
+def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none,
+                         backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0,
+                         num_groups=0, groups=None, sparse_as_dense=False,
+                         process_set=global_process_set):
+    """Wrap a ``torch.optim`` optimizer so that gradients are averaged over all ranks.
+
+    Each parameter's gradient is allreduced asynchronously as soon as backward has
+    accumulated it (``backward_passes_per_step`` times); ``step()`` waits for all of
+    them, then updates. The returned object is an instance of a subclass of the
+    optimizer's class sharing its parameter groups.
+
+    Arguments:
+        optimizer: the optimizer to wrap.
+        named_parameters: ``model.named_parameters()``, to name the allreduces.
+        compression: ``Compression.none`` or ``Compression.fp16`` for the wire.
+        backward_passes_per_step: backward passes accumulated locally per step.
+        op: ``Average`` (default) or ``Sum`` (``Adasum`` is not supported yet).
+        gradient_predivide_factor: with ``Average``, divide gradients by this factor
+            before the sum and by ``size / factor`` after it.
+        num_groups: deprecated, use ``groups``.
+        groups: an int (split the parameters into that many groups, each reduced as
+            one) or a list of lists of parameters.
+        sparse_as_dense: reduce sparse gradients as dense tensors.
+        process_set: the ranks that average gradients together.
+    """
+    if op == Adasum:
+        raise NotImplementedError("Adasum is not supported by Perseus yet")
+    if gradient_predivide_factor != 1.0 and op != Average:
+        raise ValueError("gradient_predivide_factor not supported with op != Average")
+    if num_groups != 0:
+        warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be removed.",
+                      DeprecationWarning, stacklevel=2)
+        if groups is None:
+            groups = num_groups
+    if groups is not None:
+        if isinstance(groups, list):
+            seen = set()
+            for group in groups:
+                for p in group:
+                    if not isinstance(p, torch.Tensor):
+                        raise TypeError("groups must consist of torch.Tensor.")
+                    if id(p) in seen:
+                        raise ValueError("A parameter can only appear once in groups.")
+                    seen.add(id(p))
+        elif isinstance(groups, bool) or not isinstance(groups, int) or groups < 0:
+            raise ValueError("groups should be a non-negative integer or a list of lists of "
+                             "torch.Tensor.")
+        elif groups == 0:
+            groups = None
+
+    base = optimizer.__class__
+    cls = type(base.__name__, (_DistributedOptimizer, base), {"__module__": __name__})
+    wrapped = cls(optimizer.param_groups, named_parameters, compression,
+                  backward_passes_per_step, op, gradient_predivide_factor, groups,
+                  sparse_as_dense, process_set)
+    wrapped.defaults = optimizer.defaults
+    wrapped.state.update(optimizer.state)
+    return wrapped

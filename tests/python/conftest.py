@@ -1,0 +1,54 @@
+"""Shared fixtures: start worker scripts on N ranks through the launcher."""
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+WORKERS = Path(__file__).parent / "workers"
+OK_MARK = "WORKER OK"
+
+
+def launch(n, worker, *args, env=None, timeout=150):
+    """Run ``workers/<worker>`` on ``n`` ranks with the launcher; return
+    ``(returncode, stdout, stderr)``. On timeout the launcher's process group is
+    terminated (the launcher tears its ranks down) and the output so far returned."""
+    cmd = [sys.executable, "-m", "perseus.runner.launch", "-np", str(n),
+           sys.executable, str(WORKERS / worker), *map(str, args)]
+    full_env = dict(os.environ)
+    full_env.update(env or {})
+    proc = subprocess.Popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        return proc.returncode, out, err
+    except subprocess.TimeoutExpired:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(proc.pid, sig)
+                out, err = proc.communicate(timeout=10)
+                break
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                out = err = ""
+        return "timeout", out, f"{err}\n(timed out after {timeout} s)"
+
+
+@pytest.fixture
+def run_workers():
+    """``run_workers(n, worker, *args, env=None)``: launch, and fail the test unless every
+    rank exited 0 after printing the OK mark."""
+
+    def run(n, worker, *args, env=None, timeout=150):
+        rc, stdout, stderr = launch(n, worker, *args, env=env, timeout=timeout)
+        out = f"--- stdout ---\n{stdout}\n--- stderr ---\n{stderr}"
+        if rc != 0:
+            pytest.fail(f"{worker} on {n} ranks exited with {rc}\n{out}")
+        oks = (stdout + stderr).count(OK_MARK)
+        if oks != n:
+            pytest.fail(f"{worker}: {oks} of {n} ranks reported success\n{out}")
+        return stdout
+
+    return run

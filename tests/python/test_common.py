@@ -1,0 +1,27 @@
+"""The framework-free facade: configuration errors at init()."""
+
+import pytest
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("variable,value", [
+    ("PERSEUS_CHANGE_HVD_ALLGATHER", "7"),
+    ("HOROVOD_FUSION_THRESHOLD", "abc"),
+    ("HOROVOD_CYCLE_TIME", "-1"),
+])
+def test_invalid_env_value_fails_init(run_workers, variable, value):
+    run_workers(2, "bad_env.py", variable, env={variable: value}, timeout=60)
+
+
+@pytest.mark.timeout(30)
+def test_facade_without_init():
+    from perseus import common
+
+    assert common.gloo_built() and not common.mpi_built() and not common.cuda_built()
+    assert not common.is_initialized()
+    with pytest.raises(ValueError, match="not been initialized"):
+        common.rank()
+    assert common.global_process_set.process_set_id == 0
+    assert common.global_process_set.size() is None
+    with pytest.raises(NotImplementedError, match="Adasum is not supported by Perseus yet"):
+        common.ops.check_op(common.Adasum)

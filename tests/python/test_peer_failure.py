@@ -1,0 +1,84 @@
+"""A rank that dies mid-job: every other rank's pending collective fails with
+HorovodInternalError naming the dead rank, within the timeout, without a hang.
+
+Ranks are started directly (not through perseusrun, which would stop the
+survivors as soon as one rank dies) so that the survivors' own errors can be
+checked."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from perseus import _core
+
+WORKER = textwrap.dedent(
+    """
+    import os, sys, time
+    import torch
+    import perseus.torch.horovod as hvd
+    hvd.init()
+    victim = int(sys.argv[1])
+    x = hvd.allreduce(torch.ones(4), name="warmup", op=hvd.Sum)
+    assert x.tolist() == [hvd.size()] * 4
+    if hvd.rank() == victim:
+        os._exit(17)
+    t0 = time.time()
+    try:
+        hvd.allreduce(torch.ones(4), name="after_death")
+    except hvd.HorovodInternalError as e:
+        print(f"rank {hvd.rank()} error after {time.time() - t0:.1f}s: {e}", flush=True)
+        sys.exit(0)
+    print("no error", flush=True)
+    sys.exit(1)
+    """
+)
+
+
+def spawn(n, script, args, env_extra=None):
+    srv = _core.RendezvousServer("127.0.0.1:0", "s")
+    procs = []
+    for r in range(n):
+        env = dict(
+            os.environ,
+            PERSEUS_RANK=str(r),
+            PERSEUS_SIZE=str(n),
+            PERSEUS_LOCAL_RANK=str(r),
+            PERSEUS_LOCAL_SIZE=str(n),
+            PERSEUS_RENDEZVOUS_ADDR="127.0.0.1",
+            PERSEUS_RENDEZVOUS_PORT=str(srv.port),
+            PERSEUS_SECRET="s",
+            **(env_extra or {}),
+        )
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, "-c", script, *args],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    return srv, procs
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("victim", [0, 2])
+def test_dead_rank_fails_pending_ops_everywhere(victim):
+    n = 3
+    t0 = time.time()
+    srv, procs = spawn(n, WORKER, [str(victim)], {"GLOO_TIMEOUT_SECONDS": "30"})
+    outs = [p.communicate(timeout=90)[0] for p in procs]
+    srv.stop()
+    assert time.time() - t0 < 60
+    assert procs[victim].returncode == 17
+    for r in range(n):
+        if r == victim:
+            continue
+        assert procs[r].returncode == 0, outs[r]
+        assert f"rank {victim}" in outs[r], outs[r]
+        # Detected from the closed connection, not by waiting for the timeout.
+        seconds = float(outs[r].split("error after ")[1].split("s:")[0])
+        assert seconds < 20, outs[r]

@@ -1,0 +1,45 @@
+"""``perseus.torch.horovod`` (the horovod.torch API) on 2 and 3 ranks.
+
+Each test launches one worker script in tests/python/workers/ that runs many
+checks and exits non-zero on the first failure.
+"""
+
+import pytest
+
+pytest.importorskip("torch")
+
+SIZES = [2, 3]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("mode", ["0", "1"])
+def test_collectives_and_process_sets(run_workers, n, mode):
+    """Values after every collective, dtype and op; process sets; join; objects; timeline."""
+    run_workers(n, "collectives.py", env={"PERSEUS_CHANGE_HVD_ALLGATHER": mode})
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("n", SIZES)
+def test_errors(run_workers, n):
+    """Use before init, bad arguments, mismatched requests, duplicate names."""
+    run_workers(n, "errors.py")
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("n", SIZES)
+def test_training(run_workers, n):
+    """DistributedOptimizer equals one process on the whole batch; SyncBatchNorm; sparse."""
+    run_workers(n, "training.py", timeout=200)
+
+
+@pytest.mark.timeout(60)
+def test_import_aliases():
+    import perseus.torch as hvd_short
+    import perseus.torch.horovod as hvd
+
+    for name in hvd.__all__:
+        assert getattr(hvd_short, name) is getattr(hvd, name), name
+    assert hvd.HorovodInternalError is hvd.PerseusInternalError
+    assert issubclass(hvd.HorovodInternalError, RuntimeError)
+    assert (hvd.Average, hvd.Sum, hvd.Adasum, hvd.Min, hvd.Max, hvd.Product) == (0, 1, 2, 3, 4, 5)
