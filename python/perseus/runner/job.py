@@ -1,0 +1,254 @@
+"""Run the ranks of one job: spawn them, relay their output, tear the job down.
+
+Every rank starts in its own session (process group). When one rank exits non-zero
+or dies by a signal, or the launcher gets SIGINT/SIGTERM, every group gets SIGTERM,
+then SIGKILL after a grace period, so no process outlives the job.
+"""
+
+import os
+import queue
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+GRACE_SECONDS = 5.0
+HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+# Environment variables a remote rank inherits from the launcher (besides its own).
+_FORWARDED_PREFIXES = ("PERSEUS_", "HOROVOD_", "AIAK_", "NCCL_", "OMP_")
+_FORWARDED_NAMES = ("PYTHONPATH", "PYTHONUNBUFFERED", "CUDA_VISIBLE_DEVICES")
+
+
+def forwarded_env(environ):
+    """The part of the launcher's environment a remote rank gets (never the secret)."""
+    return {k: v for k, v in environ.items()
+            if (k.startswith(_FORWARDED_PREFIXES) or k in _FORWARDED_NAMES)
+            and k != "PERSEUS_SECRET"}
+
+
+def remote_script(command, env, cwd):
+    """The shell script a remote host runs for one rank.
+
+    The secret comes as the first line of stdin, so it appears on no command line.
+    The rest of stdin stays open for the life of the job: when it closes (the launcher
+    or the remote shell connection went away) the rank gets SIGTERM, then SIGKILL.
+    """
+    assignments = " ".join(shlex.quote(f"{k}={v}") for k, v in sorted(env.items()))
+    run = f"env {assignments} {shlex.join(command)}" if assignments else shlex.join(command)
+    return (
+        "IFS= read -r PERSEUS_SECRET; export PERSEUS_SECRET; "
+        f"cd {shlex.quote(cwd)} || exit 127; exec 3<&0; "
+        f"{run} & p=$!; "
+        "{ cat <&3 >/dev/null 2>&1; kill -TERM $p; sleep 5; kill -KILL $p; } "
+        ">/dev/null 2>&1 & w=$!; "
+        "wait $p; rc=$?; kill $w 2>/dev/null; exit $rc"
+    )
+
+
+def rsh_argv(prefix, host, script):
+    """The local command that runs ``script`` on ``host`` through the rsh prefix.
+
+    ``{host}`` in the prefix is replaced by the host; without it the host is appended.
+    An ``ssh`` prefix gets the script as one argument (ssh hands it to the remote
+    shell); any other prefix (``ip netns exec {host}``, ``docker exec {host}``) is
+    followed by ``sh -c SCRIPT``.
+    """
+    words = shlex.split(prefix)
+    if not words:
+        raise ValueError("the rsh prefix is empty")
+    if any("{host}" in w for w in words):
+        words = [w.replace("{host}", host) for w in words]
+    else:
+        words.append(host)
+    if os.path.basename(words[0]) == "ssh":
+        return words + [script]
+    return words + ["sh", "-c", script]
+
+
+def _parent_death_signal():
+    """A ``preexec_fn`` (Linux): the rank gets SIGKILL if the launcher dies abruptly."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    launcher = os.getpid()
+
+    def set_signal():
+        prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != launcher:  # the launcher died before prctl
+            os._exit(1)
+
+    return set_signal
+
+
+def describe_status(code):
+    """``exit code N`` or ``signal NAME`` for a Popen return code."""
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"
+
+
+def exit_status(code):
+    """The launcher's exit status for a rank's Popen return code."""
+    return 128 - code if code < 0 else code
+
+
+class Rank:
+    """One rank's process, its output relay and its process group."""
+
+    def __init__(self, slot, argv, env, secret=None, remote=False):
+        self.slot, self.argv, self.env = slot, argv, env
+        self.secret, self.remote = secret, remote
+        self.proc = None
+        self._threads = []
+        self._log = None
+
+    def start(self, out, err, lock, output_dir=None):
+        if output_dir:
+            path = os.path.join(output_dir, f"rank.{self.slot.rank}.log")
+            self._log = open(path, "wb")  # noqa: SIM115 - closed by close()
+            stdout, stderr = self._log, subprocess.STDOUT
+        else:
+            stdout = stderr = subprocess.PIPE
+        # The preexec_fn only calls prctl, getppid and _exit: no lock another thread holds.
+        self.proc = subprocess.Popen(
+            self.argv, env=self.env, start_new_session=True,
+            preexec_fn=_parent_death_signal(),  # noqa: PLW1509
+            stdin=subprocess.PIPE if self.remote else subprocess.DEVNULL,
+            stdout=stdout, stderr=stderr)
+        if self.remote:
+            self.proc.stdin.write(self.secret.encode() + b"\n")
+            self.proc.stdin.flush()
+        if not output_dir:
+            for stream, sink, tag in ((self.proc.stdout, out, "stdout"),
+                                      (self.proc.stderr, err, "stderr")):
+                prefix = f"[{self.slot.rank}]<{tag}>:".encode()
+                t = threading.Thread(target=_relay, args=(stream, sink, prefix, lock),
+                                     daemon=True)
+                t.start()
+                self._threads.append(t)
+
+    def signal_group(self, sig):
+        """Send ``sig`` to the rank's process group; False when the group is gone."""
+        if self.proc is None:
+            return False
+        try:
+            os.killpg(self.proc.pid, sig)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False
+
+    def close(self, timeout=2.0):
+        if self.proc is not None and self.proc.stdin:
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
+        deadline = time.monotonic() + timeout
+        for t in self._threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        if self._log:
+            self._log.close()
+
+
+def _relay(stream, sink, prefix, lock):
+    with stream:
+        for line in iter(stream.readline, b""):
+            if not line.endswith(b"\n"):
+                line += b"\n"
+            with lock:
+                try:
+                    sink.write(prefix + line)
+                    sink.flush()
+                except (OSError, ValueError):
+                    pass  # the terminal went away: keep draining so the rank never blocks
+
+
+class Job:
+    """Runs ranks to completion; ``run()`` returns the launcher's exit status."""
+
+    def __init__(self, ranks, output_dir=None, out=None, err=None, grace=GRACE_SECONDS):
+        self.ranks = ranks
+        self.output_dir = output_dir
+        self.out = out or sys.stdout.buffer
+        self.err = err or sys.stderr.buffer
+        self.grace = grace
+        self._lock = threading.Lock()
+        self._events = queue.Queue()
+        self._signal = None  # set by the signal handler, which takes no lock
+
+    def _say(self, message):
+        with self._lock:
+            try:
+                self.err.write(f"perseusrun: {message}\n".encode())
+                self.err.flush()
+            except (OSError, ValueError):
+                pass
+
+    def run(self):
+        handlers = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in HANDLED_SIGNALS:
+                handlers[sig] = signal.signal(sig, self._on_signal)
+        try:
+            return self._run()
+        finally:
+            self._teardown()
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+
+    def _on_signal(self, signum, _frame):
+        self._signal = signum
+
+    def _run(self):
+        if self.output_dir:
+            os.makedirs(self.output_dir, exist_ok=True)
+        for r in self.ranks:
+            try:
+                r.start(self.out, self.err, self._lock, self.output_dir)
+            except OSError as e:
+                self._say(f"cannot start rank {r.slot.rank} ({shlex.join(r.argv)}): "
+                          f"{e.strerror or e}; stopping the job")
+                return 127
+            threading.Thread(target=self._wait, args=(r,), daemon=True).start()
+        running = len(self.ranks)
+        while running:
+            if self._signal is not None:
+                self._say(f"received {signal.Signals(self._signal).name}; stopping all ranks")
+                return 128 + self._signal
+            try:
+                rank, code = self._events.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            running -= 1
+            if code != 0:
+                self._say(f"rank {rank.slot.rank} (host {rank.slot.hostname}) failed with "
+                          f"{describe_status(code)}; stopping the other ranks")
+                return exit_status(code)
+        return 0
+
+    def _wait(self, rank):
+        self._events.put((rank, rank.proc.wait()))
+
+    def _teardown(self):
+        """SIGTERM every process group, SIGKILL what is left after the grace period."""
+        alive = [r for r in self.ranks if r.signal_group(signal.SIGTERM)]
+        deadline = time.monotonic() + self.grace
+        while alive and time.monotonic() < deadline:
+            time.sleep(0.05)
+            for r in alive:
+                r.proc.poll()  # reap the leader so an empty group reads as gone
+            alive = [r for r in alive if r.signal_group(0)]
+        for r in alive:
+            r.signal_group(signal.SIGKILL)
+        for r in self.ranks:
+            if r.proc is not None:
+                r.proc.wait()
+            r.close()

@@ -1,0 +1,277 @@
+"""``perseusrun``: the command line that starts a Perseus job.
+
+    perseusrun -np 4 -H host1:2,host2:2 python train.py --epochs 3
+"""
+
+import argparse
+import os
+import secrets
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+
+from perseus.runner import hosts as _hosts
+from perseus.runner import job as _job
+
+DEFAULT_SSH = "ssh -o BatchMode=yes -o StrictHostKeyChecking=no"
+
+
+def build_parser():
+    p = argparse.ArgumentParser(
+        prog="perseusrun",
+        usage="perseusrun -np NP [-H HOSTS | --hostfile FILE] [--gloo | --mpi] [--] "
+              "COMMAND [ARG ...]",
+        description="Start a Perseus (Horovod-compatible) training job: NP copies of "
+                    "COMMAND, one per rank, placed host by host.")
+    p.add_argument("-np", "--num-proc", type=int, dest="num_proc", metavar="NP",
+                   help="number of ranks to start")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("-H", "--hosts", metavar="HOSTS",
+                       help="hosts and their slots: host1:2,host2:4 (default localhost:NP)")
+    where.add_argument("--hostfile", metavar="FILE",
+                       help="file of 'host slots=N' or 'host:N' lines; # starts a comment")
+    backend = p.add_mutually_exclusive_group()
+    backend.add_argument("--gloo", action="store_true",
+                         help="start ranks with perseusrun itself (the default)")
+    backend.add_argument("--mpi", action="store_true", help="start ranks with mpirun")
+    p.add_argument("--network-interface", metavar="IFACE",
+                   help="interface whose address remote ranks use to reach this launcher")
+    p.add_argument("--start-timeout", type=int, default=30, metavar="SECONDS",
+                   help="seconds the ranks wait for each other at start (default 30)")
+    p.add_argument("--ssh-port", type=int, metavar="PORT", help="ssh port of remote hosts")
+    p.add_argument("--ssh-identity-file", metavar="FILE", help="ssh private key")
+    p.add_argument("--rsh", default=os.environ.get("PERSEUS_RSH"), metavar="PREFIX",
+                   help="command prefix that runs a command on a remote host, {host} "
+                        "standing for the host, e.g. 'ip netns exec {host}' "
+                        "(default: ssh; env PERSEUS_RSH)")
+    p.add_argument("--output-filename", metavar="DIR",
+                   help="write each rank's output to DIR/rank.N.log instead of the terminal")
+    p.add_argument("--verbose", action="store_true", help="print placement and commands")
+    p.add_argument("--log-level", choices=["TRACE", "DEBUG", "INFO", "WARNING", "ERROR",
+                                           "FATAL"],
+                   type=str.upper, help="log level of the ranks' Perseus core")
+    p.add_argument("--check-build", action="store_true",
+                   help="print what this Perseus installation supports and exit")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="the program each rank runs")
+    return p
+
+
+def parse_args(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command and args.command[0] == "--":
+        args.command = args.command[1:]
+    if args.check_build:
+        return args
+    if args.num_proc is None:
+        parser.error("-np NP is required")
+    if not args.command:
+        parser.error("no command given: perseusrun -np NP COMMAND [ARG ...]")
+    if args.start_timeout <= 0:
+        parser.error("--start-timeout must be positive")
+    return args
+
+
+def host_list(args):
+    if args.hostfile:
+        return _hosts.parse_hostfile(args.hostfile)
+    if args.hosts:
+        return _hosts.parse_hosts(args.hosts)
+    return [_hosts.Host("localhost", max(args.num_proc, 1))]
+
+
+def interface_address(name):
+    """The IPv4 address of a network interface (Linux)."""
+    import fcntl
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            packed = fcntl.ioctl(s.fileno(), 0x8915,  # SIOCGIFADDR
+                                 struct.pack("256s", name.encode()[:15]))
+        except OSError as e:
+            raise _hosts.HostError(
+                f"--network-interface {name}: no IPv4 address ({e.strerror})") from None
+    return socket.inet_ntoa(packed[20:24])
+
+
+def route_source_address(host):
+    """This machine's address on the route to ``host``."""
+    try:
+        family, _, _, _, addr = socket.getaddrinfo(host, 1, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(addr)
+            return s.getsockname()[0]
+    except OSError as e:
+        raise _hosts.HostError(
+            f"cannot find this machine's address as seen from host {host!r} ({e}); "
+            "pass --network-interface") from None
+
+
+def rendezvous_address(args, used_hosts, local_names):
+    remote = [h for h in used_hosts if not _hosts.is_local(h, local_names)]
+    if not remote:
+        return "127.0.0.1"
+    if args.network_interface:
+        return interface_address(args.network_interface)
+    return route_source_address(remote[0])
+
+
+def rsh_prefix(args):
+    if args.rsh:
+        return args.rsh
+    prefix = DEFAULT_SSH
+    if args.ssh_port:
+        prefix += f" -p {args.ssh_port}"
+    if args.ssh_identity_file:
+        prefix += f" -i {shlex.quote(args.ssh_identity_file)}"
+    return prefix
+
+
+def job_env(args, addr, port):
+    """Variables every rank gets besides its topology (the secret travels apart)."""
+    env = {
+        "PERSEUS_RENDEZVOUS_ADDR": addr,
+        "PERSEUS_RENDEZVOUS_PORT": str(port),
+        "PERSEUS_START_TIMEOUT": str(args.start_timeout),
+    }
+    if args.log_level:
+        env["PERSEUS_LOG_LEVEL"] = env["HOROVOD_LOG_LEVEL"] = args.log_level
+    return env
+
+
+def make_ranks(args, slots, common_env, secret, local_names):
+    ranks, cwd, prefix = [], os.getcwd(), rsh_prefix(args)
+    for slot in slots:
+        env = dict(common_env, **slot.env())
+        if _hosts.is_local(slot.hostname, local_names):
+            full = dict(os.environ, **env, PERSEUS_SECRET=secret)
+            ranks.append(_job.Rank(slot, list(args.command), full))
+        else:
+            env = dict(_job.forwarded_env(os.environ), **env)
+            script = _job.remote_script(args.command, env, cwd)
+            argv = _job.rsh_argv(prefix, slot.hostname, script)
+            ranks.append(_job.Rank(slot, argv, dict(os.environ), secret=secret, remote=True))
+    return ranks
+
+
+def start_rendezvous(secret):
+    try:
+        from perseus import _core
+    except ImportError as e:
+        raise SystemExit(f"perseusrun: the Perseus core (perseus._core) is not built: {e}; "
+                         "run scripts/setup-venv.sh") from None
+    return _core.RendezvousServer("0.0.0.0:0", secret)
+
+
+def run_gloo(args, slots, local_names):
+    secret = secrets.token_hex(16)
+    addr = rendezvous_address(args, sorted({s.hostname for s in slots}), local_names)
+    server = start_rendezvous(secret)
+    try:
+        env = job_env(args, addr, server.port)
+        ranks = make_ranks(args, slots, env, secret, local_names)
+        if args.verbose:
+            for r in ranks:
+                s = r.slot
+                print(f"perseusrun: rank {s.rank} on {s.hostname} (local {s.local_rank}/"
+                      f"{s.local_size}, cross {s.cross_rank}/{s.cross_size}): "
+                      f"{shlex.join(r.argv)}", file=sys.stderr)
+            print(f"perseusrun: rendezvous at {addr}:{server.port}", file=sys.stderr)
+        return _job.Job(ranks, output_dir=args.output_filename).run()
+    finally:
+        server.stop()
+
+
+def run_mpi(args, hosts, slots):
+    mpirun = shutil.which("mpirun")
+    if not mpirun:
+        raise SystemExit("perseusrun: --mpi needs mpirun, which is not on PATH; install "
+                         "Open MPI or use the default launcher (--gloo)")
+    used = {s.hostname for s in slots}
+    placement = ",".join(f"{h.name}:{h.slots}" for h in hosts if h.name in used)
+    secret = secrets.token_hex(16)
+    local_names = _hosts.local_names()
+    addr = rendezvous_address(args, sorted(used), local_names)
+    server = start_rendezvous(secret)
+    try:
+        env = dict(job_env(args, addr, server.port), PERSEUS_SECRET=secret,
+                   PERSEUS_MPI_PLACEMENT=placement)
+        cmd = [mpirun, "-np", str(args.num_proc), "-H", placement,
+               "--map-by", "slot", "--bind-to", "none"]
+        if os.geteuid() == 0:
+            cmd.append("--allow-run-as-root")
+        cmd += ["--output-filename", args.output_filename] if args.output_filename \
+            else ["--tag-output"]
+        if args.network_interface:
+            cmd += ["--mca", "btl_tcp_if_include", args.network_interface]
+        for name in sorted(set(env) | set(_job.forwarded_env(os.environ))):
+            cmd += ["-x", name]
+        cmd += [sys.executable, "-m", "perseus.runner.mpi_rank", *args.command]
+        if args.verbose:
+            print(f"perseusrun: {shlex.join(cmd)}", file=sys.stderr)
+        return subprocess.call(cmd, env=dict(os.environ, **env))
+    finally:
+        server.stop()
+
+
+def check_build(out=sys.stdout):
+    import importlib
+
+    import perseus
+
+    def mark(ok):
+        return "[X]" if ok else "[ ]"
+
+    frameworks = {}
+    for name, module in (("PyTorch", "torch"), ("TensorFlow", "tensorflow"),
+                         ("MXNet", "mxnet")):
+        try:
+            importlib.import_module(module)
+            frameworks[name] = True
+        except Exception:  # noqa: BLE001 - a broken install counts as absent
+            frameworks[name] = False
+    try:
+        from perseus import _core  # noqa: F401
+
+        core = True
+    except ImportError:
+        core = False
+    cuda = False
+    if frameworks["PyTorch"]:
+        import torch
+
+        cuda = bool(torch.cuda.is_available())
+    else:
+        import ctypes.util
+
+        cuda = ctypes.util.find_library("cuda") is not None
+    lines = [f"Perseus v{perseus.__version__}:", "", "Available Frameworks:"]
+    lines += [f"    {mark(ok)} {name}" for name, ok in frameworks.items()]
+    lines += ["", "Available Backends:",
+              f"    {mark(core)} Gloo (Perseus core over TCP and shared memory)",
+              f"    {mark(shutil.which('mpirun') is not None)} MPI (mpirun)",
+              "", f"CUDA: {'found' if cuda else 'not found'}"]
+    print("\n".join(lines), file=out)
+    return 0
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.check_build:
+        return check_build()
+    try:
+        hosts = host_list(args)
+        slots = _hosts.place(hosts, args.num_proc)
+        if args.mpi:
+            return run_mpi(args, hosts, slots)
+        return run_gloo(args, slots, _hosts.local_names())
+    except (_hosts.HostError, ValueError) as e:
+        print(f"perseusrun: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

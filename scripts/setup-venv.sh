@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Usage: scripts/setup-venv.sh FRAMEWORK      (FRAMEWORK: a requirements/FRAMEWORK.txt)
+#
+# Makes (or reuses) the virtual environment for FRAMEWORK and installs Perseus into it:
+#   ${PERSEUS_CACHE:-~/.cache/perseus}/venv-FRAMEWORK-<sha256 of requirements, 12 hex>
+# The requirements are installed once (a stamp file marks success); Perseus is rebuilt
+# every time with `maturin develop --release` (incremental; cargo's target directory
+# ${PERSEUS_CACHE}/target is shared by every clone). The venv path is printed as the
+# last line of stdout; everything else goes to stderr. PYTHON picks the base interpreter.
+set -euo pipefail
+
+framework=${1:?usage: setup-venv.sh FRAMEWORK (e.g. torch)}
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+requirements="$root/requirements/$framework.txt"
+if [[ ! -f $requirements ]]; then
+    echo "setup-venv: no requirements file $requirements" >&2
+    exit 2
+fi
+cache=${PERSEUS_CACHE:-$HOME/.cache/perseus}
+hash=$(sha256sum "$requirements" | cut -c1-12)
+venv="$cache/venv-$framework-$hash"
+stamp="$venv/.perseus-requirements-installed"
+mkdir -p "$cache"
+
+{
+    # One setup at a time per venv (several clones may share it).
+    exec 9>"$venv.lock"
+    flock 9
+    if [[ ! -x $venv/bin/python ]]; then
+        echo "setup-venv: creating $venv" >&2
+        "${PYTHON:-python3}" -m venv "$venv"
+    fi
+    if [[ ! -f $stamp ]]; then
+        echo "setup-venv: installing $requirements" >&2
+        "$venv/bin/python" -m pip install --disable-pip-version-check -r "$requirements"
+        cp "$requirements" "$stamp"
+    fi
+    echo "setup-venv: building Perseus into $venv" >&2
+    cd "$root"
+    VIRTUAL_ENV="$venv" PATH="$venv/bin:$PATH" CARGO_TARGET_DIR="$cache/target" \
+        "$venv/bin/python" -m maturin develop --release
+} >&2
+
+echo "$venv"

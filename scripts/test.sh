@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The whole test suite: Rust format, lints and tests, then Python lint and tests in the
+# torch virtual environment (made by scripts/setup-venv.sh).
+set -euo pipefail
+
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+export PERSEUS_CACHE=${PERSEUS_CACHE:-$HOME/.cache/perseus}
+export CARGO_TARGET_DIR="$PERSEUS_CACHE/target"
+
+step() { printf '\n==> %s\n' "$*" >&2; }
+
+step "cargo fmt --check"
+cargo fmt --check
+step "cargo clippy (all targets)"
+cargo clippy --release --all-targets -- -D warnings
+step "cargo test"
+cargo test --release
+
+step "torch virtual environment"
+venv=$(bash scripts/setup-venv.sh torch | tail -n 1)
+python="$venv/bin/python"
+# This clone's package first, whatever clone last installed into the shared venv.
+export PYTHONPATH="$root/python${PYTHONPATH:+:$PYTHONPATH}"
+export PATH="$venv/bin:$PATH"
+
+step "cargo clippy (python feature)"
+PYO3_PYTHON="$python" cargo clippy --release --features python -- -D warnings
+
+lint=()
+for dir in python tests examples benchmarks; do
+    if [[ -d $dir ]]; then lint+=("$dir"); fi
+done
+step "ruff check ${lint[*]}"
+"$python" -m ruff check "${lint[@]}"
+
+step "pytest tests/python"
+status=0
+"$python" -m pytest -q tests/python || status=$?
+if [[ $status -eq 5 ]]; then
+    echo "test.sh: pytest collected no tests" >&2
+    exit 1
+fi
+exit "$status"

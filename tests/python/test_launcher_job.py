@@ -1,0 +1,235 @@
+"""perseusrun end to end: environment, output, failure handling and teardown.
+
+The workers are plain Python: only the launcher needs the native core (for its
+rendezvous server).
+"""
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import perseus
+import pytest
+
+pytest.importorskip("perseus._core", reason="the Perseus core (perseus._core) is not built")
+
+LAUNCH = [sys.executable, "-m", "perseus.runner.launch"]
+# Ranks and the launcher import this perseus, wherever the tests run from.
+_PKG_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(perseus.__file__)))
+ENV = dict(os.environ, PYTHONPATH=os.pathsep.join(
+    p for p in (_PKG_ROOT, os.environ.get("PYTHONPATH")) if p))
+ENV.pop("PERSEUS_RSH", None)
+
+# Writes this rank's pid (and its child's, if any) to DIR/pid.RANK.
+PIDS = textwrap.dedent("""
+    import os, subprocess, sys, time
+    rank = int(os.environ["PERSEUS_RANK"])
+    def write_pids(*extra):
+        with open(os.path.join(sys.argv[1], f"pid.{rank}.tmp"), "w") as f:
+            f.write(" ".join(str(p) for p in (os.getpid(), *extra)))
+        os.replace(os.path.join(sys.argv[1], f"pid.{rank}.tmp"),
+                   os.path.join(sys.argv[1], f"pid.{rank}"))
+""")
+
+
+def launch(args, timeout=60, **kw):
+    return subprocess.run(LAUNCH + args, capture_output=True, text=True, timeout=timeout,
+                          env=ENV, check=False, **kw)
+
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie waiting for a reaper is not running
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def pids_in(directory):
+    pids = []
+    for name in os.listdir(directory):
+        if name.startswith("pid.") and not name.endswith(".tmp"):
+            with open(os.path.join(directory, name)) as f:
+                pids += [int(p) for p in f.read().split()]
+    return pids
+
+
+def assert_all_gone(pids, within=3.0):
+    deadline = time.monotonic() + within
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [p for p in pids if alive(p)], "processes outlived the job"
+
+
+ENV_WORKER = textwrap.dedent("""
+    import os, sys
+    keys = ["RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE"]
+    print(" ".join(os.environ["PERSEUS_" + k] for k in keys), flush=True)
+    assert all(os.environ["PERSEUS_" + k] == os.environ["HOROVOD_" + k] for k in keys)
+    assert os.environ["PERSEUS_HOSTNAME"] == os.environ["HOROVOD_HOSTNAME"]
+    assert os.environ["PERSEUS_RENDEZVOUS_ADDR"] == "127.0.0.1"
+    assert int(os.environ["PERSEUS_RENDEZVOUS_PORT"]) > 0
+    assert len(os.environ["PERSEUS_SECRET"]) == 32
+    print("to stderr", file=sys.stderr)
+""")
+
+
+@pytest.mark.timeout(60)
+def test_ranks_get_their_environment_and_prefixed_output():
+    r = launch(["-np", "3", "-H", "localhost:2,127.0.0.1:2", sys.executable, "-c", ENV_WORKER])
+    assert r.returncode == 0, r.stderr
+    out = sorted(line for line in r.stdout.splitlines())
+    assert out == ["[0]<stdout>:0 3 0 2 0 2", "[1]<stdout>:1 3 1 2 0 1",
+                   "[2]<stdout>:2 3 0 1 1 2"]
+    assert sorted(line for line in r.stderr.splitlines() if "<stderr>" in line) == [
+        f"[{i}]<stderr>:to stderr" for i in range(3)]
+
+
+@pytest.mark.timeout(60)
+def test_output_filename_writes_one_log_per_rank(tmp_path):
+    worker = ("import os, sys; print('hello', os.environ['PERSEUS_RANK']); "
+              "print('oops', file=sys.stderr)")
+    r = launch(["-np", "2", "--output-filename", str(tmp_path / "logs"), sys.executable, "-c",
+                worker])
+    assert r.returncode == 0, r.stderr
+    assert "<stdout>" not in r.stdout
+    for rank in range(2):
+        text = (tmp_path / "logs" / f"rank.{rank}.log").read_text()
+        assert f"hello {rank}" in text and "oops" in text
+
+
+FAIL_WORKER = PIDS + textwrap.dedent("""
+    if rank == 1:
+        while len([n for n in os.listdir(sys.argv[1]) if not n.endswith(".tmp")]) < 1:
+            time.sleep(0.02)
+        write_pids()
+        sys.exit(3)
+    child = subprocess.Popen(["sleep", "60"])
+    write_pids(child.pid)
+    time.sleep(60)
+""")
+
+
+@pytest.mark.timeout(60)
+def test_failing_rank_stops_the_job(tmp_path):
+    start = time.monotonic()
+    r = launch(["-np", "2", sys.executable, "-c", FAIL_WORKER, str(tmp_path)])
+    assert time.monotonic() - start < 10
+    assert r.returncode == 3
+    assert "rank 1" in r.stderr and "exit code 3" in r.stderr
+    pids = pids_in(tmp_path)
+    assert len(pids) == 3
+    assert_all_gone(pids)
+
+
+KILL_WORKER = PIDS + textwrap.dedent("""
+    import signal
+    if rank == 1:
+        while not os.path.exists(os.path.join(sys.argv[1], "pid.0")):
+            time.sleep(0.02)
+        write_pids()
+        os.kill(os.getpid(), signal.SIGKILL)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # only SIGKILL after the grace period
+    write_pids()
+    time.sleep(60)
+""")
+
+
+@pytest.mark.timeout(60)
+def test_rank_killed_by_signal_and_stubborn_rank_gets_sigkill(tmp_path):
+    start = time.monotonic()
+    r = launch(["-np", "2", sys.executable, "-c", KILL_WORKER, str(tmp_path)])
+    assert time.monotonic() - start < 15
+    assert r.returncode == 128 + signal.SIGKILL
+    assert "rank 1" in r.stderr and "signal SIGKILL" in r.stderr
+    assert_all_gone(pids_in(tmp_path))
+
+
+SLEEP_WORKER = PIDS + "write_pids()\ntime.sleep(60)\n"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_signal_to_launcher_stops_the_job(tmp_path, sig):
+    p = subprocess.Popen(LAUNCH + ["-np", "2", sys.executable, "-c", SLEEP_WORKER,
+                                   str(tmp_path)],
+                         env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while len(pids_in(tmp_path)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    p.send_signal(sig)
+    _, err = p.communicate(timeout=20)
+    assert p.returncode == 128 + sig
+    assert f"received {signal.Signals(sig).name}" in err
+    assert_all_gone(pids_in(tmp_path))
+
+
+REMOTE_WORKER = PIDS + textwrap.dedent("""
+    print(os.environ["PERSEUS_HOSTNAME"], os.environ.get("FAKE_HOST"), os.getcwd(),
+          len(os.environ["PERSEUS_SECRET"]), flush=True)
+    write_pids()
+    if rank == 2:  # fail once the others are up
+        while not all(os.path.exists(os.path.join(sys.argv[1], f"pid.{r}")) for r in (0, 1)):
+            time.sleep(0.02)
+        sys.exit(4)
+    time.sleep(60)
+""")
+
+
+@pytest.mark.timeout(60)
+def test_remote_hosts_through_rsh_prefix(tmp_path):
+    r = launch(["-np", "3", "-H", "localhost:1,nodeA:2", "--network-interface", "lo",
+                "--rsh", "env FAKE_HOST={host}", sys.executable, "-c", REMOTE_WORKER,
+                str(tmp_path)], cwd=str(tmp_path))
+    assert r.returncode == 4 and "rank 2 (host nodeA)" in r.stderr
+    lines = sorted(r.stdout.splitlines())
+    assert lines == [f"[0]<stdout>:localhost None {tmp_path} 32",
+                     f"[1]<stdout>:nodeA nodeA {tmp_path} 32",
+                     f"[2]<stdout>:nodeA nodeA {tmp_path} 32"]
+    assert_all_gone(pids_in(tmp_path))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux")
+def test_local_ranks_go_when_the_launcher_dies(tmp_path):
+    p = subprocess.Popen(LAUNCH + ["-np", "2", sys.executable, "-c", SLEEP_WORKER,
+                                   str(tmp_path)],
+                         env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while len(pids_in(tmp_path)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(pids_in(tmp_path)) == 2
+    p.kill()
+    p.wait()
+    assert_all_gone(pids_in(tmp_path))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(shutil.which("setsid") is None, reason="needs setsid (util-linux)")
+def test_remote_ranks_go_when_the_launcher_dies(tmp_path):
+    # A fake ssh that detaches the "remote" command from the launcher's process groups,
+    # as a real remote host would be: only the closed stdin can stop it.
+    fake = tmp_path / "bin" / "ssh"
+    fake.parent.mkdir()
+    fake.write_text('#!/bin/sh\nfor a; do last=$a; done\nexec setsid -w sh -c "$last"\n')
+    fake.chmod(0o755)
+    env = dict(ENV, PATH=f"{fake.parent}:{os.environ['PATH']}")
+    p = subprocess.Popen(LAUNCH + ["-np", "2", "-H", "nodeB:2", "--network-interface", "lo",
+                                   sys.executable, "-c", SLEEP_WORKER, str(tmp_path)],
+                         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while len(pids_in(tmp_path)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pids = pids_in(tmp_path)
+    assert len(pids) == 2 and all(alive(pid) for pid in pids)
+    p.kill()
+    p.wait()
+    assert_all_gone(pids, within=5.0)
