@@ -388,6 +388,11 @@ impl RendezvousServer {
         self.port
     }
 
+    /// Keys published so far, sorted: ranks publish `mesh/<rank>` as they start.
+    fn keys(&self) -> Vec<String> {
+        self.inner.as_ref().map(|s| s.keys()).unwrap_or_default()
+    }
+
     /// Stops the server.
     fn stop(&mut self) {
         if let Some(s) = self.inner.take() {

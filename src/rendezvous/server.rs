@@ -22,6 +22,7 @@ struct Store {
 pub struct StoreServer {
     port: u16,
     stopping: Arc<AtomicBool>,
+    store: Arc<Store>,
 }
 
 impl StoreServer {
@@ -31,7 +32,7 @@ impl StoreServer {
         let port = listener.local_addr()?.port();
         let stopping = Arc::new(AtomicBool::new(false));
         let store = Arc::new(Store::default());
-        let (stop, secret) = (stopping.clone(), secret.to_string());
+        let (stop, secret, shared) = (stopping.clone(), secret.to_string(), store.clone());
         std::thread::Builder::new()
             .name("perseus-store".into())
             .spawn(move || {
@@ -40,13 +41,24 @@ impl StoreServer {
                         break;
                     }
                     let Ok(conn) = conn else { continue };
-                    let (store, secret) = (store.clone(), secret.clone());
+                    let (store, secret) = (shared.clone(), secret.clone());
                     let _ = std::thread::Builder::new()
                         .name("perseus-store-conn".into())
                         .spawn(move || serve(conn, &store, &secret));
                 }
             })?;
-        Ok(StoreServer { port, stopping })
+        Ok(StoreServer {
+            port,
+            stopping,
+            store,
+        })
+    }
+
+    /// The keys published so far (a launcher watches ranks check in).
+    pub fn keys(&self) -> Vec<String> {
+        let mut k: Vec<String> = self.store.map.lock().unwrap().keys().cloned().collect();
+        k.sort();
+        k
     }
 
     /// The port it listens on.
