@@ -7,7 +7,7 @@ use perseus::rendezvous::StoreServer;
 use perseus::{DataType, PerseusError, ReduceOp};
 use std::time::Duration;
 
-fn config(rank: usize, size: usize, port: u16) -> Config {
+fn config(rank: usize, size: usize, port: u16, shm: bool) -> Config {
     Config {
         topology: Topology {
             rank,
@@ -29,6 +29,7 @@ fn config(rank: usize, size: usize, port: u16) -> Config {
         cache_capacity: 1024,
         allgather_mode: 0,
         timeline: None,
+        shm,
     }
 }
 
@@ -55,6 +56,14 @@ fn job<F>(n: usize, f: F)
 where
     F: Fn(usize, &Engine) + Send + Sync + 'static,
 {
+    job_over(n, false, f)
+}
+
+/// Runs `f` on `n` ranks as threads, over shared memory or loopback TCP.
+fn job_over<F>(n: usize, shm: bool, f: F)
+where
+    F: Fn(usize, &Engine) + Send + Sync + 'static,
+{
     let server = StoreServer::start("127.0.0.1:0", "t").unwrap();
     let port = server.port();
     let f = std::sync::Arc::new(f);
@@ -62,7 +71,7 @@ where
         .map(|r| {
             let f = f.clone();
             std::thread::spawn(move || {
-                let e = Engine::start(config(r, n, port)).unwrap();
+                let e = Engine::start(config(r, n, port, shm)).unwrap();
                 f(r, &e);
                 e.shutdown().unwrap();
             })
@@ -72,9 +81,9 @@ where
 }
 
 #[test]
-fn allreduce_fused_and_ring_over_tcp() {
-    for n in [2, 3] {
-        job(n, move |r, e| {
+fn allreduce_fused_and_ring_over_tcp_and_shm() {
+    for (n, shm) in [(2, false), (3, false), (2, true), (3, true)] {
+        job_over(n, shm, move |r, e| {
             let mut big: Vec<f32> = (0..300_001).map(|i| (i % 10) as f32 + r as f32).collect();
             allreduce(e, "big", &mut big, ReduceOp::Sum).unwrap();
             let off = (n * (n - 1) / 2) as f32;
@@ -160,4 +169,31 @@ fn steady_state_requests_travel_as_cache_ids() {
             assert_eq!(e.cache_hits(), 5);
         }
     });
+}
+
+#[test]
+fn shared_memory_and_tcp_give_identical_bits() {
+    let results = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    for shm in [false, true] {
+        let out = results.clone();
+        job_over(3, shm, move |r, e| {
+            // Odd sizes around the direct/ring switch and the ring capacity.
+            for (k, count) in [1usize, 16_385, 131_071, 700_001].into_iter().enumerate() {
+                let mut v: Vec<f32> = (0..count)
+                    .map(|i| ((i * 2_654_435_761 + r * 97) % 1000) as f32 / 7.0)
+                    .collect();
+                allreduce(e, &format!("t{k}"), &mut v, ReduceOp::Sum).unwrap();
+                let bits: u64 = v
+                    .iter()
+                    .fold(0u64, |h, x| h.rotate_left(5) ^ x.to_bits() as u64);
+                out.lock().unwrap().push((shm, r, k, bits));
+            }
+        });
+    }
+    let all = results.lock().unwrap();
+    for &(_, r, k, bits) in all.iter().filter(|t| t.0) {
+        let tcp = all.iter().find(|t| !t.0 && t.1 == r && t.2 == k).unwrap().3;
+        assert_eq!(bits, tcp, "rank {r} tensor {k}");
+    }
+    assert_eq!(all.len(), 2 * 3 * 4);
 }

@@ -49,6 +49,12 @@ pub const PARAMS: &[Param] = &[
         doc: "number of tensor signatures remembered so steady-state requests travel as ids",
     },
     Param {
+        name: "PERSEUS_SHM",
+        default: "1",
+        allowed: "0 or 1",
+        doc: "1: ranks on one host exchange data through shared memory; 0: loopback TCP",
+    },
+    Param {
         name: "PERSEUS_MASTER_PORT",
         default: "6666",
         allowed: "a TCP port from 1 to 65535",
@@ -99,6 +105,8 @@ pub struct Config {
     pub allgather_mode: u8,
     /// Timeline file to start with, if any.
     pub timeline: Option<String>,
+    /// Ranks on one host use shared memory.
+    pub shm: bool,
 }
 
 /// Reads a variable, treating empty as unset.
@@ -208,6 +216,7 @@ impl Config {
             cache_capacity,
             allgather_mode,
             timeline: var("PERSEUS_TIMELINE").or_else(|| var("HOROVOD_TIMELINE")),
+            shm: int_var("PERSEUS_SHM", 1, 0, 1)? == 1,
         })
     }
 
@@ -234,6 +243,7 @@ impl Config {
             "PERSEUS_CHANGE_HVD_ALLGATHER".into(),
             self.allgather_mode.to_string(),
         );
+        m.insert("PERSEUS_SHM".into(), u8::from(self.shm).to_string());
         m.insert(
             "PERSEUS_TIMELINE".into(),
             self.timeline.clone().unwrap_or_default(),

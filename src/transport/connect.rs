@@ -3,12 +3,14 @@
 //! stream opens with a hello (job secret, sender rank, channel) that the
 //! acceptor checks and answers.
 
-use super::Mesh;
+use super::shm::Segment;
+use super::{Link, Mesh};
 use crate::config::Config;
 use crate::error::{PerseusError, Result};
 use crate::rendezvous::StoreClient;
 use crate::wire::{read_frame, write_frame, Reader, Writer};
 use std::net::{IpAddr, TcpListener, TcpStream, UdpSocket};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const HELLO: u16 = 0x200;
@@ -16,6 +18,8 @@ const HELLO_OK: u16 = 0x201;
 const HELLO_ERR: u16 = 0x202;
 const CHANNEL_DATA: u8 = 0;
 const CHANNEL_CONTROL: u8 = 1;
+/// Bytes of each shared-memory ring (one per ordered pair of local ranks).
+const SHM_RING_BYTES: usize = 512 << 10;
 
 /// The control streams of one rank (blocking sockets).
 pub enum Control {
@@ -60,7 +64,7 @@ pub fn connect_mesh(cfg: &Config) -> Result<MeshParts> {
     let (rank, size, timeout) = (t.rank, t.size, cfg.timeout);
     let Some((host, port)) = &cfg.rendezvous else {
         return Ok(MeshParts {
-            mesh: Mesh::new(0, vec![None], timeout),
+            mesh: Mesh::new(0, vec![Link::None], None, timeout),
             control: Control::Coordinator(vec![None]),
         });
     };
@@ -68,13 +72,14 @@ pub fn connect_mesh(cfg: &Config) -> Result<MeshParts> {
     let ip = local_addr(cfg, host)?;
     let listener = TcpListener::bind((ip, 0))?;
     let addr = listener.local_addr()?;
-    store.set(&format!("mesh/{rank}"), addr.to_string().as_bytes())?;
+    let host = host_key(cfg);
+    store.set(&format!("mesh/{rank}"), format!("{addr} {host}").as_bytes())?;
 
     let mut data: Vec<Option<TcpStream>> = (0..size).map(|_| None).collect();
     let mut control: Vec<Option<TcpStream>> = (0..size).map(|_| None).collect();
     let mut worker_control = None;
     for (peer, slot) in data.iter_mut().enumerate().take(rank) {
-        let a = String::from_utf8_lossy(&store.get(&format!("mesh/{peer}"), timeout)?).to_string();
+        let a = published(&mut store, peer, timeout)?.0;
         *slot = Some(dial(
             &a,
             peer,
@@ -123,10 +128,111 @@ pub fn connect_mesh(cfg: &Config) -> Result<MeshParts> {
         Some(c) => Control::Worker(c),
         None => Control::Coordinator(control),
     };
+    let mut links: Vec<Link> = data
+        .into_iter()
+        .map(|s| s.map_or(Link::None, Link::Tcp))
+        .collect();
+    let mut shm = None;
+    if cfg.shm {
+        let mut hosts = Vec::with_capacity(size);
+        for p in 0..size {
+            hosts.push(if p == rank {
+                host.clone()
+            } else {
+                published(&mut store, p, timeout)?.1
+            });
+        }
+        let group: Vec<usize> = (0..size).filter(|&p| hosts[p] == host).collect();
+        if group.len() > 1 {
+            let seg = Arc::new(open_segment(cfg, &mut store, &group, &host)?);
+            let me = group.iter().position(|&p| p == rank).unwrap();
+            for (i, &p) in group.iter().enumerate() {
+                if p != rank {
+                    links[p] = Link::Shm {
+                        seg: seg.clone(),
+                        me,
+                        peer: i,
+                    };
+                }
+            }
+            shm = Some((seg, me));
+        }
+    }
     Ok(MeshParts {
-        mesh: Mesh::new(rank, data, timeout),
+        mesh: Mesh::new(rank, links, shm, timeout),
         control,
     })
+}
+
+/// A published mesh entry: (address, host key).
+fn published(store: &mut StoreClient, peer: usize, timeout: Duration) -> Result<(String, String)> {
+    let v = String::from_utf8_lossy(&store.get(&format!("mesh/{peer}"), timeout)?).to_string();
+    let (addr, host) = v.split_once(' ').unwrap_or((v.as_str(), ""));
+    Ok((addr.to_string(), host.to_string()))
+}
+
+/// Names this host: ranks with equal keys share memory. The launcher's host
+/// name (distinct for network-namespace "hosts") or the kernel's, plus the
+/// boot id, so two machines that call themselves the same never match.
+fn host_key(cfg: &Config) -> String {
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").unwrap_or_default();
+    let name = crate::config::var("PERSEUS_HOSTNAME").unwrap_or_else(|| {
+        let mut buf = [0u8; 256];
+        // SAFETY: gethostname writes at most `buf.len()` bytes into `buf`.
+        let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+        let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+        if rc == 0 {
+            String::from_utf8_lossy(&buf[..end]).to_string()
+        } else {
+            String::new()
+        }
+    });
+    let _ = cfg;
+    format!("{}@{}", name.replace(' ', "_"), boot.trim())
+}
+
+/// FNV-1a, to turn job and host into a short file name.
+fn fnv(s: &str) -> u64 {
+    s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
+    })
+}
+
+/// Creates (the lowest rank of the host) or opens (the others) the host's
+/// segment, and unlinks its file once every local rank has mapped it, so
+/// nothing is left behind even if the job crashes later.
+fn open_segment(
+    cfg: &Config,
+    store: &mut StoreClient,
+    group: &[usize],
+    host: &str,
+) -> Result<Segment> {
+    let (rdv_host, rdv_port) = cfg.rendezvous.clone().unwrap_or_default();
+    let id = fnv(&format!(
+        "{}|{rdv_host}|{rdv_port}|{host}|{group:?}",
+        cfg.secret
+    ));
+    let path = format!("/dev/shm/perseus-{id:016x}");
+    let rank = cfg.topology.rank;
+    let leader = group[0];
+    let t = cfg.timeout;
+    let seg = if rank == leader {
+        let _ = std::fs::remove_file(&path);
+        let seg = Segment::open(&path, group.len(), SHM_RING_BYTES)?;
+        store.set(&format!("shm/{id:016x}/ready"), b"1")?;
+        seg
+    } else {
+        store.get(&format!("shm/{id:016x}/ready"), t)?;
+        Segment::open(&path, group.len(), SHM_RING_BYTES)?
+    };
+    store.set(&format!("shm/{id:016x}/mapped/{rank}"), b"1")?;
+    if rank == leader {
+        for p in &group[1..] {
+            store.get(&format!("shm/{id:016x}/mapped/{p}"), t)?;
+        }
+        let _ = std::fs::remove_file(&path);
+    }
+    Ok(seg)
 }
 
 /// Connects to `addr`, says hello, waits for the answer.

@@ -1,36 +1,93 @@
 //! Point-to-point transport between ranks: a full TCP mesh, one data stream
 //! per peer pair, plus control streams from every rank to rank 0 (the
-//! coordinator). Data moves in frames (the [`crate::wire`] header, then the
-//! payload); each side knows the length to expect from negotiation, and a
-//! frame of another length is a protocol error naming the peer.
+//! coordinator); ranks on the same host replace their TCP data stream with
+//! a shared-memory ring pair ([`shm`]). Data moves in frames (the
+//! [`crate::wire`] header, then the payload); each side knows the length to
+//! expect from negotiation, and a frame of another length is a protocol
+//! error naming the peer.
 //!
-//! Data sockets are non-blocking and a single thread drives any number of
-//! sends and receives at once with `poll(2)` (see [`progress`]), so a ring
-//! step sends right while it receives left without helper threads.
+//! A single thread drives any number of sends and receives at once (see
+//! [`progress`]): sockets are non-blocking and waited on with `poll(2)`,
+//! rings with the host's futex doorbell, so a ring step sends right while it
+//! receives left without helper threads.
 
 mod connect;
 mod progress;
+pub mod shm;
 
 pub use connect::{connect_mesh, Control, MeshParts};
 pub use progress::{Recv, Send};
 
 use crate::error::Result;
+use shm::Segment;
+use std::io::{Read, Write};
 use std::net::TcpStream;
+use std::sync::Arc;
 use std::time::Duration;
 
-/// The data streams of one rank to all its peers.
+/// How this rank reaches one peer.
+pub enum Link {
+    /// Itself, or not connected.
+    None,
+    /// A non-blocking TCP stream.
+    Tcp(TcpStream),
+    /// Rings in the host's shared segment (`me` and `peer` index its members).
+    Shm {
+        /// The segment.
+        seg: Arc<Segment>,
+        /// This rank's member index.
+        me: usize,
+        /// The peer's member index.
+        peer: usize,
+    },
+}
+
+impl Link {
+    /// Writes what it can without blocking.
+    pub fn write(&self, buf: &[u8]) -> std::io::Result<usize> {
+        match self {
+            Link::Tcp(s) => (&*s).write(buf),
+            Link::Shm { seg, me, peer } => seg.ring(*me, *peer).write(buf),
+            Link::None => Err(std::io::ErrorKind::NotConnected.into()),
+        }
+    }
+
+    /// Reads what is there without blocking.
+    pub fn read(&self, buf: &mut [u8]) -> std::io::Result<usize> {
+        match self {
+            Link::Tcp(s) => (&*s).read(buf),
+            Link::Shm { seg, me, peer } => seg.ring(*peer, *me).read(buf),
+            Link::None => Err(std::io::ErrorKind::NotConnected.into()),
+        }
+    }
+
+    /// True for shared memory.
+    pub fn is_shm(&self) -> bool {
+        matches!(self, Link::Shm { .. })
+    }
+}
+
+/// The data links of one rank to all its peers.
 pub struct Mesh {
     rank: usize,
-    peers: Vec<Option<TcpStream>>,
+    links: Vec<Link>,
+    shm: Option<(Arc<Segment>, usize)>,
     timeout: Duration,
 }
 
 impl Mesh {
-    /// Wraps connected, non-blocking streams (`peers[rank]` is `None`).
-    pub fn new(rank: usize, peers: Vec<Option<TcpStream>>, timeout: Duration) -> Mesh {
+    /// Wraps connected links (`links[rank]` is `Link::None`) and, when some
+    /// peers share this host, the segment and this rank's member index.
+    pub fn new(
+        rank: usize,
+        links: Vec<Link>,
+        shm: Option<(Arc<Segment>, usize)>,
+        timeout: Duration,
+    ) -> Mesh {
         Mesh {
             rank,
-            peers,
+            links,
+            shm,
             timeout,
         }
     }
@@ -42,7 +99,12 @@ impl Mesh {
 
     /// Number of ranks.
     pub fn size(&self) -> usize {
-        self.peers.len()
+        self.links.len()
+    }
+
+    /// True when `peer` is reached through shared memory.
+    pub fn is_local(&self, peer: usize) -> bool {
+        self.links.get(peer).is_some_and(Link::is_shm)
     }
 
     /// Runs sends and receives (peers named by global rank) to completion.
@@ -54,6 +116,7 @@ impl Mesh {
         recvs: &mut [Recv<'_>],
         on_recv: &mut dyn FnMut(usize, &[u8]),
     ) -> Result<()> {
-        progress::run(&self.peers, self.timeout, sends, recvs, on_recv)
+        let shm = self.shm.as_ref().map(|(s, me)| (&**s, *me));
+        progress::run(&self.links, shm, self.timeout, sends, recvs, on_recv)
     }
 }

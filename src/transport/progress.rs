@@ -1,9 +1,10 @@
 //! Drives several non-blocking sends and receives to completion with poll(2).
 
+use super::shm::Segment;
+use super::Link;
 use crate::error::{PerseusError, Result};
 use crate::wire::{header, parse_header, HEADER};
-use std::io::{ErrorKind, Read, Write};
-use std::net::TcpStream;
+use std::io::ErrorKind;
 use std::os::fd::AsRawFd;
 use std::time::{Duration, Instant};
 
@@ -80,11 +81,13 @@ impl<'a> Recv<'a> {
     }
 }
 
-fn stream(peers: &[Option<TcpStream>], peer: usize) -> Result<&TcpStream> {
-    peers
-        .get(peer)
-        .and_then(|p| p.as_ref())
-        .ok_or_else(|| PerseusError::InvalidArgument(format!("no connection to rank {peer}")))
+fn link(links: &[Link], peer: usize) -> Result<&Link> {
+    match links.get(peer) {
+        Some(Link::None) | None => Err(PerseusError::InvalidArgument(format!(
+            "no connection to rank {peer}"
+        ))),
+        Some(l) => Ok(l),
+    }
 }
 
 fn lost(peer: usize, what: &str) -> PerseusError {
@@ -94,9 +97,9 @@ fn lost(peer: usize, what: &str) -> PerseusError {
 }
 
 /// Makes what progress is possible without blocking; true if any byte moved.
-fn step_send(peers: &[Option<TcpStream>], s: &mut Send<'_>) -> Result<bool> {
+fn step_send(links: &[Link], s: &mut Send<'_>) -> Result<bool> {
     let mut moved = false;
-    let mut st = stream(peers, s.peer)?;
+    let st = link(links, s.peer)?;
     while !s.done() {
         let chunk = if s.pos < HEADER {
             &s.hdr[s.pos..]
@@ -117,9 +120,9 @@ fn step_send(peers: &[Option<TcpStream>], s: &mut Send<'_>) -> Result<bool> {
     Ok(moved)
 }
 
-fn step_recv(peers: &[Option<TcpStream>], r: &mut Recv<'_>) -> Result<bool> {
+fn step_recv(links: &[Link], r: &mut Recv<'_>) -> Result<bool> {
     let mut moved = false;
-    let mut st = stream(peers, r.peer)?;
+    let st = link(links, r.peer)?;
     while !r.done() {
         let res = if r.pos < HEADER {
             st.read(&mut r.hdr[r.pos..])
@@ -154,9 +157,14 @@ fn step_recv(peers: &[Option<TcpStream>], r: &mut Recv<'_>) -> Result<bool> {
     Ok(moved)
 }
 
-/// Runs all transfers; see [`super::Mesh::transfer`].
+/// Longest sleep on the doorbell before re-checking TCP and the clock.
+const SHM_NAP: Duration = Duration::from_millis(100);
+
+/// Runs all transfers; see [`super::Mesh::transfer`]. `shm` is the host's
+/// segment and this rank's member index, when some peers share the host.
 pub fn run(
-    peers: &[Option<TcpStream>],
+    links: &[Link],
+    shm: Option<(&Segment, usize)>,
     timeout: Duration,
     sends: &mut [Send<'_>],
     recvs: &mut [Recv<'_>],
@@ -165,12 +173,15 @@ pub fn run(
     let mut last_progress = Instant::now();
     let mut fds: Vec<libc::pollfd> = Vec::with_capacity(sends.len() + recvs.len());
     loop {
+        // Read the doorbell before trying, so a ring that fills or drains
+        // after the attempt wakes the wait below.
+        let bell = shm.map(|(seg, me)| seg.bell(me));
         let mut moved = false;
         for s in sends.iter_mut() {
-            moved |= step_send(peers, s)?;
+            moved |= step_send(links, s)?;
         }
         for (i, r) in recvs.iter_mut().enumerate() {
-            if step_recv(peers, r)? && r.pos > HEADER {
+            if step_recv(links, r)? && r.pos > HEADER {
                 moved = true;
                 on_recv(i, &r.data[..r.pos - HEADER]);
             }
@@ -195,30 +206,44 @@ pub fn run(
                 timeout.as_secs()
             )));
         }
+        let left = timeout - waited;
         fds.clear();
-        for s in sends.iter().filter(|s| !s.done()) {
-            let fd = stream(peers, s.peer)?.as_raw_fd();
-            fds.push(libc::pollfd {
-                fd,
-                events: libc::POLLOUT,
-                revents: 0,
-            });
+        let mut shm_pending = false;
+        let pending = sends
+            .iter()
+            .filter(|s| !s.done())
+            .map(|s| (s.peer, libc::POLLOUT))
+            .chain(
+                recvs
+                    .iter()
+                    .filter(|r| !r.done())
+                    .map(|r| (r.peer, libc::POLLIN)),
+            );
+        for (peer, events) in pending {
+            match link(links, peer)? {
+                Link::Tcp(t) => fds.push(libc::pollfd {
+                    fd: t.as_raw_fd(),
+                    events,
+                    revents: 0,
+                }),
+                _ => shm_pending = true,
+            }
         }
-        for r in recvs.iter().filter(|r| !r.done()) {
-            let fd = stream(peers, r.peer)?.as_raw_fd();
-            fds.push(libc::pollfd {
-                fd,
-                events: libc::POLLIN,
-                revents: 0,
-            });
-        }
-        let ms = (timeout - waited).as_millis().clamp(1, 1000) as libc::c_int;
-        // SAFETY: `fds` is a valid array of pollfd for the duration of the call.
-        let rc = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
-        if rc < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.kind() != ErrorKind::Interrupted {
-                return Err(e.into());
+        match (shm, shm_pending, fds.is_empty()) {
+            (Some((seg, me)), true, true) => seg.wait(me, bell.unwrap_or(0), left.min(SHM_NAP)),
+            _ => {
+                // TCP only: sleep in poll. Both kinds: poll briefly, then
+                // look at the rings again.
+                let cap = if shm_pending { 1 } else { 1000 };
+                let ms = left.as_millis().clamp(1, cap) as libc::c_int;
+                // SAFETY: `fds` is a valid array of pollfd for the duration of the call.
+                let rc = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, ms) };
+                if rc < 0 {
+                    let e = std::io::Error::last_os_error();
+                    if e.kind() != ErrorKind::Interrupted {
+                        return Err(e.into());
+                    }
+                }
             }
         }
     }

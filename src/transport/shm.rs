@@ -1,0 +1,269 @@
+//! Shared memory between ranks on one host: one segment per host and job,
+//! holding a single-producer single-consumer byte ring for every ordered pair
+//! of local ranks, and a doorbell per rank that writers ring when data
+//! arrives or space frees. A rank with nothing to do sleeps on its doorbell
+//! with futex(2), so oversubscribed hosts do not spin.
+//!
+//! The rings carry the same framed byte stream as TCP, so the collectives
+//! cannot tell the two apart.
+
+use crate::error::{PerseusError, Result};
+use std::io::ErrorKind;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::time::Duration;
+
+const LINE: usize = 64;
+const MAGIC: u64 = 0x5045_5253_4853_4d31; // "PERSHSM1"
+
+/// A mapped segment shared by the ranks of one host.
+pub struct Segment {
+    base: *mut u8,
+    len: usize,
+    members: usize,
+    cap: usize,
+}
+
+// SAFETY: the mapping is shared memory accessed only through atomics and the
+// ring protocol below; the pointer stays valid until drop.
+unsafe impl Send for Segment {}
+unsafe impl Sync for Segment {}
+
+fn ring_bytes(cap: usize) -> usize {
+    2 * LINE + cap
+}
+
+impl Segment {
+    /// Bytes a segment for `members` ranks with rings of `cap` bytes needs.
+    pub fn size(members: usize, cap: usize) -> usize {
+        LINE + members * LINE + members * members * ring_bytes(cap)
+    }
+
+    /// Opens (creating if needed) the segment file at `path` and maps it.
+    pub fn open(path: &str, members: usize, cap: usize) -> Result<Segment> {
+        use std::os::fd::AsRawFd;
+        let len = Self::size(members, cap);
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(path)
+            .map_err(|e| PerseusError::Io(format!("shared memory {path}: {e}")))?;
+        file.set_len(len as u64)
+            .map_err(|e| PerseusError::Io(format!("sizing shared memory {path}: {e}")))?;
+        // SAFETY: mapping a file we opened read-write, of the length just set.
+        let base = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            let e = std::io::Error::last_os_error();
+            return Err(PerseusError::Io(format!(
+                "mapping shared memory {path}: {e}"
+            )));
+        }
+        let seg = Segment {
+            base: base.cast(),
+            len,
+            members,
+            cap,
+        };
+        seg.word64(0).store(MAGIC, Ordering::SeqCst);
+        Ok(seg)
+    }
+
+    fn word64(&self, off: usize) -> &AtomicU64 {
+        assert!(off + 8 <= self.len && off % 8 == 0);
+        // SAFETY: in bounds and aligned; shared words are only used atomically.
+        unsafe { &*(self.base.add(off) as *const AtomicU64) }
+    }
+
+    fn word32(&self, off: usize) -> &AtomicU32 {
+        assert!(off + 4 <= self.len && off % 4 == 0);
+        // SAFETY: as above.
+        unsafe { &*(self.base.add(off) as *const AtomicU32) }
+    }
+
+    fn doorbell(&self, member: usize) -> Doorbell<'_> {
+        let off = LINE + member * LINE;
+        Doorbell {
+            bell: self.word32(off),
+            waiting: self.word32(off + 4),
+        }
+    }
+
+    fn ring_off(&self, from: usize, to: usize) -> usize {
+        LINE + self.members * LINE + (from * self.members + to) * ring_bytes(self.cap)
+    }
+
+    /// The ring `from` writes and `to` reads (member indices within the host).
+    pub fn ring(&self, from: usize, to: usize) -> Ring<'_> {
+        let off = self.ring_off(from, to);
+        Ring {
+            head: self.word64(off),
+            tail: self.word64(off + LINE),
+            // SAFETY: the data area lies inside the mapping.
+            data: unsafe { self.base.add(off + 2 * LINE) },
+            cap: self.cap,
+            reader: self.doorbell(to),
+            writer: self.doorbell(from),
+        }
+    }
+
+    /// Sleeps until `member`'s doorbell changes from `seen` or `timeout` passes.
+    pub fn wait(&self, member: usize, seen: u32, timeout: Duration) {
+        self.doorbell(member).wait(seen, timeout);
+    }
+
+    /// The current value of `member`'s doorbell.
+    pub fn bell(&self, member: usize) -> u32 {
+        self.doorbell(member).bell.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for Segment {
+    fn drop(&mut self) {
+        // SAFETY: unmapping exactly what `open` mapped.
+        unsafe { libc::munmap(self.base.cast(), self.len) };
+    }
+}
+
+struct Doorbell<'a> {
+    bell: &'a AtomicU32,
+    waiting: &'a AtomicU32,
+}
+
+impl Doorbell<'_> {
+    fn ring(&self) {
+        self.bell.fetch_add(1, Ordering::SeqCst);
+        if self.waiting.load(Ordering::SeqCst) != 0 {
+            // SAFETY: futex on a word of a shared mapping (not process-private).
+            unsafe {
+                libc::syscall(
+                    libc::SYS_futex,
+                    self.bell.as_ptr(),
+                    libc::FUTEX_WAKE,
+                    i32::MAX,
+                );
+            }
+        }
+    }
+
+    fn wait(&self, seen: u32, timeout: Duration) {
+        self.waiting.fetch_add(1, Ordering::SeqCst);
+        if self.bell.load(Ordering::SeqCst) == seen {
+            let ts = libc::timespec {
+                tv_sec: timeout.as_secs() as libc::time_t,
+                tv_nsec: timeout.subsec_nanos() as libc::c_long,
+            };
+            // SAFETY: as in `ring`; the kernel re-checks the value atomically.
+            unsafe {
+                libc::syscall(
+                    libc::SYS_futex,
+                    self.bell.as_ptr(),
+                    libc::FUTEX_WAIT,
+                    seen,
+                    &ts,
+                );
+            }
+        }
+        self.waiting.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// One direction between two local ranks: a byte ring. `head` counts bytes
+/// ever written, `tail` bytes ever read.
+pub struct Ring<'a> {
+    head: &'a AtomicU64,
+    tail: &'a AtomicU64,
+    data: *mut u8,
+    cap: usize,
+    reader: Doorbell<'a>,
+    writer: Doorbell<'a>,
+}
+
+impl Ring<'_> {
+    /// Copies as much of `buf` as fits; `WouldBlock` when the ring is full.
+    pub fn write(&self, buf: &[u8]) -> std::io::Result<usize> {
+        let head = self.head.load(Ordering::Relaxed);
+        let tail = self.tail.load(Ordering::Acquire);
+        let free = self.cap - (head - tail) as usize;
+        let n = free.min(buf.len());
+        if n == 0 {
+            return Err(ErrorKind::WouldBlock.into());
+        }
+        let at = (head % self.cap as u64) as usize;
+        let first = n.min(self.cap - at);
+        // SAFETY: the writer owns [head, tail + cap); ranges are inside the data area.
+        unsafe {
+            std::ptr::copy_nonoverlapping(buf.as_ptr(), self.data.add(at), first);
+            std::ptr::copy_nonoverlapping(buf.as_ptr().add(first), self.data, n - first);
+        }
+        self.head.store(head + n as u64, Ordering::Release);
+        self.reader.ring();
+        Ok(n)
+    }
+
+    /// Copies out as much as is available into `buf`; `WouldBlock` when empty.
+    pub fn read(&self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let tail = self.tail.load(Ordering::Relaxed);
+        let head = self.head.load(Ordering::Acquire);
+        let n = ((head - tail) as usize).min(buf.len());
+        if n == 0 {
+            return Err(ErrorKind::WouldBlock.into());
+        }
+        let at = (tail % self.cap as u64) as usize;
+        let first = n.min(self.cap - at);
+        // SAFETY: the reader owns [tail, head); ranges are inside the data area.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.data.add(at), buf.as_mut_ptr(), first);
+            std::ptr::copy_nonoverlapping(self.data, buf.as_mut_ptr().add(first), n - first);
+        }
+        self.tail.store(tail + n as u64, Ordering::Release);
+        self.writer.ring();
+        Ok(n)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bytes_cross_the_ring_in_order_with_wraparound() {
+        let path = format!("/dev/shm/perseus-test-{}", std::process::id());
+        let a = Segment::open(&path, 2, 1000).unwrap();
+        let b = Segment::open(&path, 2, 1000).unwrap();
+        let _ = std::fs::remove_file(&path);
+        let msg: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
+        let m2 = msg.clone();
+        let writer = std::thread::spawn(move || {
+            let ring = a.ring(0, 1);
+            let mut off = 0;
+            while off < m2.len() {
+                match ring.write(&m2[off..(off + 777).min(m2.len())]) {
+                    Ok(n) => off += n,
+                    Err(_) => a.wait(0, a.bell(0), Duration::from_millis(10)),
+                }
+            }
+        });
+        let ring = b.ring(0, 1);
+        let mut got = vec![0u8; msg.len()];
+        let mut off = 0;
+        while off < got.len() {
+            let seen = b.bell(1);
+            match ring.read(&mut got[off..]) {
+                Ok(n) => off += n,
+                Err(_) => b.wait(1, seen, Duration::from_millis(10)),
+            }
+        }
+        writer.join().unwrap();
+        assert_eq!(got, msg);
+    }
+}
