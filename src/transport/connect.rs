@@ -274,6 +274,7 @@ fn admit(
     timeout: Duration,
 ) -> Option<(usize, u8, TcpStream)> {
     conn.set_nonblocking(false).ok()?;
+    conn.set_nodelay(true).ok()?;
     conn.set_read_timeout(Some(timeout.min(Duration::from_secs(10))))
         .ok()?;
     let (k, p) = read_frame(&mut conn).ok()?;
