@@ -40,6 +40,10 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 const FRAME_REQUESTS: u16 = 0x300;
+/// In a burst, the gap after which the batch is sent anyway.
+const LINGER_GAP: Duration = Duration::from_micros(20);
+/// In a burst, the longest a batch is held.
+const LINGER_MAX: Duration = Duration::from_millis(2);
 const FRAME_RESPONSES: u16 = 0x301;
 
 enum Event {
@@ -418,6 +422,20 @@ fn spawn_worker_reader(
     Ok(())
 }
 
+/// Waits up to [`LINGER_GAP`] for the next event without parking the thread:
+/// a parked engine would be woken (a syscall and a context switch) by every
+/// submission of the burst it is waiting for.
+fn linger(rx: &Receiver<Event>) -> Option<Event> {
+    let start = Instant::now();
+    while start.elapsed() < LINGER_GAP {
+        if let Ok(ev) = rx.try_recv() {
+            return Some(ev);
+        }
+        std::thread::yield_now();
+    }
+    None
+}
+
 /// The engine thread's own state.
 struct State {
     mesh: Mesh,
@@ -432,35 +450,60 @@ struct State {
 
 impl State {
     fn run(mut self, rx: Receiver<Event>) {
+        // Short sleeps below must be short: ask for 1 µs timer slack (default 50 µs).
+        // SAFETY: prctl on the calling thread only.
+        unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1000 as libc::c_ulong) };
         while let Ok(first) = rx.recv() {
+            // A submission that arrives while earlier ones are still being
+            // negotiated is part of a burst (many small tensors, gradients of
+            // small layers): collect the rest while they keep coming, so they
+            // negotiate and fuse together. A lone submission is sent at once.
+            let woke = Instant::now();
             let mut batch = Vec::new();
             let mut next = Some(first);
-            while let Some(ev) = next.take().or_else(|| rx.try_recv().ok()) {
-                match ev {
-                    Event::Enqueue(b) => {
-                        let (req, entry, at) = *b;
-                        if let Some(e) = self.shared.fatal.lock().unwrap().clone() {
-                            self.finish(&req.process_set, &req.name, entry.handle, Err(e));
-                            continue;
+            loop {
+                let ev = match next.take().or_else(|| rx.try_recv().ok()) {
+                    Some(ev) => ev,
+                    None if self.entries.len() > batch.len()
+                        && !batch.is_empty()
+                        && woke.elapsed() < LINGER_MAX =>
+                    {
+                        match linger(&rx) {
+                            Some(ev) => ev,
+                            None => break,
                         }
-                        if req.kind == OpKind::Join {
-                            self.joined.insert(req.process_set);
-                        }
-                        batch.push(req.clone());
-                        self.entries
-                            .insert((req.process_set, req.name.clone()), (req, entry, at));
                     }
-                    Event::Responses(rs) => {
-                        self.send_up(std::mem::take(&mut batch));
-                        rs.into_iter().for_each(|r| self.execute(r));
-                    }
-                    Event::Fatal(msg) => self.fail_all(PerseusError::Aborted(msg)),
-                }
+                    None => break,
+                };
+                self.handle(ev, &mut batch);
                 if self.exit {
                     return;
                 }
             }
             self.send_up(batch);
+        }
+    }
+
+    fn handle(&mut self, ev: Event, batch: &mut Vec<Request>) {
+        match ev {
+            Event::Enqueue(b) => {
+                let (req, entry, at) = *b;
+                if let Some(e) = self.shared.fatal.lock().unwrap().clone() {
+                    self.finish(&req.process_set, &req.name, entry.handle, Err(e));
+                    return;
+                }
+                if req.kind == OpKind::Join {
+                    self.joined.insert(req.process_set);
+                }
+                batch.push(req.clone());
+                self.entries
+                    .insert((req.process_set, req.name.clone()), (req, entry, at));
+            }
+            Event::Responses(rs) => {
+                self.send_up(std::mem::take(batch));
+                rs.into_iter().for_each(|r| self.execute(r));
+            }
+            Event::Fatal(msg) => self.fail_all(PerseusError::Aborted(msg)),
         }
     }
 
