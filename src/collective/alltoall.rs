@@ -37,5 +37,5 @@ pub fn alltoallv(
         }
     }
     let mut recvs: Vec<Recv<'_>> = rest.into_iter().map(|(p, b)| Recv::new(p, b)).collect();
-    comm.transfer(&mut sends, &mut recvs, &mut |_, _| {})
+    comm.transfer(&mut sends, &mut recvs)
 }

@@ -12,11 +12,7 @@ pub fn barrier(comm: &dyn Comm) -> Result<()> {
     let mut dist = 1;
     while dist < n {
         let (to, from) = ((r + dist) % n, (r + n - dist) % n);
-        comm.transfer(
-            &mut [Send::new(to, &[])],
-            &mut [Recv::new(from, &mut [])],
-            &mut |_, _| {},
-        )?;
+        comm.transfer(&mut [Send::new(to, &[])], &mut [Recv::new(from, &mut [])])?;
         dist *= 2;
     }
     Ok(())

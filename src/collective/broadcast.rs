@@ -23,9 +23,9 @@ pub fn broadcast(comm: &dyn Comm, buf: &mut [u8], root: usize) -> Result<()> {
                 .filter(|&p| p != root)
                 .map(|p| Send::new(p, &*buf))
                 .collect();
-            comm.transfer(&mut sends, &mut [], &mut |_, _| {})
+            comm.transfer(&mut sends, &mut [])
         } else {
-            comm.transfer(&mut [], &mut [Recv::new(root, buf)], &mut |_, _| {})
+            comm.transfer(&mut [], &mut [Recv::new(root, buf)])
         };
     }
     let v = (r + n - root) % n;
@@ -44,17 +44,11 @@ pub fn broadcast(comm: &dyn Comm, buf: &mut [u8], root: usize) -> Result<()> {
         match (fwd, get) {
             (Some((to, a)), Some((from, b))) => {
                 let (out, inp) = split2(buf, a, b);
-                comm.transfer(
-                    &mut [Send::new(to, out)],
-                    &mut [Recv::new(from, inp)],
-                    &mut |_, _| {},
-                )?
+                comm.transfer(&mut [Send::new(to, out)], &mut [Recv::new(from, inp)])?
             }
-            (Some((to, a)), None) => {
-                comm.transfer(&mut [Send::new(to, &buf[a])], &mut [], &mut |_, _| {})?
-            }
+            (Some((to, a)), None) => comm.transfer(&mut [Send::new(to, &buf[a])], &mut [])?,
             (None, Some((from, b))) => {
-                comm.transfer(&mut [], &mut [Recv::new(from, &mut buf[b])], &mut |_, _| {})?
+                comm.transfer(&mut [], &mut [Recv::new(from, &mut buf[b])])?
             }
             (None, None) => {}
         }

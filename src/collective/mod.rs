@@ -30,14 +30,8 @@ pub trait Comm {
     fn rank(&self) -> usize;
     /// Number of ranks in the group.
     fn size(&self) -> usize;
-    /// Runs the sends and receives (peers as group ranks) to completion,
-    /// reporting receive progress to `on_recv(index, received_prefix)`.
-    fn transfer(
-        &self,
-        sends: &mut [Send<'_>],
-        recvs: &mut [Recv<'_>],
-        on_recv: &mut dyn FnMut(usize, &[u8]),
-    ) -> Result<()>;
+    /// Runs the sends and receives (peers as group ranks) to completion.
+    fn transfer(&self, sends: &mut [Send<'_>], recvs: &mut [Recv<'_>]) -> Result<()>;
 }
 
 /// A process set's view of the mesh: group rank `i` is global rank `members[i]`.
@@ -69,19 +63,14 @@ impl Comm for MeshComm<'_> {
     fn size(&self) -> usize {
         self.members.len()
     }
-    fn transfer(
-        &self,
-        sends: &mut [Send<'_>],
-        recvs: &mut [Recv<'_>],
-        on_recv: &mut dyn FnMut(usize, &[u8]),
-    ) -> Result<()> {
+    fn transfer(&self, sends: &mut [Send<'_>], recvs: &mut [Recv<'_>]) -> Result<()> {
         sends
             .iter_mut()
             .for_each(|s| s.map_peer(|p| self.members[p]));
         recvs
             .iter_mut()
             .for_each(|r| r.map_peer(|p| self.members[p]));
-        self.mesh.transfer(sends, recvs, on_recv)
+        self.mesh.transfer(sends, recvs)
     }
 }
 

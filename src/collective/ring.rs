@@ -14,8 +14,6 @@ use crate::kernels::{reduce_into, AlignedBuf};
 use crate::transport::{Recv, Send};
 use std::ops::Range;
 
-/// Bytes reduced at a time while the rest of a chunk is still arriving.
-const SEGMENT: usize = 256 << 10;
 /// Buffers up to this size use the direct exchange instead of the ring.
 const DIRECT_MAX: usize = 64 << 10;
 
@@ -39,7 +37,7 @@ pub fn allreduce(
         .into_iter()
         .map(|p| p.start * es..p.end * es)
         .collect();
-    reduce_scatter_ranges(comm, buf, &parts, dtype, op, scratch)?;
+    reduce_scatter_ranges(comm, buf, &parts, dtype, op)?;
     allgather_ranges(comm, buf, &parts)
 }
 
@@ -66,7 +64,7 @@ fn allreduce_direct(
             .filter(|(p, _)| *p != r)
             .map(|(p, b)| Recv::new(p, b))
             .collect();
-        comm.transfer(&mut sends, &mut recvs, &mut |_, _| {})?;
+        comm.transfer(&mut sends, &mut recvs)?;
     }
     let (first, rest) = blocks.split_at_mut(len);
     for other in rest.chunks(len) {
@@ -84,7 +82,6 @@ pub fn reduce_scatter(
     counts: &[usize],
     dtype: DataType,
     op: ReduceOp,
-    scratch: &mut AlignedBuf,
 ) -> Result<Range<usize>> {
     let es = dtype.size();
     let mut start = 0;
@@ -102,7 +99,7 @@ pub fn reduce_scatter(
         "reduce_scatter: counts do not cover the buffer"
     );
     if comm.size() > 1 {
-        reduce_scatter_ranges(comm, buf, &parts, dtype, op, scratch)?;
+        reduce_scatter_ranges(comm, buf, &parts, dtype, op)?;
     }
     Ok(parts[comm.rank()].clone())
 }
@@ -113,27 +110,16 @@ fn reduce_scatter_ranges(
     parts: &[Range<usize>],
     dtype: DataType,
     op: ReduceOp,
-    scratch: &mut AlignedBuf,
 ) -> Result<()> {
-    let (n, r, es) = (comm.size(), comm.rank(), dtype.size());
+    let (n, r) = (comm.size(), comm.rank());
     let (right, left) = ((r + 1) % n, (r + n - 1) % n);
-    scratch.resize(parts.iter().map(|p| p.len()).max().unwrap_or(0));
     for s in 0..n - 1 {
         let sc = (r + 2 * n - s - 1) % n;
         let rc = (r + 2 * n - s - 2) % n;
         let (out, dst) = split2(buf, parts[sc].clone(), parts[rc].clone());
-        let total = dst.len();
-        let tmp = &mut scratch.as_mut_slice()[..total];
-        let mut reduced = 0;
         let mut sends = [Send::new(right, out)];
-        let mut recvs = [Recv::new(left, tmp)];
-        comm.transfer(&mut sends, &mut recvs, &mut |_, got| {
-            let upto = got.len() - got.len() % es;
-            if upto == total || upto - reduced >= SEGMENT {
-                reduce_into(&mut dst[reduced..upto], &got[reduced..upto], dtype, op);
-                reduced = upto;
-            }
-        })?;
+        let mut recvs = [Recv::reducing(left, dst, dtype, op)];
+        comm.transfer(&mut sends, &mut recvs)?;
     }
     Ok(())
 }
@@ -145,11 +131,7 @@ fn allgather_ranges(comm: &dyn Comm, buf: &mut [u8], parts: &[Range<usize>]) -> 
         let sc = (r + n - s) % n;
         let rc = (r + 2 * n - s - 1) % n;
         let (out, dst) = split2(buf, parts[sc].clone(), parts[rc].clone());
-        comm.transfer(
-            &mut [Send::new(right, out)],
-            &mut [Recv::new(left, dst)],
-            &mut |_, _| {},
-        )?;
+        comm.transfer(&mut [Send::new(right, out)], &mut [Recv::new(left, dst)])?;
     }
     Ok(())
 }

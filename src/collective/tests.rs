@@ -44,24 +44,15 @@ impl Comm for ThreadComm {
     fn size(&self) -> usize {
         self.tx.len()
     }
-    fn transfer(
-        &self,
-        sends: &mut [Send<'_>],
-        recvs: &mut [Recv<'_>],
-        on_recv: &mut dyn FnMut(usize, &[u8]),
-    ) -> crate::error::Result<()> {
+    fn transfer(&self, sends: &mut [Send<'_>], recvs: &mut [Recv<'_>]) -> crate::error::Result<()> {
         for s in sends.iter() {
             self.tx[s.peer()].send(s.data().to_vec()).unwrap();
         }
-        for (i, r) in recvs.iter_mut().enumerate() {
+        for r in recvs.iter_mut() {
             let got = self.rx[r.peer()]
                 .recv_timeout(Duration::from_secs(10))
                 .map_err(|_| PerseusError::Peer(format!("rank {} is silent", r.peer())))?;
-            assert_eq!(got.len(), r.data_mut().len(), "message length");
-            r.data_mut().copy_from_slice(&got);
-            if !got.is_empty() {
-                on_recv(i, r.data_mut());
-            }
+            r.deliver(&got);
         }
         Ok(())
     }
@@ -168,16 +159,8 @@ fn reduce_scatter_gives_each_rank_its_rows() {
             let total: usize = counts.iter().sum();
             let v: Vec<f32> = (0..total).map(|i| (i + c.rank()) as f32).collect();
             let mut b = AlignedBuf::from_slice(&f32s(&v));
-            let mut s = AlignedBuf::default();
-            let own = reduce_scatter(
-                c,
-                b.as_mut_slice(),
-                &counts,
-                DataType::F32,
-                ReduceOp::Sum,
-                &mut s,
-            )
-            .unwrap();
+            let own =
+                reduce_scatter(c, b.as_mut_slice(), &counts, DataType::F32, ReduceOp::Sum).unwrap();
             (own.start / 4, to_f32s(&b.as_slice()[own]))
         });
         for (start, vals) in out {

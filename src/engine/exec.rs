@@ -74,7 +74,7 @@ pub fn run_op(
         OpKind::Allgather => one(allgather(comm, &shapes[0], *dtype, sizes, entries)),
         OpKind::Alltoall => one(alltoall(comm, &shapes[0], *dtype, sizes, entries)),
         OpKind::Reducescatter => one(reducescatter(
-            comm, &shapes[0], *dtype, *op, *prescale, post, entries, bufs,
+            comm, &shapes[0], *dtype, *op, *prescale, post, entries,
         )),
         _ => unreachable!("not a data-moving kind"),
     }
@@ -218,7 +218,6 @@ fn alltoall(
     })
 }
 
-#[allow(clippy::too_many_arguments)]
 fn reducescatter(
     comm: &dyn Comm,
     shape: &[i64],
@@ -227,7 +226,6 @@ fn reducescatter(
     pre: f64,
     post: f64,
     entries: &[Option<Entry>],
-    bufs: &mut Buffers,
 ) -> Result<Output> {
     let input = input_of(entries)?;
     let n = comm.size();
@@ -241,14 +239,7 @@ fn reducescatter(
     // SAFETY: the front-end keeps the input alive until completion.
     let mut work = AlignedBuf::from_slice(unsafe { input.bytes() });
     scale(work.as_mut_slice(), dtype, pre);
-    let own = collective::reduce_scatter(
-        comm,
-        work.as_mut_slice(),
-        &counts,
-        dtype,
-        op,
-        &mut bufs.scratch,
-    )?;
+    let own = collective::reduce_scatter(comm, work.as_mut_slice(), &counts, dtype, op)?;
     let mut out = AlignedBuf::from_slice(&work.as_slice()[own]);
     scale(out.as_mut_slice(), dtype, post);
     let mut oshape = if shape.is_empty() {

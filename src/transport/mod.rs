@@ -108,15 +108,8 @@ impl Mesh {
     }
 
     /// Runs sends and receives (peers named by global rank) to completion.
-    /// `on_recv(i, bytes)` is called as receive `i` makes progress, with the
-    /// prefix of its buffer received so far.
-    pub fn transfer(
-        &self,
-        sends: &mut [Send<'_>],
-        recvs: &mut [Recv<'_>],
-        on_recv: &mut dyn FnMut(usize, &[u8]),
-    ) -> Result<()> {
+    pub fn transfer(&self, sends: &mut [Send<'_>], recvs: &mut [Recv<'_>]) -> Result<()> {
         let shm = self.shm.as_ref().map(|(s, me)| (&**s, *me));
-        progress::run(&self.links, shm, self.timeout, sends, recvs, on_recv)
+        progress::run(&self.links, shm, self.timeout, sends, recvs)
     }
 }

@@ -1,8 +1,15 @@
-//! Drives several non-blocking sends and receives to completion with poll(2).
+//! Drives several non-blocking sends and receives to completion: sockets are
+//! waited on with poll(2), shared-memory rings with the host's doorbell.
+//!
+//! On every link a message is a frame header, the payload, and zero padding
+//! to a multiple of 8 bytes, so every payload starts 8-byte aligned in a
+//! shared-memory ring and a receiver can reduce straight out of the ring.
 
 use super::shm::Segment;
 use super::Link;
+use crate::dtype::{DataType, ReduceOp};
 use crate::error::{PerseusError, Result};
+use crate::kernels::{reduce_into, AlignedBuf};
 use crate::wire::{header, parse_header, HEADER};
 use std::io::ErrorKind;
 use std::os::fd::AsRawFd;
@@ -10,8 +17,16 @@ use std::time::{Duration, Instant};
 
 /// Frame kind of collective data.
 const DATA: u16 = 0x100;
+/// Zero bytes appended to payloads.
+const PAD: [u8; 8] = [0; 8];
+/// Bytes a reducing receive reads from a socket at a time.
+const STAGING: usize = 256 << 10;
 
-/// One outgoing message: a header, then `data`.
+fn pad(len: usize) -> usize {
+    (8 - len % 8) % 8
+}
+
+/// One outgoing message: a header, then `data`, then padding.
 pub struct Send<'a> {
     peer: usize,
     hdr: [u8; HEADER],
@@ -20,7 +35,7 @@ pub struct Send<'a> {
 }
 
 impl<'a> Send<'a> {
-    /// A message of `data` to global rank `peer`.
+    /// A message of `data` to rank `peer`.
     pub fn new(peer: usize, data: &'a [u8]) -> Self {
         Send {
             peer,
@@ -29,8 +44,11 @@ impl<'a> Send<'a> {
             pos: 0,
         }
     }
+    fn total(&self) -> usize {
+        HEADER + self.data.len() + pad(self.data.len())
+    }
     fn done(&self) -> bool {
-        self.pos == HEADER + self.data.len()
+        self.pos == self.total()
     }
     /// Renames the peer (a process-set rank to a global one).
     pub fn map_peer(&mut self, f: impl Fn(usize) -> usize) {
@@ -46,26 +64,41 @@ impl<'a> Send<'a> {
     }
 }
 
-/// One incoming message of exactly `data.len()` bytes.
+/// One incoming message of exactly `data.len()` bytes, copied into `data`
+/// or reduced into it.
 pub struct Recv<'a> {
     peer: usize,
     hdr: [u8; HEADER],
     data: &'a mut [u8],
     pos: usize,
+    reduce: Option<(DataType, ReduceOp)>,
+    staging: Option<(AlignedBuf, usize)>,
 }
 
 impl<'a> Recv<'a> {
-    /// A message from global rank `peer` into `data`.
+    /// A message from rank `peer` copied into `data`.
     pub fn new(peer: usize, data: &'a mut [u8]) -> Self {
         Recv {
             peer,
             hdr: [0; HEADER],
             data,
             pos: 0,
+            reduce: None,
+            staging: None,
         }
     }
+    /// A message from rank `peer` reduced into `data` (`data[i] = op(data[i], msg[i])`).
+    pub fn reducing(peer: usize, data: &'a mut [u8], dtype: DataType, op: ReduceOp) -> Self {
+        Recv {
+            reduce: Some((dtype, op)),
+            ..Recv::new(peer, data)
+        }
+    }
+    fn total(&self) -> usize {
+        HEADER + self.data.len() + pad(self.data.len())
+    }
     fn done(&self) -> bool {
-        self.pos == HEADER + self.data.len()
+        self.pos == self.total()
     }
     /// Renames the peer (a process-set rank to a global one).
     pub fn map_peer(&mut self, f: impl Fn(usize) -> usize) {
@@ -75,9 +108,22 @@ impl<'a> Recv<'a> {
     pub fn peer(&self) -> usize {
         self.peer
     }
-    /// The buffer to fill.
-    pub fn data_mut(&mut self) -> &mut [u8] {
-        self.data
+    /// Length of the expected payload.
+    pub fn len(&self) -> usize {
+        self.data.len()
+    }
+    /// True for an empty payload.
+    pub fn is_empty(&self) -> bool {
+        self.data.is_empty()
+    }
+    /// Delivers a whole payload at once (in-memory transports in tests).
+    pub fn deliver(&mut self, msg: &[u8]) {
+        assert_eq!(msg.len(), self.data.len(), "message length");
+        match self.reduce {
+            Some((dtype, op)) => reduce_into(self.data, msg, dtype, op),
+            None => self.data.copy_from_slice(msg),
+        }
+        self.pos = self.total();
     }
 }
 
@@ -96,25 +142,37 @@ fn lost(peer: usize, what: &str) -> PerseusError {
     ))
 }
 
+/// Maps an I/O result: `Ok(None)` when the link would block.
+fn io(peer: usize, r: std::io::Result<usize>) -> Result<Option<usize>> {
+    match r {
+        Ok(0) => Err(lost(peer, "closed its connection")),
+        Ok(n) => Ok(Some(n)),
+        Err(e) if e.kind() == ErrorKind::WouldBlock || e.kind() == ErrorKind::Interrupted => {
+            Ok(None)
+        }
+        Err(e) => Err(lost(peer, &format!("failed ({e})"))),
+    }
+}
+
 /// Makes what progress is possible without blocking; true if any byte moved.
 fn step_send(links: &[Link], s: &mut Send<'_>) -> Result<bool> {
     let mut moved = false;
-    let st = link(links, s.peer)?;
+    let l = link(links, s.peer)?;
+    let len = s.data.len();
     while !s.done() {
         let chunk = if s.pos < HEADER {
             &s.hdr[s.pos..]
-        } else {
+        } else if s.pos < HEADER + len {
             &s.data[s.pos - HEADER..]
+        } else {
+            &PAD[s.pos - HEADER - len..pad(len)]
         };
-        match st.write(chunk) {
-            Ok(0) => return Err(lost(s.peer, "closed its connection")),
-            Ok(n) => {
+        match io(s.peer, l.write(chunk))? {
+            Some(n) => {
                 s.pos += n;
                 moved = true;
             }
-            Err(e) if e.kind() == ErrorKind::WouldBlock => break,
-            Err(e) if e.kind() == ErrorKind::Interrupted => continue,
-            Err(e) => return Err(lost(s.peer, &format!("could not be written to ({e})"))),
+            None => break,
         }
     }
     Ok(moved)
@@ -122,39 +180,98 @@ fn step_send(links: &[Link], s: &mut Send<'_>) -> Result<bool> {
 
 fn step_recv(links: &[Link], r: &mut Recv<'_>) -> Result<bool> {
     let mut moved = false;
-    let st = link(links, r.peer)?;
+    let l = link(links, r.peer)?;
+    let len = r.data.len();
     while !r.done() {
-        let res = if r.pos < HEADER {
-            st.read(&mut r.hdr[r.pos..])
-        } else {
-            st.read(&mut r.data[r.pos - HEADER..])
-        };
-        match res {
-            Ok(0) => return Err(lost(r.peer, "closed its connection")),
-            Ok(n) => {
-                let before = r.pos;
-                r.pos += n;
-                moved = true;
-                if before < HEADER && r.pos >= HEADER {
-                    let (_, len) = parse_header(&r.hdr, usize::MAX).map_err(|e| {
-                        PerseusError::Protocol(format!("from rank {}: {e}", r.peer))
-                    })?;
-                    if len != r.data.len() {
-                        return Err(PerseusError::Protocol(format!(
-                            "rank {} sent {len} bytes where {} were expected (ranks disagree \
-                             about the operation)",
-                            r.peer,
-                            r.data.len()
-                        )));
-                    }
+        let got = if r.pos < HEADER {
+            let got = io(r.peer, l.read(&mut r.hdr[r.pos..]))?;
+            if let Some(n) = got {
+                if r.pos + n == HEADER {
+                    check_header(r)?;
                 }
             }
-            Err(e) if e.kind() == ErrorKind::WouldBlock => break,
-            Err(e) if e.kind() == ErrorKind::Interrupted => continue,
-            Err(e) => return Err(lost(r.peer, &format!("could not be read from ({e})"))),
+            got
+        } else if r.pos < HEADER + len {
+            let off = r.pos - HEADER;
+            match r.reduce {
+                None => io(r.peer, l.read(&mut r.data[off..]))?,
+                Some((dtype, op)) => recv_reducing(l, r, off, dtype, op)?,
+            }
+        } else {
+            let mut sink = [0u8; 8];
+            io(r.peer, l.read(&mut sink[..r.total() - r.pos]))?
+        };
+        match got {
+            Some(n) => {
+                r.pos += n;
+                moved = true;
+            }
+            None => break,
         }
     }
     Ok(moved)
+}
+
+fn check_header(r: &Recv<'_>) -> Result<()> {
+    let (_, len) = parse_header(&r.hdr, usize::MAX)
+        .map_err(|e| PerseusError::Protocol(format!("from rank {}: {e}", r.peer)))?;
+    if len != r.data.len() {
+        return Err(PerseusError::Protocol(format!(
+            "rank {} sent {len} bytes where {} were expected (ranks disagree about the \
+             operation)",
+            r.peer,
+            r.data.len()
+        )));
+    }
+    Ok(())
+}
+
+/// Reduces incoming payload bytes into `r.data`, `off` payload bytes having
+/// been taken from the link so far: straight out of the ring for shared
+/// memory, through a staging buffer for sockets (where a partial element is
+/// kept for the next read). Returns the payload bytes taken from the link.
+fn recv_reducing(
+    l: &Link,
+    r: &mut Recv<'_>,
+    off: usize,
+    dtype: DataType,
+    op: ReduceOp,
+) -> Result<Option<usize>> {
+    let es = dtype.size();
+    if let Link::Shm { seg, me, peer } = l {
+        let dst = &mut r.data[off..];
+        let ring = seg.ring(*peer, *me);
+        return io(
+            r.peer,
+            ring.consume(dst.len(), es, |at, src| {
+                reduce_into(&mut dst[at..at + src.len()], src, dtype, op)
+            }),
+        );
+    }
+    let len = r.data.len();
+    let (buf, carry) = r
+        .staging
+        .get_or_insert_with(|| (AlignedBuf::zeroed(STAGING), 0));
+    let reduced = off - *carry;
+    let want = (STAGING - *carry).min(len - off);
+    let Some(n) = io(
+        r.peer,
+        l.read(&mut buf.as_mut_slice()[*carry..*carry + want]),
+    )?
+    else {
+        return Ok(None);
+    };
+    let have = *carry + n;
+    let whole = have - have % es;
+    reduce_into(
+        &mut r.data[reduced..reduced + whole],
+        &buf.as_slice()[..whole],
+        dtype,
+        op,
+    );
+    buf.as_mut_slice().copy_within(whole..have, 0);
+    *carry = have - whole;
+    Ok(Some(n))
 }
 
 /// Longest sleep on the doorbell before re-checking TCP and the clock.
@@ -168,7 +285,6 @@ pub fn run(
     timeout: Duration,
     sends: &mut [Send<'_>],
     recvs: &mut [Recv<'_>],
-    on_recv: &mut dyn FnMut(usize, &[u8]),
 ) -> Result<()> {
     let mut last_progress = Instant::now();
     let mut fds: Vec<libc::pollfd> = Vec::with_capacity(sends.len() + recvs.len());
@@ -180,11 +296,8 @@ pub fn run(
         for s in sends.iter_mut() {
             moved |= step_send(links, s)?;
         }
-        for (i, r) in recvs.iter_mut().enumerate() {
-            if step_recv(links, r)? && r.pos > HEADER {
-                moved = true;
-                on_recv(i, &r.data[..r.pos - HEADER]);
-            }
+        for r in recvs.iter_mut() {
+            moved |= step_recv(links, r)?;
         }
         if sends.iter().all(Send::done) && recvs.iter().all(Recv::done) {
             return Ok(());

@@ -210,6 +210,36 @@ impl Ring<'_> {
         Ok(n)
     }
 
+    /// Hands up to `max` available bytes, whole `unit`s only, to `f(offset, bytes)`
+    /// in at most two contiguous pieces, then frees them; `WouldBlock` when
+    /// less than one unit is there. Lets a receiver reduce without a copy.
+    pub fn consume(
+        &self,
+        max: usize,
+        unit: usize,
+        mut f: impl FnMut(usize, &[u8]),
+    ) -> std::io::Result<usize> {
+        let tail = self.tail.load(Ordering::Relaxed);
+        let head = self.head.load(Ordering::Acquire);
+        let avail = ((head - tail) as usize).min(max);
+        let n = avail - avail % unit;
+        if n == 0 {
+            return Err(ErrorKind::WouldBlock.into());
+        }
+        let at = (tail % self.cap as u64) as usize;
+        let first = n.min(self.cap - at);
+        // SAFETY: the reader owns [tail, head); ranges are inside the data area.
+        unsafe {
+            f(0, std::slice::from_raw_parts(self.data.add(at), first));
+            if n > first {
+                f(first, std::slice::from_raw_parts(self.data, n - first));
+            }
+        }
+        self.tail.store(tail + n as u64, Ordering::Release);
+        self.writer.ring();
+        Ok(n)
+    }
+
     /// Copies out as much as is available into `buf`; `WouldBlock` when empty.
     pub fn read(&self, buf: &mut [u8]) -> std::io::Result<usize> {
         let tail = self.tail.load(Ordering::Relaxed);
