@@ -34,6 +34,17 @@ done
 step "ruff check ${lint[*]}"
 "$python" -m ruff check "${lint[@]}"
 
+step "Open MPI for the launcher tests"
+# tests/python/test_launchers.py runs the same worker under mpirun and perseusrun --mpi.
+if ! command -v mpirun >/dev/null; then
+    if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null; then
+        apt-get update && DEBIAN_FRONTEND=noninteractive \
+            apt-get install -y --no-install-recommends openmpi-bin
+    else
+        echo "test.sh: no mpirun and cannot install openmpi-bin: the mpirun tests skip" >&2
+    fi
+fi
+
 step "pytest tests/python"
 status=0
 "$python" -m pytest -q tests/python || status=$?

@@ -179,7 +179,14 @@ impl Topology {
                 names.size, names.rank
             ))
         })?;
-        let local_size = num(names.local_size, 1, size)?.unwrap_or(size);
+        let mut local_size = num(names.local_size, 1, size)?;
+        if names.launcher == Launcher::Slurm {
+            // srun sets SLURM_NTASKS_PER_NODE only with --ntasks-per-node.
+            for v in ["SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"] {
+                local_size = local_size.or(num(v, 1, size)?);
+            }
+        }
+        let local_size = local_size.unwrap_or(size);
         let local_rank = num(names.local_rank, 0, local_size - 1)?.unwrap_or(rank % local_size);
         let cross_size = num(names.cross_size, 1, size)?.unwrap_or(size.div_ceil(local_size));
         let cross_rank = num(names.cross_rank, 0, cross_size - 1)?.unwrap_or(rank / local_size);
@@ -267,6 +274,16 @@ mod tests {
             (t.rank, t.local_rank, t.local_size, t.cross_rank),
             (5, 2, 3, 1)
         );
+        let t = topo(&[
+            ("SLURM_NTASKS", "4"),
+            ("SLURM_PROCID", "3"),
+            ("SLURM_LOCALID", "1"),
+            ("SLURM_TASKS_PER_NODE", "2(x2)"),
+            ("SLURM_NODEID", "1"),
+            ("SLURM_NNODES", "2"),
+        ])
+        .unwrap();
+        assert_eq!((t.local_size, t.cross_rank), (2, 1));
         let t = topo(&[("PMI_SIZE", "3"), ("PMI_RANK", "2")]).unwrap();
         assert_eq!(
             (t.local_size, t.local_rank, t.launcher),

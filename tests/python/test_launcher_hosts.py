@@ -179,3 +179,39 @@ def test_mpi_rank_shim_maps_mpirun_ranks(tmp_path):
                           "-c", show], env=env, capture_output=True, text=True, check=True)
     # HOROVOD_CROSS_RANK HOROVOD_LOCAL_RANK HOROVOD_RANK OMPI_... PERSEUS_CROSS_RANK ...
     assert out.stdout.split() == ["1", "0", "2", "2", "1", "0", "2"]
+
+
+def test_describe_ranks_and_checked_in_ranks():
+    slots = H.place([H.Host("a", 2), H.Host("b", 2)], 4)
+    assert J.describe_ranks([slots[3], slots[0]]) == "rank 0 (host a), rank 3 (host b)"
+    assert J.describe_ranks(slots[2:]) == "ranks 2, 3 (host b)"
+    assert J.checked_in_ranks(["mesh/0", "mesh/12", "other", "mesh/x"]) == {0, 12}
+
+
+def test_start_watch():
+    slots = H.place([H.Host("a", 1), H.Host("b", 2)], 3)
+    now, seen = [0.0], set()
+    watch = J.StartWatch(slots, lambda: seen, 5, clock=lambda: now[0])
+    assert watch.check() is None  # before the deadline
+    now[0], seen = 5.0, {0}
+    message = watch.check(finished={2})  # rank 2 ended without error: not missing
+    assert message.startswith("rank 1 (host b) did not check in at the rendezvous within "
+                              "5 s (--start-timeout)")
+    seen.add(1)
+    assert watch.check(finished={2}) is None and watch.done
+    seen.clear()
+    assert watch.check() is None  # once everyone checked in, the watch is over
+
+
+def test_rendezvous_address(monkeypatch):
+    names = {"localhost", "box"}
+    args = L.parse_args(["-np", "1", "true"])
+    assert L.rendezvous_address(args, ["localhost", "box"], names) == "127.0.0.1"
+    args.network_interface = "lo"
+    assert L.rendezvous_address(args, ["node1"], names) == "127.0.0.1"
+    args.network_interface = None
+    with pytest.raises(H.HostError, match="'no-such-host.invalid'.*pass --network-interface"):
+        L.rendezvous_address(args, ["no-such-host.invalid"], names)
+    args.network_interface = "no-such-if0"
+    with pytest.raises(H.HostError, match="--network-interface no-such-if0: no IPv4"):
+        L.rendezvous_address(args, ["node1"], names)

@@ -233,3 +233,64 @@ def test_remote_ranks_go_when_the_launcher_dies(tmp_path):
     p.kill()
     p.wait()
     assert_all_gone(pids, within=5.0)
+
+
+# What each rank does is given by argv[2] ("init,exit,sleep"): "init" checks in (its
+# init() publishes mesh/<rank>, then waits for the others), "exit" ends without calling
+# init(), "sleep" never gets there.
+START_WORKER = PIDS + textwrap.dedent("""
+    write_pids()
+    role = sys.argv[2].split(",")[rank]
+    if role == "init":
+        from perseus import _core
+        _core.init()
+    elif role == "sleep":
+        time.sleep(60)
+""")
+
+
+@pytest.mark.timeout(60)
+def test_ranks_that_do_not_check_in_within_start_timeout_are_named(tmp_path):
+    # rank 3's host never answers: its remote shell hangs.
+    hang = f"sh -c 'echo $$ > {tmp_path}/pid.rsh.$$; exec sleep 60'"
+    start = time.monotonic()
+    r = launch(["-np", "4", "-H", "localhost:3,deadhost:1", "--network-interface", "lo",
+                "--rsh", hang, "--start-timeout", "2",
+                sys.executable, "-c", START_WORKER, str(tmp_path), "init,exit,sleep,init"])
+    assert time.monotonic() - start < 12
+    assert r.returncode == 1, r.stderr
+    assert ("rank 2 (host localhost), rank 3 (host deadhost) did not check in at the "
+            "rendezvous within 2 s") in r.stderr, r.stderr
+    pids = pids_in(tmp_path)
+    assert len(pids) == 4
+    assert_all_gone(pids)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs Open MPI's mpirun")
+def test_start_timeout_under_mpi(tmp_path):
+    start = time.monotonic()
+    r = launch(["--mpi", "-np", "2", "--start-timeout", "2",
+                sys.executable, "-c", START_WORKER, str(tmp_path), "init,sleep"])
+    assert time.monotonic() - start < 15
+    assert r.returncode == 1, r.stderr
+    assert "rank 1 (host localhost) did not check in" in r.stderr, r.stderr
+    pids = pids_in(tmp_path)
+    assert len(pids) == 2
+    assert_all_gone(pids)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="needs Open MPI's mpirun")
+def test_ctrl_c_stops_an_mpi_job(tmp_path):
+    p = subprocess.Popen(LAUNCH + ["--mpi", "-np", "2", sys.executable, "-c", SLEEP_WORKER,
+                                   str(tmp_path)],
+                         env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 30
+    while len(pids_in(tmp_path)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=20)
+    assert p.returncode == 128 + signal.SIGINT, err
+    assert "received SIGINT" in err
+    assert_all_gone(pids_in(tmp_path))

@@ -1,8 +1,9 @@
 """Run the ranks of one job: spawn them, relay their output, tear the job down.
 
 Every rank starts in its own session (process group). When one rank exits non-zero
-or dies by a signal, or the launcher gets SIGINT/SIGTERM, every group gets SIGTERM,
-then SIGKILL after a grace period, so no process outlives the job.
+or dies by a signal, a rank does not check in at the rendezvous within the start
+timeout, or the launcher gets SIGINT/SIGTERM, every group gets SIGTERM, then SIGKILL
+after a grace period, so no process outlives the job.
 """
 
 import os
@@ -16,9 +17,11 @@ import time
 
 GRACE_SECONDS = 5.0
 HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# The launcher's exit status when ranks did not check in within the start timeout.
+START_TIMEOUT_STATUS = 1
 
 # Environment variables a remote rank inherits from the launcher (besides its own).
-_FORWARDED_PREFIXES = ("PERSEUS_", "HOROVOD_", "AIAK_", "NCCL_", "OMP_")
+_FORWARDED_PREFIXES = ("PERSEUS_", "HOROVOD_", "AIAK_", "GLOO_", "NCCL_", "OMP_")
 _FORWARDED_NAMES = ("PYTHONPATH", "PYTHONUNBUFFERED", "CUDA_VISIBLE_DEVICES")
 
 
@@ -68,8 +71,8 @@ def rsh_argv(prefix, host, script):
     return words + ["sh", "-c", script]
 
 
-def _parent_death_signal():
-    """A ``preexec_fn`` (Linux): the rank gets SIGKILL if the launcher dies abruptly."""
+def _parent_death_signal(sig=signal.SIGKILL):
+    """A ``preexec_fn`` (Linux): the child gets ``sig`` if the launcher dies abruptly."""
     if not sys.platform.startswith("linux"):
         return None
     import ctypes
@@ -78,7 +81,7 @@ def _parent_death_signal():
     launcher = os.getpid()
 
     def set_signal():
-        prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        prctl(1, sig)  # PR_SET_PDEATHSIG
         if os.getppid() != launcher:  # the launcher died before prctl
             os._exit(1)
 
@@ -98,6 +101,55 @@ def describe_status(code):
 def exit_status(code):
     """The launcher's exit status for a rank's Popen return code."""
     return 128 - code if code < 0 else code
+
+
+def checked_in_ranks(keys):
+    """The ranks that published ``mesh/<rank>`` at the rendezvous (their init() began)."""
+    return {int(k[5:]) for k in keys if k.startswith("mesh/") and k[5:].isdigit()}
+
+
+def describe_ranks(slots):
+    """``rank 1 (host a)``, ``ranks 2, 3 (host b)``: ranks grouped by host, in rank order."""
+    by_host = {}
+    for s in sorted(slots, key=lambda s: s.rank):
+        by_host.setdefault(s.hostname, []).append(s.rank)
+    return ", ".join(
+        f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} (host {host})"
+        for host, ranks in by_host.items())
+
+
+class StartWatch:
+    """Whether every rank checked in at the rendezvous within the start timeout.
+
+    ``checked_in()`` returns the ranks seen so far (from the rendezvous server's keys).
+    A rank that already ended without error counts as started. ``check()`` returns
+    None while all is well (or once every rank checked in) and the failure message
+    once the timeout passed with ranks missing.
+    """
+
+    def __init__(self, slots, checked_in, timeout, clock=time.monotonic):
+        self.slots, self.checked_in, self.timeout = list(slots), checked_in, timeout
+        self.clock = clock
+        self.deadline = clock() + timeout
+        self.done = False
+
+    def missing(self, finished=()):
+        seen = set(self.checked_in()) | set(finished)
+        return [s for s in self.slots if s.rank not in seen]
+
+    def check(self, finished=()):
+        if self.done:
+            return None
+        missing = self.missing(finished)
+        if not missing:
+            self.done = True
+            return None
+        if self.clock() < self.deadline:
+            return None
+        return (f"{describe_ranks(missing)} did not check in at the rendezvous within "
+                f"{self.timeout:g} s (--start-timeout): the host may be unreachable, the "
+                "remote shell stuck, or the program slow to reach hvd.init() (then raise "
+                "--start-timeout); stopping the job")
 
 
 class Rank:
@@ -174,8 +226,12 @@ def _relay(stream, sink, prefix, lock):
 class Job:
     """Runs ranks to completion; ``run()`` returns the launcher's exit status."""
 
-    def __init__(self, ranks, output_dir=None, out=None, err=None, grace=GRACE_SECONDS):
+    def __init__(self, ranks, output_dir=None, out=None, err=None, grace=GRACE_SECONDS,
+                 checked_in=None, start_timeout=None):
         self.ranks = ranks
+        # ``checked_in()``: the ranks seen at the rendezvous; with ``start_timeout``
+        # (seconds) every rank must be seen, or end without error, within that time.
+        self.checked_in, self.start_timeout = checked_in, start_timeout
         self.output_dir = output_dir
         self.out = out or sys.stdout.buffer
         self.err = err or sys.stderr.buffer
@@ -218,16 +274,25 @@ class Job:
                           f"{e.strerror or e}; stopping the job")
                 return 127
             threading.Thread(target=self._wait, args=(r,), daemon=True).start()
-        running = len(self.ranks)
+        watch = None
+        if self.checked_in is not None and self.start_timeout:
+            watch = StartWatch([r.slot for r in self.ranks], self.checked_in,
+                               self.start_timeout)
+        running, finished = len(self.ranks), set()
         while running:
             if self._signal is not None:
                 self._say(f"received {signal.Signals(self._signal).name}; stopping all ranks")
                 return 128 + self._signal
+            failure = watch.check(finished) if watch else None
+            if failure:
+                self._say(failure)
+                return START_TIMEOUT_STATUS
             try:
                 rank, code = self._events.get(timeout=0.1)
             except queue.Empty:
                 continue
             running -= 1
+            finished.add(rank.slot.rank)
             if code != 0:
                 self._say(f"rank {rank.slot.rank} (host {rank.slot.hostname}) failed with "
                           f"{describe_status(code)}; stopping the other ranks")
@@ -252,3 +317,61 @@ class Job:
             if r.proc is not None:
                 r.proc.wait()
             r.close()
+
+
+def spawn_launcher(argv, env):
+    """Start another launcher (mpirun) in its own session; it gets SIGTERM, so that it
+    can stop its own ranks, if this launcher dies abruptly."""
+    return subprocess.Popen(argv, env=env, start_new_session=True, stdin=subprocess.DEVNULL,
+                            preexec_fn=_parent_death_signal(signal.SIGTERM))  # noqa: PLW1509
+
+
+def supervise(proc, watch=None, grace=GRACE_SECONDS, err=None):
+    """Wait for ``proc``, a launcher that runs the ranks itself (mpirun), and return this
+    launcher's exit status: ``proc``'s own, or ``START_TIMEOUT_STATUS`` when ``watch``
+    (a ``StartWatch``) fails, or 128 + N on signal N. In the last two cases ``proc`` gets
+    SIGTERM (it stops its ranks), and its process group SIGKILL after ``grace`` seconds.
+    """
+    err = err or sys.stderr.buffer
+    received = []
+    handlers = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in HANDLED_SIGNALS:
+            handlers[sig] = signal.signal(sig, lambda signum, _f: received.append(signum))
+
+    def say(message):
+        try:
+            err.write(f"perseusrun: {message}\n".encode())
+            err.flush()
+        except (OSError, ValueError):
+            pass
+
+    try:
+        while True:
+            try:
+                return exit_status(proc.wait(timeout=0.1))
+            except subprocess.TimeoutExpired:
+                pass
+            if received:
+                say(f"received {signal.Signals(received[0]).name}; stopping the job")
+                status = 128 + received[0]
+                break
+            failure = watch.check() if watch else None
+            if failure:
+                say(failure)
+                status = START_TIMEOUT_STATUS
+                break
+        proc.terminate()
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pass
+        return status
+    finally:
+        try:  # whatever is left in its session (mpirun's ranks, if it died first)
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        proc.wait()
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)

@@ -9,7 +9,6 @@ import secrets
 import shlex
 import shutil
 import socket
-import subprocess
 import sys
 
 from perseus.runner import hosts as _hosts
@@ -37,9 +36,13 @@ def build_parser():
                          help="start ranks with perseusrun itself (the default)")
     backend.add_argument("--mpi", action="store_true", help="start ranks with mpirun")
     p.add_argument("--network-interface", metavar="IFACE",
-                   help="interface whose address remote ranks use to reach this launcher")
+                   help="interface of this machine whose address remote ranks reach the "
+                        "rendezvous at (default: the address on the route to the first "
+                        "remote host, which must then resolve)")
     p.add_argument("--start-timeout", type=int, default=30, metavar="SECONDS",
-                   help="seconds the ranks wait for each other at start (default 30)")
+                   help="seconds every rank has to check in at the rendezvous (reach "
+                        "hvd.init()); ranks that do not, e.g. on an unreachable host, are "
+                        "named and the job is stopped (default 30)")
     p.add_argument("--ssh-port", type=int, metavar="PORT", help="ssh port of remote hosts")
     p.add_argument("--ssh-identity-file", metavar="FILE", help="ssh private key")
     p.add_argument("--rsh", default=os.environ.get("PERSEUS_RSH"), metavar="PREFIX",
@@ -98,10 +101,10 @@ def interface_address(name):
 
 
 def route_source_address(host):
-    """This machine's address on the route to ``host``."""
+    """This machine's IPv4 address on the route to ``host`` (a name or an address)."""
     try:
-        family, _, _, _, addr = socket.getaddrinfo(host, 1, type=socket.SOCK_DGRAM)[0]
-        with socket.socket(family, socket.SOCK_DGRAM) as s:
+        _, _, _, _, addr = socket.getaddrinfo(host, 1, socket.AF_INET, socket.SOCK_DGRAM)[0]
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             s.connect(addr)
             return s.getsockname()[0]
     except OSError as e:
@@ -111,6 +114,13 @@ def route_source_address(host):
 
 
 def rendezvous_address(args, used_hosts, local_names):
+    """The IPv4 address every rank reaches the rendezvous server (on this machine) at.
+
+    127.0.0.1 when every host is this machine; else the address of
+    ``--network-interface``, or this machine's address on the route to the first
+    remote host (which must then resolve, or be an address). Ranks listen on their own
+    address on the route back to it (``PERSEUS_IFACE_ADDR`` overrides that).
+    """
     remote = [h for h in used_hosts if not _hosts.is_local(h, local_names)]
     if not remote:
         return "127.0.0.1"
@@ -166,6 +176,17 @@ def start_rendezvous(secret):
     return _core.RendezvousServer("0.0.0.0:0", secret)
 
 
+def checkin_source(server):
+    """``() -> set of ranks`` that checked in at ``server``, or None (a core too old to
+    tell: --start-timeout is then left to the ranks' own GLOO_TIMEOUT_SECONDS)."""
+    keys = getattr(server, "keys", None)
+    if keys is None:
+        print("perseusrun: warning: this Perseus core cannot list check-ins; "
+              "--start-timeout is not enforced (rebuild the core)", file=sys.stderr)
+        return None
+    return lambda: _job.checked_in_ranks(keys())
+
+
 def run_gloo(args, slots, local_names):
     secret = secrets.token_hex(16)
     addr = rendezvous_address(args, sorted({s.hostname for s in slots}), local_names)
@@ -180,7 +201,9 @@ def run_gloo(args, slots, local_names):
                       f"{s.local_size}, cross {s.cross_rank}/{s.cross_size}): "
                       f"{shlex.join(r.argv)}", file=sys.stderr)
             print(f"perseusrun: rendezvous at {addr}:{server.port}", file=sys.stderr)
-        return _job.Job(ranks, output_dir=args.output_filename).run()
+        return _job.Job(ranks, output_dir=args.output_filename,
+                        checked_in=checkin_source(server),
+                        start_timeout=args.start_timeout).run()
     finally:
         server.stop()
 
@@ -206,13 +229,20 @@ def run_mpi(args, hosts, slots):
         cmd += ["--output-filename", args.output_filename] if args.output_filename \
             else ["--tag-output"]
         if args.network_interface:
-            cmd += ["--mca", "btl_tcp_if_include", args.network_interface]
+            cmd += ["--mca", "oob_tcp_if_include", args.network_interface,
+                    "--mca", "btl_tcp_if_include", args.network_interface]
         for name in sorted(set(env) | set(_job.forwarded_env(os.environ))):
             cmd += ["-x", name]
         cmd += [sys.executable, "-m", "perseus.runner.mpi_rank", *args.command]
         if args.verbose:
             print(f"perseusrun: {shlex.join(cmd)}", file=sys.stderr)
-        return subprocess.call(cmd, env=dict(os.environ, **env))
+        checked_in = checkin_source(server)
+        try:
+            proc = _job.spawn_launcher(cmd, dict(os.environ, **env))
+        except OSError as e:
+            raise SystemExit(f"perseusrun: cannot start {mpirun}: {e.strerror or e}") from None
+        watch = _job.StartWatch(slots, checked_in, args.start_timeout) if checked_in else None
+        return _job.supervise(proc, watch)
     finally:
         server.stop()
 
