@@ -40,7 +40,7 @@ pub const PARAMS: &[Param] = &[
         name: "HOROVOD_CYCLE_TIME",
         default: "1",
         allowed: "a number of milliseconds >= 0",
-        doc: "how long the coordinator holds ready tensors to fuse them while others are pending",
+        doc: "longest a request is held back, while others await their answer, to batch a burst",
     },
     Param {
         name: "HOROVOD_CACHE_CAPACITY",

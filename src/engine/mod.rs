@@ -35,15 +35,11 @@ use message::{decode_requests, decode_responses, encode_requests, encode_respons
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 const FRAME_REQUESTS: u16 = 0x300;
-/// In a burst, the gap after which the batch is sent anyway.
-const LINGER_GAP: Duration = Duration::from_micros(20);
-/// In a burst, the longest a batch is held.
-const LINGER_MAX: Duration = Duration::from_millis(2);
 const FRAME_RESPONSES: u16 = 0x301;
 
 enum Event {
@@ -166,6 +162,7 @@ impl Engine {
             joined: HashSet::new(),
             cache: HashMap::new(),
             bufs: exec::Buffers::default(),
+            cycle: config.cycle_time,
             exit: false,
         };
         let thread = std::thread::Builder::new()
@@ -422,20 +419,6 @@ fn spawn_worker_reader(
     Ok(())
 }
 
-/// Waits up to [`LINGER_GAP`] for the next event without parking the thread:
-/// a parked engine would be woken (a syscall and a context switch) by every
-/// submission of the burst it is waiting for.
-fn linger(rx: &Receiver<Event>) -> Option<Event> {
-    let start = Instant::now();
-    while start.elapsed() < LINGER_GAP {
-        if let Ok(ev) = rx.try_recv() {
-            return Some(ev);
-        }
-        std::thread::yield_now();
-    }
-    None
-}
-
 /// The engine thread's own state.
 struct State {
     mesh: Mesh,
@@ -445,42 +428,56 @@ struct State {
     joined: HashSet<u32>,
     cache: HashMap<(u32, String), (u32, Request)>,
     bufs: exec::Buffers,
+    cycle: Duration,
     exit: bool,
 }
 
 impl State {
     fn run(mut self, rx: Receiver<Event>) {
-        // Short sleeps below must be short: ask for 1 µs timer slack (default 50 µs).
+        // The hold below must end on time: ask for 1 µs timer slack (default 50 µs).
         // SAFETY: prctl on the calling thread only.
         unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1000 as libc::c_ulong) };
-        while let Ok(first) = rx.recv() {
-            // A submission that arrives while earlier ones are still being
-            // negotiated is part of a burst (many small tensors, gradients of
-            // small layers): collect the rest while they keep coming, so they
-            // negotiate and fuse together. A lone submission is sent at once.
-            let woke = Instant::now();
-            let mut batch = Vec::new();
+        // Requests are sent at once while nothing is awaiting an answer. While
+        // something is, new ones are held until an answer arrives or the cycle
+        // time passes, so a burst (many small tensors, gradients of small
+        // layers) negotiates and fuses in a few batches instead of one message
+        // each. The time limit keeps ranks that submit in different orders from
+        // waiting on each other.
+        let mut held: Vec<Request> = Vec::new();
+        let mut held_since = Instant::now();
+        loop {
+            let ev = if held.is_empty() {
+                rx.recv().ok()
+            } else {
+                let left = self.cycle.saturating_sub(held_since.elapsed());
+                match rx.recv_timeout(left) {
+                    Ok(ev) => Some(ev),
+                    Err(RecvTimeoutError::Timeout) => None,
+                    Err(RecvTimeoutError::Disconnected) => return,
+                }
+            };
+            let Some(first) = ev.or_else(|| {
+                self.send_up(std::mem::take(&mut held));
+                None
+            }) else {
+                continue;
+            };
             let mut next = Some(first);
-            loop {
-                let ev = match next.take().or_else(|| rx.try_recv().ok()) {
-                    Some(ev) => ev,
-                    None if self.entries.len() > batch.len()
-                        && !batch.is_empty()
-                        && woke.elapsed() < LINGER_MAX =>
-                    {
-                        match linger(&rx) {
-                            Some(ev) => ev,
-                            None => break,
-                        }
-                    }
-                    None => break,
-                };
-                self.handle(ev, &mut batch);
+            let mut answered = false;
+            while let Some(ev) = next.take().or_else(|| rx.try_recv().ok()) {
+                if held.is_empty() {
+                    held_since = Instant::now();
+                }
+                answered |= matches!(ev, Event::Responses(_));
+                self.handle(ev, &mut held);
                 if self.exit {
                     return;
                 }
             }
-            self.send_up(batch);
+            let awaiting = self.entries.len() > held.len();
+            if !awaiting || answered || held_since.elapsed() >= self.cycle {
+                self.send_up(std::mem::take(&mut held));
+            }
         }
     }
 

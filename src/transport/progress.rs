@@ -274,6 +274,8 @@ fn recv_reducing(
     Ok(Some(n))
 }
 
+/// How long a rank waiting only on shared memory yields before it sleeps.
+const SHM_SPIN: Duration = Duration::from_micros(50);
 /// Longest sleep on the doorbell before re-checking TCP and the clock.
 const SHM_NAP: Duration = Duration::from_millis(100);
 
@@ -343,6 +345,9 @@ pub fn run(
             }
         }
         match (shm, shm_pending, fds.is_empty()) {
+            // Peers on this host usually answer within microseconds: yield
+            // the core for a while before sleeping in the kernel.
+            (Some(_), true, true) if waited < SHM_SPIN => std::thread::yield_now(),
             (Some((seg, me)), true, true) => seg.wait(me, bell.unwrap_or(0), left.min(SHM_NAP)),
             _ => {
                 // TCP only: sleep in poll. Both kinds: poll briefly, then
