@@ -18,6 +18,7 @@ fn config(rank: usize, size: usize, port: u16, shm: bool) -> Config {
             cross_size: 1,
             hostname: "localhost".into(),
             launcher: Launcher::Perseus,
+            cross_given: true,
         },
         rendezvous: Some(("127.0.0.1".into(), port)),
         host_store: false,

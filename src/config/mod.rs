@@ -4,7 +4,7 @@
 
 mod topology;
 
-pub use topology::{first_slurm_host, Launcher, Topology};
+pub use topology::{cross_from_hosts, first_slurm_host, Launcher, Topology};
 
 use crate::error::{PerseusError, Result};
 use std::collections::BTreeMap;

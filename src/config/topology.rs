@@ -111,6 +111,9 @@ pub struct Topology {
     pub hostname: String,
     /// Which launcher described it.
     pub launcher: Launcher,
+    /// True when the launcher gave the cross rank and size (else they are
+    /// worked out from the hosts the ranks report at init).
+    pub cross_given: bool,
 }
 
 impl Topology {
@@ -125,6 +128,7 @@ impl Topology {
             cross_size: 1,
             hostname: "localhost".into(),
             launcher: Launcher::Single,
+            cross_given: true,
         }
     }
 
@@ -203,8 +207,25 @@ impl Topology {
             cross_size,
             hostname,
             launcher: names.launcher,
+            cross_given: !names.cross_rank.is_empty() && get(names.cross_rank).is_some(),
         })
     }
+}
+
+/// Cross rank and size from every rank's host (Horovod's definition: among the
+/// hosts that have a rank with this rank's local rank, this host's index and
+/// their number). Local ranks count ranks of one host in global order.
+pub fn cross_from_hosts(hosts: &[String], rank: usize) -> (usize, usize) {
+    let local_rank = |r: usize| hosts[..r].iter().filter(|h| **h == hosts[r]).count();
+    let mine = local_rank(rank);
+    let mut seen: Vec<&String> = Vec::new();
+    for (r, h) in hosts.iter().enumerate() {
+        if local_rank(r) == mine && !seen.contains(&h) {
+            seen.push(h);
+        }
+    }
+    let idx = seen.iter().position(|h| **h == hosts[rank]).unwrap_or(0);
+    (idx, seen.len().max(1))
 }
 
 /// The first host of a Slurm node list: `node[07-09,12],gpu1` gives `node07`.
@@ -323,6 +344,19 @@ mod tests {
         assert!(e.contains("PERSEUS_RANK") && e.contains("0 to 1"), "{e}");
         let e = topo(&[("WORLD_SIZE", "2")]).unwrap_err().to_string();
         assert!(e.contains("RANK"), "{e}");
+    }
+
+    #[test]
+    fn cross_ranks_follow_the_hosts() {
+        let h: Vec<String> = ["a", "b", "a", "b", "a"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        // Ranks 0,2,4 on a (local 0,1,2); 1,3 on b (local 0,1).
+        assert_eq!(cross_from_hosts(&h, 0), (0, 2));
+        assert_eq!(cross_from_hosts(&h, 1), (1, 2));
+        assert_eq!(cross_from_hosts(&h, 3), (1, 2));
+        assert_eq!(cross_from_hosts(&h, 4), (0, 1));
     }
 
     #[test]

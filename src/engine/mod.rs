@@ -103,7 +103,7 @@ pub struct Engine {
 
 impl Engine {
     /// Connects to the job and starts the engine thread.
-    pub fn start(config: Config) -> Result<Engine> {
+    pub fn start(mut config: Config) -> Result<Engine> {
         let store = match (&config.rendezvous, config.host_store) {
             (Some((_, port)), true) => Some(
                 StoreServer::start(&format!("0.0.0.0:{port}"), &config.secret).map_err(|e| {
@@ -116,6 +116,10 @@ impl Engine {
             _ => None,
         };
         let parts = connect_mesh(&config)?;
+        if !config.topology.cross_given {
+            let t = &mut config.topology;
+            (t.cross_rank, t.cross_size) = crate::config::cross_from_hosts(&parts.hosts, t.rank);
+        }
         let t = &config.topology;
         let shared = Arc::new(Shared {
             handles: Handles::default(),

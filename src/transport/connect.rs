@@ -35,6 +35,8 @@ pub struct MeshParts {
     pub mesh: Mesh,
     /// Control streams.
     pub control: Control,
+    /// Every rank's host key: equal keys mean the same host.
+    pub hosts: Vec<String>,
 }
 
 /// The address peers should use to reach this rank.
@@ -66,6 +68,7 @@ pub fn connect_mesh(cfg: &Config) -> Result<MeshParts> {
         return Ok(MeshParts {
             mesh: Mesh::new(0, vec![Link::None], None, timeout),
             control: Control::Coordinator(vec![None]),
+            hosts: vec![String::new()],
         });
     };
     let mut store = StoreClient::connect(host, *port, &cfg.secret, timeout)?;
@@ -132,35 +135,34 @@ pub fn connect_mesh(cfg: &Config) -> Result<MeshParts> {
         .into_iter()
         .map(|s| s.map_or(Link::None, Link::Tcp))
         .collect();
+    let mut hosts = Vec::with_capacity(size);
+    for p in 0..size {
+        hosts.push(if p == rank {
+            host.clone()
+        } else {
+            published(&mut store, p, timeout)?.1
+        });
+    }
     let mut shm = None;
-    if cfg.shm {
-        let mut hosts = Vec::with_capacity(size);
-        for p in 0..size {
-            hosts.push(if p == rank {
-                host.clone()
-            } else {
-                published(&mut store, p, timeout)?.1
-            });
-        }
-        let group: Vec<usize> = (0..size).filter(|&p| hosts[p] == host).collect();
-        if group.len() > 1 {
-            let seg = Arc::new(open_segment(cfg, &mut store, &group, &host)?);
-            let me = group.iter().position(|&p| p == rank).unwrap();
-            for (i, &p) in group.iter().enumerate() {
-                if p != rank {
-                    links[p] = Link::Shm {
-                        seg: seg.clone(),
-                        me,
-                        peer: i,
-                    };
-                }
+    let group: Vec<usize> = (0..size).filter(|&p| hosts[p] == host).collect();
+    if cfg.shm && group.len() > 1 {
+        let seg = Arc::new(open_segment(cfg, &mut store, &group, &host)?);
+        let me = group.iter().position(|&p| p == rank).unwrap();
+        for (i, &p) in group.iter().enumerate() {
+            if p != rank {
+                links[p] = Link::Shm {
+                    seg: seg.clone(),
+                    me,
+                    peer: i,
+                };
             }
-            shm = Some((seg, me));
         }
+        shm = Some((seg, me));
     }
     Ok(MeshParts {
         mesh: Mesh::new(rank, links, shm, timeout),
         control,
+        hosts,
     })
 }
 
