@@ -88,6 +88,18 @@ struct Shared {
     stopping: AtomicBool,
     timeline: Timeline,
     cache_hits: AtomicU64,
+    counters: Counters,
+}
+
+/// What the engine has done so far on this rank (see [`Engine::counters`]).
+#[derive(Default)]
+struct Counters {
+    operations: AtomicU64,
+    tensors: AtomicU64,
+    fused_buffers: AtomicU64,
+    negotiation_messages: AtomicU64,
+    bytes_intra_host: AtomicU64,
+    bytes_inter_host: AtomicU64,
 }
 
 /// A running engine.
@@ -129,6 +141,7 @@ impl Engine {
             stopping: AtomicBool::new(false),
             timeline: Timeline::new(t.rank),
             cache_hits: AtomicU64::new(0),
+            counters: Counters::default(),
         });
         if let Some(path) = &config.timeline {
             shared.timeline.start(path)?;
@@ -185,6 +198,28 @@ impl Engine {
     /// The configuration it runs with.
     pub fn config(&self) -> &Config {
         &self.config
+    }
+
+    /// Counters of this rank: collectives run (`operations`), tensors they
+    /// carried, `fused_buffers` (collectives carrying several tensors),
+    /// `negotiation_messages` sent to the coordinator, `cache_hits` (requests sent
+    /// as response-cache ids), and payload bytes sent to ranks on this host
+    /// (`bytes_intra_host`) and on other hosts (`bytes_inter_host`).
+    pub fn counters(&self) -> BTreeMap<String, u64> {
+        let c = &self.shared.counters;
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        [
+            ("operations", get(&c.operations)),
+            ("tensors", get(&c.tensors)),
+            ("fused_buffers", get(&c.fused_buffers)),
+            ("negotiation_messages", get(&c.negotiation_messages)),
+            ("cache_hits", get(&self.shared.cache_hits)),
+            ("bytes_intra_host", get(&c.bytes_intra_host)),
+            ("bytes_inter_host", get(&c.bytes_inter_host)),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect()
     }
 
     /// Requests this rank sent as response-cache ids instead of in full.
@@ -512,6 +547,8 @@ impl State {
         if batch.is_empty() {
             return;
         }
+        let sent = &self.shared.counters.negotiation_messages;
+        sent.fetch_add(1, Ordering::Relaxed);
         match &mut self.uplink {
             Uplink::Local(hub) => {
                 let mut h = hub.lock().unwrap();
@@ -591,6 +628,15 @@ impl State {
                     taken.into_iter().map(Option::unzip).unzip();
                 let results = exec::run_op(&comm, &resp, &entries, &mut self.bufs);
                 let end = Instant::now();
+                let c = &self.shared.counters;
+                c.operations.fetch_add(1, Ordering::Relaxed);
+                c.tensors.fetch_add(names.len() as u64, Ordering::Relaxed);
+                if names.len() > 1 {
+                    c.fused_buffers.fetch_add(1, Ordering::Relaxed);
+                }
+                let (intra, inter) = self.mesh.bytes_sent();
+                c.bytes_intra_host.store(intra, Ordering::Relaxed);
+                c.bytes_inter_host.store(inter, Ordering::Relaxed);
                 let shared = self.shared.clone();
                 let tl = &shared.timeline;
                 let phase = kind.name().to_uppercase();

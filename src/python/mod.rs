@@ -140,6 +140,12 @@ fn config() -> PyResult<BTreeMap<String, String>> {
     Ok(engine()?.config().to_map())
 }
 
+/// What the engine has done so far on this rank (see `Engine::counters`).
+#[pyfunction]
+fn counters() -> PyResult<BTreeMap<String, u64>> {
+    Ok(engine()?.counters())
+}
+
 /// Registers a process set (collective over all ranks); returns its id.
 #[pyfunction]
 fn add_process_set(py: Python<'_>, ranks: Vec<i64>) -> PyResult<u32> {
@@ -426,6 +432,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cross_rank, m)?)?;
     m.add_function(wrap_pyfunction!(cross_size, m)?)?;
     m.add_function(wrap_pyfunction!(config, m)?)?;
+    m.add_function(wrap_pyfunction!(counters, m)?)?;
     m.add_function(wrap_pyfunction!(add_process_set, m)?)?;
     m.add_function(wrap_pyfunction!(remove_process_set, m)?)?;
     m.add_function(wrap_pyfunction!(process_set_ranks, m)?)?;

@@ -22,6 +22,7 @@ use crate::error::Result;
 use shm::Segment;
 use std::io::{Read, Write};
 use std::net::TcpStream;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -73,6 +74,9 @@ pub struct Mesh {
     links: Vec<Link>,
     shm: Option<(Arc<Segment>, usize)>,
     timeout: Duration,
+    same_host: Vec<bool>,
+    sent_intra: AtomicU64,
+    sent_inter: AtomicU64,
 }
 
 impl Mesh {
@@ -84,12 +88,30 @@ impl Mesh {
         shm: Option<(Arc<Segment>, usize)>,
         timeout: Duration,
     ) -> Mesh {
+        let same_host = vec![true; links.len()];
         Mesh {
             rank,
             links,
             shm,
             timeout,
+            same_host,
+            sent_intra: AtomicU64::new(0),
+            sent_inter: AtomicU64::new(0),
         }
+    }
+
+    /// Marks which peers share this rank's host (for the byte counters).
+    pub fn with_hosts(mut self, same_host: Vec<bool>) -> Mesh {
+        self.same_host = same_host;
+        self
+    }
+
+    /// Payload bytes sent so far to peers on this host and on other hosts.
+    pub fn bytes_sent(&self) -> (u64, u64) {
+        (
+            self.sent_intra.load(Ordering::Relaxed),
+            self.sent_inter.load(Ordering::Relaxed),
+        )
     }
 
     /// This rank.
@@ -110,6 +132,16 @@ impl Mesh {
     /// Runs sends and receives (peers named by global rank) to completion.
     pub fn transfer(&self, sends: &mut [Send<'_>], recvs: &mut [Recv<'_>]) -> Result<()> {
         let shm = self.shm.as_ref().map(|(s, me)| (&**s, *me));
-        progress::run(&self.links, shm, self.timeout, sends, recvs)
+        progress::run(&self.links, shm, self.timeout, sends, recvs)?;
+        for s in sends.iter() {
+            let same = self.same_host.get(s.peer()).copied().unwrap_or(true);
+            let counter = if same {
+                &self.sent_intra
+            } else {
+                &self.sent_inter
+            };
+            counter.fetch_add(s.data().len() as u64, Ordering::Relaxed);
+        }
+        Ok(())
     }
 }

@@ -6,6 +6,7 @@ front-end adapts its own tensor type (see ``perseus.torch.horovod.mpi_ops``).
 
 from perseus.common.basics import (
     ccl_built,
+    counters,
     cross_rank,
     cross_size,
     cuda_built,
@@ -53,6 +54,7 @@ __all__ = [
     "Sum",
     "add_process_set",
     "ccl_built",
+    "counters",
     "cross_rank",
     "cross_size",
     "cuda_built",

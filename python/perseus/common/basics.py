@@ -61,6 +61,14 @@ def config():
     return _config
 
 
+def counters():
+    """What the engine did on this rank so far: ``operations`` (collectives run),
+    ``tensors``, ``fused_buffers``, ``negotiation_messages``, ``cache_hits``,
+    ``bytes_intra_host`` and ``bytes_inter_host`` (payload bytes sent)."""
+    check_initialized()
+    return dict(_core.counters())
+
+
 def allgather_stacks():
     """True when allgather stacks equal shapes (``PERSEUS_CHANGE_HVD_ALLGATHER=0``)."""
     return config().get("PERSEUS_CHANGE_HVD_ALLGATHER", "0") == "0"

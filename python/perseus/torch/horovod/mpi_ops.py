@@ -10,6 +10,7 @@ from perseus.common import basics as _basics
 from perseus.common import ops as _ops
 from perseus.common.basics import (  # noqa: F401 - re-exported
     ccl_built,
+    counters,
     cross_rank,
     cross_size,
     cuda_built,

@@ -1,0 +1,59 @@
+"""hvd.counters(): operations, tensors, bytes by host, negotiation and cache hits."""
+
+import perseus.torch.horovod as hvd
+import torch
+from _helpers import done
+
+
+def delta(before, after):
+    return {k: after[k] - before[k] for k in after}
+
+
+def total(value):
+    """Sum of one integer over all ranks."""
+    return int(hvd.allreduce(torch.tensor([value], dtype=torch.int64), op=hvd.Sum,
+                             name="counters.total")[0])
+
+
+def main():
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    c0 = hvd.counters()
+    assert set(c0) == {"operations", "tensors", "fused_buffers", "negotiation_messages",
+                       "cache_hits", "bytes_intra_host", "bytes_inter_host"}, c0
+
+    # One 1 MiB allreduce: a ring moves (n-1)/n of the buffer in each of its two
+    # phases from every rank, 2(n-1) MiB over the whole job; no byte leaves the host.
+    nbytes = 1 << 20
+    before = hvd.counters()
+    hvd.allreduce_(torch.ones(nbytes // 4), op=hvd.Sum, name="big")
+    d = delta(before, hvd.counters())
+    assert d["operations"] == 1 and d["tensors"] == 1, d
+    assert d["bytes_inter_host"] == 0, d
+    if n == 2:
+        assert d["bytes_intra_host"] == nbytes, d
+    assert total(d["bytes_intra_host"]) == 2 * (n - 1) * nbytes
+
+    # Ten tensors in flight together: each is counted once, fused or not.
+    before = hvd.counters()
+    ts = [torch.full((16,), float(r)) for _ in range(10)]
+    for h in [hvd.allreduce_async_(t, op=hvd.Sum, name=f"small.{i}") for i, t in enumerate(ts)]:
+        hvd.synchronize(h)
+    d = delta(before, hvd.counters())
+    assert d["tensors"] == 10 and 1 <= d["operations"] <= 10, d
+    assert d["fused_buffers"] <= d["operations"], d
+    assert d["negotiation_messages"] >= 1, d
+
+    # The same name every step: after the first, ranks other than the coordinator
+    # send a cache id instead of the request.
+    before = hvd.counters()
+    for _ in range(5):
+        hvd.allreduce(torch.ones(4), name="steady")
+    d = delta(before, hvd.counters())
+    assert d["cache_hits"] == (0 if r == 0 else 4), (r, d)
+    hvd.shutdown()
+    done(r)
+
+
+if __name__ == "__main__":
+    main()
