@@ -40,6 +40,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 const FRAME_REQUESTS: u16 = 0x300;
+/// How long the engine stays awake waiting for an answer that is due.
+const ANSWER_SPIN: Duration = Duration::from_micros(200);
 const FRAME_RESPONSES: u16 = 0x301;
 
 enum Event {
@@ -458,6 +460,20 @@ fn spawn_worker_reader(
     Ok(())
 }
 
+/// Receives, yielding the core (not parking) for up to `spin` first: a parked
+/// thread on an idle virtual CPU takes tens of microseconds to wake.
+fn awake_recv(rx: &Receiver<Event>, spin: Duration) -> Option<Event> {
+    let start = Instant::now();
+    while start.elapsed() < spin {
+        match rx.try_recv() {
+            Ok(ev) => return Some(ev),
+            Err(std::sync::mpsc::TryRecvError::Empty) => std::thread::yield_now(),
+            Err(std::sync::mpsc::TryRecvError::Disconnected) => return None,
+        }
+    }
+    rx.recv().ok()
+}
+
 /// The engine thread's own state.
 struct State {
     mesh: Mesh,
@@ -485,7 +501,10 @@ impl State {
         let mut held: Vec<Request> = Vec::new();
         let mut held_since = Instant::now();
         loop {
-            let ev = if held.is_empty() {
+            let ev = if held.is_empty() && !self.entries.is_empty() {
+                // An answer is due soon: stay awake for it rather than park.
+                awake_recv(&rx, ANSWER_SPIN)
+            } else if held.is_empty() {
                 rx.recv().ok()
             } else {
                 let left = self.cycle.saturating_sub(held_since.elapsed());
