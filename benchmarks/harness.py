@@ -32,7 +32,7 @@ def free_port():
         return s.getsockname()[1]
 
 
-def launch(script, impl, n, args, env=None, timeout=1800):
+def launch(script, impl, n, args, env=None, timeout=900):
     """Runs ``script --worker impl ARGS`` on ``n`` ranks; returns rank 0's JSON result."""
     fd, out = tempfile.mkstemp(suffix=".json")
     os.close(fd)
