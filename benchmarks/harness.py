@@ -1,19 +1,25 @@
-"""Shared pieces of the benchmarks: starting a job under each implementation, timing.
+"""What every benchmark shares: starting one job per implementation, the collectives the
+timing loop needs, the timing loop, and facts about the machine.
 
-Each benchmark script runs in two roles: the *driver* (no arguments but options) starts
-one job per implementation and rank count, one after the other, and collects the JSON
-that rank 0 of each job writes; the *worker* (``--worker IMPL``) is one rank of a job.
+Each benchmark script runs in two roles. Run by a user it is the *driver*: it starts one
+job per implementation and rank count, strictly one after the other, and collects the
+JSON each rank writes. Started by the driver with ``--worker IMPL`` it is one *rank* of
+such a job.
 
-Implementations:
-  perseus   perseus._core directly (capsules in, no Python front-end)
-  hvd       perseus.torch.horovod, the API users call
-  gloo      torch.distributed with the gloo backend
-  mpi       OpenMPI through mpi4py
+Implementations (``IMPL``):
+  core  perseus._core directly: DLPack capsules in, no Python front-end; perseusrun
+  hvd   perseus.torch.horovod, the API users call; perseusrun
+  gloo  torch.distributed, gloo backend; plain processes given MASTER_ADDR/PORT, RANK,
+        WORLD_SIZE
+  mpi   Open MPI through mpi4py; mpirun
 """
 
 import json
 import os
+import platform
 import resource
+import shlex
+import signal
 import socket
 import statistics
 import subprocess
@@ -21,166 +27,411 @@ import sys
 import tempfile
 import time
 
-IMPLS = ("perseus", "hvd", "gloo", "mpi")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+IMPLS = ("core", "hvd", "gloo", "mpi")
+PEERS = ("gloo", "mpi")
+PERSEUS = ("core", "hvd")
+LABELS = {"core": "Perseus core", "hvd": "Perseus hvd", "gloo": "torch gloo",
+          "mpi": "Open MPI"}
 
 
-def free_port():
-    """A TCP port nobody listens on right now."""
+class JobFailed(RuntimeError):
+    """A job exited with an error or ran past its time limit."""
+
+
+# --------------------------------------------------------------------------- driver side
+
+def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def launch(script, impl, n, args, env=None, timeout=900):
-    """Runs ``script --worker impl ARGS`` on ``n`` ranks; returns rank 0's JSON result."""
-    fd, out = tempfile.mkstemp(suffix=".json")
-    os.close(fd)
-    worker = [sys.executable, script, "--worker", impl, "--out", out, *args]
-    env = dict(os.environ, **(env or {}))
-    env["PYTHONPATH"] = os.path.join(ROOT, "python") + os.pathsep + env.get("PYTHONPATH", "")
-    if impl in ("perseus", "hvd"):
-        cmd = [sys.executable, "-m", "perseus.runner.launch", "-np", str(n), *worker]
-        procs = [subprocess.Popen(cmd, env=env)]
-    elif impl == "mpi":
-        env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-        cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(n), *worker]
-        procs = [subprocess.Popen(cmd, env=env)]
-    else:
-        port = str(free_port())
-        procs = [
-            subprocess.Popen(worker, env=dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
-                                               RANK=str(r), WORLD_SIZE=str(n)))
-            for r in range(n)
-        ]
-    try:
-        codes = [p.wait(timeout=timeout) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    if any(codes):
-        raise RuntimeError(f"{impl} on {n} ranks failed with exit codes {codes}")
-    with open(out) as f:
-        result = json.load(f)
-    os.unlink(out)
-    return result
+def _kill(procs):
+    """Stops every process group of ``procs``: SIGTERM, then SIGKILL after 5 s."""
+    for sig, grace in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+        alive = [p for p in procs if p.poll() is None]
+        if not alive:
+            return
+        for p in alive:
+            try:
+                os.killpg(p.pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace
+        for p in alive:
+            try:
+                p.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
 
+
+def _tail(path, lines=25):
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def launch(script, impl, n, opts, env=None, timeout=600):
+    """Runs ``script --worker IMPL`` on ``n`` ranks and returns each rank's result, rank 0
+    first. Output of the ranks goes to a log file whose tail a failure reports."""
+    tmp = tempfile.mkdtemp(prefix=f"perseus-bench-{impl}-")
+    prefix = os.path.join(tmp, "rank")
+    log_path = os.path.join(tmp, "log.txt")
+    worker = [sys.executable, os.path.abspath(script), "--worker", impl, "--out", prefix,
+              "--opts", json.dumps(opts)]
+    env = dict(os.environ, **(env or {}))
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (os.path.join(ROOT, "python"), env.get("PYTHONPATH")) if p)
+    env["PYTHONUNBUFFERED"] = "1"
+    if impl in PERSEUS:
+        cmds = [[sys.executable, "-m", "perseus.runner.launch", "-np", str(n), *worker]]
+        envs = [env]
+    elif impl == "mpi":
+        if os.geteuid() == 0:
+            env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+        extra = shlex.split(os.environ.get("BENCH_MPIRUN_ARGS", ""))
+        cmds = [["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
+                 *extra, "-np", str(n), *worker]]
+        envs = [env]
+    elif impl == "gloo":
+        port = str(_free_port())
+        cmds = [worker] * n
+        envs = [dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(r),
+                     LOCAL_RANK=str(r), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n))
+                for r in range(n)]
+    else:
+        raise ValueError(f"unknown implementation {impl!r}")
+    with open(log_path, "w") as log:
+        procs = [subprocess.Popen(c, env=e, stdin=subprocess.DEVNULL, stdout=log,
+                                  stderr=subprocess.STDOUT, start_new_session=True)
+                 for c, e in zip(cmds, envs)]
+        deadline = time.monotonic() + timeout
+        try:
+            codes = []
+            for p in procs:
+                codes.append(p.wait(timeout=max(0.1, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            _kill(procs)
+            raise JobFailed(f"{impl} on {n} ranks ran past {timeout} s; log {log_path}:\n"
+                            + _tail(log_path)) from None
+        finally:
+            _kill(procs)
+    if any(codes):
+        raise JobFailed(f"{impl} on {n} ranks failed (exit codes {codes}); log {log_path}:\n"
+                        + _tail(log_path))
+    results = []
+    for r in range(n):
+        with open(f"{prefix}.{r}.json") as f:
+            results.append(json.load(f))
+    for name in os.listdir(tmp):
+        os.unlink(os.path.join(tmp, name))
+    os.rmdir(tmp)
+    return results
+
+
+def run_jobs(script, impls, ranks, opts, env_for=None, timeout=600, on_result=None):
+    """Runs one job per (rank count, implementation), one at a time. Returns
+    ``{str(n): {impl: [per-rank results] | {"error": message}}}``; a failed job is
+    recorded and reported on stderr, and the others still run."""
+    runs = {}
+    for n in ranks:
+        runs[str(n)] = {}
+        for impl in impls:
+            env = env_for(impl) if env_for else None
+            t0 = time.monotonic()
+            try:
+                res = launch(script, impl, n, opts, env=env, timeout=timeout)
+            except JobFailed as e:
+                print(f"[bench] {e}", file=sys.stderr, flush=True)
+                res = {"error": str(e).splitlines()[0]}
+            print(f"[bench] {os.path.basename(script)} {impl} x{n}: "
+                  f"{time.monotonic() - t0:.1f} s", file=sys.stderr, flush=True)
+            runs[str(n)][impl] = res
+        if on_result:
+            on_result(n, runs[str(n)])
+    return runs
+
+
+def failed(res):
+    """True when a job's entry records a failure instead of per-rank results."""
+    return isinstance(res, dict) and "error" in res
+
+
+def save_json(path, data):
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+        f.write("\n")
+
+
+# --------------------------------------------------------------------------- worker side
 
 class Comm:
-    """The few collective calls the benchmarks need, for one implementation."""
+    """The collectives the timing loop needs (barrier, max over ranks), for one
+    implementation; the benchmark body uses ``impl``-specific handles itself:
+    ``core`` (the module), ``hvd``, ``dist``, ``mpi``/``world``."""
 
     def __init__(self, impl):
         self.impl = impl
-        if impl == "mpi":
-            from mpi4py import MPI
+        if impl == "core":
+            from perseus import _core
 
-            self.mpi = MPI
-            self.world = MPI.COMM_WORLD
-            self.rank, self.size = self.world.Get_rank(), self.world.Get_size()
-        elif impl == "gloo":
-            import torch.distributed as dist
-
-            self.dist = dist
-            dist.init_process_group("gloo")
-            self.rank, self.size = dist.get_rank(), dist.get_world_size()
-        else:
+            self.core = _core
+            _core.init()
+            self.rank, self.size = _core.rank(), _core.size()
+        elif impl == "hvd":
             import perseus.torch.horovod as hvd
 
             self.hvd = hvd
             hvd.init()
             self.rank, self.size = hvd.rank(), hvd.size()
+        elif impl == "gloo":
+            import datetime
+
+            import torch.distributed as dist
+
+            self.dist = dist
+            dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+            self.rank, self.size = dist.get_rank(), dist.get_world_size()
+        elif impl == "mpi":
+            from mpi4py import MPI
+
+            self.mpi = MPI
+            self.world = MPI.COMM_WORLD
+            self.rank, self.size = self.world.Get_rank(), self.world.Get_size()
+        else:
+            raise ValueError(f"unknown implementation {impl!r}")
+        self._nmax = 0
 
     def barrier(self):
-        """Waits for every rank."""
-        if self.impl == "mpi":
-            self.world.Barrier()
+        if self.impl == "core":
+            h = self.core.barrier(0)
+            self.core.wait(h)
+            self.core.release(h)
+        elif self.impl == "hvd":
+            self.hvd.barrier()
         elif self.impl == "gloo":
             self.dist.barrier()
         else:
-            self.hvd.barrier()
+            self.world.Barrier()
 
-    def max_over_ranks(self, value):
-        """The largest of one float per rank, known to every rank."""
+    def max_over_ranks(self, values):
+        """Element-wise maximum over the ranks of a list of floats (same length on every
+        rank); every rank gets the result."""
+        import numpy as np
         import torch
 
-        if self.impl == "mpi":
-            return self.world.allreduce(value, op=self.mpi.MAX)
-        t = torch.tensor([float(value)])
-        if self.impl == "gloo":
+        t = torch.tensor([float(v) for v in values], dtype=torch.float64)
+        self._nmax += 1
+        name = f"bench.max.{self._nmax}"
+        if self.impl == "core":
+            cap = t.__dlpack__()
+            h = self.core.allreduce(cap, cap, name, self.core.OP_MAX, 1.0, 1.0, 0)
+            self.core.wait(h)
+            self.core.release(h)
+        elif self.impl == "hvd":
+            self.hvd.allreduce_(t, op=self.hvd.Max, name=name)
+        elif self.impl == "gloo":
             self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX)
-            return float(t[0])
-        return float(self.hvd.allreduce(t, op=self.hvd.Max, name="bench.max")[0])
+        else:
+            buf = np.array(t.numpy())
+            self.world.Allreduce(self.mpi.IN_PLACE, buf, op=self.mpi.MAX)
+            return buf.tolist()
+        return t.tolist()
 
     def close(self):
-        """Leaves the job."""
-        if self.impl == "gloo":
-            self.dist.destroy_process_group()
-        elif self.impl in ("perseus", "hvd"):
+        if self.impl == "core":
+            self.core.shutdown()
+        elif self.impl == "hvd":
             self.hvd.shutdown()
+        elif self.impl == "gloo":
+            self.dist.destroy_process_group()
 
 
-def timed(comm, fn, min_iters=5, max_iters=200, budget=0.5, warmup=3):
-    """Median seconds of ``fn()`` over iterations, each the slowest rank's time."""
-    for _ in range(warmup):
+def measure(comm, fn, warmup=2, min_iters=5, max_iters=200, budget=0.5):
+    """Times ``fn()`` on every rank: ``warmup`` untimed calls, then iterations each
+    started after a barrier and timed as the slowest rank's time. The number of
+    iterations fits ``budget`` seconds (within ``min_iters``..``max_iters``) and is
+    agreed by every rank. Returns median, minimum and count of the iterations."""
+    t0 = time.perf_counter()
+    for _ in range(max(1, warmup)):
         fn()
+    per_call = comm.max_over_ranks([(time.perf_counter() - t0) / max(1, warmup)])[0]
+    iters = int(min(max_iters, max(min_iters, budget / max(per_call, 1e-9))))
     times = []
-    start = time.perf_counter()
-    while len(times) < max_iters and (len(times) < min_iters
-                                      or time.perf_counter() - start < budget):
+    for _ in range(iters):
         comm.barrier()
-        t0 = time.perf_counter()
+        t = time.perf_counter()
         fn()
-        times.append(comm.max_over_ranks(time.perf_counter() - t0))
-    return statistics.median(times)
-
-
-def busbw(nbytes, seconds, n):
-    """Bus bandwidth in GB/s as nccl-tests defines it: algbw * 2(n-1)/n."""
-    return nbytes / seconds * 2 * (n - 1) / n / 1e9
-
-
-def drive(script, impls, ranks, args, name, report, env=None):
-    """Runs ``script`` under each implementation for each rank count, prints
-    ``report(n, results)`` per rank count, and saves everything as results/NAME.json."""
-    if "--quick" in sys.argv:
-        name += "-quick"  # a smoke run never replaces the numbers report.py publishes
-    everything = {"machine": machine(), "command": " ".join(sys.argv), "runs": {}}
-    for n in ranks:
-        results = {i: launch(os.path.abspath(script), i, n, args, env) for i in impls}
-        everything["runs"][str(n)] = results
-        print(report(n, results), flush=True)
-    os.makedirs(os.path.join(ROOT, "benchmarks", "results"), exist_ok=True)
-    with open(os.path.join(ROOT, "benchmarks", "results", f"{name}.json"), "w") as f:
-        json.dump(everything, f, indent=1)
-
-
-def peak_rss_mib():
-    """This process's peak resident set size, MiB."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        times.append(time.perf_counter() - t)
+    times = comm.max_over_ranks(times)
+    return {"median": statistics.median(times), "min": min(times), "iters": iters}
 
 
 def rss_mib():
-    """This process's current resident set size, MiB."""
+    """This process's resident set size now, MiB."""
     with open("/proc/self/statm") as f:
         pages = int(f.read().split()[1])
     return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def write_result(path, comm, result):
-    """Rank 0 writes ``result`` as JSON."""
-    if comm.rank == 0:
-        with open(path, "w") as f:
-            json.dump(result, f)
+def peak_rss_mib():
+    """This process's peak resident set size so far, MiB."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def worker_main(body, argv=None):
+    """The rank role: ``--worker IMPL --out PREFIX --opts JSON``. Runs ``body(comm, opts)``
+    and writes its result to PREFIX.RANK.json."""
+    import argparse
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--worker", required=True, choices=IMPLS)
+    p.add_argument("--out", required=True)
+    p.add_argument("--opts", default="{}")
+    a = p.parse_args(argv)
+    comm = Comm(a.worker)
+    result = body(comm, json.loads(a.opts))
+    with open(f"{a.out}.{comm.rank}.json", "w") as f:
+        json.dump(result, f)
+    comm.close()
+
+
+def is_worker(argv=None):
+    return "--worker" in (sys.argv[1:] if argv is None else argv)
+
+
+# --------------------------------------------------------------------------- units, facts
+
+def parse_size(text):
+    """'4K', '16M', '1G' (binary units) or plain bytes."""
+    text = text.strip().upper().removesuffix("IB").removesuffix("B")
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    return int(float(text[:-1] if scale > 1 else text) * scale)
+
+
+def human(nbytes):
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift and nbytes % (1 << shift) == 0:
+            return f"{nbytes >> shift} {unit}"
+    return f"{nbytes} B"
+
+
+def algbw(nbytes, seconds):
+    """Algorithm bandwidth in GB/s (nccl-tests): bytes / time."""
+    return nbytes / seconds / 1e9
+
+
+def busbw(nbytes, seconds, n):
+    """Bus bandwidth in GB/s (nccl-tests, allreduce): algbw * 2(n-1)/n."""
+    return algbw(nbytes, seconds) * 2 * (n - 1) / n
+
+
+def _first_line(cmd):
+    try:
+        out = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=30, cwd=ROOT)
+        return (out.stdout or out.stderr).strip().splitlines()[0]
+    except (OSError, IndexError, subprocess.SubprocessError):
+        return "unknown"
 
 
 def machine():
-    """One line about the machine the numbers come from."""
-    model = "unknown CPU"
+    """Facts about the machine and software the numbers come from."""
+    model = "unknown"
     try:
         with open("/proc/cpuinfo") as f:
             model = next(line.split(":", 1)[1].strip() for line in f
                          if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return f"{os.cpu_count()} cores, {model}, {time.strftime('%Y-%m-%d')}"
+    try:
+        import torch
+
+        torch_version = torch.__version__
+    except ImportError:
+        torch_version = "not installed"
+    try:
+        import mpi4py
+
+        mpi4py_version = mpi4py.__version__
+    except ImportError:
+        mpi4py_version = "not installed"
+    commit = _first_line(["git", "rev-parse", "--short", "HEAD"])
+    try:
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "src", "python"], check=False,
+                               capture_output=True, text=True, timeout=30, cwd=ROOT).stdout
+    except (OSError, subprocess.SubprocessError):
+        dirty = ""
+    if dirty.strip():
+        commit += " + uncommitted changes in src/ or python/"
+    try:
+        mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError):
+        mem = 0.0
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+        "nproc": len(os.sched_getaffinity(0)),
+        "cpu": model,
+        "memory_gib": round(mem, 1),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "torch": torch_version,
+        "mpi4py": mpi4py_version,
+        "mpirun": _first_line(["mpirun", "--version"]),
+        "perseus_commit": commit,
+        "env": {k: v for k, v in sorted(os.environ.items())
+                if k.startswith(("PERSEUS_", "HOROVOD_", "GLOO_", "OMPI_MCA_"))
+                or k == "BENCH_MPIRUN_ARGS"},
+    }
+
+
+# --------------------------------------------------------------------------- tables
+
+def text_table(headers, rows):
+    """Right-aligned plain-text table (first column left-aligned)."""
+    cells = [[str(c) for c in r] for r in [headers, *rows]]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+
+    def line(r):
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(r, widths))).rstrip()
+
+    return "\n".join([line(cells[0]), "  ".join("-" * w for w in widths),
+                      *map(line, cells[1:])])
+
+
+def md_table(headers, rows):
+    """GitHub markdown table, numbers right-aligned."""
+    out = ["| " + " | ".join(headers) + " |",
+           "|" + "|".join(["---"] + ["---:"] * (len(headers) - 1)) + "|"]
+    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def fmt(value, spec, missing="-"):
+    """``format(value, spec)``, or ``missing`` for None."""
+    return missing if value is None else format(value, spec)
+
+
+def text_sections(sections):
+    """Sections (dicts of title, headers, rows, notes) as plain text."""
+    out = []
+    for s in sections:
+        out += [s["title"], text_table(s["headers"], s["rows"]) if s["rows"] else "",
+                *s.get("notes", []), ""]
+    return "\n".join(out)
+
+
+def md_sections(sections, level="###"):
+    """Sections as markdown, each under a heading of ``level``."""
+    out = []
+    for s in sections:
+        out += [f"{level} {s['title']}", ""]
+        if s["rows"]:
+            out += [md_table(s["headers"], s["rows"]), ""]
+        for note in s.get("notes", []):
+            out += [note, ""]
+    return "\n".join(out)

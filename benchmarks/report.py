@@ -1,138 +1,218 @@
-"""Writes docs/benchmarks.md and docs/benchmarks_allreduce.png from benchmarks/results/*.json.
+"""docs/benchmarks.md and its plot from the JSON that run_all.py writes.
 
-    python benchmarks/report.py
+    python benchmarks/report.py [JSON] [--out DIR]
+
+JSON defaults to docs/benchmarks.json; the markdown (benchmarks.md) and the plot
+(benchmarks_allreduce.png: busbw against size, one panel per rank count, one line per
+implementation) go to DIR, by default the JSON's folder. run_all.py calls this itself.
 """
 
+import argparse
 import json
 import os
 
+import allreduce_sweep
 import harness
+import memory
+import small_ops
+import training
 
-RESULTS = os.path.join(harness.ROOT, "benchmarks", "results")
-DOCS = os.path.join(harness.ROOT, "docs")
 PNG = "benchmarks_allreduce.png"
-PEERS = ("gloo", "mpi")
+NOTES = os.path.join(harness.ROOT, "benchmarks", "NOTES.md")
+MARKERS = {"core": "o", "hvd": "s", "gloo": "^", "mpi": "v"}
 
 
-def load(name):
-    path = os.path.join(RESULTS, f"{name}.json")
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        return json.load(f)
-
-
-def human(nbytes):
-    for unit, k in (("MiB", 20), ("KiB", 10)):
-        if nbytes >= 1 << k:
-            return f"{nbytes >> k} {unit}"
-    return f"{nbytes} B"
-
-
-def allreduce_section(data):
-    out = ["## Allreduce sweep (float32)", "",
-           f"Command: `{data['command']}` on {data['machine']}.", "",
-           ("busbw in GB/s (nccl-tests: algbw × 2(n-1)/n), median time in µs; the last column "
-           "is Perseus (core) time over the best peer's, >1 meaning Perseus is faster."), ""]
-    for n, runs in data["runs"].items():
-        impls = [i for i in harness.IMPLS if i in runs]
-        out.append(f"### {n} ranks")
-        out.append("")
-        out.append("| size | " + " | ".join(f"{i} µs | {i} GB/s" for i in impls)
-                   + " | perseus ÷ best peer |")
-        out.append("|---" * (2 * len(impls) + 2) + "|")
-        for k, row in enumerate(runs[impls[0]]["rows"]):
-            nb = row["bytes"]
-            cells = []
-            for i in impls:
-                s = runs[i]["rows"][k]["seconds"]
-                cells.append(f"{s * 1e6:.1f} | {harness.busbw(nb, s, int(n)):.2f}")
-            best = min(runs[p]["rows"][k]["seconds"] for p in PEERS if p in runs)
-            ratio = best / runs["perseus"]["rows"][k]["seconds"]
-            out.append(f"| {human(nb)} | " + " | ".join(cells) + f" | {ratio:.2f}× |")
-        peaks = ", ".join(f"{i} {runs[i]['peak_rss_mib']:.0f} MiB" for i in impls)
-        out += ["", f"Peak RSS per rank during the sweep: {peaks}.", ""]
-    out += [f"![busbw against size]({PNG})", ""]
-    return out
-
-
-def plot(data):
+def plot(sweep, path):
+    """busbw against size, log-x, one panel per rank count."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    runs = data["runs"]
-    fig, axes = plt.subplots(1, len(runs), figsize=(5 * len(runs), 4), squeeze=False)
-    for ax, (n, res) in zip(axes[0], runs.items()):
-        for impl in harness.IMPLS:
-            if impl not in res:
-                continue
-            rows = res[impl]["rows"]
-            ax.plot([r["bytes"] for r in rows],
-                    [harness.busbw(r["bytes"], r["seconds"], int(n)) for r in rows],
-                    marker="o", label=impl)
+    runs = sweep["runs"]
+    fig, axes = plt.subplots(1, len(runs), figsize=(5.2 * len(runs), 4.2), squeeze=False,
+                             sharey=True)
+    sizes = sweep["sizes"]
+    for ax, (n_str, res) in zip(axes[0], runs.items()):
+        n = int(n_str)
+        for impl in sweep["impls"]:
+            secs = [allreduce_sweep.seconds(res, impl, k) for k in range(len(sizes))]
+            pts = [(b, harness.busbw(b, s, n)) for b, s in zip(sizes, secs) if s is not None]
+            if pts:
+                ax.plot(*zip(*pts), marker=MARKERS.get(impl, "."), label=harness.LABELS[impl])
         ax.set_xscale("log", base=2)
-        ax.set_title(f"allreduce, {n} ranks")
-        ax.set_xlabel("bytes")
-        ax.set_ylabel("busbw GB/s")
+        ax.set_xticks(sizes)
+        ax.set_xticklabels([harness.human(b).replace(" ", "") for b in sizes], rotation=45)
+        ax.set_title(f"allreduce float32, {n} ranks")
+        ax.set_xlabel("message size")
         ax.grid(True, alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize="small")
+    axes[0][0].set_ylabel("busbw, GB/s (algbw × 2(n-1)/n)")
     fig.tight_layout()
-    fig.savefig(os.path.join(DOCS, PNG), dpi=90)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
-def small_section(data):
-    out = ["## Small tensors, broadcast, allgather, memory", "",
-           f"Command: `{data['command']}` on {data['machine']}.", ""]
-    for n, runs in data["runs"].items():
-        out += [f"### {n} ranks", "", "| benchmark | hvd ms | gloo ms | mpi ms |",
-                "|---|---|---|---|"]
-        names = {"async100": "100 async 4 KiB allreduces",
-                 "bcast_r50": "broadcast of ResNet-50 parameters (25.6 M floats)",
-                 "allgatherv": "allgather, 1-64 KiB per rank, sizes differ"}
-        for key, label in names.items():
-            out.append(f"| {label} | " + " | ".join(
-                f"{runs[i][key] * 1e3:.3f}" for i in ("hvd", "gloo", "mpi")) + " |")
-        h = runs["hvd"]
-        growth = (h["rss_after_10000_mib"] / h["rss_after_100_mib"] - 1) * 100
-        out += ["", (f"RSS per rank after 100 mixed allreduces: {h['rss_after_100_mib']:.1f} MiB; "
-                f"after 10,000: {h['rss_after_10000_mib']:.1f} MiB ({growth:+.1f}%)."), ""]
+def _seconds(sweep, n, nbytes, impl):
+    """Median seconds of ``impl`` at ``nbytes`` on ``n`` ranks, None if not measured."""
+    runs = (sweep or {}).get("runs", {}).get(str(n))
+    if not runs or nbytes not in sweep["sizes"]:
+        return None
+    return allreduce_sweep.seconds(runs, impl, sweep["sizes"].index(nbytes))
+
+
+def _ratio(sweep, n, nbytes, impl):
+    runs = (sweep or {}).get("runs", {}).get(str(n))
+    if not runs or nbytes not in sweep["sizes"]:
+        return None
+    return allreduce_sweep.ratio(runs, impl, sweep["sizes"].index(nbytes))
+
+
+def _job(section, key, n=2):
+    """Rank 0's result of job ``key`` on ``n`` ranks in a section, None if absent/failed."""
+    res = (section or {}).get("runs", {}).get(str(n), {}).get(key)
+    return None if res is None or harness.failed(res) else res[0]
+
+
+def at_most(limit, value):
+    if value is None:
+        return "not measured"
+    return "met" if value <= limit else f"missed: {value / limit:.2f}× the limit"
+
+
+def at_least(goal, value):
+    if value is None:
+        return "not measured"
+    return "met" if value >= goal else f"missed by {(1 - value / goal) * 100:.0f}%"
+
+
+def targets(data):
+    """Issue 4's targets against this run: rows of [target, measured, status]."""
+    sweep = data.get("sweep")
+    out = []
+    us = {i: _seconds(sweep, 2, 4 << 10, i) for i in harness.PERSEUS}
+    us = {i: None if s is None else s * 1e6 for i, s in us.items()}
+    out.append(["4 KiB allreduce through the hvd API ≤ 100 µs",
+                (f"hvd {harness.fmt(us['hvd'], '.0f')} µs (core {harness.fmt(us['core'], '.0f')}"
+                " µs)"), at_most(100, us["hvd"])])
+    for nbytes, goal in ((1 << 20, 4.0), (16 << 20, 4.0), (64 << 20, 3.4)):
+        bw = {}
+        for i in harness.IMPLS:
+            s = _seconds(sweep, 2, nbytes, i)
+            bw[i] = None if s is None else harness.busbw(nbytes, s, 2)
+        extra = ""
+        if nbytes == 64 << 20 and bw["hvd"] and bw["mpi"] and bw["gloo"]:
+            extra = f"; {bw['hvd'] / bw['mpi']:.2f}× Open MPI, {bw['hvd'] / bw['gloo']:.2f}× gloo"
+        out.append([f"busbw ≥ {goal} GB/s at {harness.human(nbytes)}",
+                    (f"hvd {harness.fmt(bw['hvd'], '.2f')}, core {harness.fmt(bw['core'], '.2f')}"
+                    f" GB/s{extra}"), at_least(goal, bw["hvd"])])
+    r = {i: _ratio(sweep, 4, 64 << 20, i) for i in harness.PERSEUS}
+    out.append(["4 ranks (oversubscribed) at 64 MiB ≥ 1.5× the best peer",
+                f"hvd {harness.fmt(r['hvd'], '.2f')}×, core {harness.fmt(r['core'], '.2f')}×",
+                at_least(1.5, r["hvd"])])
+    res = _job(data.get("small"), "hvd")
+    ms = None if res is None else res["async100"]["median"] * 1e3
+    out.append(["100 async 4 KiB allreduces ≤ 1 ms", f"{harness.fmt(ms, '.2f')} ms",
+                at_most(1.0, ms)])
+    runs = (data.get("training") or {}).get("runs", {}).get("2")
+    sp = training.speedup(runs) if runs else None
+    out.append(["training throughput ≥ 1.3× DDP gloo", f"{harness.fmt(sp, '.2f')}×",
+                at_least(1.3, sp)])
+    mem = data.get("memory") or {}
+    runs = mem.get("runs", {}).get("2")
+    g = memory.growth(runs) if runs else None
+    out.append([f"RSS after {mem.get('count', 10_000):,} allreduces within 10% of after 100",
+                f"{harness.fmt(g, '+.2f')}% (largest over the ranks)",
+                "not measured" if g is None else "met" if g <= 10 else "missed"])
     return out
 
 
-def training_section(data):
-    out = ["## Training throughput", "", f"Command: `{data['command']}` on {data['machine']}.",
-           ""]
-    for n, runs in data["runs"].items():
-        h, g = runs["hvd"], runs["gloo"]
-        out.append(f"{n} ranks, {h['params'] / 1e6:.1f} M parameters, batch {h['batch']} per "
-                   f"rank, {h['steps']} steps: DistributedOptimizer "
-                   f"{h['samples_per_s']:.1f} samples/s, DDP (gloo) {g['samples_per_s']:.1f} "
-                   f"samples/s: **{h['samples_per_s'] / g['samples_per_s']:.2f}×**.")
-    return out + [""]
+def machine_lines(m):
+    env = ", ".join(f"`{k}={v}`" for k, v in m.get("env", {}).items()) or "none"
+    return [f"- date: {m['date']}",
+            (f"- CPU: {m['cpu']}, nproc {m['nproc']}, memory {m['memory_gib']} GiB, "
+            f"Linux {m['kernel']}"),
+            f"- Python {m['python']}, torch {m['torch']}, mpi4py {m['mpi4py']}, {m['mpirun']}",
+            f"- Perseus commit {m['perseus_commit']}",
+            f"- Perseus/gloo/Open MPI variables set: {env}"]
+
+
+def describe(module):
+    """A benchmark module's docstring after its usage line, as markdown."""
+    parts = module.__doc__.strip().split("\n\n")[2:]
+    out = []
+    for part in parts:
+        if any(line.startswith("  ") for line in part.splitlines()):
+            out += ["```text", part, "```", ""]
+        else:
+            out += [" ".join(line.strip() for line in part.splitlines()), ""]
+    return "\n".join(out)
+
+
+def render(data, png=PNG):
+    """The markdown page."""
+    m = data["machine"]
+    lines = ["# Benchmarks", "",
+             ("Perseus against torch.distributed (gloo) and Open MPI (mpi4py) on one host, "
+             "all implementations in one run, one job at a time (never two at once). "
+             "Times are medians over iterations, each iteration the slowest rank's time "
+             "after a barrier. Generated by `benchmarks/run_all.py` (see "
+             "[benchmarks/README.md](../benchmarks/README.md)); do not edit by hand, edit "
+             "`benchmarks/NOTES.md` for the analysis."), "",
+             f"Command: `{data['command']}`", "", *machine_lines(m), "",
+             ("Numbers on a shared 2-core virtual machine move by tens of percent between "
+             "runs: compare the columns of one run."), "",
+             "## Targets (issue 4): 2 ranks on one host, float32, median", "",
+             harness.md_table(["target", "measured", "status"], targets(data)), "",
+             ("Status is judged on the hvd API (what users call); the core column is the "
+             "same engine without the Python front-end."), ""]
+    if os.path.exists(NOTES):
+        with open(NOTES) as f:
+            lines += [f.read().strip(), ""]
+    sweep = data.get("sweep")
+    if sweep:
+        lines += ["## Allreduce sweep", "",
+                  (f"Sizes {harness.human(sweep['sizes'][0])} to "
+                  f"{harness.human(sweep['sizes'][-1])}; per size "
+                  f"{sweep['timing']['warmup']} warm-up calls, then "
+                  f"{sweep['timing']['min_iters']} to {sweep['timing']['max_iters']} "
+                  f"iterations within about {sweep['timing']['budget']} s. "
+                  "algbw = bytes / time, busbw = algbw × 2(n-1)/n (nccl-tests' "
+                  "definitions). *÷ peer* is Perseus busbw ÷ the best peer's (gloo or "
+                  "Open MPI): above 1, Perseus is faster. core: `perseus._core.allreduce` "
+                  "on DLPack capsules; hvd: `perseus.torch.horovod.allreduce_`; gloo: "
+                  "`torch.distributed.all_reduce`; mpi: `MPI.COMM_WORLD.Allreduce(IN_PLACE)`."),
+                  "", f"![busbw against message size]({png})", "",
+                  harness.md_sections(allreduce_sweep.sections(sweep))]
+    for key, title, module in (("small", "Small tensors, broadcast, allgather", small_ops),
+                               ("training", "Training throughput", training),
+                               ("memory", "Memory", memory)):
+        if data.get(key):
+            lines += [f"## {title}", "", describe(module),
+                      harness.md_sections(module.sections(data[key]))]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def write(data, out_dir):
+    """Writes benchmarks.md and the plot into ``out_dir``; returns the markdown's path."""
+    os.makedirs(out_dir, exist_ok=True)
+    if data.get("sweep", {}).get("runs"):
+        plot(data["sweep"], os.path.join(out_dir, PNG))
+    path = os.path.join(out_dir, "benchmarks.md")
+    with open(path, "w") as f:
+        f.write(render(data))
+    return path
 
 
 def main():
-    lines = ["# Benchmarks", "",
-             ("Made by `bash benchmarks/run.sh` (see benchmarks/README.md); numbers from one run "
-             "on this project's 2-core machine, all implementations one after the other. "
-             "Timings on a shared 2-core virtual machine vary by ±30% between runs; compare "
-             "columns of one run, not runs."), ""]
-    notes = os.path.join(harness.ROOT, "benchmarks", "NOTES.md")
-    if os.path.exists(notes):
-        with open(notes) as f:
-            lines += [f.read().rstrip(), ""]
-    for name, section in (("allreduce", allreduce_section), ("small_ops", small_section),
-                          ("training", training_section)):
-        data = load(name)
-        if data:
-            lines += section(data)
-            if name == "allreduce":
-                plot(data)
-    with open(os.path.join(DOCS, "benchmarks.md"), "w") as f:
-        f.write("\n".join(lines))
-    print(f"wrote {os.path.join(DOCS, 'benchmarks.md')}")
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("json", nargs="?", default=os.path.join(harness.ROOT, "docs",
+                                                           "benchmarks.json"))
+    p.add_argument("--out", help="output folder (default: the JSON's folder)")
+    a = p.parse_args()
+    with open(a.json) as f:
+        data = json.load(f)
+    print(write(data, a.out or os.path.dirname(os.path.abspath(a.json))))
 
 
 if __name__ == "__main__":

@@ -1,147 +1,222 @@
-"""The small-tensor path, parameter broadcast, variable allgather, and memory growth.
+"""The small-tensor path, parameter broadcast and variable-size allgather, Perseus (hvd)
+against torch gloo and Open MPI.
 
-    python benchmarks/small_ops.py [--ranks 2] [--quick]
+    python benchmarks/small_ops.py [--ranks 2] [--json PATH] [--quick]
 
-For hvd (perseus.torch.horovod), gloo and mpi (mpi4py), one job each:
-  async100    100 asynchronous 4 KiB allreduces, first submit to last completion
-  bcast_r50   broadcast of a ResNet-50-sized parameter set (161 tensors, 25.6 M floats)
-  allgatherv  allgather of 1-64 KiB per rank, sizes differing by rank
-and for hvd only: RSS after 100 and after 10,000 mixed allreduces.
-Writes benchmarks/results/small_ops.json for report.py.
+One job per implementation (hvd: perseus.torch.horovod with PERSEUS_CHANGE_HVD_ALLGATHER=1,
+Horovod's concatenating allgather; gloo: torch.distributed; mpi: mpi4py), each measuring:
+  async100    100 asynchronous 4 KiB float32 allreduces, first submit to last completion
+              (hvd.allreduce_async_ + synchronize; all_reduce(async_op=True) + wait;
+              Iallreduce + Waitall)
+  bcast_r50   a ResNet-50-sized parameter set (161 tensors of ResNet-50's shapes, 25.6 M
+              float32) from rank 0: hvd.broadcast_parameters; a broadcast per tensor
+              (gloo); Bcast per tensor (mpi)
+  allgatherv  rank r contributes (r+1) * BASE floats, BASE = 1 Ki (4 KiB) and 256 Ki
+              (1 MiB): hvd.allgather; gloo all_gather of tensors padded to the largest,
+              then unpadded; Allgatherv
+Times are medians over iterations, each the slowest rank's time.
 """
 
 import argparse
+import sys
 
 import harness
 
 IMPLS = ("hvd", "gloo", "mpi")
+GATHER_BASES = (1 << 10, 1 << 18)   # floats
+TIMING = {"warmup": 3, "min_iters": 5, "max_iters": 200, "budget": 1.0}
+QUICK_TIMING = {"warmup": 1, "min_iters": 3, "max_iters": 10, "budget": 0.05}
 
 
 def resnet50_shapes():
-    """Parameter shapes of ResNet-50 (conv weights, batch-norm weights and biases, fc)."""
+    """Parameter shapes of torchvision's ResNet-50, in its order: convolutions (no bias),
+    batch-norm weight and bias, the final fully connected layer. 161 tensors, 25,557,032
+    values."""
     shapes = [(64, 3, 7, 7), (64,), (64,)]
     cin = 64
     for width, blocks in ((64, 3), (128, 4), (256, 6), (512, 3)):
         for b in range(blocks):
-            out = width * 4
+            cout = width * 4
             shapes += [(width, cin, 1, 1), (width,), (width,),
                        (width, width, 3, 3), (width,), (width,),
-                       (out, width, 1, 1), (out,), (out,)]
-            if b == 0:
-                shapes += [(out, cin, 1, 1), (out,), (out,)]
-            cin = out
+                       (cout, width, 1, 1), (cout,), (cout,)]
+            if b == 0:  # the projection shortcut
+                shapes += [(cout, cin, 1, 1), (cout,), (cout,)]
+            cin = cout
     return shapes + [(1000, 2048), (1000,)]
 
 
-def worker(impl, out, quick):
+def bench_async100(comm, timing):
+    import torch
+
+    small = [torch.full((1024,), 0.0) for _ in range(100)]
+    if comm.impl == "hvd":
+        hvd = comm.hvd
+        names = [f"async100.{i}" for i in range(len(small))]
+
+        def fn():
+            handles = [hvd.allreduce_async_(t, op=hvd.Sum, name=nm)
+                       for t, nm in zip(small, names)]
+            for h in handles:
+                hvd.synchronize(h)
+    elif comm.impl == "gloo":
+        dist = comm.dist
+
+        def fn():
+            works = [dist.all_reduce(t, async_op=True) for t in small]
+            for w in works:
+                w.wait()
+    else:
+        world, mpi = comm.world, comm.mpi
+        bufs = [t.numpy() for t in small]
+
+        def fn():
+            mpi.Request.Waitall([world.Iallreduce(mpi.IN_PLACE, b) for b in bufs])
+    return harness.measure(comm, fn, **timing)
+
+
+def bench_bcast(comm, timing):
+    import torch
+
+    gen = torch.Generator().manual_seed(comm.rank)
+    params = [torch.randn(s, generator=gen) for s in resnet50_shapes()]
+    if comm.impl == "hvd":
+        hvd = comm.hvd
+        state = {f"layer{i:03d}": p for i, p in enumerate(params)}
+
+        def fn():
+            hvd.broadcast_parameters(state, root_rank=0)
+    elif comm.impl == "gloo":
+        dist = comm.dist
+
+        def fn():
+            for p in params:
+                dist.broadcast(p, src=0)
+    else:
+        world = comm.world
+        arrays = [p.numpy() for p in params]
+
+        def fn():
+            for a in arrays:
+                world.Bcast(a, root=0)
+    res = harness.measure(comm, fn, **timing)
+    res["tensors"] = len(params)
+    res["values"] = sum(p.numel() for p in params)
+    return res
+
+
+def bench_allgatherv(comm, base, timing):
     import numpy as np
     import torch
 
-    comm = harness.Comm(impl)
-    r, n = comm.rank, comm.size
-    res = {}
-
-    small = [torch.ones(1024) for _ in range(100)]
-    if impl == "hvd":
-        hvd = comm.hvd
-
-        def async100():
-            hs = [hvd.allreduce_async_(t, op=hvd.Sum, name=f"s{i}") for i, t in enumerate(small)]
-            for h in hs:
-                hvd.synchronize(h)
-    elif impl == "gloo":
-        def async100():
-            for w in [comm.dist.all_reduce(t, async_op=True) for t in small]:
-                w.wait()
-    else:
-        bufs = [t.numpy() for t in small]
-
-        def async100():
-            comm.mpi.Request.Waitall([comm.world.Iallreduce(comm.mpi.IN_PLACE, b)
-                                      for b in bufs])
-    res["async100"] = harness.timed(comm, async100, max_iters=100)
-
-    params = [torch.randn(s) for s in resnet50_shapes()]
-    if impl == "hvd":
-        state = {f"p{i}": p for i, p in enumerate(params)}
-
-        def bcast():
-            hvd.broadcast_parameters(state, root_rank=0)
-    elif impl == "gloo":
-        def bcast():
-            for p in params:
-                comm.dist.broadcast(p, 0)
-    else:
-        arrays = [p.numpy() for p in params]
-
-        def bcast():
-            for a in arrays:
-                comm.world.Bcast(a, root=0)
-    res["bcast_r50"] = harness.timed(comm, bcast, min_iters=3, max_iters=10)
-
-    counts = [256 * (1 + (k * 37) % 64) for k in range(n)]  # floats per rank
+    n, r = comm.size, comm.rank
+    counts = [(k + 1) * base for k in range(n)]
     mine = torch.full((counts[r],), float(r))
-    if impl == "hvd":
-        def gather():
-            hvd.allgather(mine, name="gv")
-    elif impl == "gloo":
-        big = max(counts)
-        padded = torch.zeros(big)
-        padded[: counts[r]] = mine
-        outs = [torch.zeros(big) for _ in range(n)]
+    if comm.impl == "hvd":
+        hvd = comm.hvd
+        name = f"allgatherv.{base}"
 
-        def gather():
-            comm.dist.all_gather(outs, padded)
+        def fn():
+            hvd.allgather(mine, name=name)
+    elif comm.impl == "gloo":
+        dist = comm.dist
+        padded = torch.zeros(max(counts))
+        padded[: counts[r]] = mine
+        outs = [torch.empty(max(counts)) for _ in range(n)]
+
+        def fn():
+            dist.all_gather(outs, padded)
             torch.cat([o[:c] for o, c in zip(outs, counts)])
     else:
-        recv = np.zeros(sum(counts), dtype=np.float32)
+        world = comm.world
         send = mine.numpy()
+        recv = np.empty(sum(counts), dtype=np.float32)
+        displs = [sum(counts[:k]) for k in range(n)]
 
-        def gather():
-            comm.world.Allgatherv(send, (recv, counts))
-    res["allgatherv"] = harness.timed(comm, gather, max_iters=200)
-
-    if impl == "hvd":
-        tensors = [torch.ones(k) for k in (1, 100, 4096, 65536)]
-
-        def mixed(steps):
-            for s in range(steps):
-                t = tensors[s % len(tensors)]
-                hvd.allreduce(t, name=f"m{s % 7}", op=hvd.Average if s % 2 else hvd.Sum)
-        mixed(100)
-        after100 = harness.rss_mib()
-        mixed(1000 if quick else 10_000)
-        after10k = harness.rss_mib()
-        res["rss_after_100_mib"] = comm.max_over_ranks(after100)
-        res["rss_after_10000_mib"] = comm.max_over_ranks(after10k)
-    harness.write_result(out, comm, res)
-    comm.close()
+        def fn():
+            world.Allgatherv(send, [recv, counts, displs, comm.mpi.FLOAT])
+    if comm.impl == "hvd":  # once, untimed: the layout really is Horovod's concatenation
+        got = hvd.allgather(mine, name=f"{name}.check")
+        assert got.shape == (sum(counts),), f"allgather gave {tuple(got.shape)}"
+    res = harness.measure(comm, fn, **timing)
+    res["base_floats"] = base
+    res["bytes_total"] = 4 * sum(counts)
+    return res
 
 
-def summary(n, results):
-    """Text lines for one rank count."""
-    lines = [f"{n} ranks"]
-    for key in ("async100", "bcast_r50", "allgatherv"):
-        cells = "  ".join(f"{i} {results[i][key] * 1e3:9.3f} ms" for i in IMPLS)
-        lines.append(f"  {key:11s} {cells}")
-    h = results["hvd"]
-    lines.append(f"  hvd RSS after 100 allreduces {h['rss_after_100_mib']:.1f} MiB, "
-                 f"after 10,000 {h['rss_after_10000_mib']:.1f} MiB")
-    return "\n".join(lines)
+def body(comm, opts):
+    timing = opts["timing"]
+    res = {"async100": bench_async100(comm, timing),
+           "bcast_r50": bench_bcast(comm, {**timing, "max_iters": min(timing["max_iters"], 20)})}
+    for base in GATHER_BASES:
+        res[f"allgatherv.{base}"] = bench_allgatherv(comm, base, timing)
+    return res
 
 
-def main():
+def run(ranks=(2,), quick=False, timeout=600, echo=True):
+    """Driver: one job per implementation and rank count; returns the results."""
+    timing = QUICK_TIMING if quick else TIMING
+    result = {"ranks": list(ranks), "impls": list(IMPLS), "timing": timing, "runs": {}}
+
+    def show(n, runs):
+        result["runs"][str(n)] = runs
+        if echo:
+            print(harness.text_sections(sections(result, only=n)), flush=True)
+
+    def env_for(impl):
+        return {"PERSEUS_CHANGE_HVD_ALLGATHER": "1"} if impl == "hvd" else None
+
+    harness.run_jobs(__file__, IMPLS, ranks, {"timing": timing}, env_for=env_for,
+                     timeout=timeout, on_result=show)
+    return result
+
+
+def labels(n):
+    out = {"async100": "100 async 4 KiB allreduces",
+           "bcast_r50": "broadcast ResNet-50 parameters (161 tensors, 25.6 M floats)"}
+    for base in GATHER_BASES:
+        lo, hi = harness.human(4 * base), harness.human(4 * base * n)
+        out[f"allgatherv.{base}"] = f"allgather, {lo} to {hi} per rank"
+    return out
+
+
+def sections(result, only=None):
+    out = []
+    for n_str, runs in result["runs"].items():
+        n = int(n_str)
+        if only is not None and n != only:
+            continue
+        rows = []
+        for key, label in labels(n).items():
+            ms = [None if harness.failed(runs[i]) else runs[i][0][key]["median"] * 1e3
+                  for i in IMPLS]
+            peers = [m for i, m in zip(IMPLS, ms) if i != "hvd" and m is not None]
+            ratio = min(peers) / ms[0] if ms[0] is not None and peers else None
+            rows.append([label, *(harness.fmt(m, ".3f") for m in ms),
+                         harness.fmt(ratio, ".2f") + "×"])
+        notes = [f"{i}: failed: {runs[i]['error']}" for i in IMPLS if harness.failed(runs[i])]
+        out.append({"title": f"small tensors, broadcast, allgather: {n} ranks, median ms",
+                    "headers": ["benchmark", *(f"{i} ms" for i in IMPLS), "hvd ÷ best peer"],
+                    "rows": rows,
+                    "notes": notes + [("hvd ÷ best peer: best peer time / hvd time (>1: "
+                                      "Perseus faster).")]})
+    return out
+
+
+def main(argv=None):
+    if harness.is_worker(argv):
+        return harness.worker_main(body, argv)
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--worker", choices=IMPLS)
-    p.add_argument("--out")
-    p.add_argument("--ranks", type=int, nargs="*", default=[2])
-    p.add_argument("--quick", action="store_true")
-    a = p.parse_args()
-    if a.worker:
-        return worker(a.worker, a.out, a.quick)
-    extra = ["--quick"] if a.quick else []
-    env = {"PERSEUS_CHANGE_HVD_ALLGATHER": "1"}  # Horovod layout: sizes differ by rank
-    harness.drive(__file__, IMPLS, a.ranks, extra, "small_ops", summary, env)
+    p.add_argument("--ranks", type=int, nargs="+", default=[2])
+    p.add_argument("--quick", action="store_true", help="smoke run: few iterations")
+    p.add_argument("--timeout", type=int, default=600, help="seconds per job (default 600)")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    a = p.parse_args(argv)
+    result = run(a.ranks, a.quick, a.timeout)
+    result["command"] = " ".join(["python", *sys.argv])
+    result["machine"] = harness.machine()
+    if a.json:
+        harness.save_json(a.json, result)
 
 
 if __name__ == "__main__":

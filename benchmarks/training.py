@@ -1,91 +1,139 @@
-"""End to end: samples/s of a communication-bound MLP, DistributedOptimizer vs DDP (gloo).
+"""End to end: samples/s of a communication-bound MLP, hvd.DistributedOptimizer against
+torch DistributedDataParallel on gloo.
 
-    python benchmarks/training.py [--ranks 2] [--steps 30] [--quick]
+    python benchmarks/training.py [--ranks 2] [--steps 40] [--batch 16] [--json PATH]
+                                  [--quick]
 
-The model has about 25 M float32 parameters and a small batch, so most of a step is
-gradient communication. hvd: perseus.torch.horovod.DistributedOptimizer; gloo: torch
-DistributedDataParallel on the gloo backend. Same model, batch, steps and threads.
-Writes benchmarks/results/training.json for report.py.
+The model: dense layers 4096 -> 2048 -> 2048 -> 2048 -> 2048 -> 2048 -> 10 with ReLU, 25.2 M
+float32 parameters (100 MB of gradients a step), fed a small batch of random data, so a
+step is mostly gradient communication. Both jobs use the same model, initial weights,
+batch per rank, SGD with momentum, one intra-op thread per rank and the same number of
+steps after 3 warm-up steps; samples/s = steps * batch * ranks / the slowest rank's time.
 """
 
 import argparse
+import sys
 import time
 
 import harness
 
 IMPLS = ("hvd", "gloo")
+DIMS = (4096, 2048, 2048, 2048, 2048, 2048, 10)
 
 
 def model():
     import torch
 
     torch.manual_seed(0)
-    dims = [2048, 4096, 2048, 2048, 1024, 10]
     layers = []
-    for a, b in zip(dims, dims[1:]):
+    for a, b in zip(DIMS, DIMS[1:]):
         layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
     return torch.nn.Sequential(*layers[:-1])
 
 
-def worker(impl, out, steps, batch):
+def body(comm, opts):
     import torch
 
     torch.set_num_threads(1)
-    comm = harness.Comm(impl)
+    steps, batch = opts["steps"], opts["batch"]
     net = model()
     params = sum(p.numel() for p in net.parameters())
     opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
-    if impl == "hvd":
+    if comm.impl == "hvd":
         hvd = comm.hvd
         hvd.broadcast_parameters(net.state_dict(), root_rank=0)
         opt = hvd.DistributedOptimizer(opt, named_parameters=net.named_parameters())
     else:
         net = torch.nn.parallel.DistributedDataParallel(net)
-    x = torch.randn(batch, 2048)
-    y = torch.randint(0, 10, (batch,))
+    gen = torch.Generator().manual_seed(comm.rank)
+    x = torch.randn(batch, DIMS[0], generator=gen)
+    y = torch.randint(0, DIMS[-1], (batch,), generator=gen)
     loss_fn = torch.nn.CrossEntropyLoss()
 
     def step():
         opt.zero_grad()
-        loss_fn(net(x), y).backward()
+        loss = loss_fn(net(x), y)
+        loss.backward()
         opt.step()
+        return loss
 
     for _ in range(3):
         step()
     comm.barrier()
     t0 = time.perf_counter()
     for _ in range(steps):
-        step()
-    elapsed = comm.max_over_ranks(time.perf_counter() - t0)
-    result = {"params": params, "batch": batch, "steps": steps,
-              "samples_per_s": steps * batch * comm.size / elapsed}
-    harness.write_result(out, comm, result)
-    comm.close()
+        loss = step()
+    elapsed = comm.max_over_ranks([time.perf_counter() - t0])[0]
+    return {"params": params, "batch": batch, "steps": steps, "seconds": elapsed,
+            "samples_per_s": steps * batch * comm.size / elapsed,
+            "final_loss": float(loss)}
 
 
-def summary(n, results):
-    """One line for one rank count."""
-    h, g = results["hvd"], results["gloo"]
-    return (f"{n} ranks, {h['params'] / 1e6:.1f} M parameters, batch {h['batch']}/rank: "
-            f"DistributedOptimizer {h['samples_per_s']:.1f} samples/s, DDP gloo "
-            f"{g['samples_per_s']:.1f} samples/s, ratio "
-            f"{h['samples_per_s'] / g['samples_per_s']:.2f}x")
+def run(ranks=(2,), steps=40, batch=16, timeout=600, echo=True):
+    """Driver: one job per implementation and rank count; returns the results."""
+    result = {"ranks": list(ranks), "impls": list(IMPLS), "steps": steps, "batch": batch,
+              "runs": {}}
+
+    def show(n, runs):
+        result["runs"][str(n)] = runs
+        if echo:
+            print(harness.text_sections(sections(result, only=n)), flush=True)
+
+    harness.run_jobs(__file__, IMPLS, ranks, {"steps": steps, "batch": batch},
+                     timeout=timeout, on_result=show)
+    return result
 
 
-def main():
+def speedup(runs):
+    """hvd samples/s ÷ DDP samples/s, None when either job failed."""
+    h, g = runs["hvd"], runs["gloo"]
+    if harness.failed(h) or harness.failed(g):
+        return None
+    return h[0]["samples_per_s"] / g[0]["samples_per_s"]
+
+
+def sections(result, only=None):
+    out = []
+    for n_str, runs in result["runs"].items():
+        n = int(n_str)
+        if only is not None and n != only:
+            continue
+        rows, notes = [], []
+        for impl, label in (("hvd", "hvd.DistributedOptimizer"), ("gloo", "torch DDP (gloo)")):
+            res = runs[impl]
+            if harness.failed(res):
+                rows.append([label, "failed", "-", "-"])
+                notes.append(f"{impl}: failed: {res['error']}")
+                continue
+            r = res[0]
+            rows.append([label, f"{r['samples_per_s']:.1f}",
+                         f"{r['seconds'] / r['steps'] * 1e3:.1f}", f"{r['final_loss']:.4f}"])
+        params = next((runs[i][0]["params"] for i in IMPLS if not harness.failed(runs[i])), 0)
+        notes.append(f"hvd ÷ DDP: {harness.fmt(speedup(runs), '.2f')}×")
+        out.append({"title": f"training, {n} ranks: MLP of {params / 1e6:.1f} M parameters, "
+                             f"batch {result['batch']} per rank, {result['steps']} steps",
+                    "headers": ["implementation", "samples/s", "ms/step", "final loss"],
+                    "rows": rows, "notes": notes})
+    return out
+
+
+def main(argv=None):
+    if harness.is_worker(argv):
+        return harness.worker_main(body, argv)
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--worker", choices=IMPLS)
-    p.add_argument("--out")
-    p.add_argument("--ranks", type=int, nargs="*", default=[2])
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--quick", action="store_true")
-    a = p.parse_args()
-    steps = 5 if a.quick else a.steps
-    if a.worker:
-        return worker(a.worker, a.out, steps, a.batch)
-    args = ["--steps", str(steps), "--batch", str(a.batch)]
-    harness.drive(__file__, IMPLS, a.ranks, args, "training", summary)
+    p.add_argument("--ranks", type=int, nargs="+", default=[2])
+    p.add_argument("--steps", type=int, help="timed steps (default 40, --quick 5)")
+    p.add_argument("--batch", type=int, default=16, help="samples per rank and step")
+    p.add_argument("--quick", action="store_true", help="smoke run: 5 steps")
+    p.add_argument("--timeout", type=int, default=600, help="seconds per job (default 600)")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    a = p.parse_args(argv)
+    steps = a.steps or (5 if a.quick else 40)
+    result = run(a.ranks, steps, a.batch, a.timeout)
+    result["command"] = " ".join(["python", *sys.argv])
+    result["machine"] = harness.machine()
+    if a.json:
+        harness.save_json(a.json, result)
 
 
 if __name__ == "__main__":

@@ -1,18 +1,24 @@
 #!/usr/bin/env bash
 # Usage: scripts/setup-bench.sh
-# The benchmark environment: Debian's OpenMPI (for mpirun and mpi4py), the torch virtual
-# environment (scripts/setup-venv.sh torch) and requirements/bench.txt installed into it.
-# Prints the venv path as its last line.
+# The benchmark environment: Debian's Open MPI (mpirun for the mpi4py peer, and its headers
+# in case mpi4py has to be built from source), then the virtual environment of
+# requirements/bench.txt (the torch requirements, mpi4py, matplotlib) with Perseus built
+# into it by scripts/setup-venv.sh. Prints the venv path as the last line of stdout;
+# everything else goes to stderr.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 if ! command -v mpirun >/dev/null; then
-    echo "setup-bench: installing openmpi-bin" >&2
-    apt-get update >&2 && apt-get install -y --no-install-recommends openmpi-bin >&2
+    if [[ $(id -u) -ne 0 ]] || ! command -v apt-get >/dev/null; then
+        echo "setup-bench: no mpirun, and apt-get as root is not available to install" \
+            "openmpi-bin: install Open MPI and run again" >&2
+        exit 1
+    fi
+    echo "setup-bench: installing openmpi-bin and libopenmpi-dev" >&2
+    {
+        apt-get update
+        DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+            openmpi-bin libopenmpi-dev
+    } >&2
 fi
-venv=$(bash "$root/scripts/setup-venv.sh" torch | tail -n 1)
-stamp="$venv/.perseus-bench-$(sha256sum "$root/requirements/bench.txt" | cut -c1-12)"
-if [[ ! -f $stamp ]]; then
-    "$venv/bin/python" -m pip install --disable-pip-version-check -r "$root/requirements/bench.txt" >&2
-    touch "$stamp"
-fi
+venv=$(bash "$root/scripts/setup-venv.sh" bench | tail -n 1)
 echo "$venv"

@@ -1,0 +1,169 @@
+"""Allreduce sweep: float32, 4 KiB to 256 MiB, Perseus against torch gloo and Open MPI.
+
+    python benchmarks/allreduce_sweep.py [--ranks 2 3 4] [--short | --sizes 4K 1M ...]
+                                         [--impls core hvd gloo mpi] [--json PATH] [--quick]
+
+For every rank count, one job per implementation (harness.py: Perseus through
+perseus._core and through perseus.torch.horovod, torch.distributed gloo, mpi4py), one
+after the other. Each size: warm-up calls, then iterations each started after a barrier
+and timed as the slowest rank's; the median is reported with algbw = bytes / time and
+busbw = algbw * 2(n-1)/n (nccl-tests), the ratio Perseus busbw / best peer busbw (>1:
+Perseus faster), and the peak RSS of every rank over the job.
+"""
+
+import argparse
+import sys
+
+import harness
+
+SIZES = [4 << 10 << 2 * k for k in range(9)]   # 4 KiB, 16 KiB, ... 256 MiB: powers of 4
+SHORT = [4 << 10 << 4 * k for k in range(5)]   # 4 KiB, 64 KiB, 1 MiB, 16 MiB, 256 MiB
+QUICK = [4 << 10, 256 << 10, 16 << 20]
+TIMING = {"warmup": 3, "min_iters": 5, "max_iters": 300, "budget": 0.5}
+QUICK_TIMING = {"warmup": 1, "min_iters": 3, "max_iters": 20, "budget": 0.05}
+
+
+def allreduce_fn(comm, t, name):
+    """A call that sums ``t`` in place across the ranks through ``comm.impl``."""
+    if comm.impl == "core":
+        core, cap = comm.core, t.__dlpack__()
+
+        def fn():
+            h = core.allreduce(cap, cap, name, core.OP_SUM, 1.0, 1.0, 0)
+            core.wait(h)
+            core.release(h)
+    elif comm.impl == "hvd":
+        hvd = comm.hvd
+
+        def fn():
+            hvd.allreduce_(t, op=hvd.Sum, name=name)
+    elif comm.impl == "gloo":
+        dist = comm.dist
+
+        def fn():
+            dist.all_reduce(t)
+    else:
+        world, in_place, buf = comm.world, comm.mpi.IN_PLACE, t.numpy()
+
+        def fn():
+            world.Allreduce(in_place, buf)
+    return fn
+
+
+def body(comm, opts):
+    """One rank: every size in turn, through ``comm.impl``."""
+    import torch
+
+    rss_init = harness.rss_mib()
+    rows = []
+    for nbytes in opts["sizes"]:
+        # Zeros: repeated in-place sums stay finite (no inf, no denormals), and a float
+        # add costs the same whatever the value. full() touches every page up front.
+        t = torch.full((nbytes // 4,), 0.0, dtype=torch.float32)
+        fn = allreduce_fn(comm, t, f"sweep.{nbytes}")
+        rows.append({"bytes": nbytes, **harness.measure(comm, fn, **opts["timing"])})
+        del fn, t
+    return {"rows": rows, "rss_after_init_mib": rss_init, "peak_rss_mib": harness.peak_rss_mib()}
+
+
+def run(sizes=SIZES, ranks=(2, 3, 4), impls=harness.IMPLS, quick=False, timeout=600,
+        echo=True):
+    """Driver: all jobs, one at a time; returns the results (JSON-able)."""
+    timing = QUICK_TIMING if quick else TIMING
+    opts = {"sizes": list(sizes), "timing": timing}
+    result = {"sizes": list(sizes), "ranks": list(ranks), "impls": list(impls),
+              "timing": timing, "runs": {}}
+
+    def show(n, runs):
+        result["runs"][str(n)] = runs
+        if echo:
+            print(harness.text_sections(sections(result, only=n)), flush=True)
+
+    harness.run_jobs(__file__, impls, ranks, opts, timeout=timeout, on_result=show)
+    return result
+
+
+def seconds(runs, impl, k):
+    """Median seconds of size index ``k`` for ``impl``, None when the job failed."""
+    res = runs.get(impl)
+    if res is None or harness.failed(res):
+        return None
+    return res[0]["rows"][k]["median"]
+
+
+def ratio(runs, impl, k):
+    """Perseus ``impl`` busbw / best peer busbw at size index ``k``."""
+    mine = seconds(runs, impl, k)
+    peers = [s for s in (seconds(runs, p, k) for p in harness.PEERS) if s is not None]
+    return None if mine is None or not peers else min(peers) / mine
+
+
+def sections(result, only=None):
+    """Tables per rank count: time and busbw, ratios; algbw; peak RSS."""
+    out = []
+    impls = result["impls"]
+    for n_str, runs in result["runs"].items():
+        n = int(n_str)
+        if only is not None and n != only:
+            continue
+        perseus = [i for i in harness.PERSEUS if i in impls]
+        headers = (["size"] + [f"{i} µs" for i in impls] + [f"{i} busbw" for i in impls]
+                   + [f"{i} ÷ peer" for i in perseus])
+        alg_headers = ["size"] + [f"{i} algbw" for i in impls]
+        rows, alg_rows = [], []
+        for k, nbytes in enumerate(result["sizes"]):
+            secs = [seconds(runs, i, k) for i in impls]
+            rows.append([harness.human(nbytes)]
+                        + [harness.fmt(s and s * 1e6, ".1f") for s in secs]
+                        + [harness.fmt(s and harness.busbw(nbytes, s, n), ".2f") for s in secs]
+                        + [harness.fmt(ratio(runs, i, k), ".2f") + "×" for i in perseus])
+            alg_rows.append([harness.human(nbytes)]
+                            + [harness.fmt(s and harness.algbw(nbytes, s), ".2f")
+                               for s in secs])
+        notes = []
+        for i in impls:
+            res = runs.get(i)
+            if res is None:
+                continue
+            if harness.failed(res):
+                notes.append(f"{i}: failed: {res['error']}")
+                continue
+            peaks = "/".join(f"{r['peak_rss_mib']:.0f}" for r in res)
+            inits = "/".join(f"{r['rss_after_init_mib']:.0f}" for r in res)
+            notes.append(f"{i}: peak RSS per rank {peaks} MiB (after init {inits} MiB)")
+        out.append({"title": f"allreduce, float32, {n} ranks: median time, busbw (GB/s), "
+                             "Perseus busbw ÷ best peer busbw",
+                    "headers": headers, "rows": rows, "notes": []})
+        out.append({"title": f"allreduce, float32, {n} ranks: algbw (GB/s)",
+                    "headers": alg_headers, "rows": alg_rows,
+                    "notes": ["Peak RSS over the sweep, rank 0/1/...:", *notes]})
+    return out
+
+
+def main(argv=None):
+    if harness.is_worker(argv):
+        return harness.worker_main(body, argv)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ranks", type=int, nargs="+", help="rank counts (default 2 3 4)")
+    p.add_argument("--sizes", type=harness.parse_size, nargs="+", metavar="SIZE",
+                   help="message sizes, e.g. 4K 1M 64M (default: 4 KiB to 256 MiB, "
+                        "powers of 4)")
+    p.add_argument("--short", action="store_true",
+                   help="5 sizes, 4 KiB to 256 MiB, powers of 16")
+    p.add_argument("--impls", nargs="+", choices=harness.IMPLS, default=list(harness.IMPLS))
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: 3 sizes, 2 ranks, few iterations")
+    p.add_argument("--timeout", type=int, default=600, help="seconds per job (default 600)")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    a = p.parse_args(argv)
+    sizes = a.sizes or (QUICK if a.quick else SHORT if a.short else SIZES)
+    ranks = a.ranks or ([2] if a.quick else [2, 3, 4])
+    result = run(sizes, ranks, a.impls, a.quick, a.timeout)
+    result["command"] = " ".join(["python", *sys.argv])
+    result["machine"] = harness.machine()
+    if a.json:
+        harness.save_json(a.json, result)
+
+
+if __name__ == "__main__":
+    main()
