@@ -68,6 +68,88 @@ pub fn read_frame(r: &mut impl Read) -> Result<(u16, Vec<u8>)> {
     Ok((kind, payload))
 }
 
+/// Reassembles frames from a non-blocking stream: [`FrameReader::read_from`]
+/// takes what the stream has without blocking and returns the frames it
+/// completed; a partial frame waits in the buffer for the next call.
+#[derive(Default)]
+pub struct FrameReader {
+    buf: Vec<u8>,
+}
+
+impl FrameReader {
+    /// Reads everything `r` has now; returns the whole frames (kind, payload).
+    /// End of stream is an `UnexpectedEof` I/O error, a bad header a
+    /// [`PerseusError::Protocol`].
+    pub fn read_from(&mut self, r: &mut impl Read) -> Result<Vec<(u16, Vec<u8>)>> {
+        let mut chunk = [0u8; 16 << 10];
+        loop {
+            match r.read(&mut chunk) {
+                Ok(0) => {
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::UnexpectedEof,
+                        "the peer closed the connection",
+                    )
+                    .into())
+                }
+                Ok(n) => self.buf.extend_from_slice(&chunk[..n]),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        let mut frames = Vec::new();
+        let mut at = 0;
+        while self.buf.len() - at >= HEADER {
+            let h: &[u8; HEADER] = self.buf[at..at + HEADER].try_into().unwrap();
+            let (kind, len) = parse_header(h, MAX_FRAME)?;
+            if self.buf.len() - at - HEADER < len {
+                break;
+            }
+            frames.push((kind, self.buf[at + HEADER..at + HEADER + len].to_vec()));
+            at += HEADER + len;
+        }
+        self.buf.drain(..at);
+        Ok(frames)
+    }
+}
+
+/// Writes one whole frame to a non-blocking socket, waiting in poll(2) while
+/// its buffer is full, for at most `timeout` without progress.
+pub fn write_frame_nb(
+    s: &mut std::net::TcpStream,
+    kind: u16,
+    payload: &[u8],
+    timeout: std::time::Duration,
+) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let mut buf = Vec::with_capacity(HEADER + payload.len());
+    buf.extend_from_slice(&header(kind, payload.len()));
+    buf.extend_from_slice(payload);
+    let mut at = 0;
+    while at < buf.len() {
+        match s.write(&buf[at..]) {
+            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(n) => at += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                let mut fd = libc::pollfd {
+                    fd: s.as_raw_fd(),
+                    events: libc::POLLOUT,
+                    revents: 0,
+                };
+                let ms = timeout.as_millis().clamp(1, i32::MAX as u128) as libc::c_int;
+                // SAFETY: one valid pollfd for the duration of the call.
+                let rc = unsafe { libc::poll(&mut fd, 1, ms) };
+                if rc == 0 {
+                    return Err(std::io::ErrorKind::TimedOut.into());
+                }
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
 /// Builds a message payload.
 #[derive(Default)]
 pub struct Writer(pub Vec<u8>);

@@ -195,6 +195,14 @@ fn rendezvous(t: &Topology) -> Result<(Option<(String, u16)>, bool)> {
 }
 
 impl Config {
+    /// True when this host runs more ranks than this process may use cores:
+    /// then a rank that yields while it waits takes time from a neighbour, and
+    /// waits should sleep at once instead.
+    pub fn oversubscribed(&self) -> bool {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        self.topology.local_size > cores
+    }
+
     /// Reads and validates the whole environment.
     pub fn from_env() -> Result<Config> {
         let topology = Topology::from_env()?;

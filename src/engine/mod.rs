@@ -2,17 +2,20 @@
 //! coordinator, runs the responses in the order the coordinator fixed, and
 //! completes handles. Front-ends call [`Engine::enqueue`] and [`Engine::wait`].
 //!
-//! Threads: the engine thread (owns the data mesh); on rank 0 one reader per
-//! worker control stream feeding the [`coordinator::Coordinator`]; on other
-//! ranks one reader of the coordinator's responses. Everything reaches the
-//! engine thread through one channel, so it sleeps until there is work and
-//! wakes at once when there is.
+//! The engine thread is the only thread of a rank that touches the sockets:
+//! it takes callers' requests from its [`inbox::Inbox`], reads and writes
+//! the control streams itself (on rank 0 it runs the
+//! [`coordinator::Coordinator`] in place), and sleeps in one poll(2) over
+//! the inbox's eventfd and the control streams, so it wakes at once for
+//! either.
 
+mod control;
 pub mod coordinator;
 #[cfg(test)]
 mod coordinator_tests;
 mod exec;
 mod handles;
+mod inbox;
 pub mod message;
 pub mod tensor;
 
@@ -27,59 +30,27 @@ use crate::dtype::{DataType, ReduceOp};
 use crate::error::{PerseusError, Result};
 use crate::rendezvous::StoreServer;
 use crate::timeline::Timeline;
-use crate::transport::{connect_mesh, Control, Mesh};
-use crate::wire::{read_frame, write_frame};
-use coordinator::{Coordinator, Outgoing};
+use crate::transport::{connect_mesh, Mesh};
+use control::{Incoming, Uplink, FRAME_REQUESTS};
+use coordinator::Coordinator;
 use handles::Handles;
-use message::{decode_requests, decode_responses, encode_requests, encode_responses, WireRequest};
+use inbox::Inbox;
+use message::{encode_requests, WireRequest};
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::mpsc::{channel, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-const FRAME_REQUESTS: u16 = 0x300;
-/// How long the engine stays awake waiting for an answer that is due.
+/// How long the engine stays awake (yielding the core) waiting for an
+/// answer that is due, before it sleeps in poll(2).
 const ANSWER_SPIN: Duration = Duration::from_micros(200);
-const FRAME_RESPONSES: u16 = 0x301;
+/// How long a caller waiting for a handle yields before it sleeps: small
+/// operations finish within microseconds.
+const WAIT_SPIN: Duration = Duration::from_micros(100);
 
 enum Event {
     Enqueue(Box<(Request, Entry, Instant)>),
-    Responses(Vec<Response>),
     Fatal(String),
-}
-
-/// Rank 0's coordinator with the streams its answers go out on.
-struct Hub {
-    coord: Coordinator,
-    writers: Vec<Option<TcpStream>>,
-    local: Sender<Event>,
-}
-
-impl Hub {
-    fn dispatch(&mut self, out: Outgoing) {
-        let mut per_rank: BTreeMap<usize, Vec<Response>> = BTreeMap::new();
-        for (to, resp) in out {
-            for r in to {
-                per_rank.entry(r).or_default().push(resp.clone());
-            }
-        }
-        for (r, resps) in per_rank {
-            if r == 0 {
-                let _ = self.local.send(Event::Responses(resps));
-            } else if let Some(w) = self.writers[r].as_mut() {
-                // A failed write shows up as EOF in that rank's reader thread.
-                let _ = write_frame(w, FRAME_RESPONSES, &encode_responses(&resps));
-            }
-        }
-    }
-}
-
-/// How the engine thread reaches the coordinator.
-enum Uplink {
-    Local(Arc<Mutex<Hub>>),
-    Remote(TcpStream),
 }
 
 struct Shared {
@@ -109,7 +80,9 @@ pub struct Engine {
     /// The rendezvous this rank hosts (rank 0 under a foreign launcher).
     _store: Option<StoreServer>,
     config: Config,
-    tx: Mutex<Sender<Event>>,
+    inbox: Arc<Inbox<Event>>,
+    /// How long a waiting caller yields before it sleeps.
+    wait_spin: Duration,
     shared: Arc<Shared>,
     names: Mutex<HashMap<(u32, OpKind), u64>>,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
@@ -148,49 +121,45 @@ impl Engine {
         if let Some(path) = &config.timeline {
             shared.timeline.start(path)?;
         }
-        let (tx, rx) = channel();
-        let uplink = match parts.control {
-            Control::Coordinator(streams) => {
-                let writers = streams
-                    .iter()
-                    .map(|s| s.as_ref().map(|s| s.try_clone()).transpose())
-                    .collect::<std::io::Result<Vec<_>>>()?;
-                let hub = Arc::new(Mutex::new(Hub {
-                    coord: Coordinator::new(t.size, config.fusion_threshold as usize)
-                        .with_cache(config.cache_capacity),
-                    writers,
-                    local: tx.clone(),
-                }));
-                for (rank, s) in streams.into_iter().enumerate() {
-                    if let Some(s) = s {
-                        spawn_coordinator_reader(rank, s, hub.clone(), shared.clone())?;
-                    }
-                }
-                Uplink::Local(hub)
-            }
-            Control::Worker(s) => {
-                spawn_worker_reader(s.try_clone()?, tx.clone(), shared.clone())?;
-                Uplink::Remote(s)
-            }
+        let inbox = Arc::new(Inbox::new()?);
+        let wait_spin = if config.oversubscribed() {
+            Duration::ZERO
+        } else {
+            WAIT_SPIN
         };
+        let coord = Coordinator::new(t.size, config.fusion_threshold as usize)
+            .with_cache(config.cache_capacity);
         let state = State {
-            mesh: parts.mesh,
-            uplink,
+            mesh: if config.oversubscribed() {
+                parts.mesh.without_spin()
+            } else {
+                parts.mesh
+            },
+            uplink: Uplink::new(parts.control, coord)?,
+            inbox: inbox.clone(),
+            local: Vec::new(),
+            timeout: config.timeout,
             shared: shared.clone(),
             entries: HashMap::new(),
             joined: HashSet::new(),
             cache: HashMap::new(),
             bufs: exec::Buffers::default(),
             cycle: config.cycle_time,
+            spin: if config.oversubscribed() {
+                Duration::ZERO
+            } else {
+                ANSWER_SPIN
+            },
             exit: false,
         };
         let thread = std::thread::Builder::new()
             .name("perseus-engine".into())
-            .spawn(move || state.run(rx))?;
+            .spawn(move || state.run())?;
         Ok(Engine {
             _store: store,
             config,
-            tx: Mutex::new(tx),
+            inbox,
+            wait_spin,
             shared,
             names: Mutex::new(HashMap::new()),
             thread: Mutex::new(Some(thread)),
@@ -262,15 +231,24 @@ impl Engine {
         if let Some(e) = self.shared.fatal.lock().unwrap().clone() {
             return Err(e);
         }
-        let members = self.process_set(req.process_set)?;
         let rank = self.config.topology.rank;
-        if !members.contains(&rank) {
-            return Err(PerseusError::InvalidArgument(format!(
-                "rank {rank} is not a member of process set {} (ranks {members:?})",
-                req.process_set
-            )));
-        }
-        check_locally(&req, members.len())?;
+        let set_size = {
+            let sets = self.shared.sets.lock().unwrap();
+            let Some(members) = sets.get(&req.process_set) else {
+                return Err(PerseusError::InvalidArgument(format!(
+                    "process set {} is not registered",
+                    req.process_set
+                )));
+            };
+            if !members.contains(&rank) {
+                return Err(PerseusError::InvalidArgument(format!(
+                    "rank {rank} is not a member of process set {} (ranks {members:?})",
+                    req.process_set
+                )));
+            }
+            members.len()
+        };
+        check_locally(&req, set_size)?;
         if req.name.is_empty() {
             let mut names = self.names.lock().unwrap();
             let k = names.entry((req.process_set, req.kind)).or_default();
@@ -296,12 +274,10 @@ impl Engine {
             input,
             output,
         };
-        let sent =
-            self.tx
-                .lock()
-                .unwrap()
-                .send(Event::Enqueue(Box::new((req, entry, Instant::now()))));
-        if sent.is_err() {
+        let sent = self
+            .inbox
+            .push(Event::Enqueue(Box::new((req, entry, Instant::now()))));
+        if !sent {
             return Err(PerseusError::Aborted(
                 "the Perseus engine has stopped".into(),
             ));
@@ -321,9 +297,12 @@ impl Engine {
         handle: u64,
         interrupted: impl FnMut() -> Option<PerseusError>,
     ) -> Result<Output> {
-        self.shared
-            .handles
-            .wait(handle, Duration::from_millis(100), interrupted)
+        self.shared.handles.wait(
+            handle,
+            Duration::from_millis(100),
+            self.wait_spin,
+            interrupted,
+        )
     }
 
     /// Leaves the job in order: every rank's shutdown is negotiated, then the
@@ -335,11 +314,7 @@ impl Engine {
             Err(e) => Err(e),
         };
         self.shared.stopping.store(true, Ordering::SeqCst);
-        let _ = self
-            .tx
-            .lock()
-            .unwrap()
-            .send(Event::Fatal("shutdown".into()));
+        self.inbox.push(Event::Fatal("shutdown".into()));
         if let Some(t) = self.thread.lock().unwrap().take() {
             let _ = t.join();
         }
@@ -391,152 +366,147 @@ fn check_locally(req: &Request, set_size: usize) -> Result<()> {
     Ok(())
 }
 
-fn spawn_coordinator_reader(
-    rank: usize,
-    mut s: TcpStream,
-    hub: Arc<Mutex<Hub>>,
-    shared: Arc<Shared>,
-) -> std::io::Result<()> {
-    std::thread::Builder::new()
-        .name(format!("perseus-coord-{rank}"))
-        .spawn(move || loop {
-            let got = read_frame(&mut s).and_then(|(k, p)| {
-                if k != FRAME_REQUESTS {
-                    return Err(PerseusError::Protocol(format!(
-                        "unexpected frame kind {k:#x}"
-                    )));
-                }
-                decode_requests(&p)
-            });
-            let mut h = hub.lock().unwrap();
-            match got {
-                Ok(reqs) => {
-                    let out = h.coord.submit_wire(rank, reqs);
-                    h.dispatch(out);
-                }
-                Err(e) => {
-                    if !shared.stopping.load(Ordering::SeqCst) {
-                        let out = h.coord.disconnect(rank, &e.to_string());
-                        h.dispatch(out);
-                    }
-                    return;
-                }
-            }
-        })?;
-    Ok(())
-}
-
-fn spawn_worker_reader(
-    mut s: TcpStream,
-    tx: Sender<Event>,
-    shared: Arc<Shared>,
-) -> std::io::Result<()> {
-    std::thread::Builder::new()
-        .name("perseus-responses".into())
-        .spawn(move || loop {
-            let got = read_frame(&mut s).and_then(|(k, p)| {
-                if k != FRAME_RESPONSES {
-                    return Err(PerseusError::Protocol(format!(
-                        "unexpected frame kind {k:#x}"
-                    )));
-                }
-                decode_responses(&p)
-            });
-            match got {
-                Ok(r) => {
-                    if tx.send(Event::Responses(r)).is_err() {
-                        return;
-                    }
-                }
-                Err(e) => {
-                    if !shared.stopping.load(Ordering::SeqCst) {
-                        let msg = format!("lost the connection to rank 0 (the coordinator): {e}");
-                        let _ = tx.send(Event::Fatal(msg));
-                    }
-                    return;
-                }
-            }
-        })?;
-    Ok(())
-}
-
-/// Receives, yielding the core (not parking) for up to `spin` first: a parked
-/// thread on an idle virtual CPU takes tens of microseconds to wake.
-fn awake_recv(rx: &Receiver<Event>, spin: Duration) -> Option<Event> {
-    let start = Instant::now();
-    while start.elapsed() < spin {
-        match rx.try_recv() {
-            Ok(ev) => return Some(ev),
-            Err(std::sync::mpsc::TryRecvError::Empty) => std::thread::yield_now(),
-            Err(std::sync::mpsc::TryRecvError::Disconnected) => return None,
-        }
-    }
-    rx.recv().ok()
-}
-
 /// The engine thread's own state.
 struct State {
     mesh: Mesh,
     uplink: Uplink,
+    inbox: Arc<Inbox<Event>>,
+    /// Rank 0: the coordinator's answers to this rank, not yet run.
+    local: Vec<Response>,
+    /// How long a control write may wait for buffer space.
+    timeout: Duration,
     shared: Arc<Shared>,
     entries: HashMap<(u32, String), (Request, Entry, Instant)>,
     joined: HashSet<u32>,
     cache: HashMap<(u32, String), (u32, Request)>,
     bufs: exec::Buffers,
     cycle: Duration,
+    /// How long to stay awake for an answer that is due (zero when the host's
+    /// cores are oversubscribed: a yielding rank steals its neighbour's slice).
+    spin: Duration,
     exit: bool,
 }
 
 impl State {
-    fn run(mut self, rx: Receiver<Event>) {
+    fn run(mut self) {
         // The hold below must end on time: ask for 1 µs timer slack (default 50 µs).
         // SAFETY: prctl on the calling thread only.
         unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1000 as libc::c_ulong) };
-        // Requests are sent at once while nothing is awaiting an answer. While
-        // something is, new ones are held until an answer arrives or the cycle
-        // time passes, so a burst (many small tensors, gradients of small
-        // layers) negotiates and fuses in a few batches instead of one message
-        // each. The time limit keeps ranks that submit in different orders from
-        // waiting on each other.
+        self.cycle_loop();
+        // Whatever callers queued after the engine stopped fails instead of hanging.
+        self.inbox.close();
+        let err = self.shared.fatal.lock().unwrap().clone();
+        let err =
+            err.unwrap_or_else(|| PerseusError::Aborted("the Perseus engine has stopped".into()));
+        for ev in self.inbox.take() {
+            if let Event::Enqueue(b) = ev {
+                let (req, entry, _) = *b;
+                self.finish(&req.process_set, &req.name, entry.handle, Err(err.clone()));
+            }
+        }
+    }
+
+    /// Requests are sent at once while nothing is awaiting an answer. While
+    /// something is, new ones are held until an answer arrives or the cycle
+    /// time passes, so a burst (many small tensors, gradients of small layers)
+    /// negotiates and fuses in a few batches instead of one message each. The
+    /// time limit keeps ranks that submit in different orders from waiting on
+    /// each other.
+    fn cycle_loop(&mut self) {
         let mut held: Vec<Request> = Vec::new();
         let mut held_since = Instant::now();
+        let mut idle_since: Option<Instant> = None;
         loop {
-            let ev = if held.is_empty() && !self.entries.is_empty() {
-                // An answer is due soon: stay awake for it rather than park.
-                awake_recv(&rx, ANSWER_SPIN)
-            } else if held.is_empty() {
-                rx.recv().ok()
-            } else {
-                let left = self.cycle.saturating_sub(held_since.elapsed());
-                match rx.recv_timeout(left) {
-                    Ok(ev) => Some(ev),
-                    Err(RecvTimeoutError::Timeout) => None,
-                    Err(RecvTimeoutError::Disconnected) => return,
-                }
-            };
-            let Some(first) = ev.or_else(|| {
-                self.send_up(std::mem::take(&mut held));
-                None
-            }) else {
-                continue;
-            };
-            let mut next = Some(first);
-            let mut answered = false;
-            while let Some(ev) = next.take().or_else(|| rx.try_recv().ok()) {
+            let mut got = false;
+            for ev in self.inbox.take() {
+                got = true;
                 if held.is_empty() {
                     held_since = Instant::now();
                 }
-                answered |= matches!(ev, Event::Responses(_));
                 self.handle(ev, &mut held);
                 if self.exit {
                     return;
                 }
             }
-            let awaiting = self.entries.len() > held.len();
-            if !awaiting || answered || held_since.elapsed() >= self.cycle {
-                self.send_up(std::mem::take(&mut held));
+            let answered = self.receive(&mut held);
+            if self.exit {
+                return;
+            }
+            if got || answered {
+                idle_since = None;
+                let awaiting = self.entries.len() > held.len();
+                if !awaiting || answered || held_since.elapsed() >= self.cycle {
+                    self.send_up(std::mem::take(&mut held));
+                }
+                continue;
+            }
+            if !held.is_empty() {
+                let left = self.cycle.saturating_sub(held_since.elapsed());
+                if left.is_zero() {
+                    self.send_up(std::mem::take(&mut held));
+                } else {
+                    // Held requests wait for an answer or the deadline; what
+                    // callers add meanwhile joins them without waking us.
+                    self.uplink.sleep::<Event>(None, Some(left));
+                }
+                continue;
+            }
+            let since = *idle_since.get_or_insert_with(Instant::now);
+            if !self.entries.is_empty() && since.elapsed() < self.spin {
+                // An answer is due soon: stay awake for it rather than sleep,
+                // since a sleeping thread on an idle virtual CPU takes tens of
+                // microseconds to wake.
+                std::thread::yield_now();
+            } else {
+                self.uplink.sleep(Some(&self.inbox), None);
+                idle_since = None;
             }
         }
+    }
+
+    /// Takes what the control streams hold: rank 0 feeds requests to its
+    /// coordinator; everyone runs the answers addressed to them. True when
+    /// answers arrived.
+    fn receive(&mut self, held: &mut Vec<Request>) -> bool {
+        let mut answered = false;
+        for inc in self.uplink.receive() {
+            match inc {
+                Incoming::Requests(rank, reqs) => {
+                    if let Uplink::Coordinator { coord, .. } = &mut self.uplink {
+                        let out = coord.submit_wire(rank, reqs);
+                        self.uplink.dispatch(out, &mut self.local, self.timeout);
+                    }
+                }
+                Incoming::Responses(rs) => {
+                    answered = true;
+                    self.send_up(std::mem::take(held));
+                    rs.into_iter().for_each(|r| self.execute(r));
+                }
+                Incoming::Lost(rank, why) => {
+                    if self.shared.stopping.load(Ordering::SeqCst) {
+                        continue;
+                    }
+                    if let Uplink::Coordinator { coord, .. } = &mut self.uplink {
+                        let out = coord.disconnect(rank, &why);
+                        self.uplink.dispatch(out, &mut self.local, self.timeout);
+                    } else {
+                        let msg = format!("lost the connection to rank 0 (the coordinator): {why}");
+                        self.fail_all(PerseusError::Aborted(msg));
+                    }
+                }
+            }
+            if self.exit {
+                return answered;
+            }
+        }
+        while !self.local.is_empty() && !self.exit {
+            answered = true;
+            self.send_up(std::mem::take(held));
+            for r in std::mem::take(&mut self.local) {
+                self.execute(r);
+            }
+        }
+        answered
     }
 
     fn handle(&mut self, ev: Event, batch: &mut Vec<Request>) {
@@ -554,10 +524,6 @@ impl State {
                 self.entries
                     .insert((req.process_set, req.name.clone()), (req, entry, at));
             }
-            Event::Responses(rs) => {
-                self.send_up(std::mem::take(batch));
-                rs.into_iter().for_each(|r| self.execute(r));
-            }
             Event::Fatal(msg) => self.fail_all(PerseusError::Aborted(msg)),
         }
     }
@@ -569,12 +535,11 @@ impl State {
         let sent = &self.shared.counters.negotiation_messages;
         sent.fetch_add(1, Ordering::Relaxed);
         match &mut self.uplink {
-            Uplink::Local(hub) => {
-                let mut h = hub.lock().unwrap();
-                let out = h.coord.submit(0, batch);
-                h.dispatch(out);
+            Uplink::Coordinator { coord, .. } => {
+                let out = coord.submit(0, batch);
+                self.uplink.dispatch(out, &mut self.local, self.timeout);
             }
-            Uplink::Remote(s) => {
+            Uplink::Worker(stream) => {
                 let wire: Vec<WireRequest> = batch
                     .into_iter()
                     .map(|r| match self.cache.get(&(r.process_set, r.name.clone())) {
@@ -585,7 +550,13 @@ impl State {
                         _ => WireRequest::Full(r),
                     })
                     .collect();
-                if let Err(e) = write_frame(s, FRAME_REQUESTS, &encode_requests(&wire)) {
+                let sent = match stream {
+                    Some(s) => s
+                        .send(FRAME_REQUESTS, &encode_requests(&wire), self.timeout)
+                        .map_err(|e| e.to_string()),
+                    None => Err("the connection is closed".to_string()),
+                };
+                if let Err(e) = sent {
                     let msg = format!("lost the connection to rank 0 (the coordinator): {e}");
                     self.fail_all(PerseusError::Aborted(msg));
                 }

@@ -303,22 +303,25 @@ fn poll(handle: u64) -> PyResult<bool> {
 fn wait(py: Python<'_>, handle: u64) -> PyResult<()> {
     let e = engine()?;
     let out = wait_for(py, &e, handle)?;
-    OUTPUTS
-        .lock()
-        .unwrap()
-        .get_or_insert_with(HashMap::new)
-        .insert(handle, out);
+    // Most operations (allreduce, broadcast) write in place and leave nothing to take.
+    if out.tensor.is_some() || !out.splits.is_empty() || out.value != 0 {
+        OUTPUTS
+            .lock()
+            .unwrap()
+            .get_or_insert_with(HashMap::new)
+            .insert(handle, out);
+    }
     Ok(())
 }
 
+/// Applies `f` to the result `wait` kept for `handle`; an operation that
+/// produced nothing (or was never waited on) reads as an empty result.
 fn with_output<T>(handle: u64, f: impl FnOnce(&mut Output) -> T) -> PyResult<T> {
     let mut g = OUTPUTS.lock().unwrap();
-    let out = g.as_mut().and_then(|m| m.get_mut(&handle)).ok_or_else(|| {
-        to_py(PerseusError::InvalidArgument(format!(
-            "handle {handle} has no result; wait() first"
-        )))
-    })?;
-    Ok(f(out))
+    match g.as_mut().and_then(|m| m.get_mut(&handle)) {
+        Some(out) => Ok(f(out)),
+        None => Ok(f(&mut Output::default())),
+    }
 }
 
 /// The tensor the operation produced, as a DLPack capsule (once).

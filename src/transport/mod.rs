@@ -68,12 +68,16 @@ impl Link {
     }
 }
 
+/// How long a rank waiting only on shared memory yields before it sleeps.
+const DEFAULT_SPIN: Duration = Duration::from_micros(50);
+
 /// The data links of one rank to all its peers.
 pub struct Mesh {
     rank: usize,
     links: Vec<Link>,
     shm: Option<(Arc<Segment>, usize)>,
     timeout: Duration,
+    spin: Duration,
     same_host: Vec<bool>,
     sent_intra: AtomicU64,
     sent_inter: AtomicU64,
@@ -94,10 +98,17 @@ impl Mesh {
             links,
             shm,
             timeout,
+            spin: DEFAULT_SPIN,
             same_host,
             sent_intra: AtomicU64::new(0),
             sent_inter: AtomicU64::new(0),
         }
+    }
+
+    /// Waits on shared memory sleep at once (for hosts with more ranks than cores).
+    pub fn without_spin(mut self) -> Mesh {
+        self.spin = Duration::ZERO;
+        self
     }
 
     /// Marks which peers share this rank's host (for the byte counters).
@@ -132,7 +143,7 @@ impl Mesh {
     /// Runs sends and receives (peers named by global rank) to completion.
     pub fn transfer(&self, sends: &mut [Send<'_>], recvs: &mut [Recv<'_>]) -> Result<()> {
         let shm = self.shm.as_ref().map(|(s, me)| (&**s, *me));
-        progress::run(&self.links, shm, self.timeout, sends, recvs)?;
+        progress::run(&self.links, shm, self.timeout, self.spin, sends, recvs)?;
         for s in sends.iter() {
             let same = self.same_host.get(s.peer()).copied().unwrap_or(true);
             let counter = if same {

@@ -274,17 +274,18 @@ fn recv_reducing(
     Ok(Some(n))
 }
 
-/// How long a rank waiting only on shared memory yields before it sleeps.
-const SHM_SPIN: Duration = Duration::from_micros(50);
 /// Longest sleep on the doorbell before re-checking TCP and the clock.
 const SHM_NAP: Duration = Duration::from_millis(100);
 
 /// Runs all transfers; see [`super::Mesh::transfer`]. `shm` is the host's
-/// segment and this rank's member index, when some peers share the host.
+/// segment and this rank's member index, when some peers share the host;
+/// a rank waiting only on shared memory yields the core for `spin` before
+/// it sleeps on the doorbell.
 pub fn run(
     links: &[Link],
     shm: Option<(&Segment, usize)>,
     timeout: Duration,
+    spin: Duration,
     sends: &mut [Send<'_>],
     recvs: &mut [Recv<'_>],
 ) -> Result<()> {
@@ -347,7 +348,7 @@ pub fn run(
         match (shm, shm_pending, fds.is_empty()) {
             // Peers on this host usually answer within microseconds: yield
             // the core for a while before sleeping in the kernel.
-            (Some(_), true, true) if waited < SHM_SPIN => std::thread::yield_now(),
+            (Some(_), true, true) if waited < spin => std::thread::yield_now(),
             (Some((seg, me)), true, true) => seg.wait(me, bell.unwrap_or(0), left.min(SHM_NAP)),
             _ => {
                 // TCP only: sleep in poll. Both kinds: poll briefly, then

@@ -6,11 +6,9 @@ core is done with them. ``finish`` callbacks turn the raw results (output capsul
 received splits) into framework tensors when the handle is waited on.
 """
 
-import contextlib
 import warnings
 
 from perseus import _core
-from perseus.common.basics import check_initialized
 from perseus.common.process_sets import process_set_id
 
 Average = _core.OP_AVERAGE
@@ -88,8 +86,7 @@ class Handle:
             self._done = True
             self._keep = self._finish = None
             _inflight.pop(id(self), None)
-            with contextlib.suppress(Exception):  # the engine may be gone after shutdown()
-                _core.release(self._id)
+            _core.release(self._id)
         if self._error is not None:
             raise self._error
         return self._result
@@ -163,7 +160,8 @@ def _after_shutdown():
 
 
 def _prepare(name, process_set):
-    check_initialized()
+    # No check_initialized() here: the core raises the same ValueError, and this is
+    # the per-tensor hot path.
     if name is not None and not isinstance(name, str):
         raise TypeError(f"name must be a str or None, got {type(name).__name__}")
     return process_set_id(process_set)
