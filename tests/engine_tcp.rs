@@ -31,6 +31,8 @@ fn config(rank: usize, size: usize, port: u16, shm: bool) -> Config {
         allgather_mode: 0,
         timeline: None,
         shm,
+        accumulate_n_steps: 1,
+        nancheck: false,
     }
 }
 

@@ -73,6 +73,20 @@ pub const PARAMS: &[Param] = &[
         doc: "allgather result layout",
     },
     Param {
+        name: "PERSEUS_ACCUMULATE_N_STEPS",
+        default: "1",
+        allowed: "an integer from 1 to 1024",
+        doc: "DistributedOptimizer communicates and steps on every N-th step() with the average \
+              of the N local gradients",
+    },
+    Param {
+        name: "PERSEUS_ALLREDUCE_NANCHECK",
+        default: "0",
+        allowed: "0 or 1",
+        doc: "1: a NaN or Inf in a reduced gradient raises an error naming the tensor and the \
+              ranks it came from; the step is not applied",
+    },
+    Param {
         name: "PERSEUS_TIMELINE",
         default: "",
         allowed: "a file path (HOROVOD_TIMELINE is an alias)",
@@ -107,6 +121,10 @@ pub struct Config {
     pub timeline: Option<String>,
     /// Ranks on one host use shared memory.
     pub shm: bool,
+    /// PERSEUS_ACCUMULATE_N_STEPS: local gradient accumulation steps (read by front-ends).
+    pub accumulate_n_steps: u32,
+    /// PERSEUS_ALLREDUCE_NANCHECK: check reduced gradients for NaN/Inf (front-ends).
+    pub nancheck: bool,
 }
 
 /// Reads a variable, treating empty as unset.
@@ -225,6 +243,8 @@ impl Config {
             allgather_mode,
             timeline: var("PERSEUS_TIMELINE").or_else(|| var("HOROVOD_TIMELINE")),
             shm: int_var("PERSEUS_SHM", 1, 0, 1)? == 1,
+            accumulate_n_steps: int_var("PERSEUS_ACCUMULATE_N_STEPS", 1, 1, 1024)? as u32,
+            nancheck: int_var("PERSEUS_ALLREDUCE_NANCHECK", 0, 0, 1)? == 1,
         })
     }
 
@@ -252,6 +272,14 @@ impl Config {
             self.allgather_mode.to_string(),
         );
         m.insert("PERSEUS_SHM".into(), u8::from(self.shm).to_string());
+        m.insert(
+            "PERSEUS_ACCUMULATE_N_STEPS".into(),
+            self.accumulate_n_steps.to_string(),
+        );
+        m.insert(
+            "PERSEUS_ALLREDUCE_NANCHECK".into(),
+            u8::from(self.nancheck).to_string(),
+        );
         m.insert(
             "PERSEUS_TIMELINE".into(),
             self.timeline.clone().unwrap_or_default(),

@@ -8,6 +8,8 @@ import pytest
     ("PERSEUS_CHANGE_HVD_ALLGATHER", "7"),
     ("HOROVOD_FUSION_THRESHOLD", "abc"),
     ("HOROVOD_CYCLE_TIME", "-1"),
+    ("PERSEUS_ACCUMULATE_N_STEPS", "0"),
+    ("PERSEUS_ALLREDUCE_NANCHECK", "yes"),
 ])
 def test_invalid_env_value_fails_init(run_workers, variable, value):
     run_workers(2, "bad_env.py", variable, env={variable: value}, timeout=60)

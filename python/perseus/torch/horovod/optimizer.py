@@ -6,9 +6,10 @@ from contextlib import contextmanager
 
 import torch
 
+from perseus.common.basics import config as _config
 from perseus.common.process_sets import global_process_set
 from perseus.torch.horovod.compression import Compression
-from perseus.torch.horovod.functions import broadcast_object
+from perseus.torch.horovod.functions import allgather_object, broadcast_object
 from perseus.torch.horovod.mpi_ops import (
     Adasum,
     Average,
@@ -56,8 +57,15 @@ class _DistributedOptimizer:
                              f"were not named. Python object ids: {', '.join(map(str, unnamed))}")
 
         self._parameter_names = {v: k for k, v in named_parameters}
+        cfg = _config()
+        # PERSEUS_ACCUMULATE_N_STEPS: step() applies every N-th call (see step()).
+        self._accumulate = int(cfg.get("PERSEUS_ACCUMULATE_N_STEPS", "1"))
+        self._accumulated = 0
+        # PERSEUS_ALLREDUCE_NANCHECK: reduced gradients are checked (see _check_finite()).
+        self._nancheck = cfg.get("PERSEUS_ALLREDUCE_NANCHECK", "0") == "1"
+        self._nonfinite_here = []
         self.backward_passes_per_step = backward_passes_per_step
-        self._allreduce_delay = {v: backward_passes_per_step for _, v in named_parameters}
+        self._allreduce_delay = {v: self._passes_per_update() for _, v in named_parameters}
         self.op = op
         self.gradient_predivide_factor = gradient_predivide_factor
         self.sparse_as_dense = sparse_as_dense
@@ -78,15 +86,20 @@ class _DistributedOptimizer:
         self._handles = {}
         self._synchronized = False
         self._should_synchronize = True
+        self._accumulated = 0
         for p in self._allreduce_delay:
-            self._allreduce_delay[p] = self.backward_passes_per_step
+            self._allreduce_delay[p] = self._passes_per_update()
         super().load_state_dict(*args, **kwargs)
 
     def set_backward_passes_per_step(self, passes):
         """Change how many backward passes accumulate locally before gradients are reduced."""
         self.backward_passes_per_step = passes
         for p in self._allreduce_delay:
-            self._allreduce_delay[p] = passes
+            self._allreduce_delay[p] = self._passes_per_update()
+
+    def _passes_per_update(self):
+        """Backward passes between two gradient reductions."""
+        return self.backward_passes_per_step * self._accumulate
 
     def _form_groups(self):
         if isinstance(self._groups, list):
@@ -117,10 +130,35 @@ class _DistributedOptimizer:
                         p.register_post_accumulate_grad_hook(self._make_hook(p)))
 
     def _scale_factors(self):
+        # With PERSEUS_ACCUMULATE_N_STEPS=N the gradient holds the sum of N steps: send
+        # their average.
+        local = 1.0 / self._accumulate
         if self.op == Average:
             # Split the average: the core divides by the set size after postscale.
-            return 1.0 / self.gradient_predivide_factor, self.gradient_predivide_factor
-        return 1.0, 1.0
+            return local / self.gradient_predivide_factor, self.gradient_predivide_factor
+        return local, 1.0
+
+    def _note_nonfinite(self, name, tensor):
+        """Remember (for the NaN check) that this rank's own gradient was not finite."""
+        if self._nancheck and not bool(torch.isfinite(tensor).all()):
+            self._nonfinite_here.append(name)
+
+    def _check_finite(self, params):
+        """PERSEUS_ALLREDUCE_NANCHECK: every rank holds the same reduced gradients, so every
+        rank takes the same decision here; the ranks' own findings say where it came from."""
+        bad = [self._parameter_names.get(p, "?") for p in params
+               if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
+        mine, self._nonfinite_here = self._nonfinite_here, []
+        if not bad:
+            return
+        found = allgather_object(mine, name="DistributedOptimizer.nancheck",
+                                 process_set=self.process_set)
+        origins = [f"rank {r} ({', '.join(names)})" for r, names in enumerate(found) if names]
+        where = ("it came from " + "; ".join(origins) if origins else
+                 "no rank's own gradient had one: it arose in the sum (overflow)")
+        raise FloatingPointError(
+            f"PERSEUS_ALLREDUCE_NANCHECK: NaN or Inf in the reduced gradient of "
+            f"{', '.join(bad)}; {where}. The optimizer step was not applied.")
 
     def _allreduce_grad_async(self, p):
         if p.grad is None:
@@ -133,6 +171,7 @@ class _DistributedOptimizer:
                 return sparse_allreduce_async(tensor.coalesce(), name, self.op,
                                               self.process_set), None
             tensor = tensor.to_dense()
+        self._note_nonfinite(name, tensor)
         compressed, ctx = self._compression.compress(tensor)
         pre, post = self._scale_factors()
         handle = allreduce_async_(compressed, name=name, op=self.op, prescale_factor=pre,
@@ -144,6 +183,8 @@ class _DistributedOptimizer:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         name = self._parameter_names.get(params[0])
+        for p in params:
+            self._note_nonfinite(self._parameter_names.get(p), p.grad)
         compressed, ctxs = zip(*[self._compression.compress(p.grad) for p in params])
         pre, post = self._scale_factors()
         handle = grouped_allreduce_async_(list(compressed), name=name, op=self.op,
@@ -197,13 +238,13 @@ class _DistributedOptimizer:
                 if isinstance(p, tuple):
                     outputs = synchronize(handle)
                     for gp, output, gctx in zip(p, outputs, ctx):
-                        self._allreduce_delay[gp] = self.backward_passes_per_step
+                        self._allreduce_delay[gp] = self._passes_per_update()
                         gp.grad.set_(self._compression.decompress(output, gctx))
                     if p in self._group_counts:
                         self._group_counts[p] = 0
                     continue
                 output = synchronize(handle)
-                self._allreduce_delay[p] = self.backward_passes_per_step
+                self._allreduce_delay[p] = self._passes_per_update()
                 group = self._p_to_group.get(p)
                 if group is not None:
                     self._group_counts[group] = 0
@@ -216,6 +257,8 @@ class _DistributedOptimizer:
                     p.grad.set_(self._compression.decompress(output, ctx))
         finally:
             self._handles.clear()
+        if self._nancheck:
+            self._check_finite(self._requires_update)
         self._synchronized = True
 
     @contextmanager
@@ -232,7 +275,25 @@ class _DistributedOptimizer:
             self._should_synchronize = True
 
     def step(self, closure=None):
-        """Wait for the averaged gradients, then take the wrapped optimizer's step."""
+        """Wait for the averaged gradients, then take the wrapped optimizer's step.
+
+        With PERSEUS_ACCUMULATE_N_STEPS=N only every N-th call communicates and updates;
+        the calls in between only let gradients accumulate (running ``closure`` if given).
+        """
+        if self._accumulate > 1:
+            self._accumulated += 1
+            if self._accumulated < self._accumulate:
+                if closure is None:
+                    return None
+                with torch.enable_grad():
+                    return closure()
+            self._accumulated = 0
+            if not self._hook_handles:
+                # One rank: no reduction applies the 1/N, so average here.
+                for group in self.param_groups:
+                    for p in group["params"]:
+                        if p.grad is not None:
+                            p.grad.div_(self._accumulate)
         if self._should_synchronize:
             if self._synchronized:
                 warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
@@ -245,7 +306,10 @@ class _DistributedOptimizer:
         return super().step(closure)
 
     def zero_grad(self, *args, **kwargs):
-        """Clear gradients; refused while gradient reductions are in flight."""
+        """Clear gradients; refused while gradient reductions are in flight. Between the
+        steps that PERSEUS_ACCUMULATE_N_STEPS accumulates over it keeps them."""
+        if self._accumulated:
+            return None
         if self._handles:
             raise AssertionError("optimizer.zero_grad() was called after loss.backward() but "
                                  "before optimizer.step() or optimizer.synchronize(). This is "

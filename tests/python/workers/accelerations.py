@@ -1,0 +1,117 @@
+"""The optimizer-side PERSEUS_* switches, checked on every rank.
+
+Usage: accelerations.py accumulate   (run with PERSEUS_ACCUMULATE_N_STEPS=2)
+       accelerations.py nancheck     (run with PERSEUS_ALLREDUCE_NANCHECK=1)
+"""
+
+import sys
+
+import perseus.torch.horovod as hvd
+import torch
+import torch.nn.functional as F
+from _helpers import close, done, raises
+from perseus.common import basics
+from torch import nn
+
+UPDATES, BATCH = 3, 3  # optimizer updates, rows per rank per step
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).to(torch.float64)
+
+
+def params_of(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def check_accumulate(r, n):
+    """N=2 steps of batch B each equal one step of 2B, with communication every 2nd step."""
+    steps = int(basics.config()["PERSEUS_ACCUMULATE_N_STEPS"])
+    assert steps == 2, f"run with PERSEUS_ACCUMULATE_N_STEPS=2, not {steps}"
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(UPDATES, steps, n * BATCH, 4, generator=g, dtype=torch.float64)
+    y = torch.randn(UPDATES, steps, n * BATCH, 2, generator=g, dtype=torch.float64)
+
+    # One process: each update on every rank's rows of all `steps` steps, averaged.
+    ref = make_model()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for u in range(UPDATES):
+        ref_opt.zero_grad()
+        for s in range(steps):
+            (F.mse_loss(ref(x[u, s]), y[u, s]) / steps).backward()
+        ref_opt.step()
+
+    model = make_model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=model.named_parameters())
+    rows = slice(r * BATCH, (r + 1) * BATCH)
+    nparams = len(list(model.parameters()))
+    for u in range(UPDATES):
+        for s in range(steps):
+            before = params_of(model)
+            tensors = hvd.counters()["tensors"]
+            opt.zero_grad()
+            F.mse_loss(model(x[u, s, rows]), y[u, s, rows]).backward()
+            opt.step()
+            reduced = hvd.counters()["tensors"] - tensors
+            if s < steps - 1:
+                assert reduced == 0, f"step {s} of update {u} communicated {reduced} tensors"
+                for a, b in zip(params_of(model), before):
+                    assert torch.equal(a, b), "an accumulating step changed the parameters"
+            else:
+                assert reduced == nparams, f"update {u} reduced {reduced}, not {nparams}"
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        close(p.detach(), q.detach(), f"accumulate: {name}", rtol=1e-10, atol=1e-10)
+
+
+def check_nancheck(r, n):
+    """A NaN on the last rank stops the step on every rank and names tensor and rank."""
+    assert basics.config()["PERSEUS_ALLREDUCE_NANCHECK"] == "1"
+    model = make_model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    x = torch.randn(BATCH, 4, dtype=torch.float64)
+    y = torch.randn(BATCH, 2, dtype=torch.float64)
+    before = params_of(model)
+    opt.zero_grad()
+    out = model(x)
+    if r == n - 1:
+        out = out * torch.tensor(float("nan"), dtype=torch.float64)
+    F.mse_loss(out, y).backward()
+    with raises(FloatingPointError, "PERSEUS_ALLREDUCE_NANCHECK", "2.weight",
+                f"rank {n - 1} (", "not applied", what="NaN on the last rank"):
+        opt.step()
+    for a, b in zip(params_of(model), before):
+        assert torch.equal(a, b), "the step was applied despite the NaN"
+    # Finite gradients whose sum overflows: no rank is to blame.
+    # (Substituted by tensor hooks, which run before the optimizer's hooks launch the
+    # reductions: writing p.grad after backward() would race them.)
+    hooks = [p.register_hook(lambda g: torch.full_like(g, 1.7e308))
+             for p in model.parameters()]
+    opt.zero_grad()
+    F.mse_loss(model(x), y).backward()
+    for h in hooks:
+        h.remove()
+    with raises(FloatingPointError, "arose in the sum", what="overflow in the sum"):
+        opt.step()
+    # The job goes on: a clean step works and changes the parameters the same everywhere.
+    opt.zero_grad()
+    F.mse_loss(model(x), y).backward()
+    opt.step()
+    assert any(not torch.equal(a, b) for a, b in zip(params_of(model), before))
+    for params in hvd.allgather_object(params_of(model), name="after"):
+        for a, b in zip(params, params_of(model)):
+            assert torch.equal(a, b), "parameters differ between ranks"
+
+
+def main():
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    {"accumulate": check_accumulate, "nancheck": check_nancheck}[sys.argv[1]](r, n)
+    hvd.shutdown()
+    done(r)
+
+
+if __name__ == "__main__":
+    main()
