@@ -77,13 +77,13 @@ def _job(section, key, n=2):
 def at_most(limit, value):
     if value is None:
         return "not measured"
-    return "met" if value <= limit else f"missed: {value / limit:.2f}× the limit"
+    return "met" if value <= limit else f"missed by {(value / limit - 1) * 100:.1f}%"
 
 
 def at_least(goal, value):
     if value is None:
         return "not measured"
-    return "met" if value >= goal else f"missed by {(1 - value / goal) * 100:.0f}%"
+    return "met" if value >= goal else f"missed by {(1 - value / goal) * 100:.1f}%"
 
 
 def targets(data):
@@ -116,7 +116,7 @@ def targets(data):
                 at_most(1.0, ms)])
     runs = (data.get("training") or {}).get("runs", {}).get("2")
     sp = training.speedup(runs) if runs else None
-    out.append(["training throughput ≥ 1.3× DDP gloo", f"{harness.fmt(sp, '.2f')}×",
+    out.append(["training throughput ≥ 1.3× DDP gloo", f"{harness.fmt(sp, '.3f')}×",
                 at_least(1.3, sp)])
     mem = data.get("memory") or {}
     runs = mem.get("runs", {}).get("2")
