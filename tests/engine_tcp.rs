@@ -32,6 +32,8 @@ fn config(rank: usize, size: usize, port: u16, shm: bool) -> Config {
         timeline: None,
         shm,
         accumulate_n_steps: 1,
+        allreduce_fusion: None,
+        notes: vec![],
         nancheck: false,
     }
 }

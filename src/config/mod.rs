@@ -73,6 +73,13 @@ pub const PARAMS: &[Param] = &[
         doc: "allgather result layout",
     },
     Param {
+        name: "PERSEUS_ALLREDUCE_FUSION",
+        default: "",
+        allowed: "an integer from 0 to 128, or unset (automatic: HOROVOD_FUSION_THRESHOLD)",
+        doc: "fusion buffer size as a fraction of DistributedOptimizer's gradient bytes \
+              (16: 1/16 of them per buffer); 0 disables fusion",
+    },
+    Param {
         name: "PERSEUS_ACCUMULATE_N_STEPS",
         default: "1",
         allowed: "an integer from 1 to 1024",
@@ -125,6 +132,11 @@ pub struct Config {
     pub accumulate_n_steps: u32,
     /// PERSEUS_ALLREDUCE_NANCHECK: check reduced gradients for NaN/Inf (front-ends).
     pub nancheck: bool,
+    /// PERSEUS_ALLREDUCE_FUSION: 1/N of the gradient bytes per fused buffer
+    /// (front-ends set the threshold once they know the gradients); None: automatic.
+    pub allreduce_fusion: Option<u32>,
+    /// Where a PERSEUS_ variable overrides a HOROVOD_ one: said once at init.
+    pub notes: Vec<String>,
 }
 
 /// Reads a variable, treating empty as unset.
@@ -160,6 +172,23 @@ pub fn int_var(name: &str, default: u64, min: u64, max: u64) -> Result<u64> {
             _ => Err(invalid(name, &v, allowed_of(name))),
         },
     }
+}
+
+/// The PERSEUS_ variables set together with a HOROVOD_ one they override.
+fn precedence_notes() -> Vec<String> {
+    let pairs = [
+        ("PERSEUS_ALLREDUCE_FUSION", "HOROVOD_FUSION_THRESHOLD"),
+        ("PERSEUS_TIMELINE", "HOROVOD_TIMELINE"),
+    ];
+    pairs
+        .iter()
+        .filter_map(|(p, h)| match (var(p), var(h)) {
+            (Some(pv), Some(hv)) if pv != hv => {
+                Some(format!("{p}={pv} takes precedence over {h}={hv}"))
+            }
+            _ => None,
+        })
+        .collect()
 }
 
 /// Parses a non-negative number variable.
@@ -243,6 +272,10 @@ impl Config {
             allgather_mode,
             timeline: var("PERSEUS_TIMELINE").or_else(|| var("HOROVOD_TIMELINE")),
             shm: int_var("PERSEUS_SHM", 1, 0, 1)? == 1,
+            allreduce_fusion: var("PERSEUS_ALLREDUCE_FUSION")
+                .map(|_| int_var("PERSEUS_ALLREDUCE_FUSION", 0, 0, 128).map(|n| n as u32))
+                .transpose()?,
+            notes: precedence_notes(),
             accumulate_n_steps: int_var("PERSEUS_ACCUMULATE_N_STEPS", 1, 1, 1024)? as u32,
             nancheck: int_var("PERSEUS_ALLREDUCE_NANCHECK", 0, 0, 1)? == 1,
         })
@@ -272,6 +305,12 @@ impl Config {
             self.allgather_mode.to_string(),
         );
         m.insert("PERSEUS_SHM".into(), u8::from(self.shm).to_string());
+        m.insert(
+            "PERSEUS_ALLREDUCE_FUSION".into(),
+            self.allreduce_fusion
+                .map(|n| n.to_string())
+                .unwrap_or_default(),
+        );
         m.insert(
             "PERSEUS_ACCUMULATE_N_STEPS".into(),
             self.accumulate_n_steps.to_string(),

@@ -68,6 +68,11 @@ impl Coordinator {
         self.submit(rank, full)
     }
 
+    /// Changes the largest fused buffer for responses formed from now on.
+    pub fn set_fusion_threshold(&mut self, bytes: usize) {
+        self.fusion_threshold = bytes;
+    }
+
     /// A coordinator for `size` ranks; process set 0 holds them all.
     pub fn new(size: usize, fusion_threshold: usize) -> Coordinator {
         let mut sets = BTreeMap::new();

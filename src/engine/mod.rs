@@ -50,6 +50,7 @@ const WAIT_SPIN: Duration = Duration::from_micros(100);
 
 enum Event {
     Enqueue(Box<(Request, Entry, Instant)>),
+    SetFusion(u64),
     Fatal(String),
 }
 
@@ -70,6 +71,7 @@ struct Counters {
     operations: AtomicU64,
     tensors: AtomicU64,
     fused_buffers: AtomicU64,
+    fused_bytes_max: AtomicU64,
     negotiation_messages: AtomicU64,
     bytes_intra_host: AtomicU64,
     bytes_inter_host: AtomicU64,
@@ -172,7 +174,8 @@ impl Engine {
     }
 
     /// Counters of this rank: collectives run (`operations`), tensors they
-    /// carried, `fused_buffers` (collectives carrying several tensors),
+    /// carried, `fused_buffers` (collectives carrying several tensors) and the
+    /// largest one's payload (`fused_bytes_max`),
     /// `negotiation_messages` sent to the coordinator, `cache_hits` (requests sent
     /// as response-cache ids), and payload bytes sent to ranks on this host
     /// (`bytes_intra_host`) and on other hosts (`bytes_inter_host`).
@@ -183,6 +186,7 @@ impl Engine {
             ("operations", get(&c.operations)),
             ("tensors", get(&c.tensors)),
             ("fused_buffers", get(&c.fused_buffers)),
+            ("fused_bytes_max", get(&c.fused_bytes_max)),
             ("negotiation_messages", get(&c.negotiation_messages)),
             ("cache_hits", get(&self.shared.cache_hits)),
             ("bytes_intra_host", get(&c.bytes_intra_host)),
@@ -283,6 +287,12 @@ impl Engine {
             ));
         }
         Ok(handle)
+    }
+
+    /// Sets the largest fused buffer (bytes; 0 disables fusion). Only rank 0's
+    /// value matters, since its coordinator plans the fusion; every rank may call it.
+    pub fn set_fusion_threshold(&self, bytes: u64) {
+        self.inbox.push(Event::SetFusion(bytes));
     }
 
     /// True once the operation finished.
@@ -524,6 +534,11 @@ impl State {
                 self.entries
                     .insert((req.process_set, req.name.clone()), (req, entry, at));
             }
+            Event::SetFusion(bytes) => {
+                if let Uplink::Coordinator { coord, .. } = &mut self.uplink {
+                    coord.set_fusion_threshold(bytes as usize);
+                }
+            }
             Event::Fatal(msg) => self.fail_all(PerseusError::Aborted(msg)),
         }
     }
@@ -623,6 +638,14 @@ impl State {
                 c.tensors.fetch_add(names.len() as u64, Ordering::Relaxed);
                 if names.len() > 1 {
                     c.fused_buffers.fetch_add(1, Ordering::Relaxed);
+                    if let Response::Op { shapes, dtype, .. } = &resp {
+                        let bytes: i64 = shapes
+                            .iter()
+                            .map(|s| s.iter().product::<i64>() * dtype.size() as i64)
+                            .sum();
+                        c.fused_bytes_max
+                            .fetch_max(bytes.max(0) as u64, Ordering::Relaxed);
+                    }
                 }
                 let (intra, inter) = self.mesh.bytes_sent();
                 c.bytes_intra_host.store(intra, Ordering::Relaxed);

@@ -140,6 +140,19 @@ fn config() -> PyResult<BTreeMap<String, String>> {
     Ok(engine()?.config().to_map())
 }
 
+/// Where a PERSEUS_ variable overrides a HOROVOD_ one (said once at init).
+#[pyfunction]
+fn config_notes() -> PyResult<Vec<String>> {
+    Ok(engine()?.config().notes.clone())
+}
+
+/// Sets the largest fused buffer in bytes (0 disables fusion).
+#[pyfunction]
+fn set_fusion_threshold(bytes: u64) -> PyResult<()> {
+    engine()?.set_fusion_threshold(bytes);
+    Ok(())
+}
+
 /// What the engine has done so far on this rank (see `Engine::counters`).
 #[pyfunction]
 fn counters() -> PyResult<BTreeMap<String, u64>> {
@@ -436,6 +449,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cross_size, m)?)?;
     m.add_function(wrap_pyfunction!(config, m)?)?;
     m.add_function(wrap_pyfunction!(counters, m)?)?;
+    m.add_function(wrap_pyfunction!(config_notes, m)?)?;
+    m.add_function(wrap_pyfunction!(set_fusion_threshold, m)?)?;
     m.add_function(wrap_pyfunction!(add_process_set, m)?)?;
     m.add_function(wrap_pyfunction!(remove_process_set, m)?)?;
     m.add_function(wrap_pyfunction!(process_set_ranks, m)?)?;

@@ -39,7 +39,7 @@ def launch(n, worker, *args, env=None, timeout=150):
 @pytest.fixture
 def run_workers():
     """``run_workers(n, worker, *args, env=None)``: launch, and fail the test unless every
-    rank exited 0 after printing the OK mark."""
+    rank exited 0 after printing the OK mark; returns stdout, then stderr."""
 
     def run(n, worker, *args, env=None, timeout=150):
         rc, stdout, stderr = launch(n, worker, *args, env=env, timeout=timeout)
@@ -49,6 +49,6 @@ def run_workers():
         oks = (stdout + stderr).count(OK_MARK)
         if oks != n:
             pytest.fail(f"{worker}: {oks} of {n} ranks reported success\n{out}")
-        return stdout
+        return f"{stdout}\n{stderr}"
 
     return run

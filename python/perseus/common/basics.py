@@ -1,5 +1,7 @@
 """Lifecycle and topology: ``init``, ``shutdown``, ranks and sizes, build queries."""
 
+import sys
+
 from perseus import _core
 from perseus.common import process_sets as _process_sets
 
@@ -27,6 +29,9 @@ def init(comm=None, process_sets=None):
     sets = _process_sets._normalize(process_sets)
     _core.init([ps.ranks for ps in sets] if sets else None)
     _config = dict(_core.config())
+    if _core.rank() == 0:
+        for note in _core.config_notes():
+            print(f"perseus: {note}", file=sys.stderr, flush=True)
     _process_sets._after_init(sets)
 
 
@@ -63,10 +68,20 @@ def config():
 
 def counters():
     """What the engine did on this rank so far: ``operations`` (collectives run),
-    ``tensors``, ``fused_buffers``, ``negotiation_messages``, ``cache_hits``,
-    ``bytes_intra_host`` and ``bytes_inter_host`` (payload bytes sent)."""
+    ``tensors``, ``fused_buffers`` and the largest one's bytes (``fused_bytes_max``),
+    ``negotiation_messages``, ``cache_hits``, ``bytes_intra_host`` and
+    ``bytes_inter_host`` (payload bytes sent)."""
     check_initialized()
     return dict(_core.counters())
+
+
+def set_fusion_threshold(nbytes):
+    """Largest fused buffer from now on, in bytes (0 disables fusion); rank 0's value
+    decides. DistributedOptimizer calls this for ``PERSEUS_ALLREDUCE_FUSION``."""
+    nbytes = int(nbytes)
+    if nbytes < 0:
+        raise ValueError(f"the fusion threshold must be >= 0 bytes, got {nbytes}")
+    _core.set_fusion_threshold(nbytes)
 
 
 def allgather_stacks():

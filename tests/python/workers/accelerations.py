@@ -2,9 +2,11 @@
 
 Usage: accelerations.py accumulate   (run with PERSEUS_ACCUMULATE_N_STEPS=2)
        accelerations.py nancheck     (run with PERSEUS_ALLREDUCE_NANCHECK=1)
+       accelerations.py fusion N     (run with PERSEUS_ALLREDUCE_FUSION=N)
 """
 
 import sys
+import time
 
 import perseus.torch.horovod as hvd
 import torch
@@ -105,10 +107,42 @@ def check_nancheck(r, n):
             assert torch.equal(a, b), "parameters differ between ranks"
 
 
+def check_fusion(r, n):
+    """PERSEUS_ALLREDUCE_FUSION=N caps fused buffers at 1/N of the gradient bytes."""
+    fusion = int(sys.argv[2])
+    assert basics.config()["PERSEUS_ALLREDUCE_FUSION"] == str(fusion)
+    model = nn.Sequential(nn.Linear(64, 64, bias=False), nn.Linear(64, 64, bias=False))
+    hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                             named_parameters=model.named_parameters())
+    total = 2 * 64 * 64 * 4  # the gradient bytes
+    limit = 0 if fusion == 0 else -(-total // fusion)
+    # A burst of 16 tensors of total/16 bytes each. The last rank submits late, so the
+    # others' requests wait at the coordinator and its own become ready in batches.
+    if r == n - 1:
+        time.sleep(0.3)
+    before = hvd.counters()
+    ts = [torch.full((total // 16 // 4,), float(k)) for k in range(16)]
+    handles = [hvd.allreduce_async_(t, op=hvd.Sum, name=f"burst.{k}") for k, t in enumerate(ts)]
+    for k, h in enumerate(handles):
+        hvd.synchronize(h)
+        close(ts[k], torch.full_like(ts[k], float(k * n)), f"burst tensor {k}")
+    after = hvd.counters()
+    fused = after["fused_buffers"] - before["fused_buffers"]
+    biggest = after["fused_bytes_max"]
+    if fusion == 0:
+        assert fused == 0 and biggest == 0, f"fusion disabled, yet {fused} fused buffers"
+        assert after["operations"] - before["operations"] == 16
+    else:
+        assert fused >= 1, "a burst of 16 small tensors was never fused"
+        assert 0 < biggest <= limit, f"a fused buffer of {biggest} B exceeds {limit} B"
+
+
 def main():
     hvd.init()
     r, n = hvd.rank(), hvd.size()
-    {"accumulate": check_accumulate, "nancheck": check_nancheck}[sys.argv[1]](r, n)
+    checks = {"accumulate": check_accumulate, "nancheck": check_nancheck,
+              "fusion": check_fusion}
+    checks[sys.argv[1]](r, n)
     hvd.shutdown()
     done(r)
 

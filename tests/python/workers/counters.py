@@ -19,7 +19,8 @@ def main():
     hvd.init()
     r, n = hvd.rank(), hvd.size()
     c0 = hvd.counters()
-    assert set(c0) == {"operations", "tensors", "fused_buffers", "negotiation_messages",
+    assert set(c0) == {"operations", "tensors", "fused_buffers", "fused_bytes_max",
+                       "negotiation_messages",
                        "cache_hits", "bytes_intra_host", "bytes_inter_host"}, c0
 
     # One 1 MiB allreduce: a ring moves (n-1)/n of the buffer in each of its two

@@ -7,6 +7,7 @@ from contextlib import contextmanager
 import torch
 
 from perseus.common.basics import config as _config
+from perseus.common.basics import set_fusion_threshold
 from perseus.common.process_sets import global_process_set
 from perseus.torch.horovod.compression import Compression
 from perseus.torch.horovod.functions import allgather_object, broadcast_object
@@ -64,6 +65,12 @@ class _DistributedOptimizer:
         # PERSEUS_ALLREDUCE_NANCHECK: reduced gradients are checked (see _check_finite()).
         self._nancheck = cfg.get("PERSEUS_ALLREDUCE_NANCHECK", "0") == "1"
         self._nonfinite_here = []
+        # PERSEUS_ALLREDUCE_FUSION=N: fused buffers of 1/N of the gradient bytes.
+        fusion = cfg.get("PERSEUS_ALLREDUCE_FUSION", "")
+        if fusion:
+            total = sum(p.numel() * p.element_size() for group in self.param_groups
+                        for p in group["params"] if p.requires_grad)
+            set_fusion_threshold(0 if int(fusion) == 0 else -(-total // int(fusion)))
         self.backward_passes_per_step = backward_passes_per_step
         self._allreduce_delay = {v: self._passes_per_update() for _, v in named_parameters}
         self.op = op
