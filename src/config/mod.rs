@@ -2,6 +2,7 @@
 //! `init()`. Each knob is declared in [`PARAMS`] with its default and range;
 //! `docs/environment.md` is checked against that table by a test.
 
+mod iface;
 mod topology;
 
 pub use topology::{cross_from_hosts, first_slurm_host, Launcher, Topology};
@@ -71,6 +72,13 @@ pub const PARAMS: &[Param] = &[
         default: "0",
         allowed: "0 (stack equal shapes, DDP style) or 1 (concatenate along dim 0, Horovod style)",
         doc: "allgather result layout",
+    },
+    Param {
+        name: "PERSEUS_GLOO_NETWORK_INTERFACE",
+        default: "",
+        allowed: "the name of an interface with an IPv4 address (unset: eth0 when the job \
+                  spans hosts and eth0 exists, else the route to the rendezvous)",
+        doc: "network interface ranks listen on and connect from",
     },
     Param {
         name: "PERSEUS_ALLREDUCE_FUSION",
@@ -174,6 +182,38 @@ pub fn int_var(name: &str, default: u64, min: u64, max: u64) -> Result<u64> {
     }
 }
 
+/// The address this rank listens on: PERSEUS_IFACE_ADDR as given; else the
+/// IPv4 address of PERSEUS_GLOO_NETWORK_INTERFACE (the first of a comma-separated
+/// list that exists here; none is an error); else,
+/// when the job spans several hosts, eth0's if it has one; else None (the
+/// source address of the route to the rendezvous).
+fn listen_address(t: &Topology) -> Result<Option<String>> {
+    if let Some(a) = var("PERSEUS_IFACE_ADDR") {
+        return Ok(Some(a));
+    }
+    if let Some(names) = var("PERSEUS_GLOO_NETWORK_INTERFACE") {
+        let first = names
+            .split(',')
+            .map(str::trim)
+            .filter(|n| !n.is_empty())
+            .find_map(iface::ipv4_of);
+        return match first {
+            Some(a) => Ok(Some(a.to_string())),
+            None => Err(invalid(
+                "PERSEUS_GLOO_NETWORK_INTERFACE",
+                &names,
+                "the name of a network interface of this host that has an IPv4 address, or \
+                 several separated by commas (see `ip -br addr`)",
+            )),
+        };
+    }
+    let spans_hosts = t.local_size < t.size;
+    Ok(spans_hosts
+        .then(|| iface::ipv4_of("eth0"))
+        .flatten()
+        .map(|a| a.to_string()))
+}
+
 /// The PERSEUS_ variables set together with a HOROVOD_ one they override.
 fn precedence_notes() -> Vec<String> {
     let pairs = [
@@ -253,6 +293,7 @@ impl Config {
     /// Reads and validates the whole environment.
     pub fn from_env() -> Result<Config> {
         let topology = Topology::from_env()?;
+        let iface_addr = listen_address(&topology)?;
         let (rendezvous, host_store) = rendezvous(&topology)?;
         let timeout = int_var("GLOO_TIMEOUT_SECONDS", 60, 1, 86_400)?;
         let fusion_threshold = int_var("HOROVOD_FUSION_THRESHOLD", 64 << 20, 0, u64::MAX)?;
@@ -264,7 +305,7 @@ impl Config {
             rendezvous,
             host_store,
             secret: var("PERSEUS_SECRET").unwrap_or_default(),
-            iface_addr: var("PERSEUS_IFACE_ADDR"),
+            iface_addr,
             timeout: Duration::from_secs(timeout),
             fusion_threshold,
             cycle_time: Duration::from_secs_f64(cycle_ms / 1000.0),
@@ -305,6 +346,10 @@ impl Config {
             self.allgather_mode.to_string(),
         );
         m.insert("PERSEUS_SHM".into(), u8::from(self.shm).to_string());
+        m.insert(
+            "PERSEUS_GLOO_NETWORK_INTERFACE".into(),
+            var("PERSEUS_GLOO_NETWORK_INTERFACE").unwrap_or_default(),
+        );
         m.insert(
             "PERSEUS_ALLREDUCE_FUSION".into(),
             self.allreduce_fusion

@@ -10,6 +10,8 @@ import pytest
     ("HOROVOD_CYCLE_TIME", "-1"),
     ("PERSEUS_ACCUMULATE_N_STEPS", "0"),
     ("PERSEUS_ALLREDUCE_NANCHECK", "yes"),
+    ("PERSEUS_ALLREDUCE_FUSION", "129"),
+    ("PERSEUS_GLOO_NETWORK_INTERFACE", "no-such-if0"),
 ])
 def test_invalid_env_value_fails_init(run_workers, variable, value):
     run_workers(2, "bad_env.py", variable, env={variable: value}, timeout=60)

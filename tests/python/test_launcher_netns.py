@@ -185,8 +185,10 @@ def test_hostfile_and_network_interface(netns, tmp_path):
     hostfile = tmp_path / "hosts"
     hostfile.write_text(f"# two namespaces\n{a} slots=1\n{b} slots=2\n")
     slots = place([Host(a, 1), Host(b, 2)], 3)
+    # The launcher's machine has the bridge, the namespaces eth0: each uses the first of
+    # the list it has.
     rc, out = perseusrun(netns, "-np", 3, "--hostfile", hostfile, "--network-interface",
-                         netns.bridge, PY, WORKER)
+                         f"{netns.bridge},eth0", PY, WORKER)
     results = check_results(rc, out, slots, "perseusrun --hostfile --network-interface")
     assert f"rendezvous at {netns.gateway}:" in out, out
     check_hosts(results, slots, netns)

@@ -36,9 +36,10 @@ def build_parser():
                          help="start ranks with perseusrun itself (the default)")
     backend.add_argument("--mpi", action="store_true", help="start ranks with mpirun")
     p.add_argument("--network-interface", metavar="IFACE",
-                   help="interface of this machine whose address remote ranks reach the "
-                        "rendezvous at (default: the address on the route to the first "
-                        "remote host, which must then resolve)")
+                   help="interfaces (comma-separated; on each host the first that exists "
+                        "is used) that ranks listen on and this machine's rendezvous is "
+                        "reached at (PERSEUS_GLOO_NETWORK_INTERFACE; default: the address "
+                        "on the route to the first remote host, which must then resolve)")
     p.add_argument("--start-timeout", type=int, default=30, metavar="SECONDS",
                    help="seconds every rank has to check in at the rendezvous (reach "
                         "hvd.init()); ranks that do not, e.g. on an unreachable host, are "
@@ -85,19 +86,22 @@ def host_list(args):
     return [_hosts.Host("localhost", max(args.num_proc, 1))]
 
 
-def interface_address(name):
-    """The IPv4 address of a network interface (Linux)."""
+def interface_address(names):
+    """The IPv4 address of the first of the comma-separated interfaces that has one."""
     import fcntl
     import struct
 
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        try:
-            packed = fcntl.ioctl(s.fileno(), 0x8915,  # SIOCGIFADDR
-                                 struct.pack("256s", name.encode()[:15]))
-        except OSError as e:
-            raise _hosts.HostError(
-                f"--network-interface {name}: no IPv4 address ({e.strerror})") from None
-    return socket.inet_ntoa(packed[20:24])
+    why = []
+    for name in (n.strip() for n in names.split(",") if n.strip()):
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            try:
+                packed = fcntl.ioctl(s.fileno(), 0x8915,  # SIOCGIFADDR
+                                     struct.pack("256s", name.encode()[:15]))
+                return socket.inet_ntoa(packed[20:24])
+            except OSError as e:
+                why.append(f"{name}: {e.strerror}")
+    raise _hosts.HostError(
+        f"--network-interface {names}: no IPv4 address on this machine ({'; '.join(why)})")
 
 
 def route_source_address(host):
@@ -149,6 +153,8 @@ def job_env(args, addr, port):
     }
     if args.log_level:
         env["PERSEUS_LOG_LEVEL"] = env["HOROVOD_LOG_LEVEL"] = args.log_level
+    if args.network_interface:
+        env["PERSEUS_GLOO_NETWORK_INTERFACE"] = args.network_interface
     return env
 
 
