@@ -12,7 +12,6 @@ Perseus faster), and the peak RSS of every rank over the job.
 """
 
 import argparse
-import sys
 
 import harness
 
@@ -73,14 +72,8 @@ def run(sizes=SIZES, ranks=(2, 3, 4), impls=harness.IMPLS, quick=False, timeout=
     opts = {"sizes": list(sizes), "timing": timing}
     result = {"sizes": list(sizes), "ranks": list(ranks), "impls": list(impls),
               "timing": timing, "runs": {}}
-
-    def show(n, runs):
-        result["runs"][str(n)] = runs
-        if echo:
-            print(harness.text_sections(sections(result, only=n)), flush=True)
-
-    harness.run_jobs(__file__, impls, ranks, opts, timeout=timeout, on_result=show)
-    return result
+    return harness.run_into(result, __file__, impls, ranks, opts, sections,
+                            timeout=timeout, echo=echo)
 
 
 def seconds(runs, impl, k):
@@ -102,10 +95,7 @@ def sections(result, only=None):
     """Tables per rank count: time and busbw, ratios; algbw; peak RSS."""
     out = []
     impls = result["impls"]
-    for n_str, runs in result["runs"].items():
-        n = int(n_str)
-        if only is not None and n != only:
-            continue
+    for n, runs in harness.runs_by_ranks(result, only):
         perseus = [i for i in harness.PERSEUS if i in impls]
         headers = (["size"] + [f"{i} µs" for i in impls] + [f"{i} busbw" for i in impls]
                    + [f"{i} ÷ peer" for i in perseus])
@@ -159,10 +149,7 @@ def main(argv=None):
     sizes = a.sizes or (QUICK if a.quick else SHORT if a.short else SIZES)
     ranks = a.ranks or ([2] if a.quick else [2, 3, 4])
     result = run(sizes, ranks, a.impls, a.quick, a.timeout)
-    result["command"] = " ".join(["python", *sys.argv])
-    result["machine"] = harness.machine()
-    if a.json:
-        harness.save_json(a.json, result)
+    harness.finish(result, a.json)
 
 
 if __name__ == "__main__":

@@ -155,6 +155,34 @@ def run_jobs(script, impls, ranks, opts, env_for=None, timeout=600, on_result=No
     return runs
 
 
+def run_into(result, script, impls, ranks, opts, sections, env_for=None, timeout=600,
+             echo=True):
+    """Runs the jobs (:func:`run_jobs`) into ``result["runs"]``; with ``echo``, prints each
+    rank count's tables (``sections(result, only=n)``) as soon as its jobs are done."""
+    def show(n, runs):
+        result["runs"][str(n)] = runs
+        if echo:
+            print(text_sections(sections(result, only=n)), flush=True)
+
+    run_jobs(script, impls, ranks, opts, env_for=env_for, timeout=timeout, on_result=show)
+    return result
+
+
+def runs_by_ranks(result, only=None):
+    """``(n, runs)`` for each rank count of ``result`` (only ``only`` when given)."""
+    for n_str, runs in result["runs"].items():
+        if only is None or int(n_str) == only:
+            yield int(n_str), runs
+
+
+def finish(result, json_path):
+    """Stamps a driver's result with its command and the machine, and saves it when asked."""
+    result["command"] = " ".join(["python", *sys.argv])
+    result["machine"] = machine()
+    if json_path:
+        save_json(json_path, result)
+
+
 def failed(res):
     """True when a job's entry records a failure instead of per-rank results."""
     return isinstance(res, dict) and "error" in res

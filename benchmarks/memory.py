@@ -13,7 +13,6 @@ after gc.collect(). (The peak RSS during the allreduce sweep is in allreduce_swe
 
 import argparse
 import gc
-import sys
 
 import harness
 
@@ -74,15 +73,8 @@ def run(ranks=(2,), first=100, count=10_000, timeout=600, echo=True):
     """Driver: one hvd job per rank count; returns the results."""
     result = {"ranks": list(ranks), "impls": list(IMPLS), "first": first, "count": count,
               "runs": {}}
-
-    def show(n, runs):
-        result["runs"][str(n)] = runs
-        if echo:
-            print(harness.text_sections(sections(result, only=n)), flush=True)
-
-    harness.run_jobs(__file__, IMPLS, ranks, {"first": first, "count": count},
-                     timeout=timeout, on_result=show)
-    return result
+    return harness.run_into(result, __file__, IMPLS, ranks, {"first": first, "count": count},
+                            sections, timeout=timeout, echo=echo)
 
 
 def growth(runs):
@@ -96,10 +88,7 @@ def growth(runs):
 def sections(result, only=None):
     out = []
     first, count = result["first"], result["count"]
-    for n_str, runs in result["runs"].items():
-        n = int(n_str)
-        if only is not None and n != only:
-            continue
+    for n, runs in harness.runs_by_ranks(result, only):
         res = runs["hvd"]
         rows, notes = [], []
         if harness.failed(res):
@@ -131,10 +120,7 @@ def main(argv=None):
     a = p.parse_args(argv)
     count = a.count or (1000 if a.quick else 10_000)
     result = run(a.ranks, 100, count, a.timeout)
-    result["command"] = " ".join(["python", *sys.argv])
-    result["machine"] = harness.machine()
-    if a.json:
-        harness.save_json(a.json, result)
+    harness.finish(result, a.json)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ Times are medians over iterations, each the slowest rank's time.
 """
 
 import argparse
-import sys
 
 import harness
 
@@ -158,17 +157,11 @@ def run(ranks=(2,), quick=False, timeout=600, echo=True):
     timing = QUICK_TIMING if quick else TIMING
     result = {"ranks": list(ranks), "impls": list(IMPLS), "timing": timing, "runs": {}}
 
-    def show(n, runs):
-        result["runs"][str(n)] = runs
-        if echo:
-            print(harness.text_sections(sections(result, only=n)), flush=True)
-
     def env_for(impl):
         return {"PERSEUS_CHANGE_HVD_ALLGATHER": "1"} if impl == "hvd" else None
 
-    harness.run_jobs(__file__, IMPLS, ranks, {"timing": timing}, env_for=env_for,
-                     timeout=timeout, on_result=show)
-    return result
+    return harness.run_into(result, __file__, IMPLS, ranks, {"timing": timing}, sections,
+                            env_for=env_for, timeout=timeout, echo=echo)
 
 
 def labels(n):
@@ -182,10 +175,7 @@ def labels(n):
 
 def sections(result, only=None):
     out = []
-    for n_str, runs in result["runs"].items():
-        n = int(n_str)
-        if only is not None and n != only:
-            continue
+    for n, runs in harness.runs_by_ranks(result, only):
         rows = []
         for key, label in labels(n).items():
             ms = [None if harness.failed(runs[i]) else runs[i][0][key]["median"] * 1e3
@@ -213,10 +203,7 @@ def main(argv=None):
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     a = p.parse_args(argv)
     result = run(a.ranks, a.quick, a.timeout)
-    result["command"] = " ".join(["python", *sys.argv])
-    result["machine"] = harness.machine()
-    if a.json:
-        harness.save_json(a.json, result)
+    harness.finish(result, a.json)
 
 
 if __name__ == "__main__":

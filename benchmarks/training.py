@@ -12,7 +12,6 @@ steps after 3 warm-up steps; samples/s = steps * batch * ranks / the slowest ran
 """
 
 import argparse
-import sys
 import time
 
 import harness
@@ -74,14 +73,8 @@ def run(ranks=(2,), steps=40, batch=16, timeout=600, echo=True):
     result = {"ranks": list(ranks), "impls": list(IMPLS), "steps": steps, "batch": batch,
               "runs": {}}
 
-    def show(n, runs):
-        result["runs"][str(n)] = runs
-        if echo:
-            print(harness.text_sections(sections(result, only=n)), flush=True)
-
-    harness.run_jobs(__file__, IMPLS, ranks, {"steps": steps, "batch": batch},
-                     timeout=timeout, on_result=show)
-    return result
+    return harness.run_into(result, __file__, IMPLS, ranks, {"steps": steps, "batch": batch},
+                            sections, timeout=timeout, echo=echo)
 
 
 def speedup(runs):
@@ -94,10 +87,7 @@ def speedup(runs):
 
 def sections(result, only=None):
     out = []
-    for n_str, runs in result["runs"].items():
-        n = int(n_str)
-        if only is not None and n != only:
-            continue
+    for n, runs in harness.runs_by_ranks(result, only):
         rows, notes = [], []
         for impl, label in (("hvd", "hvd.DistributedOptimizer"), ("gloo", "torch DDP (gloo)")):
             res = runs[impl]
@@ -130,10 +120,7 @@ def main(argv=None):
     a = p.parse_args(argv)
     steps = a.steps or (5 if a.quick else 40)
     result = run(a.ranks, steps, a.batch, a.timeout)
-    result["command"] = " ".join(["python", *sys.argv])
-    result["machine"] = harness.machine()
-    if a.json:
-        harness.save_json(a.json, result)
+    harness.finish(result, a.json)
 
 
 if __name__ == "__main__":
