@@ -51,11 +51,16 @@ pub fn parse_header(h: &[u8; HEADER], max: usize) -> Result<(u16, usize)> {
 
 /// Writes one frame to a blocking stream.
 pub fn write_frame(w: &mut impl Write, kind: u16, payload: &[u8]) -> std::io::Result<()> {
+    w.write_all(&framed(kind, payload))?;
+    w.flush()
+}
+
+/// A whole frame, header and payload, in one buffer (one write, one segment).
+fn framed(kind: u16, payload: &[u8]) -> Vec<u8> {
     let mut buf = Vec::with_capacity(HEADER + payload.len());
     buf.extend_from_slice(&header(kind, payload.len()));
     buf.extend_from_slice(payload);
-    w.write_all(&buf)?;
-    w.flush()
+    buf
 }
 
 /// Reads one frame from a blocking stream: (kind, payload).
@@ -122,9 +127,7 @@ pub fn write_frame_nb(
     timeout: std::time::Duration,
 ) -> std::io::Result<()> {
     use std::os::fd::AsRawFd;
-    let mut buf = Vec::with_capacity(HEADER + payload.len());
-    buf.extend_from_slice(&header(kind, payload.len()));
-    buf.extend_from_slice(payload);
+    let buf = framed(kind, payload);
     let mut at = 0;
     while at < buf.len() {
         match s.write(&buf[at..]) {

@@ -100,6 +100,11 @@ pub struct Request {
     pub ints: Vec<i64>,
 }
 
+/// Bytes of a tensor of `shape` and `dtype` (a negative dimension counts as empty).
+pub fn shape_bytes(shape: &[i64], dtype: DataType) -> usize {
+    shape.iter().product::<i64>().max(0) as usize * dtype.size()
+}
+
 impl Request {
     /// A request with neutral defaults for everything but kind and name.
     pub fn new(kind: OpKind, name: impl Into<String>, process_set: u32) -> Request {
@@ -120,7 +125,7 @@ impl Request {
 
     /// Bytes of the tensor.
     pub fn nbytes(&self) -> usize {
-        self.shape.iter().product::<i64>().max(0) as usize * self.dtype.size()
+        shape_bytes(&self.shape, self.dtype)
     }
 
     fn encode(&self, w: &mut Writer) {

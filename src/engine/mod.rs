@@ -35,7 +35,7 @@ use control::{Incoming, Uplink, FRAME_REQUESTS};
 use coordinator::Coordinator;
 use handles::Handles;
 use inbox::Inbox;
-use message::{encode_requests, WireRequest};
+use message::{encode_requests, shape_bytes, WireRequest};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -124,15 +124,13 @@ impl Engine {
             shared.timeline.start(path)?;
         }
         let inbox = Arc::new(Inbox::new()?);
-        let wait_spin = if config.oversubscribed() {
-            Duration::ZERO
-        } else {
-            WAIT_SPIN
-        };
+        // More ranks than cores here: every wait sleeps at once (see Config::oversubscribed).
+        let oversubscribed = config.oversubscribed();
+        let spin = |d: Duration| if oversubscribed { Duration::ZERO } else { d };
         let coord = Coordinator::new(t.size, config.fusion_threshold as usize)
             .with_cache(config.cache_capacity);
         let state = State {
-            mesh: if config.oversubscribed() {
+            mesh: if oversubscribed {
                 parts.mesh.without_spin()
             } else {
                 parts.mesh
@@ -147,11 +145,7 @@ impl Engine {
             cache: HashMap::new(),
             bufs: exec::Buffers::default(),
             cycle: config.cycle_time,
-            spin: if config.oversubscribed() {
-                Duration::ZERO
-            } else {
-                ANSWER_SPIN
-            },
+            spin: spin(ANSWER_SPIN),
             exit: false,
         };
         let thread = std::thread::Builder::new()
@@ -161,7 +155,7 @@ impl Engine {
             _store: store,
             config,
             inbox,
-            wait_spin,
+            wait_spin: spin(WAIT_SPIN),
             shared,
             names: Mutex::new(HashMap::new()),
             thread: Mutex::new(Some(thread)),
@@ -215,9 +209,7 @@ impl Engine {
             .unwrap()
             .get(&id)
             .cloned()
-            .ok_or_else(|| {
-                PerseusError::InvalidArgument(format!("process set {id} is not registered"))
-            })
+            .ok_or_else(|| unregistered(id))
     }
 
     /// Ids of every registered process set.
@@ -239,10 +231,7 @@ impl Engine {
         let set_size = {
             let sets = self.shared.sets.lock().unwrap();
             let Some(members) = sets.get(&req.process_set) else {
-                return Err(PerseusError::InvalidArgument(format!(
-                    "process set {} is not registered",
-                    req.process_set
-                )));
+                return Err(unregistered(req.process_set));
             };
             if !members.contains(&rank) {
                 return Err(PerseusError::InvalidArgument(format!(
@@ -334,6 +323,17 @@ impl Engine {
             Err(e) => Err(e),
         }
     }
+}
+
+fn unregistered(set: u32) -> PerseusError {
+    PerseusError::InvalidArgument(format!("process set {set} is not registered"))
+}
+
+/// The error every pending operation gets when the control stream to rank 0 fails.
+fn lost_coordinator(why: &str) -> PerseusError {
+    PerseusError::Aborted(format!(
+        "lost the connection to rank 0 (the coordinator): {why}"
+    ))
 }
 
 /// Checks what one rank can check alone, so the error is raised at the call.
@@ -500,8 +500,7 @@ impl State {
                         let out = coord.disconnect(rank, &why);
                         self.uplink.dispatch(out, &mut self.local, self.timeout);
                     } else {
-                        let msg = format!("lost the connection to rank 0 (the coordinator): {why}");
-                        self.fail_all(PerseusError::Aborted(msg));
+                        self.fail_all(lost_coordinator(&why));
                     }
                 }
             }
@@ -572,8 +571,7 @@ impl State {
                     None => Err("the connection is closed".to_string()),
                 };
                 if let Err(e) = sent {
-                    let msg = format!("lost the connection to rank 0 (the coordinator): {e}");
-                    self.fail_all(PerseusError::Aborted(msg));
+                    self.fail_all(lost_coordinator(&e));
                 }
             }
         }
@@ -639,12 +637,8 @@ impl State {
                 if names.len() > 1 {
                     c.fused_buffers.fetch_add(1, Ordering::Relaxed);
                     if let Response::Op { shapes, dtype, .. } = &resp {
-                        let bytes: i64 = shapes
-                            .iter()
-                            .map(|s| s.iter().product::<i64>() * dtype.size() as i64)
-                            .sum();
-                        c.fused_bytes_max
-                            .fetch_max(bytes.max(0) as u64, Ordering::Relaxed);
+                        let bytes: usize = shapes.iter().map(|s| shape_bytes(s, *dtype)).sum();
+                        c.fused_bytes_max.fetch_max(bytes as u64, Ordering::Relaxed);
                     }
                 }
                 let (intra, inter) = self.mesh.bytes_sent();
