@@ -11,7 +11,6 @@ busbw = algbw * 2(n-1)/n (nccl-tests), the ratio Perseus busbw / best peer busbw
 Perseus faster), and the peak RSS of every rank over the job.
 """
 
-import argparse
 
 import harness
 
@@ -133,18 +132,14 @@ def sections(result, only=None):
 def main(argv=None):
     if harness.is_worker(argv):
         return harness.worker_main(body, argv)
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--ranks", type=int, nargs="+", help="rank counts (default 2 3 4)")
+    p = harness.driver_parser(__doc__, "smoke run: 3 sizes, 2 ranks, few iterations", ranks=None,
+                              ranks_help="rank counts (default 2 3 4)")
     p.add_argument("--sizes", type=harness.parse_size, nargs="+", metavar="SIZE",
                    help="message sizes, e.g. 4K 1M 64M (default: 4 KiB to 256 MiB, "
                         "powers of 4)")
     p.add_argument("--short", action="store_true",
                    help="5 sizes, 4 KiB to 256 MiB, powers of 16")
     p.add_argument("--impls", nargs="+", choices=harness.IMPLS, default=list(harness.IMPLS))
-    p.add_argument("--quick", action="store_true",
-                   help="smoke run: 3 sizes, 2 ranks, few iterations")
-    p.add_argument("--timeout", type=int, default=600, help="seconds per job (default 600)")
-    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     a = p.parse_args(argv)
     sizes = a.sizes or (QUICK if a.quick else SHORT if a.short else SIZES)
     ranks = a.ranks or ([2] if a.quick else [2, 3, 4])

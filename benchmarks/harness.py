@@ -175,6 +175,20 @@ def runs_by_ranks(result, only=None):
             yield int(n_str), runs
 
 
+def driver_parser(doc, quick_help, ranks=(2,), ranks_help=None):
+    """The argument parser of a benchmark driver with the options every one has:
+    ``--ranks``, ``--quick``, ``--timeout`` and ``--json``; the script adds its own."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--ranks", type=int, nargs="+", default=list(ranks) if ranks else None,
+                   help=ranks_help)
+    p.add_argument("--quick", action="store_true", help=quick_help)
+    p.add_argument("--timeout", type=int, default=600, help="seconds per job (default 600)")
+    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    return p
+
+
 def finish(result, json_path):
     """Stamps a driver's result with its command and the machine, and saves it when asked."""
     result["command"] = " ".join(["python", *sys.argv])

@@ -11,7 +11,6 @@ float64, float16 and int32 of 1 to 256 Ki elements. RSS is read from /proc/self/
 after gc.collect(). (The peak RSS during the allreduce sweep is in allreduce_sweep.py.)
 """
 
-import argparse
 import gc
 
 import harness
@@ -111,12 +110,8 @@ def sections(result, only=None):
 def main(argv=None):
     if harness.is_worker(argv):
         return harness.worker_main(body, argv)
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--ranks", type=int, nargs="+", default=[2])
+    p = harness.driver_parser(__doc__, "smoke run: 1,000 allreduces")
     p.add_argument("--count", type=int, help="allreduces in all (default 10000, --quick 1000)")
-    p.add_argument("--quick", action="store_true", help="smoke run: 1,000 allreduces")
-    p.add_argument("--timeout", type=int, default=600, help="seconds per job (default 600)")
-    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     a = p.parse_args(argv)
     count = a.count or (1000 if a.quick else 10_000)
     result = run(a.ranks, 100, count, a.timeout)

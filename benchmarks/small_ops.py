@@ -17,7 +17,6 @@ Horovod's concatenating allgather; gloo: torch.distributed; mpi: mpi4py), each m
 Times are medians over iterations, each the slowest rank's time.
 """
 
-import argparse
 
 import harness
 
@@ -196,11 +195,7 @@ def sections(result, only=None):
 def main(argv=None):
     if harness.is_worker(argv):
         return harness.worker_main(body, argv)
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--ranks", type=int, nargs="+", default=[2])
-    p.add_argument("--quick", action="store_true", help="smoke run: few iterations")
-    p.add_argument("--timeout", type=int, default=600, help="seconds per job (default 600)")
-    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    p = harness.driver_parser(__doc__, "smoke run: few iterations")
     a = p.parse_args(argv)
     result = run(a.ranks, a.quick, a.timeout)
     harness.finish(result, a.json)

@@ -11,7 +11,6 @@ batch per rank, SGD with momentum, one intra-op thread per rank and the same num
 steps after 3 warm-up steps; samples/s = steps * batch * ranks / the slowest rank's time.
 """
 
-import argparse
 import time
 
 import harness
@@ -110,13 +109,9 @@ def sections(result, only=None):
 def main(argv=None):
     if harness.is_worker(argv):
         return harness.worker_main(body, argv)
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--ranks", type=int, nargs="+", default=[2])
+    p = harness.driver_parser(__doc__, "smoke run: 5 steps")
     p.add_argument("--steps", type=int, help="timed steps (default 40, --quick 5)")
     p.add_argument("--batch", type=int, default=16, help="samples per rank and step")
-    p.add_argument("--quick", action="store_true", help="smoke run: 5 steps")
-    p.add_argument("--timeout", type=int, default=600, help="seconds per job (default 600)")
-    p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     a = p.parse_args(argv)
     steps = a.steps or (5 if a.quick else 40)
     result = run(a.ranks, steps, a.batch, a.timeout)

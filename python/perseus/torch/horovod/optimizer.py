@@ -66,11 +66,11 @@ class _DistributedOptimizer:
         self._nancheck = cfg.get("PERSEUS_ALLREDUCE_NANCHECK", "0") == "1"
         self._nonfinite_here = []
         # PERSEUS_ALLREDUCE_FUSION=N: fused buffers of 1/N of the gradient bytes.
-        fusion = cfg.get("PERSEUS_ALLREDUCE_FUSION", "")
-        if fusion:
+        fusion = int(cfg.get("PERSEUS_ALLREDUCE_FUSION") or -1)  # -1: unset, automatic
+        if fusion >= 0:
             total = sum(p.numel() * p.element_size() for group in self.param_groups
                         for p in group["params"] if p.requires_grad)
-            set_fusion_threshold(0 if int(fusion) == 0 else -(-total // int(fusion)))
+            set_fusion_threshold(0 if fusion == 0 else -(-total // fusion))
         self.backward_passes_per_step = backward_passes_per_step
         self._allreduce_delay = {v: self._passes_per_update() for _, v in named_parameters}
         self.op = op
