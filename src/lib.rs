@@ -11,6 +11,7 @@ pub use error::{PerseusError, Result};
 pub mod collective;
 pub mod config;
 pub mod engine;
+pub mod plan;
 #[cfg(feature = "python")]
 mod python;
 pub mod rendezvous;

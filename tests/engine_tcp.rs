@@ -35,6 +35,7 @@ fn config(rank: usize, size: usize, port: u16, shm: bool) -> Config {
         allreduce_fusion: None,
         notes: vec![],
         nancheck: false,
+        plan: perseus::plan::Plan::default(),
     }
 }
 

@@ -10,6 +10,7 @@
 mod alltoall;
 mod barrier;
 mod broadcast;
+mod hierarchical;
 mod ring;
 
 #[cfg(test)]
@@ -18,7 +19,8 @@ mod tests;
 pub use alltoall::alltoallv;
 pub use barrier::barrier;
 pub use broadcast::broadcast;
-pub use ring::{allgatherv, allreduce, reduce_scatter};
+pub use hierarchical::{allreduce_hierarchical, fits, hosts_of};
+pub use ring::{allgatherv, allreduce, allreduce_mixed, reduce_scatter};
 
 use crate::error::Result;
 use crate::transport::{Mesh, Recv, Send};
@@ -32,31 +34,35 @@ pub trait Comm {
     fn size(&self) -> usize;
     /// Runs the sends and receives (peers as group ranks) to completion.
     fn transfer(&self, sends: &mut [Send<'_>], recvs: &mut [Recv<'_>]) -> Result<()>;
+    /// An index naming the host of group rank `rank` (equal indices share a host).
+    fn host(&self, _rank: usize) -> usize {
+        0
+    }
 }
 
-/// A process set's view of the mesh: group rank `i` is global rank `members[i]`.
-pub struct MeshComm<'a> {
-    mesh: &'a Mesh,
-    members: &'a [usize],
+/// A subgroup of a parent group: group rank `i` is parent rank `members[i]`.
+pub struct SubComm<'a> {
+    parent: &'a dyn Comm,
+    members: Vec<usize>,
     rank: usize,
 }
 
-impl<'a> MeshComm<'a> {
-    /// The group of `members` (sorted global ranks, including this one).
-    pub fn new(mesh: &'a Mesh, members: &'a [usize]) -> Self {
+impl<'a> SubComm<'a> {
+    /// The subgroup of `members` (parent ranks, including the caller's).
+    pub fn new(parent: &'a dyn Comm, members: Vec<usize>) -> Self {
         let rank = members
             .iter()
-            .position(|&m| m == mesh.rank())
-            .expect("rank not in its set");
-        MeshComm {
-            mesh,
+            .position(|&m| m == parent.rank())
+            .expect("caller not in its subgroup");
+        SubComm {
+            parent,
             members,
             rank,
         }
     }
 }
 
-impl Comm for MeshComm<'_> {
+impl Comm for SubComm<'_> {
     fn rank(&self) -> usize {
         self.rank
     }
@@ -70,7 +76,26 @@ impl Comm for MeshComm<'_> {
         recvs
             .iter_mut()
             .for_each(|r| r.map_peer(|p| self.members[p]));
-        self.mesh.transfer(sends, recvs)
+        self.parent.transfer(sends, recvs)
+    }
+    fn host(&self, rank: usize) -> usize {
+        self.parent.host(self.members[rank])
+    }
+}
+
+/// The whole mesh is the group of all ranks; process sets are [`SubComm`]s of it.
+impl Comm for Mesh {
+    fn rank(&self) -> usize {
+        Mesh::rank(self)
+    }
+    fn size(&self) -> usize {
+        Mesh::size(self)
+    }
+    fn transfer(&self, sends: &mut [Send<'_>], recvs: &mut [Recv<'_>]) -> Result<()> {
+        Mesh::transfer(self, sends, recvs)
+    }
+    fn host(&self, rank: usize) -> usize {
+        self.host_of(rank)
     }
 }
 

@@ -10,7 +10,9 @@
 use super::{partition, split2, Comm};
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::Result;
-use crate::kernels::{reduce_into, AlignedBuf};
+use crate::kernels::{
+    from_half, reduce_half_into, reduce_into, round_through_half, to_half, AlignedBuf,
+};
 use crate::transport::{Recv, Send};
 use std::ops::Range;
 
@@ -32,13 +34,108 @@ pub fn allreduce(
     if buf.len() <= DIRECT_MAX {
         return allreduce_direct(comm, buf, dtype, op, scratch);
     }
-    let es = dtype.size();
-    let parts: Vec<Range<usize>> = partition(buf.len() / es, n)
-        .into_iter()
-        .map(|p| p.start * es..p.end * es)
-        .collect();
+    let parts = byte_parts(buf.len(), dtype.size(), n);
     reduce_scatter_ranges(comm, buf, &parts, dtype, op)?;
     allgather_ranges(comm, buf, &parts)
+}
+
+/// Element ranges of `buf` (elements of `es` bytes) split into `n` chunks, as byte ranges.
+fn byte_parts(len: usize, es: usize, n: usize) -> Vec<Range<usize>> {
+    partition(len / es, n)
+        .into_iter()
+        .map(|p| p.start * es..p.end * es)
+        .collect()
+}
+
+/// Ring allreduce of a float32 buffer in which every hop between two hosts
+/// carries float16 and every hop within a host float32
+/// (`PERSEUS_ALLREDUCE_DTYPE=2` over a flat ring). The owner of each reduced
+/// chunk rounds it through float16 before the allgather, so the chunk
+/// crosses hosts without further loss and every rank ends with the same bytes.
+pub fn allreduce_mixed(
+    comm: &dyn Comm,
+    buf: &mut [u8],
+    op: ReduceOp,
+    scratch: &mut AlignedBuf,
+) -> Result<()> {
+    let n = comm.size();
+    if n == 1 || buf.is_empty() {
+        return Ok(());
+    }
+    let (r, es) = (comm.rank(), 4);
+    let (right, left) = ((r + 1) % n, (r + n - 1) % n);
+    let send_half = comm.host(right) != comm.host(r);
+    let recv_half = comm.host(left) != comm.host(r);
+    let parts = byte_parts(buf.len(), es, n);
+    // Two float16 staging areas of the largest chunk, each 64-byte aligned.
+    let half = (parts[0].len() / 2).next_multiple_of(64);
+    scratch.resize(2 * half);
+    let (out16, in16) = scratch.as_mut_slice().split_at_mut(half);
+    let hop = Hop {
+        right,
+        left,
+        send_half,
+        recv_half,
+    };
+    for s in 0..n - 1 {
+        let sc = (r + 2 * n - s - 1) % n;
+        let rc = (r + 2 * n - s - 2) % n;
+        let (out, dst) = split2(buf, parts[sc].clone(), parts[rc].clone());
+        hop.run(comm, out, dst, out16, in16, Some(op))?;
+    }
+    round_through_half(&mut buf[parts[r].clone()]);
+    for s in 0..n - 1 {
+        let sc = (r + n - s) % n;
+        let rc = (r + 2 * n - s - 1) % n;
+        let (out, dst) = split2(buf, parts[sc].clone(), parts[rc].clone());
+        hop.run(comm, out, dst, out16, in16, None)?;
+    }
+    Ok(())
+}
+
+/// One step of [`allreduce_mixed`]: float32 chunks, float16 on links between hosts.
+struct Hop {
+    right: usize,
+    left: usize,
+    send_half: bool,
+    recv_half: bool,
+}
+
+impl Hop {
+    /// Sends `out` right and receives the left neighbour's chunk into `dst`,
+    /// reduced with `op` or (`None`) copied; `out16`/`in16` stage float16 data.
+    fn run(
+        &self,
+        comm: &dyn Comm,
+        out: &[u8],
+        dst: &mut [u8],
+        out16: &mut [u8],
+        in16: &mut [u8],
+        op: Option<ReduceOp>,
+    ) -> Result<()> {
+        let out = if self.send_half {
+            let staged = &mut out16[..out.len() / 2];
+            to_half(staged, out, 1.0);
+            &*staged
+        } else {
+            out
+        };
+        let mut sends = [Send::new(self.right, out)];
+        if self.recv_half {
+            let got = &mut in16[..dst.len() / 2];
+            comm.transfer(&mut sends, &mut [Recv::new(self.left, got)])?;
+            match op {
+                Some(op) => reduce_half_into(dst, got, op),
+                None => from_half(dst, got, 1.0),
+            }
+            return Ok(());
+        }
+        let recv = match op {
+            Some(op) => Recv::reducing(self.left, dst, DataType::F32, op),
+            None => Recv::new(self.left, dst),
+        };
+        comm.transfer(&mut sends, &mut [recv])
+    }
 }
 
 /// Every rank sends its buffer to every other, then reduces in rank order.
@@ -104,7 +201,7 @@ pub fn reduce_scatter(
     Ok(parts[comm.rank()].clone())
 }
 
-fn reduce_scatter_ranges(
+pub(super) fn reduce_scatter_ranges(
     comm: &dyn Comm,
     buf: &mut [u8],
     parts: &[Range<usize>],
@@ -124,7 +221,11 @@ fn reduce_scatter_ranges(
     Ok(())
 }
 
-fn allgather_ranges(comm: &dyn Comm, buf: &mut [u8], parts: &[Range<usize>]) -> Result<()> {
+pub(super) fn allgather_ranges(
+    comm: &dyn Comm,
+    buf: &mut [u8],
+    parts: &[Range<usize>],
+) -> Result<()> {
     let (n, r) = (comm.size(), comm.rank());
     let (right, left) = ((r + 1) % n, (r + n - 1) % n);
     for s in 0..n - 1 {

@@ -13,6 +13,10 @@ struct ThreadComm {
     rank: usize,
     tx: Vec<Sender<Vec<u8>>>,
     rx: Vec<Receiver<Vec<u8>>>,
+    /// Host of every rank.
+    hosts: Vec<usize>,
+    /// Payload bytes this rank sent to ranks on other hosts.
+    inter: std::cell::Cell<usize>,
 }
 
 fn group(n: usize) -> Vec<ThreadComm> {
@@ -33,6 +37,8 @@ fn group(n: usize) -> Vec<ThreadComm> {
             rank,
             tx: tx.into_iter().map(Option::unwrap).collect(),
             rx: rx.into_iter().map(Option::unwrap).collect(),
+            hosts: vec![0; n],
+            inter: std::cell::Cell::new(0),
         })
         .collect()
 }
@@ -46,6 +52,9 @@ impl Comm for ThreadComm {
     }
     fn transfer(&self, sends: &mut [Send<'_>], recvs: &mut [Recv<'_>]) -> crate::error::Result<()> {
         for s in sends.iter() {
+            if self.hosts[s.peer()] != self.hosts[self.rank] {
+                self.inter.set(self.inter.get() + s.data().len());
+            }
             self.tx[s.peer()].send(s.data().to_vec()).unwrap();
         }
         for r in recvs.iter_mut() {
@@ -56,6 +65,9 @@ impl Comm for ThreadComm {
         }
         Ok(())
     }
+    fn host(&self, rank: usize) -> usize {
+        self.hosts[rank]
+    }
 }
 
 /// Runs `f(comm)` on `n` threads and returns their results in rank order.
@@ -63,8 +75,18 @@ fn run<T: std::marker::Send + 'static>(
     n: usize,
     f: impl Fn(&ThreadComm) -> T + std::marker::Send + Sync + 'static,
 ) -> Vec<T> {
+    run_on(&vec![0; n], f)
+}
+
+/// Like [`run`], with rank `r` on host `hosts[r]`.
+fn run_on<T: std::marker::Send + 'static>(
+    hosts: &[usize],
+    f: impl Fn(&ThreadComm) -> T + std::marker::Send + Sync + 'static,
+) -> Vec<T> {
     let f = std::sync::Arc::new(f);
-    let handles: Vec<_> = group(n)
+    let mut comms = group(hosts.len());
+    comms.iter_mut().for_each(|c| c.hosts = hosts.to_vec());
+    let handles: Vec<_> = comms
         .into_iter()
         .map(|c| {
             let f = f.clone();
@@ -263,4 +285,141 @@ fn partition_is_even_and_complete() {
     let p = partition(10, 3);
     assert_eq!(p, vec![0..4, 4..7, 7..10]);
     assert_eq!(partition(2, 4), vec![0..1, 1..2, 2..2, 2..2]);
+}
+
+/// Values that sum exactly in float32 and survive float16 (small integers
+/// times a power of two), so exact paths can be compared bit for bit.
+fn grad(count: usize, rank: usize) -> Vec<f32> {
+    (0..count)
+        .map(|i| (((i * 5 + rank * 3) % 17) as f32 - 8.0) * 0.25)
+        .collect()
+}
+
+fn want_sum(count: usize, n: usize) -> Vec<f32> {
+    let all: Vec<Vec<f32>> = (0..n).map(|r| grad(count, r)).collect();
+    (0..count).map(|i| all.iter().map(|g| g[i]).sum()).collect()
+}
+
+#[test]
+fn hierarchical_allreduce_is_exact_and_identical_everywhere() {
+    for hosts in [
+        vec![0, 0, 1, 1],
+        vec![0, 0, 0, 1, 1, 1],
+        vec![0, 0, 1, 1, 2, 2],
+    ] {
+        for count in [1usize, 7, 5000, 70_001] {
+            let n = hosts.len();
+            let out = run_on(&hosts, move |c| {
+                let mut b = AlignedBuf::from_slice(&f32s(&grad(count, c.rank())));
+                let (mut h, mut s) = (AlignedBuf::default(), AlignedBuf::default());
+                let groups = hosts_of(c);
+                assert!(fits(&groups));
+                allreduce_hierarchical(
+                    c,
+                    b.as_mut_slice(),
+                    DataType::F32,
+                    ReduceOp::Sum,
+                    false,
+                    &mut h,
+                    &mut s,
+                )
+                .unwrap();
+                to_f32s(b.as_slice())
+            });
+            let want = want_sum(count, n);
+            for got in &out {
+                assert_eq!(got, &want, "hosts={hosts:?} count={count}");
+            }
+        }
+    }
+}
+
+#[test]
+fn hierarchy_needs_several_hosts_with_equal_ranks() {
+    let shapes = |hosts: Vec<usize>| {
+        let n = hosts.len();
+        run_on(&hosts, move |c| fits(&hosts_of(c)))
+            .into_iter()
+            .all(|f| f)
+            .then_some(n)
+    };
+    assert_eq!(shapes(vec![0, 0, 1, 1]), Some(4));
+    assert_eq!(shapes(vec![0, 0, 0, 1]), None, "uneven hosts");
+    assert_eq!(shapes(vec![0, 1, 2]), None, "one rank per host");
+    assert_eq!(shapes(vec![0, 0, 0]), None, "one host");
+}
+
+/// float16 between hosts, on the flat ring and in the hierarchy: identical
+/// bytes on every rank, values within float16 rounding of the exact sum,
+/// and half the bytes between hosts of an exact run.
+#[test]
+fn half_between_hosts_is_identical_everywhere_and_halves_inter_host_bytes() {
+    for hosts in [
+        vec![0, 0, 1, 1],
+        vec![0, 1, 0, 1],
+        vec![0, 0, 0, 1],
+        vec![0, 1],
+    ] {
+        for hier in [false, true] {
+            if hier && hosts != [0, 0, 1, 1] {
+                continue;
+            }
+            let count = 40_001usize;
+            let n = hosts.len();
+            let on = hosts.clone();
+            let run_mode = move |half: bool| {
+                run_on(&on, move |c| {
+                    let v: Vec<f32> = grad(count, c.rank()).iter().map(|x| x * 1.001).collect();
+                    let mut b = AlignedBuf::from_slice(&f32s(&v));
+                    let (mut h, mut s) = (AlignedBuf::default(), AlignedBuf::default());
+                    let buf = b.as_mut_slice();
+                    match (hier, half) {
+                        (true, _) => allreduce_hierarchical(
+                            c,
+                            buf,
+                            DataType::F32,
+                            ReduceOp::Sum,
+                            half,
+                            &mut h,
+                            &mut s,
+                        ),
+                        (false, true) => allreduce_mixed(c, buf, ReduceOp::Sum, &mut s),
+                        (false, false) => allreduce(c, buf, DataType::F32, ReduceOp::Sum, &mut s),
+                    }
+                    .unwrap();
+                    (b.as_slice().to_vec(), c.inter.get())
+                })
+            };
+            let exact = run_mode(false);
+            let mixed = run_mode(true);
+            let want: Vec<f32> = want_sum(count, n).iter().map(|x| x * 1.001).collect();
+            for (bytes, _) in &mixed {
+                assert_eq!(
+                    bytes, &mixed[0].0,
+                    "hosts={hosts:?} hier={hier}: ranks differ"
+                );
+                for (g, w) in to_f32s(bytes).iter().zip(&want) {
+                    assert!((g - w).abs() <= 2e-3 * w.abs().max(1.0), "{g} vs {w}");
+                }
+            }
+            let inter = |r: &[(Vec<u8>, usize)]| r.iter().map(|x| x.1).sum::<usize>();
+            assert!(inter(&exact) > 0);
+            assert_eq!(
+                inter(&mixed) * 2,
+                inter(&exact),
+                "hosts={hosts:?} hier={hier}: float16 halves the bytes between hosts"
+            );
+        }
+    }
+}
+
+#[test]
+fn half_between_hosts_on_one_host_is_exact() {
+    let out = run_on(&[0, 0, 0], |c| {
+        let mut b = AlignedBuf::from_slice(&f32s(&grad(1000, c.rank())));
+        let mut s = AlignedBuf::default();
+        allreduce_mixed(c, b.as_mut_slice(), ReduceOp::Sum, &mut s).unwrap();
+        to_f32s(b.as_slice())
+    });
+    assert!(out.iter().all(|o| o == &want_sum(1000, 3)));
 }

@@ -8,6 +8,7 @@ mod topology;
 pub use topology::{cross_from_hosts, first_slurm_host, Launcher, Topology};
 
 use crate::error::{PerseusError, Result};
+use crate::plan::{Encoding, Mode, Plan};
 use std::collections::BTreeMap;
 use std::time::Duration;
 
@@ -102,6 +103,33 @@ pub const PARAMS: &[Param] = &[
               ranks it came from; the step is not applied",
     },
     Param {
+        name: "PERSEUS_ALLREDUCE_DTYPE",
+        default: "0",
+        allowed: "0 (float16), 1 (no compression) or 2 (float16 between hosts only)",
+        doc: "how float32 gradients travel: 0 float16 on every link; 1 as they are; 2 float32 \
+              within a host and float16 between hosts",
+    },
+    Param {
+        name: "PERSEUS_ALLREDUCE_GRADIENT_SCALE",
+        default: "10",
+        allowed: "a number greater than 0 and at most 65504",
+        doc: "gradients are multiplied by it before the cast to float16 and divided after; a \
+              sum that overflows float16 is resent uncompressed with a warning",
+    },
+    Param {
+        name: "PERSEUS_ALLREDUCE_MODE",
+        default: "",
+        allowed: "0 (flat ring), 1 (hierarchical), or unset (automatic)",
+        doc: "allreduce shape across hosts; unset: hierarchical when the set spans several \
+              hosts with the same number (two or more) of ranks on each",
+    },
+    Param {
+        name: "HOROVOD_HIERARCHICAL_ALLREDUCE",
+        default: "",
+        allowed: "0 or 1 (PERSEUS_ALLREDUCE_MODE wins when both are set)",
+        doc: "Horovod's name for PERSEUS_ALLREDUCE_MODE",
+    },
+    Param {
         name: "PERSEUS_TIMELINE",
         default: "",
         allowed: "a file path (HOROVOD_TIMELINE is an alias)",
@@ -145,6 +173,9 @@ pub struct Config {
     pub allreduce_fusion: Option<u32>,
     /// Where a PERSEUS_ variable overrides a HOROVOD_ one: said once at init.
     pub notes: Vec<String>,
+    /// How gradient allreduces travel (PERSEUS_ALLREDUCE_DTYPE, _GRADIENT_SCALE,
+    /// _MODE); other allreduces use its mode with the exact encoding.
+    pub plan: Plan,
 }
 
 /// Reads a variable, treating empty as unset.
@@ -219,6 +250,7 @@ fn precedence_notes() -> Vec<String> {
     let pairs = [
         ("PERSEUS_ALLREDUCE_FUSION", "HOROVOD_FUSION_THRESHOLD"),
         ("PERSEUS_TIMELINE", "HOROVOD_TIMELINE"),
+        ("PERSEUS_ALLREDUCE_MODE", "HOROVOD_HIERARCHICAL_ALLREDUCE"),
     ];
     pairs
         .iter()
@@ -240,6 +272,37 @@ pub fn float_var(name: &str, default: f64) -> Result<f64> {
             _ => Err(invalid(name, &v, allowed_of(name))),
         },
     }
+}
+
+/// The gradient allreduce plan from PERSEUS_ALLREDUCE_DTYPE, _GRADIENT_SCALE
+/// and _MODE (or HOROVOD_HIERARCHICAL_ALLREDUCE).
+fn gradient_plan() -> Result<Plan> {
+    let encoding = match int_var("PERSEUS_ALLREDUCE_DTYPE", 0, 0, 2)? {
+        0 => Encoding::Half,
+        1 => Encoding::Exact,
+        _ => Encoding::HalfBetweenHosts,
+    };
+    let name = "PERSEUS_ALLREDUCE_GRADIENT_SCALE";
+    let scale = match var(name) {
+        None => 10.0,
+        Some(v) => match v.parse::<f64>() {
+            Ok(x) if x > 0.0 && x <= 65504.0 => x,
+            _ => return Err(invalid(name, &v, allowed_of(name))),
+        },
+    };
+    let mode = match var("PERSEUS_ALLREDUCE_MODE") {
+        Some(_) => int_var("PERSEUS_ALLREDUCE_MODE", 0, 0, 1)?,
+        None => match var("HOROVOD_HIERARCHICAL_ALLREDUCE") {
+            Some(_) => int_var("HOROVOD_HIERARCHICAL_ALLREDUCE", 0, 0, 1)?,
+            None => 2,
+        },
+    };
+    let mode = [Mode::Flat, Mode::Hierarchical, Mode::Auto][mode as usize];
+    Ok(Plan {
+        encoding,
+        scale,
+        mode,
+    })
 }
 
 /// Where the rendezvous store is, and whether this rank hosts it.
@@ -319,6 +382,7 @@ impl Config {
             notes: precedence_notes(),
             accumulate_n_steps: int_var("PERSEUS_ACCUMULATE_N_STEPS", 1, 1, 1024)? as u32,
             nancheck: int_var("PERSEUS_ALLREDUCE_NANCHECK", 0, 0, 1)? == 1,
+            plan: gradient_plan()?,
         })
     }
 
@@ -364,6 +428,23 @@ impl Config {
             "PERSEUS_ALLREDUCE_NANCHECK".into(),
             u8::from(self.nancheck).to_string(),
         );
+        let (enc, mode) = (self.plan.encoding, self.plan.mode);
+        let dtype = match enc {
+            Encoding::Half => "0",
+            Encoding::Exact => "1",
+            Encoding::HalfBetweenHosts => "2",
+        };
+        m.insert("PERSEUS_ALLREDUCE_DTYPE".into(), dtype.into());
+        m.insert(
+            "PERSEUS_ALLREDUCE_GRADIENT_SCALE".into(),
+            self.plan.scale.to_string(),
+        );
+        let mode = match mode {
+            Mode::Flat => "0",
+            Mode::Hierarchical => "1",
+            Mode::Auto => "",
+        };
+        m.insert("PERSEUS_ALLREDUCE_MODE".into(), mode.into());
         m.insert(
             "PERSEUS_TIMELINE".into(),
             self.timeline.clone().unwrap_or_default(),

@@ -354,6 +354,13 @@ fn decide(
                 format!("{}/{}", r.prescale, r.postscale),
             );
         }
+        if kind == OpKind::Allreduce && r.plan != first.plan {
+            return mismatch(
+                "plans (PERSEUS_ALLREDUCE_DTYPE, _GRADIENT_SCALE, _MODE)",
+                first.plan.describe(),
+                r.plan.describe(),
+            );
+        }
         if kind == OpKind::Broadcast && r.root != first.root {
             return mismatch("root ranks", first.root.to_string(), r.root.to_string());
         }
@@ -405,6 +412,7 @@ fn decide(
         prescale: first.prescale,
         postscale: first.postscale,
         sizes,
+        plan: first.plan,
     };
     let done = |value: i64| Response::Done {
         kind,
@@ -459,6 +467,7 @@ fn fuse(answers: Vec<Response>, threshold: usize) -> Vec<Response> {
                 op,
                 prescale,
                 postscale,
+                plan,
                 ..
             }),
             Response::Op {
@@ -469,6 +478,7 @@ fn fuse(answers: Vec<Response>, threshold: usize) -> Vec<Response> {
                 op: o2,
                 prescale: p2,
                 postscale: q2,
+                plan: plan2,
                 ..
             },
         ) = (out.last_mut(), &a)
@@ -478,6 +488,7 @@ fn fuse(answers: Vec<Response>, threshold: usize) -> Vec<Response> {
                 && op == o2
                 && prescale == p2
                 && postscale == q2
+                && plan == plan2
                 && fused_bytes + bytes <= threshold
             {
                 names.extend(n2.iter().cloned());

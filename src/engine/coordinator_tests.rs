@@ -190,6 +190,11 @@ fn messages_round_trip_on_the_wire() {
     let mut r = ar("layer.weight", &[3, 4]);
     r.ints = vec![1, 2];
     r.prescale = 0.5;
+    r.plan = crate::plan::Plan {
+        encoding: crate::plan::Encoding::HalfBetweenHosts,
+        scale: 4.0,
+        mode: crate::plan::Mode::Hierarchical,
+    };
     let wire = vec![WireRequest::Full(r), WireRequest::Cached(7)];
     assert_eq!(decode_requests(&encode_requests(&wire)).unwrap(), wire);
     let resps = vec![
@@ -204,6 +209,7 @@ fn messages_round_trip_on_the_wire() {
             prescale: 2.0,
             postscale: 0.25,
             sizes: vec![1, 1, 0, 2],
+            plan: crate::plan::Plan::default(),
         },
         Response::Error {
             process_set: 0,
@@ -230,21 +236,31 @@ fn messages_round_trip_on_the_wire() {
 }
 
 #[test]
-fn response_cache_assigns_ids_once_and_expands_them() {
-    use super::message::WireRequest;
-    let mut c = Coordinator::new(2, 1 << 20).with_cache(1);
-    c.submit(0, vec![ar("a", &[2])]);
-    let out = c.submit(1, vec![ar("a", &[2])]);
-    assert!(matches!(&out[0].1, Response::Cached { id: 1, name, .. } if name == "a"));
-    assert!(matches!(&out[1].1, Response::Op { .. }));
-    // Full capacity: "b" is not cached.
-    c.submit(0, vec![ar("b", &[2])]);
-    let out = c.submit(1, vec![ar("b", &[2])]);
-    assert_eq!(out.len(), 1);
-    // A cached id stands for the full request.
-    c.submit_wire(0, vec![WireRequest::Cached(1)]);
-    let out = c.submit_wire(1, vec![WireRequest::Full(ar("a", &[2]))]);
-    assert!(matches!(&out[0].1, Response::Op { names, .. } if names == &vec!["a".to_string()]));
-    let out = c.submit_wire(1, vec![WireRequest::Cached(9)]);
-    assert!(matches!(&out[0].1, Response::Abort { message } if message.contains("cache id 9")));
+fn differing_plans_are_a_mismatch_and_do_not_fuse() {
+    use crate::plan::{Encoding, Plan};
+    let half = Plan {
+        encoding: Encoding::Half,
+        scale: 10.0,
+        ..Plan::default()
+    };
+    let mut c = Coordinator::new(2, 1 << 20);
+    let mut a = ar("g", &[4]);
+    a.plan = half;
+    c.submit(0, vec![a]);
+    let out = c.submit(1, vec![ar("g", &[4])]);
+    let Response::Error { message, .. } = &out[0].1 else {
+        panic!("expected an error, got {out:?}");
+    };
+    assert!(
+        message.contains("plans") && message.contains("float16 (scale 10)"),
+        "{message}"
+    );
+    // Same plan on both ranks, but two different plans in one burst: two buffers.
+    let mut x = ar("x", &[4]);
+    x.plan = half;
+    let reqs = vec![x, ar("y", &[4])];
+    c.submit(0, reqs.clone());
+    let out = c.submit(1, reqs);
+    let got: Vec<Vec<String>> = out.iter().map(|(_, r)| names(r)).collect();
+    assert_eq!(got, vec![vec!["x"], vec!["y"]]);
 }

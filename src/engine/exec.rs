@@ -8,7 +8,8 @@ use super::tensor::{OwnedTensor, TensorView};
 use crate::collective::{self, Comm};
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::{PerseusError, Result};
-use crate::kernels::{scale, AlignedBuf};
+use crate::kernels::{first_nonfinite, from_half, scale, to_half, AlignedBuf};
+use crate::plan::{Encoding, Mode, Plan};
 
 /// A local operation waiting for its response.
 pub struct Entry {
@@ -25,8 +26,20 @@ pub struct Entry {
 pub struct Buffers {
     /// Fusion buffer.
     pub fusion: AlignedBuf,
+    /// float16 image of the fusion buffer (compressed allreduces).
+    pub half: AlignedBuf,
     /// Scratch for the algorithms.
     pub scratch: AlignedBuf,
+}
+
+/// What a data-moving response did on this rank.
+pub struct Outcome {
+    /// One result per name.
+    pub results: Vec<Result<Output>>,
+    /// A compressed allreduce overflowed float16 and was resent exactly: the
+    /// positions of the tensors whose float16 sums were not finite, and
+    /// whether the exact sums were finite (then the scale was to blame).
+    pub resent: Option<(Vec<usize>, bool)>,
 }
 
 fn elems(shape: &[i64]) -> usize {
@@ -34,13 +47,13 @@ fn elems(shape: &[i64]) -> usize {
 }
 
 /// Executes a data-moving `Op` response. `entries[i]` belongs to `names[i]`
-/// (`None` where this rank has joined). Returns one result per name.
+/// (`None` where this rank has joined).
 pub fn run_op(
     comm: &dyn Comm,
     resp: &Response,
     entries: &[Option<Entry>],
     bufs: &mut Buffers,
-) -> Vec<Result<Output>> {
+) -> Outcome {
     let Response::Op {
         kind,
         shapes,
@@ -50,6 +63,7 @@ pub fn run_op(
         prescale,
         postscale,
         sizes,
+        plan,
         ..
     } = resp
     else {
@@ -61,9 +75,30 @@ pub fn run_op(
     } else {
         *postscale
     };
-    let one = |r: Result<Output>| vec![r];
+    let one = |r: Result<Output>| Outcome {
+        results: vec![r],
+        resent: None,
+    };
     match kind {
-        OpKind::Allreduce => allreduce(comm, shapes, *dtype, *op, *prescale, post, entries, bufs),
+        OpKind::Allreduce => {
+            let mut ar = Allreduce {
+                comm,
+                sizes: shapes.iter().map(|s| elems(s) * dtype.size()).collect(),
+                dtype: *dtype,
+                op: *op,
+                pre: *prescale,
+                post,
+                entries,
+            };
+            let (result, resent) = ar.run(plan, bufs);
+            Outcome {
+                results: entries
+                    .iter()
+                    .map(|_| result.clone().map(|_| Output::default()))
+                    .collect(),
+                resent,
+            }
+        }
         OpKind::Broadcast => one((|| {
             let e = entries[0].as_ref().expect("broadcast entry");
             // SAFETY: the front-end keeps the tensor alive until completion.
@@ -80,66 +115,241 @@ pub fn run_op(
     }
 }
 
-#[allow(clippy::too_many_arguments)]
-fn allreduce(
-    comm: &dyn Comm,
-    shapes: &[Vec<i64>],
+/// One (possibly fused) allreduce on this rank.
+struct Allreduce<'a> {
+    comm: &'a dyn Comm,
+    /// Bytes of each tensor.
+    sizes: Vec<usize>,
     dtype: DataType,
     op: ReduceOp,
     pre: f64,
     post: f64,
-    entries: &[Option<Entry>],
-    bufs: &mut Buffers,
-) -> Vec<Result<Output>> {
-    let sizes: Vec<usize> = shapes.iter().map(|s| elems(s) * dtype.size()).collect();
-    let result = (|| -> Result<()> {
+    entries: &'a [Option<Entry>],
+}
+
+impl Allreduce<'_> {
+    /// Runs the plan; a compressed run whose float16 sum is not finite is
+    /// redone exactly from the inputs, which nothing has written yet.
+    fn run(&mut self, plan: &Plan, bufs: &mut Buffers) -> (Result<()>, Option<(Vec<usize>, bool)>) {
+        let hosts = collective::hosts_of(self.comm);
+        let hier = plan.mode != Mode::Flat && collective::fits(&hosts);
+        let compress = self.dtype == DataType::F32
+            && matches!(self.op, ReduceOp::Sum | ReduceOp::Average)
+            && match plan.encoding {
+                Encoding::Exact => false,
+                Encoding::Half => self.comm.size() > 1,
+                Encoding::HalfBetweenHosts => hosts.len() > 1,
+            };
+        if !compress {
+            return (self.exact(hier, bufs), None);
+        }
+        let bad = match plan.encoding {
+            Encoding::Half => self.half(hier, plan.scale, bufs),
+            _ => self.half_between_hosts(hier, plan.scale, bufs),
+        };
+        match bad {
+            Ok(None) => (Ok(()), None),
+            Err(e) => (Err(e), None),
+            Ok(Some(bad)) => {
+                let r = self.exact(hier, bufs);
+                let finite = r.is_ok() && bad.iter().all(|&i| self.output_finite(i));
+                (r, Some((bad, finite)))
+            }
+        }
+    }
+
+    fn input(&self, i: usize) -> Option<&[u8]> {
+        let e = self.entries[i].as_ref()?;
+        // SAFETY: the front-end keeps the tensor alive until completion.
+        e.input.as_ref().map(|v| unsafe { v.bytes() })
+    }
+
+    fn output(&self, i: usize) -> Option<&TensorView> {
+        self.entries[i].as_ref()?.output.as_ref()
+    }
+
+    fn output_finite(&self, i: usize) -> bool {
+        // SAFETY: the front-end keeps the tensor alive until completion.
+        self.output(i).map_or(true, |o| {
+            first_nonfinite(unsafe { o.bytes() }, self.dtype).is_none()
+        })
+    }
+
+    /// Byte offset of each tensor in the fused buffer.
+    fn offsets(&self) -> Vec<usize> {
+        let mut off = 0;
+        self.sizes
+            .iter()
+            .map(|&l| {
+                let o = off;
+                off += l;
+                o
+            })
+            .collect()
+    }
+
+    /// Tensors with a non-finite element in `fused` (a `dtype` image whose
+    /// element `k` is byte `k * dtype.size()` of the original layout).
+    fn nonfinite(&self, fused: &[u8], dtype: DataType) -> Option<Vec<usize>> {
+        first_nonfinite(fused, dtype)?;
+        let ratio = self.dtype.size() / dtype.size();
+        let bad: Vec<usize> = self
+            .offsets()
+            .iter()
+            .zip(&self.sizes)
+            .enumerate()
+            .filter(|(_, (&o, &l))| {
+                first_nonfinite(&fused[o / ratio..(o + l) / ratio], dtype).is_some()
+            })
+            .map(|(i, _)| i)
+            .collect();
+        Some(bad)
+    }
+
+    fn reduce(
+        &self,
+        buf: &mut [u8],
+        dtype: DataType,
+        hier: bool,
+        bufs: &mut Buffers,
+    ) -> Result<()> {
+        if hier {
+            let mut half = AlignedBuf::default();
+            collective::allreduce_hierarchical(
+                self.comm,
+                buf,
+                dtype,
+                self.op,
+                false,
+                &mut half,
+                &mut bufs.scratch,
+            )
+        } else {
+            collective::allreduce(self.comm, buf, dtype, self.op, &mut bufs.scratch)
+        }
+    }
+
+    /// Copies the inputs (zeros for a joined rank) into `fused`.
+    fn fuse_into(&self, fused: &mut [u8]) {
+        for (i, (o, &l)) in self.offsets().iter().zip(&self.sizes).enumerate() {
+            let dst = &mut fused[*o..o + l];
+            match self.input(i) {
+                Some(src) => dst.copy_from_slice(src),
+                None => dst.fill(0),
+            }
+        }
+    }
+
+    /// Copies `fused` out to the outputs.
+    fn scatter_from(&self, fused: &[u8]) {
+        for (i, (o, &l)) in self.offsets().iter().zip(&self.sizes).enumerate() {
+            if let Some(out) = self.output(i) {
+                // SAFETY: the front-end keeps the tensor alive until completion,
+                // and only the engine thread writes it until then.
+                unsafe { out.bytes_mut() }.copy_from_slice(&fused[*o..o + l]);
+            }
+        }
+    }
+
+    /// The exact reduction, in the output's own memory for a lone tensor.
+    fn exact(&self, hier: bool, bufs: &mut Buffers) -> Result<()> {
         if let [Some(Entry {
             input: Some(i),
             output: Some(o),
             ..
-        })] = entries
+        })] = self.entries
         {
-            // One tensor: reduce in the output's own memory.
             // SAFETY: the front-end keeps both tensors alive until completion.
             let out = unsafe { o.bytes_mut() };
             if i.ptr != o.ptr {
                 out.copy_from_slice(unsafe { i.bytes() });
             }
-            scale(out, dtype, pre);
-            collective::allreduce(comm, out, dtype, op, &mut bufs.scratch)?;
-            scale(out, dtype, post);
+            scale(out, self.dtype, self.pre);
+            self.reduce(out, self.dtype, hier, bufs)?;
+            scale(out, self.dtype, self.post);
             return Ok(());
         }
-        let total: usize = sizes.iter().sum();
-        bufs.fusion.resize(total);
-        let fused = bufs.fusion.as_mut_slice();
-        let mut off = 0;
-        for (e, &len) in entries.iter().zip(&sizes) {
-            let dst = &mut fused[off..off + len];
-            match e.as_ref().and_then(|e| e.input.as_ref()) {
-                // SAFETY: as above.
-                Some(i) => dst.copy_from_slice(unsafe { i.bytes() }),
+        let mut fusion = std::mem::take(&mut bufs.fusion);
+        fusion.resize(self.sizes.iter().sum());
+        let fused = fusion.as_mut_slice();
+        self.fuse_into(fused);
+        scale(fused, self.dtype, self.pre);
+        let r = self.reduce(fused, self.dtype, hier, bufs);
+        if r.is_ok() {
+            scale(fused, self.dtype, self.post);
+            self.scatter_from(fused);
+        }
+        bufs.fusion = fusion;
+        r
+    }
+
+    /// float16 on every link: cast (scaled) into the float16 buffer, reduce
+    /// it, check it, cast back (unscaled) into the outputs.
+    fn half(&self, hier: bool, gscale: f64, bufs: &mut Buffers) -> Result<Option<Vec<usize>>> {
+        let mut half = std::mem::take(&mut bufs.half);
+        half.resize(self.sizes.iter().sum::<usize>() / 2);
+        let h = half.as_mut_slice();
+        for (i, (o, &l)) in self.offsets().iter().zip(&self.sizes).enumerate() {
+            let dst = &mut h[o / 2..(o + l) / 2];
+            match self.input(i) {
+                Some(src) => to_half(dst, src, self.pre * gscale),
                 None => dst.fill(0),
             }
-            off += len;
         }
-        scale(fused, dtype, pre);
-        collective::allreduce(comm, fused, dtype, op, &mut bufs.scratch)?;
-        scale(fused, dtype, post);
-        let mut off = 0;
-        for (e, &len) in entries.iter().zip(&sizes) {
-            if let Some(o) = e.as_ref().and_then(|e| e.output.as_ref()) {
-                // SAFETY: as above.
-                unsafe { o.bytes_mut() }.copy_from_slice(&fused[off..off + len]);
+        let r = self.reduce(h, DataType::F16, hier, bufs).map(|_| {
+            let bad = self.nonfinite(h, DataType::F16);
+            if bad.is_none() {
+                for (i, (o, &l)) in self.offsets().iter().zip(&self.sizes).enumerate() {
+                    if let Some(out) = self.output(i) {
+                        // SAFETY: as in `scatter_from`.
+                        let out = unsafe { out.bytes_mut() };
+                        from_half(out, &h[o / 2..(o + l) / 2], self.post / gscale);
+                    }
+                }
             }
-            off += len;
-        }
-        Ok(())
-    })();
-    entries
-        .iter()
-        .map(|_| result.clone().map(|_| Output::default()))
-        .collect()
+            bad
+        });
+        bufs.half = half;
+        r
+    }
+
+    /// float32 within hosts, float16 between them; every rank ends with the
+    /// same float16-rounded sums.
+    fn half_between_hosts(
+        &self,
+        hier: bool,
+        gscale: f64,
+        bufs: &mut Buffers,
+    ) -> Result<Option<Vec<usize>>> {
+        let mut fusion = std::mem::take(&mut bufs.fusion);
+        fusion.resize(self.sizes.iter().sum());
+        let fused = fusion.as_mut_slice();
+        self.fuse_into(fused);
+        scale(fused, self.dtype, self.pre * gscale);
+        let r = if hier {
+            collective::allreduce_hierarchical(
+                self.comm,
+                fused,
+                self.dtype,
+                self.op,
+                true,
+                &mut bufs.half,
+                &mut bufs.scratch,
+            )
+        } else {
+            collective::allreduce_mixed(self.comm, fused, self.op, &mut bufs.scratch)
+        };
+        let r = r.map(|_| {
+            let bad = self.nonfinite(fused, self.dtype);
+            if bad.is_none() {
+                scale(fused, self.dtype, self.post / gscale);
+                self.scatter_from(fused);
+            }
+            bad
+        });
+        bufs.fusion = fusion;
+        r
+    }
 }
 
 fn input_of(entries: &[Option<Entry>]) -> Result<&TensorView> {

@@ -3,6 +3,7 @@
 
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::{PerseusError, Result};
+use crate::plan::Plan;
 use crate::wire::{Reader, Writer};
 
 /// The kind of an operation.
@@ -98,6 +99,8 @@ pub struct Request {
     /// Alltoall: rows for each destination; AddProcessSet: the member ranks;
     /// RemoveProcessSet: the id.
     pub ints: Vec<i64>,
+    /// Allreduce: encoding on the wire and shape across hosts.
+    pub plan: Plan,
 }
 
 /// Bytes of a tensor of `shape` and `dtype` (a negative dimension counts as empty).
@@ -120,6 +123,7 @@ impl Request {
             postscale: 1.0,
             stack: false,
             ints: vec![],
+            plan: Plan::default(),
         }
     }
 
@@ -140,6 +144,7 @@ impl Request {
         w.f64(self.postscale)
             .u8(u8::from(self.stack))
             .i64s(&self.ints);
+        encode_plan(w, &self.plan);
     }
 
     fn decode(r: &mut Reader<'_>) -> Result<Request> {
@@ -155,8 +160,19 @@ impl Request {
             postscale: r.f64()?,
             stack: r.u8()? != 0,
             ints: r.i64s()?,
+            plan: decode_plan(r)?,
         })
     }
+}
+
+fn encode_plan(w: &mut Writer, p: &Plan) {
+    let (enc, mode) = p.codes();
+    w.u8(enc).f64(p.scale).u8(mode);
+}
+
+fn decode_plan(r: &mut Reader<'_>) -> Result<Plan> {
+    let (enc, scale, mode) = (r.u8()?, r.f64()?, r.u8()?);
+    Plan::from_codes(enc, scale, mode)
 }
 
 /// The coordinator's decision, sent to every member of the process set.
@@ -185,6 +201,8 @@ pub enum Response {
         /// Allgather: dim 0 of every rank; alltoall: the n×n split matrix,
         /// row `s` holding what rank `s` sends to each rank.
         sizes: Vec<i64>,
+        /// Allreduce: encoding on the wire and shape across hosts.
+        plan: Plan,
     },
     /// These names failed on every rank, with this message.
     Error {
@@ -289,6 +307,7 @@ pub fn encode_responses(resps: &[Response]) -> Vec<u8> {
                 prescale,
                 postscale,
                 sizes,
+                plan,
             } => {
                 w.u8(TAG_OP)
                     .u8(*kind as u8)
@@ -303,6 +322,7 @@ pub fn encode_responses(resps: &[Response]) -> Vec<u8> {
                     .f64(*prescale)
                     .f64(*postscale);
                 w.i64s(sizes);
+                encode_plan(&mut w, plan);
             }
             Response::Error {
                 process_set,
@@ -371,6 +391,7 @@ pub fn decode_responses(buf: &[u8]) -> Result<Vec<Response>> {
                     prescale: r.f64()?,
                     postscale: r.f64()?,
                     sizes: r.i64s()?,
+                    plan: decode_plan(&mut r)?,
                 }
             }
             TAG_ERROR => {

@@ -24,7 +24,7 @@ pub use handles::Output;
 pub use message::{OpKind, Request, Response};
 pub use tensor::{Device, OwnedTensor, TensorView};
 
-use crate::collective::MeshComm;
+use crate::collective::SubComm;
 use crate::config::Config;
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::{PerseusError, Result};
@@ -75,6 +75,7 @@ struct Counters {
     negotiation_messages: AtomicU64,
     bytes_intra_host: AtomicU64,
     bytes_inter_host: AtomicU64,
+    compression_resends: AtomicU64,
 }
 
 /// A running engine.
@@ -147,6 +148,8 @@ impl Engine {
             cycle: config.cycle_time,
             spin: spin(ANSWER_SPIN),
             exit: false,
+            warned_overflow: false,
+            gradient_scale: config.plan.scale,
         };
         let thread = std::thread::Builder::new()
             .name("perseus-engine".into())
@@ -172,7 +175,9 @@ impl Engine {
     /// largest one's payload (`fused_bytes_max`),
     /// `negotiation_messages` sent to the coordinator, `cache_hits` (requests sent
     /// as response-cache ids), and payload bytes sent to ranks on this host
-    /// (`bytes_intra_host`) and on other hosts (`bytes_inter_host`).
+    /// (`bytes_intra_host`) and on other hosts (`bytes_inter_host`), and
+    /// `compression_resends`: float16 allreduces that overflowed and were
+    /// resent uncompressed.
     pub fn counters(&self) -> BTreeMap<String, u64> {
         let c = &self.shared.counters;
         let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
@@ -185,6 +190,7 @@ impl Engine {
             ("cache_hits", get(&self.shared.cache_hits)),
             ("bytes_intra_host", get(&c.bytes_intra_host)),
             ("bytes_inter_host", get(&c.bytes_inter_host)),
+            ("compression_resends", get(&c.compression_resends)),
         ]
         .into_iter()
         .map(|(k, v)| (k.to_string(), v))
@@ -395,6 +401,10 @@ struct State {
     /// cores are oversubscribed: a yielding rank steals its neighbour's slice).
     spin: Duration,
     exit: bool,
+    /// The float16 overflow warning was given.
+    warned_overflow: bool,
+    /// PERSEUS_ALLREDUCE_GRADIENT_SCALE, for that warning.
+    gradient_scale: f64,
 }
 
 impl State {
@@ -596,6 +606,30 @@ impl State {
         }
     }
 
+    /// A compressed allreduce overflowed float16 and went again uncompressed:
+    /// counted, and said once per process (by the set's first rank) when the
+    /// exact sums were finite, i.e. when the gradient scale was to blame.
+    fn note_resend(&mut self, members: &[usize], names: &[String], bad: &[usize], finite: bool) {
+        let c = &self.shared.counters;
+        c.compression_resends.fetch_add(1, Ordering::Relaxed);
+        if !finite || members.first() != Some(&self.mesh.rank()) {
+            return;
+        }
+        if self.warned_overflow {
+            return;
+        }
+        self.warned_overflow = true;
+        let which: Vec<&str> = bad.iter().map(|&i| names[i].as_str()).collect();
+        eprintln!(
+            "[perseus] warning: the float16 sum of gradient(s) {} overflowed at \
+             PERSEUS_ALLREDUCE_GRADIENT_SCALE={}; the buffer was resent uncompressed. \
+             Lower the scale (e.g. PERSEUS_ALLREDUCE_GRADIENT_SCALE=1) if this repeats. \
+             (Said once.)",
+            which.join(", "),
+            self.gradient_scale
+        );
+    }
+
     fn execute(&mut self, resp: Response) {
         match &resp {
             Response::Op {
@@ -625,12 +659,16 @@ impl State {
                 let Some(members) = members else {
                     return self.fail_all(PerseusError::Protocol(format!("unknown set {ps}")));
                 };
-                let comm = MeshComm::new(&self.mesh, &members);
+                let comm = SubComm::new(&self.mesh, members.clone());
                 let start = Instant::now();
                 let (entries, queued): (Vec<Option<Entry>>, Vec<Option<Instant>>) =
                     taken.into_iter().map(Option::unzip).unzip();
-                let results = exec::run_op(&comm, &resp, &entries, &mut self.bufs);
+                let outcome = exec::run_op(&comm, &resp, &entries, &mut self.bufs);
                 let end = Instant::now();
+                if let Some((bad, finite)) = &outcome.resent {
+                    self.note_resend(&members, names, bad, *finite);
+                }
+                let results = outcome.results;
                 let c = &self.shared.counters;
                 c.operations.fetch_add(1, Ordering::Relaxed);
                 c.tensors.fetch_add(names.len() as u64, Ordering::Relaxed);

@@ -4,8 +4,10 @@
 //! loop the compiler vectorises. Half types go through `f32` in blocks.
 
 mod aligned;
+mod convert;
 
 pub use aligned::AlignedBuf;
+pub use convert::{first_nonfinite, from_half, reduce_half_into, round_through_half, to_half};
 
 use crate::dtype::{DataType, ReduceOp};
 use half::slice::HalfFloatSliceExt;

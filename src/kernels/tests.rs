@@ -122,3 +122,53 @@ fn misaligned_buffers_are_handled() {
     assert_eq!(f32::from_ne_bytes(raw[1..5].try_into().unwrap()), 2.5);
     assert_eq!(f32::from_ne_bytes(raw[5..9].try_into().unwrap()), 3.5);
 }
+
+#[test]
+fn half_casts_scale_round_and_find_nonfinite() {
+    // 3000 elements: several conversion blocks and a partial one.
+    let v: Vec<f32> = (0..3000).map(|i| (i as f32 - 1500.0) * 0.125).collect();
+    let src = bytes(&v);
+    let mut h = AlignedBuf::zeroed(v.len() * 2);
+    to_half(h.as_mut_slice(), src.as_slice(), 10.0);
+    let halves: Vec<half::f16> = back(&h);
+    assert_eq!(
+        halves[1],
+        half::f16::from_f32((1.0 - 1500.0) * 0.125 * 10.0)
+    );
+    let mut out = AlignedBuf::zeroed(v.len() * 4);
+    from_half(out.as_mut_slice(), h.as_slice(), 0.1);
+    for (g, w) in back::<f32>(&out).iter().zip(&v) {
+        assert!((g - w).abs() <= 1e-3 * w.abs().max(1.0), "{g} vs {w}");
+    }
+    // float32 += float16, and rounding through float16.
+    let mut acc = bytes(&v);
+    reduce_half_into(acc.as_mut_slice(), h.as_slice(), ReduceOp::Sum);
+    assert!((back::<f32>(&acc)[0] - 11.0 * v[0]).abs() < 0.5);
+    let mut r = bytes(&[1.0f32 / 3.0, 65504.0, 1e6]);
+    round_through_half(r.as_mut_slice());
+    assert_eq!(
+        back::<f32>(&r),
+        [
+            half::f16::from_f32(1.0 / 3.0).to_f32(),
+            65504.0,
+            f32::INFINITY
+        ]
+    );
+    // Non-finite detection in both widths, on odd offsets too.
+    assert_eq!(first_nonfinite(h.as_slice(), DataType::F16), None);
+    assert_eq!(first_nonfinite(src.as_slice(), DataType::F32), None);
+    let mut big = v.clone();
+    big[2999] = 7000.0;
+    to_half(h.as_mut_slice(), bytes(&big).as_slice(), 10.0);
+    assert_eq!(first_nonfinite(h.as_slice(), DataType::F16), Some(2999));
+    big[1234] = f32::NAN;
+    assert_eq!(
+        first_nonfinite(bytes(&big).as_slice(), DataType::F32),
+        Some(1234)
+    );
+    let whole = bytes(&big);
+    assert_eq!(
+        first_nonfinite(&whole.as_slice()[4..], DataType::F32),
+        Some(1233)
+    );
+}

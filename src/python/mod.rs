@@ -196,8 +196,11 @@ fn named(kind: OpKind, name: Option<String>, ps: u32) -> Request {
 }
 
 /// Starts an allreduce of `inp` into `out` (may be the same capsule).
+/// `gradient`: a gradient reduction, which travels as the
+/// PERSEUS_ALLREDUCE_DTYPE plan says (others are exact).
 #[pyfunction]
-#[pyo3(signature = (inp, out, name, op, prescale, postscale, process_set))]
+#[pyo3(signature = (inp, out, name, op, prescale, postscale, process_set, gradient=false))]
+#[allow(clippy::too_many_arguments)]
 fn allreduce(
     inp: &Bound<'_, PyAny>,
     out: &Bound<'_, PyAny>,
@@ -206,11 +209,14 @@ fn allreduce(
     prescale: f64,
     postscale: f64,
     process_set: u32,
+    gradient: bool,
 ) -> PyResult<u64> {
     let mut req = named(OpKind::Allreduce, name, process_set);
     req.op = op_of(op)?;
     req.prescale = prescale;
     req.postscale = postscale;
+    let plan = engine()?.config().plan;
+    req.plan = if gradient { plan } else { plan.exact() };
     submit(req, Some(inp), Some(out))
 }
 

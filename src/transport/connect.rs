@@ -160,8 +160,7 @@ pub fn connect_mesh(cfg: &Config) -> Result<MeshParts> {
         shm = Some((seg, me));
     }
     Ok(MeshParts {
-        mesh: Mesh::new(rank, links, shm, timeout)
-            .with_hosts(hosts.iter().map(|h| *h == host).collect()),
+        mesh: Mesh::new(rank, links, shm, timeout).with_hosts(&hosts),
         control,
         hosts,
     })

@@ -78,7 +78,7 @@ pub struct Mesh {
     shm: Option<(Arc<Segment>, usize)>,
     timeout: Duration,
     spin: Duration,
-    same_host: Vec<bool>,
+    host_ids: Vec<usize>,
     sent_intra: AtomicU64,
     sent_inter: AtomicU64,
 }
@@ -92,14 +92,14 @@ impl Mesh {
         shm: Option<(Arc<Segment>, usize)>,
         timeout: Duration,
     ) -> Mesh {
-        let same_host = vec![true; links.len()];
+        let host_ids = vec![0; links.len()];
         Mesh {
             rank,
             links,
             shm,
             timeout,
             spin: DEFAULT_SPIN,
-            same_host,
+            host_ids,
             sent_intra: AtomicU64::new(0),
             sent_inter: AtomicU64::new(0),
         }
@@ -111,10 +111,18 @@ impl Mesh {
         self
     }
 
-    /// Marks which peers share this rank's host (for the byte counters).
-    pub fn with_hosts(mut self, same_host: Vec<bool>) -> Mesh {
-        self.same_host = same_host;
+    /// Records each rank's host (one key per rank; equal keys share a host).
+    pub fn with_hosts(mut self, hosts: &[String]) -> Mesh {
+        self.host_ids = hosts
+            .iter()
+            .map(|h| hosts.iter().position(|x| x == h).unwrap_or(0))
+            .collect();
         self
+    }
+
+    /// An index naming `rank`'s host (ranks on one host share it).
+    pub fn host_of(&self, rank: usize) -> usize {
+        self.host_ids.get(rank).copied().unwrap_or(0)
     }
 
     /// Payload bytes sent so far to peers on this host and on other hosts.
@@ -145,7 +153,7 @@ impl Mesh {
         let shm = self.shm.as_ref().map(|(s, me)| (&**s, *me));
         progress::run(&self.links, shm, self.timeout, self.spin, sends, recvs)?;
         for s in sends.iter() {
-            let same = self.same_host.get(s.peer()).copied().unwrap_or(true);
+            let same = self.host_of(s.peer()) == self.host_of(self.rank);
             let counter = if same {
                 &self.sent_intra
             } else {

@@ -12,11 +12,14 @@ WORKERS = Path(__file__).parent / "workers"
 OK_MARK = "WORKER OK"
 
 
-def launch(n, worker, *args, env=None, timeout=150):
+def launch(n, worker, *args, env=None, timeout=150, hosts=None):
     """Run ``workers/<worker>`` on ``n`` ranks with the launcher; return
-    ``(returncode, stdout, stderr)``. On timeout the launcher's process group is
+    ``(returncode, stdout, stderr)``. ``hosts`` (``-H``): loopback addresses such as
+    ``127.0.0.1:2,127.0.0.2:2`` make separate "hosts" on this machine (each its own
+    shared memory, TCP between them). On timeout the launcher's process group is
     terminated (the launcher tears its ranks down) and the output so far returned."""
-    cmd = [sys.executable, "-m", "perseus.runner.launch", "-np", str(n),
+    placement = ["-H", hosts] if hosts else []
+    cmd = [sys.executable, "-m", "perseus.runner.launch", "-np", str(n), *placement,
            sys.executable, str(WORKERS / worker), *map(str, args)]
     full_env = dict(os.environ)
     full_env.update(env or {})
@@ -38,11 +41,11 @@ def launch(n, worker, *args, env=None, timeout=150):
 
 @pytest.fixture
 def run_workers():
-    """``run_workers(n, worker, *args, env=None)``: launch, and fail the test unless every
-    rank exited 0 after printing the OK mark; returns stdout, then stderr."""
+    """``run_workers(n, worker, *args, env=None, hosts=None)``: launch, and fail the test
+    unless every rank exited 0 after printing the OK mark; returns stdout, then stderr."""
 
-    def run(n, worker, *args, env=None, timeout=150):
-        rc, stdout, stderr = launch(n, worker, *args, env=env, timeout=timeout)
+    def run(n, worker, *args, env=None, timeout=150, hosts=None):
+        rc, stdout, stderr = launch(n, worker, *args, env=env, timeout=timeout, hosts=hosts)
         out = f"--- stdout ---\n{stdout}\n--- stderr ---\n{stderr}"
         if rc != 0:
             pytest.fail(f"{worker} on {n} ranks exited with {rc}\n{out}")

@@ -36,3 +36,39 @@ def test_perseus_variable_wins_and_init_says_so(run_workers):
             if "PERSEUS_ALLREDUCE_FUSION=4 takes precedence over HOROVOD_FUSION_THRESHOLD=0"
             in line]
     assert len(said) == 1, out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("n,dtype", [(2, "0"), (3, "0"), (2, "1"), (2, "2")])
+def test_allreduce_dtype(run_workers, n, dtype):
+    """float16 halves the gradient bytes within float16 tolerance; 1 and 2 (one host) are
+    exact; an overflow is resent exactly and warned about once, naming the tensor."""
+    out = run_workers(n, "accelerations.py", "dtype", env={"PERSEUS_ALLREDUCE_DTYPE": dtype})
+    warned = [line for line in out.splitlines() if "overflowed" in line]
+    if dtype == "0":
+        assert len(warned) == 1, out
+        assert "layer.overflowing" in warned[0] and "GRADIENT_SCALE=10" in warned[0], warned
+    else:
+        assert not warned, out
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("dtype,mode", [("1", ""), ("1", "0"), ("2", ""), ("2", "0"),
+                                        ("0", "1")])
+def test_allreduce_across_hosts(run_workers, dtype, mode):
+    """Two loopback "hosts" of two ranks: hierarchical (automatic or 1) and flat modes,
+    exact or float16 between hosts (2) or everywhere (0)."""
+    run_workers(4, "accelerations.py", "hosts", hosts="127.0.0.1:2,127.0.0.2:2",
+                env={"PERSEUS_ALLREDUCE_DTYPE": dtype, "PERSEUS_ALLREDUCE_MODE": mode})
+
+
+@pytest.mark.timeout(120)
+def test_hierarchical_variable_of_horovod(run_workers):
+    """HOROVOD_HIERARCHICAL_ALLREDUCE=0 selects the flat ring; PERSEUS_ALLREDUCE_MODE wins."""
+    run_workers(4, "accelerations.py", "hosts", hosts="127.0.0.1:2,127.0.0.2:2",
+                env={"PERSEUS_ALLREDUCE_DTYPE": "1", "HOROVOD_HIERARCHICAL_ALLREDUCE": "0"})
+    out = run_workers(4, "accelerations.py", "hosts", hosts="127.0.0.1:2,127.0.0.2:2",
+                      env={"PERSEUS_ALLREDUCE_DTYPE": "1", "PERSEUS_ALLREDUCE_MODE": "1",
+                           "HOROVOD_HIERARCHICAL_ALLREDUCE": "0"})
+    assert "PERSEUS_ALLREDUCE_MODE=1 takes precedence over HOROVOD_HIERARCHICAL_ALLREDUCE=0" \
+        in out, out

@@ -12,6 +12,11 @@ import pytest
     ("PERSEUS_ALLREDUCE_NANCHECK", "yes"),
     ("PERSEUS_ALLREDUCE_FUSION", "129"),
     ("PERSEUS_GLOO_NETWORK_INTERFACE", "no-such-if0"),
+    ("PERSEUS_ALLREDUCE_DTYPE", "3"),
+    ("PERSEUS_ALLREDUCE_GRADIENT_SCALE", "0"),
+    ("PERSEUS_ALLREDUCE_GRADIENT_SCALE", "1e9"),
+    ("PERSEUS_ALLREDUCE_MODE", "2"),
+    ("HOROVOD_HIERARCHICAL_ALLREDUCE", "yes"),
 ])
 def test_invalid_env_value_fails_init(run_workers, variable, value):
     run_workers(2, "bad_env.py", variable, env={variable: value}, timeout=60)

@@ -70,7 +70,8 @@ def counters():
     """What the engine did on this rank so far: ``operations`` (collectives run),
     ``tensors``, ``fused_buffers`` and the largest one's bytes (``fused_bytes_max``),
     ``negotiation_messages``, ``cache_hits``, ``bytes_intra_host`` and
-    ``bytes_inter_host`` (payload bytes sent)."""
+    ``bytes_inter_host`` (payload bytes sent), and ``compression_resends`` (float16
+    gradient buffers that overflowed and were reduced again in float32)."""
     check_initialized()
     return dict(_core.counters())
 

@@ -168,11 +168,15 @@ def _prepare(name, process_set):
 
 
 def allreduce_async(inp, out, *, name=None, op=Average, prescale_factor=1.0,
-                    postscale_factor=1.0, process_set=None, keep=(), finish=None):
-    """Reduce capsule ``inp`` into ``out`` (may be the same capsule) across the set."""
+                    postscale_factor=1.0, process_set=None, keep=(), finish=None, gradient=False):
+    """Reduce capsule ``inp`` into ``out`` (may be the same capsule) across the set.
+
+    ``gradient``: a gradient reduction, which travels as PERSEUS_ALLREDUCE_DTYPE says.
+    """
     ps = _prepare(name, process_set)
     op = check_op(op)
-    hid = _core.allreduce(inp, out, name, op, float(prescale_factor), float(postscale_factor), ps)
+    hid = _core.allreduce(inp, out, name, op, float(prescale_factor), float(postscale_factor), ps,
+                          gradient)
     return Handle(hid, (keep, inp, out), finish)
 
 

@@ -3,6 +3,8 @@
 Usage: accelerations.py accumulate   (run with PERSEUS_ACCUMULATE_N_STEPS=2)
        accelerations.py nancheck     (run with PERSEUS_ALLREDUCE_NANCHECK=1)
        accelerations.py fusion N     (run with PERSEUS_ALLREDUCE_FUSION=N)
+       accelerations.py dtype        (any PERSEUS_ALLREDUCE_DTYPE, one host)
+       accelerations.py hosts        (any PERSEUS_ALLREDUCE_DTYPE and _MODE, several "hosts")
 """
 
 import sys
@@ -137,11 +139,120 @@ def check_fusion(r, n):
         assert 0 < biggest <= limit, f"a fused buffer of {biggest} B exceeds {limit} B"
 
 
+BIG = 1 << 18  # float32 elements of the "gradient": 1 MiB
+
+
+def gradient_step(r, n, value_at=None, name="w"):
+    """One DistributedOptimizer reduction of a 1 MiB float32 gradient whose rank-r value
+    is known; returns the reduced gradient, the exact average, and the counter deltas."""
+    w = nn.Parameter(torch.zeros(BIG))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([w], lr=0.0), named_parameters=[(name, w)])
+
+    def local(k):
+        g = torch.sin(torch.arange(BIG, dtype=torch.float64) * 0.001 + k) * (k + 1)
+        if value_at is not None:
+            g[value_at] = 7000.0 * (k + 1)  # times the scale 10: beyond float16's 65504
+        return g.to(torch.float32)
+    want = sum(local(k).to(torch.float64) for k in range(n)) / n
+    before = hvd.counters()
+    (w * local(r)).sum().backward()
+    opt.synchronize()
+    after = hvd.counters()
+    with opt.skip_synchronize():
+        opt.step()
+    return w.grad.clone(), want, {k: after[k] - before[k] for k in after}
+
+
+def sent(d):
+    return d["bytes_intra_host"] + d["bytes_inter_host"]
+
+
+def total(value):
+    """Sum of one integer over all ranks (exact: int64)."""
+    return int(hvd.allreduce(torch.tensor([value]), op=hvd.Sum)[0])
+
+
+def same_everywhere(t, what):
+    for k, other in enumerate(hvd.allgather_object(t, name=f"same.{what}")):
+        assert torch.equal(other, t), f"{what}: rank {k} holds different values"
+
+
+def check_dtype(r, n):
+    """float16 gradients halve the bytes, stay within float16 rounding and are the same on
+    every rank; an overflow is resent exactly, once warned; explicit allreduces stay exact."""
+    dtype = basics.config()["PERSEUS_ALLREDUCE_DTYPE"]
+    nbytes = BIG * 4
+    # Explicit allreduce: exact whatever the switch (a ring sends 2(n-1)/n of it per rank).
+    t = torch.arange(BIG, dtype=torch.float32)
+    before = hvd.counters()
+    hvd.allreduce_(t, op=hvd.Sum, name="explicit")
+    d = {k: v - before[k] for k, v in hvd.counters().items()}
+    assert torch.equal(t, torch.arange(BIG, dtype=torch.float32) * n), "explicit is not exact"
+    assert total(sent(d)) == 2 * (n - 1) * nbytes, d
+
+    got, want, d = gradient_step(r, n)
+    wire = nbytes // 2 if dtype == "0" else nbytes  # one host: 2 means exact
+    assert total(sent(d)) == 2 * (n - 1) * wire, (dtype, d)
+    assert d["compression_resends"] == 0, d
+    if dtype == "0":
+        err = (got.to(torch.float64) - want).abs().max().item()
+        assert 0 < err <= 2e-3 * n, f"float16 error {err} out of bounds"
+    else:
+        close(got.to(torch.float64), want, "exact gradient", rtol=1e-6, atol=1e-6)
+    same_everywhere(got, "gradient")
+
+    # An element beyond float16 after scaling: the buffer goes again in float32.
+    got, want, d = gradient_step(r, n, value_at=12345, name="layer.overflowing")
+    assert d["compression_resends"] == (1 if dtype == "0" else 0), d
+    assert torch.isfinite(got).all(), "an overflow came back as Inf"
+    close(got.to(torch.float64), want, "resent gradient", rtol=1e-6, atol=1e-6)
+    same_everywhere(got, "resent")
+
+
+def check_hosts(r, n):
+    """Two "hosts" of L ranks: exact results in either mode, bytes between hosts as the
+    algorithm says, float16 between hosts halving exactly those."""
+    cfg = basics.config()
+    dtype, mode = cfg["PERSEUS_ALLREDUCE_DTYPE"], cfg["PERSEUS_ALLREDUCE_MODE"]
+    hosts, local = hvd.cross_size(), hvd.local_size()
+    assert hosts == 2 and n == hosts * local, (hosts, n)
+    hier = mode != "0"
+    nbytes = BIG * 4
+    t = torch.arange(BIG, dtype=torch.float32) + r
+    before = hvd.counters()
+    hvd.allreduce_(t, op=hvd.Sum, name="explicit")
+    d = {k: v - before[k] for k, v in hvd.counters().items()}
+    want = torch.arange(BIG, dtype=torch.float32) * n + n * (n - 1) // 2
+    assert torch.equal(t, want), "explicit allreduce across hosts is not exact"
+    inter = total(d["bytes_inter_host"])
+    if hier:
+        # Every rank allreduces its 1/L shard with its peer on the other host.
+        assert inter == n * 2 * (hosts - 1) * nbytes // hosts // local, inter
+    else:
+        # One ring: one rank per host sends 2(n-1)/n of the buffer to the next host.
+        assert inter == hosts * 2 * (n - 1) * nbytes // n, inter
+    exact_inter, exact_intra = d["bytes_inter_host"], d["bytes_intra_host"]
+
+    got, want, d = gradient_step(r, n)
+    if dtype == "2":
+        assert d["bytes_inter_host"] * 2 == exact_inter, (d, exact_inter)
+        assert d["bytes_intra_host"] == exact_intra, (d, exact_intra)
+    elif dtype == "0":
+        assert d["bytes_inter_host"] * 2 == exact_inter, (d, exact_inter)
+        assert d["bytes_intra_host"] * 2 == exact_intra, (d, exact_intra)
+    if dtype == "1":
+        close(got.to(torch.float64), want, "exact gradient", rtol=1e-6, atol=1e-6)
+    else:
+        err = (got.to(torch.float64) - want).abs().max().item()
+        assert 0 < err <= 2e-3 * n, f"float16 error {err} out of bounds"
+    same_everywhere(got, "gradient")
+
+
 def main():
     hvd.init()
     r, n = hvd.rank(), hvd.size()
     checks = {"accumulate": check_accumulate, "nancheck": check_nancheck,
-              "fusion": check_fusion}
+              "fusion": check_fusion, "dtype": check_dtype, "hosts": check_hosts}
     checks[sys.argv[1]](r, n)
     hvd.shutdown()
     done(r)

@@ -105,7 +105,8 @@ def _output(handle):
 
 # --------------------------------------------------------------------------- allreduce
 
-def _allreduce_async(tensor, output, name, op, prescale_factor, postscale_factor, process_set):
+def _allreduce_async(tensor, output, name, op, prescale_factor, postscale_factor, process_set,
+                     gradient=False):
     _check_tensor(tensor)
     if output is None:
         buf, cap, finish = _in_place(tensor)
@@ -119,7 +120,13 @@ def _allreduce_async(tensor, output, name, op, prescale_factor, postscale_factor
             return output
     return _ops.allreduce_async(cap, out_cap, name=name, op=op, prescale_factor=prescale_factor,
                                 postscale_factor=postscale_factor, process_set=process_set,
-                                keep=keep, finish=finish)
+                                keep=keep, finish=finish, gradient=gradient)
+
+
+def gradient_allreduce_async_(tensor, name, op, prescale_factor, postscale_factor, process_set):
+    """In-place allreduce of a gradient: float32 travels as PERSEUS_ALLREDUCE_DTYPE says."""
+    return _allreduce_async(tensor, None, name, op, prescale_factor, postscale_factor,
+                            process_set, gradient=True)
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,

@@ -8,14 +8,14 @@ import torch
 
 from perseus.common.basics import config as _config
 from perseus.common.basics import set_fusion_threshold
+from perseus.common.ops import GroupHandle
 from perseus.common.process_sets import global_process_set
 from perseus.torch.horovod.compression import Compression
 from perseus.torch.horovod.functions import allgather_object, broadcast_object
 from perseus.torch.horovod.mpi_ops import (
     Adasum,
     Average,
-    allreduce_async_,
-    grouped_allreduce_async_,
+    gradient_allreduce_async_,
     size,
     sparse_allreduce_async,
     synchronize,
@@ -181,8 +181,7 @@ class _DistributedOptimizer:
         self._note_nonfinite(name, tensor)
         compressed, ctx = self._compression.compress(tensor)
         pre, post = self._scale_factors()
-        handle = allreduce_async_(compressed, name=name, op=self.op, prescale_factor=pre,
-                                  postscale_factor=post, process_set=self.process_set)
+        handle = gradient_allreduce_async_(compressed, name, self.op, pre, post, self.process_set)
         return handle, ctx
 
     def _grouped_allreduce_grad_async(self, params):
@@ -194,9 +193,9 @@ class _DistributedOptimizer:
             self._note_nonfinite(self._parameter_names.get(p), p.grad)
         compressed, ctxs = zip(*[self._compression.compress(p.grad) for p in params])
         pre, post = self._scale_factors()
-        handle = grouped_allreduce_async_(list(compressed), name=name, op=self.op,
-                                          prescale_factor=pre, postscale_factor=post,
-                                          process_set=self.process_set)
+        handle = GroupHandle([
+            gradient_allreduce_async_(t, f"{name}.{i}", self.op, pre, post, self.process_set)
+            for i, t in enumerate(compressed)])
         return handle, ctxs
 
     def _make_hook(self, p):
