@@ -74,9 +74,11 @@ def _tail(path, lines=25):
         return ""
 
 
-def launch(script, impl, n, opts, env=None, timeout=600):
+def launch(script, impl, n, opts, env=None, timeout=600, hosts=None):
     """Runs ``script --worker IMPL`` on ``n`` ranks and returns each rank's result, rank 0
-    first. Output of the ranks goes to a log file whose tail a failure reports."""
+    first. Output of the ranks goes to a log file whose tail a failure reports. ``hosts``
+    (Perseus only) is perseusrun's ``-H``: loopback addresses such as
+    ``127.0.0.1:2,127.0.0.2:2`` make separate hosts on this machine."""
     tmp = tempfile.mkdtemp(prefix=f"perseus-bench-{impl}-")
     prefix = os.path.join(tmp, "rank")
     log_path = os.path.join(tmp, "log.txt")
@@ -87,7 +89,9 @@ def launch(script, impl, n, opts, env=None, timeout=600):
         p for p in (os.path.join(ROOT, "python"), env.get("PYTHONPATH")) if p)
     env["PYTHONUNBUFFERED"] = "1"
     if impl in PERSEUS:
-        cmds = [[sys.executable, "-m", "perseus.runner.launch", "-np", str(n), *worker]]
+        placement = ["-H", hosts] if hosts else []
+        cmds = [[sys.executable, "-m", "perseus.runner.launch", "-np", str(n), *placement,
+                 *worker]]
         envs = [env]
     elif impl == "mpi":
         if os.geteuid() == 0:

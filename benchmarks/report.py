@@ -15,6 +15,7 @@ import allreduce_sweep
 import harness
 import memory
 import small_ops
+import switches
 import training
 
 PNG = "benchmarks_allreduce.png"
@@ -186,7 +187,8 @@ def render(data, png=PNG):
                   harness.md_sections(allreduce_sweep.sections(sweep))]
     for key, title, module in (("small", "Small tensors, broadcast, allgather", small_ops),
                                ("training", "Training throughput", training),
-                               ("memory", "Memory", memory)):
+                               ("memory", "Memory", memory),
+                               ("switches", "The PERSEUS_* switches (issue 5)", switches)):
         if data.get(key):
             lines += [f"## {title}", "", describe(module),
                       harness.md_sections(module.sections(data[key]))]

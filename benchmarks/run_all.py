@@ -1,12 +1,13 @@
 """Every benchmark in one run, then the report: docs/benchmarks.json, docs/benchmarks.md and
 docs/benchmarks_allreduce.png.
 
-    python benchmarks/run_all.py [--quick] [--only sweep small training memory]
+    python benchmarks/run_all.py [--quick] [--only sweep small training memory switches]
                                  [--timeout SECONDS]
 
 Runs, one job at a time: the allreduce sweep (allreduce_sweep.py, 2, 3 and 4 ranks), the
-small-tensor benchmarks (small_ops.py), training throughput (training.py) and memory
-growth (memory.py), each Perseus implementation beside the peers. ``--quick`` is a smoke
+small-tensor benchmarks (small_ops.py), training throughput (training.py), memory
+growth (memory.py), each Perseus implementation beside the peers, and the effect of each
+PERSEUS_* switch (switches.py). ``--quick`` is a smoke
 run of a few minutes that writes benchmarks/results/quick/ and never replaces the
 published numbers. ``--only`` reruns some parts and keeps the others from the existing
 JSON. `bash benchmarks/run.sh` sets up the environment and calls this.
@@ -23,9 +24,10 @@ import harness
 import memory
 import report
 import small_ops
+import switches
 import training
 
-PARTS = ("sweep", "small", "training", "memory")
+PARTS = ("sweep", "small", "training", "memory", "switches")
 
 
 def run_part(part, quick, timeout):
@@ -38,6 +40,9 @@ def run_part(part, quick, timeout):
         return small_ops.run(quick=quick, timeout=timeout)
     if part == "training":
         return training.run(steps=5 if quick else 40, timeout=timeout)
+    if part == "switches":
+        return switches.run(steps=5 if quick else 40, size=(1 << 20) if quick else (64 << 20),
+                            quick=quick, timeout=timeout)
     return memory.run(count=1000 if quick else 10_000, timeout=timeout)
 
 

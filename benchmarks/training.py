@@ -58,13 +58,19 @@ def body(comm, opts):
     for _ in range(3):
         step()
     comm.barrier()
+    counters = comm.hvd.counters() if comm.impl == "hvd" else {}
     t0 = time.perf_counter()
     for _ in range(steps):
         loss = step()
     elapsed = comm.max_over_ranks([time.perf_counter() - t0])[0]
-    return {"params": params, "batch": batch, "steps": steps, "seconds": elapsed,
-            "samples_per_s": steps * batch * comm.size / elapsed,
-            "final_loss": float(loss)}
+    result = {"params": params, "batch": batch, "steps": steps, "seconds": elapsed,
+              "samples_per_s": steps * batch * comm.size / elapsed,
+              "final_loss": float(loss)}
+    if counters:
+        after = comm.hvd.counters()
+        result["bytes_per_step"] = sum(after[k] - counters[k] for k in
+                                       ("bytes_intra_host", "bytes_inter_host")) / steps
+    return result
 
 
 def run(ranks=(2,), steps=40, batch=16, timeout=600, echo=True):

@@ -20,7 +20,7 @@ pub use alltoall::alltoallv;
 pub use barrier::barrier;
 pub use broadcast::broadcast;
 pub use hierarchical::{allreduce_hierarchical, fits, hosts_of};
-pub use ring::{allgatherv, allreduce, allreduce_mixed, reduce_scatter};
+pub use ring::{allgatherv, allreduce, allreduce_half_links, reduce_scatter};
 
 use crate::error::Result;
 use crate::transport::{Mesh, Recv, Send};

@@ -10,9 +10,7 @@
 use super::{partition, split2, Comm};
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::Result;
-use crate::kernels::{
-    from_half, reduce_half_into, reduce_into, round_through_half, to_half, AlignedBuf,
-};
+use crate::kernels::{reduce_into, round_through_half, to_half, AlignedBuf};
 use crate::transport::{Recv, Send};
 use std::ops::Range;
 
@@ -47,53 +45,55 @@ fn byte_parts(len: usize, es: usize, n: usize) -> Vec<Range<usize>> {
         .collect()
 }
 
-/// Ring allreduce of a float32 buffer in which every hop between two hosts
-/// carries float16 and every hop within a host float32
-/// (`PERSEUS_ALLREDUCE_DTYPE=2` over a flat ring). The owner of each reduced
-/// chunk rounds it through float16 before the allgather, so the chunk
-/// crosses hosts without further loss and every rank ends with the same bytes.
-pub fn allreduce_mixed(
+/// Ring allreduce of a float32 buffer whose hops carry float16: every hop
+/// (`everywhere`, PERSEUS_ALLREDUCE_DTYPE=0) or only those between two hosts
+/// (PERSEUS_ALLREDUCE_DTYPE=2; hops within a host carry float32). Partial
+/// sums stay float32: a receiver widens each float16 segment as it arrives
+/// and adds it in. The owner of each reduced chunk rounds it through float16
+/// before the allgather, so the chunk travels on without further loss and
+/// every rank ends with the same bytes.
+pub fn allreduce_half_links(
     comm: &dyn Comm,
     buf: &mut [u8],
     op: ReduceOp,
+    everywhere: bool,
     scratch: &mut AlignedBuf,
 ) -> Result<()> {
     let n = comm.size();
     if n == 1 || buf.is_empty() {
         return Ok(());
     }
-    let (r, es) = (comm.rank(), 4);
+    let r = comm.rank();
     let (right, left) = ((r + 1) % n, (r + n - 1) % n);
-    let send_half = comm.host(right) != comm.host(r);
-    let recv_half = comm.host(left) != comm.host(r);
-    let parts = byte_parts(buf.len(), es, n);
-    // Two float16 staging areas of the largest chunk, each 64-byte aligned.
-    let half = (parts[0].len() / 2).next_multiple_of(64);
-    scratch.resize(2 * half);
-    let (out16, in16) = scratch.as_mut_slice().split_at_mut(half);
     let hop = Hop {
         right,
         left,
-        send_half,
-        recv_half,
+        send_half: everywhere || comm.host(right) != comm.host(r),
+        recv_half: everywhere || comm.host(left) != comm.host(r),
     };
+    let any_half = everywhere || (0..n).any(|p| comm.host(p) != comm.host(r));
+    let parts = byte_parts(buf.len(), 4, n);
+    scratch.resize(parts[0].len() / 2);
+    let out16 = scratch.as_mut_slice();
     for s in 0..n - 1 {
         let sc = (r + 2 * n - s - 1) % n;
         let rc = (r + 2 * n - s - 2) % n;
         let (out, dst) = split2(buf, parts[sc].clone(), parts[rc].clone());
-        hop.run(comm, out, dst, out16, in16, Some(op))?;
+        hop.run(comm, out, dst, out16, Some(op))?;
     }
-    round_through_half(&mut buf[parts[r].clone()]);
+    if any_half {
+        round_through_half(&mut buf[parts[r].clone()]);
+    }
     for s in 0..n - 1 {
         let sc = (r + n - s) % n;
         let rc = (r + 2 * n - s - 1) % n;
         let (out, dst) = split2(buf, parts[sc].clone(), parts[rc].clone());
-        hop.run(comm, out, dst, out16, in16, None)?;
+        hop.run(comm, out, dst, out16, None)?;
     }
     Ok(())
 }
 
-/// One step of [`allreduce_mixed`]: float32 chunks, float16 on links between hosts.
+/// One step of [`allreduce_half_links`]: float32 chunks, float16 on its links.
 struct Hop {
     right: usize,
     left: usize,
@@ -103,14 +103,13 @@ struct Hop {
 
 impl Hop {
     /// Sends `out` right and receives the left neighbour's chunk into `dst`,
-    /// reduced with `op` or (`None`) copied; `out16`/`in16` stage float16 data.
+    /// reduced with `op` or (`None`) copied; `out16` stages outgoing float16.
     fn run(
         &self,
         comm: &dyn Comm,
         out: &[u8],
         dst: &mut [u8],
         out16: &mut [u8],
-        in16: &mut [u8],
         op: Option<ReduceOp>,
     ) -> Result<()> {
         let out = if self.send_half {
@@ -120,21 +119,12 @@ impl Hop {
         } else {
             out
         };
-        let mut sends = [Send::new(self.right, out)];
-        if self.recv_half {
-            let got = &mut in16[..dst.len() / 2];
-            comm.transfer(&mut sends, &mut [Recv::new(self.left, got)])?;
-            match op {
-                Some(op) => reduce_half_into(dst, got, op),
-                None => from_half(dst, got, 1.0),
-            }
-            return Ok(());
-        }
-        let recv = match op {
-            Some(op) => Recv::reducing(self.left, dst, DataType::F32, op),
-            None => Recv::new(self.left, dst),
+        let recv = match (self.recv_half, op) {
+            (true, op) => Recv::widening(self.left, dst, op),
+            (false, Some(op)) => Recv::reducing(self.left, dst, DataType::F32, op),
+            (false, None) => Recv::new(self.left, dst),
         };
-        comm.transfer(&mut sends, &mut [recv])
+        comm.transfer(&mut [Send::new(self.right, out)], &mut [recv])
     }
 }
 

@@ -17,6 +17,8 @@ struct ThreadComm {
     hosts: Vec<usize>,
     /// Payload bytes this rank sent to ranks on other hosts.
     inter: std::cell::Cell<usize>,
+    /// Payload bytes this rank sent.
+    sent: std::cell::Cell<usize>,
 }
 
 fn group(n: usize) -> Vec<ThreadComm> {
@@ -39,6 +41,7 @@ fn group(n: usize) -> Vec<ThreadComm> {
             rx: rx.into_iter().map(Option::unwrap).collect(),
             hosts: vec![0; n],
             inter: std::cell::Cell::new(0),
+            sent: std::cell::Cell::new(0),
         })
         .collect()
 }
@@ -55,6 +58,7 @@ impl Comm for ThreadComm {
             if self.hosts[s.peer()] != self.hosts[self.rank] {
                 self.inter.set(self.inter.get() + s.data().len());
             }
+            self.sent.set(self.sent.get() + s.data().len());
             self.tx[s.peer()].send(s.data().to_vec()).unwrap();
         }
         for r in recvs.iter_mut() {
@@ -383,7 +387,7 @@ fn half_between_hosts_is_identical_everywhere_and_halves_inter_host_bytes() {
                             &mut h,
                             &mut s,
                         ),
-                        (false, true) => allreduce_mixed(c, buf, ReduceOp::Sum, &mut s),
+                        (false, true) => allreduce_half_links(c, buf, ReduceOp::Sum, false, &mut s),
                         (false, false) => allreduce(c, buf, DataType::F32, ReduceOp::Sum, &mut s),
                     }
                     .unwrap();
@@ -414,11 +418,47 @@ fn half_between_hosts_is_identical_everywhere_and_halves_inter_host_bytes() {
 }
 
 #[test]
+fn half_links_everywhere_halve_every_byte_and_agree() {
+    for n in [2usize, 3, 5] {
+        let count = 30_011usize;
+        let run_mode = move |half: bool| {
+            run(n, move |c| {
+                let v: Vec<f32> = grad(count, c.rank()).iter().map(|x| x / 3.0).collect();
+                let mut b = AlignedBuf::from_slice(&f32s(&v));
+                let mut s = AlignedBuf::default();
+                if half {
+                    allreduce_half_links(c, b.as_mut_slice(), ReduceOp::Sum, true, &mut s)
+                } else {
+                    allreduce(c, b.as_mut_slice(), DataType::F32, ReduceOp::Sum, &mut s)
+                }
+                .unwrap();
+                (to_f32s(b.as_slice()), c.sent.get())
+            })
+        };
+        let (exact, half) = (run_mode(false), run_mode(true));
+        for ((got, bytes), (_, exact_bytes)) in half.iter().zip(&exact) {
+            assert_eq!(got, &half[0].0, "n={n}: ranks differ");
+            for (g, w) in got.iter().zip(&exact[0].0) {
+                assert!(
+                    (g - w).abs() <= 1e-3 * w.abs().max(1.0),
+                    "n={n}: {g} vs {w}"
+                );
+            }
+            assert_eq!(
+                bytes * 2,
+                *exact_bytes,
+                "n={n}: float16 halves what is sent"
+            );
+        }
+    }
+}
+
+#[test]
 fn half_between_hosts_on_one_host_is_exact() {
     let out = run_on(&[0, 0, 0], |c| {
         let mut b = AlignedBuf::from_slice(&f32s(&grad(1000, c.rank())));
         let mut s = AlignedBuf::default();
-        allreduce_mixed(c, b.as_mut_slice(), ReduceOp::Sum, &mut s).unwrap();
+        allreduce_half_links(c, b.as_mut_slice(), ReduceOp::Sum, false, &mut s).unwrap();
         to_f32s(b.as_slice())
     });
     assert!(out.iter().all(|o| o == &want_sum(1000, 3)));

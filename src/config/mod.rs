@@ -104,8 +104,9 @@ pub const PARAMS: &[Param] = &[
     },
     Param {
         name: "PERSEUS_ALLREDUCE_DTYPE",
-        default: "0",
-        allowed: "0 (float16), 1 (no compression) or 2 (float16 between hosts only)",
+        default: "",
+        allowed: "0 (float16), 1 (no compression), 2 (float16 between hosts only), or unset \
+                  (automatic: as 2)",
         doc: "how float32 gradients travel: 0 float16 on every link; 1 as they are; 2 float32 \
               within a host and float16 between hosts",
     },
@@ -277,7 +278,8 @@ pub fn float_var(name: &str, default: f64) -> Result<f64> {
 /// The gradient allreduce plan from PERSEUS_ALLREDUCE_DTYPE, _GRADIENT_SCALE
 /// and _MODE (or HOROVOD_HIERARCHICAL_ALLREDUCE).
 fn gradient_plan() -> Result<Plan> {
-    let encoding = match int_var("PERSEUS_ALLREDUCE_DTYPE", 0, 0, 2)? {
+    // Unset: float16 only where it pays (between hosts); see docs/environment.md.
+    let encoding = match int_var("PERSEUS_ALLREDUCE_DTYPE", 2, 0, 2)? {
         0 => Encoding::Half,
         1 => Encoding::Exact,
         _ => Encoding::HalfBetweenHosts,

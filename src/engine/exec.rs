@@ -8,7 +8,7 @@ use super::tensor::{OwnedTensor, TensorView};
 use crate::collective::{self, Comm};
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::{PerseusError, Result};
-use crate::kernels::{first_nonfinite, from_half, scale, to_half, AlignedBuf};
+use crate::kernels::{copy_scaled, first_nonfinite, from_half, scale, to_half, AlignedBuf};
 use crate::plan::{Encoding, Mode, Plan};
 
 /// A local operation waiting for its response.
@@ -115,6 +115,11 @@ pub fn run_op(
     }
 }
 
+/// Float32 bytes up to which a float16 allreduce reduces a float16 image of
+/// the buffer (one direct exchange) rather than running the float32 ring
+/// with float16 links.
+const IMAGE_MAX: usize = 128 << 10;
+
 /// One (possibly fused) allreduce on this rank.
 struct Allreduce<'a> {
     comm: &'a dyn Comm,
@@ -143,9 +148,13 @@ impl Allreduce<'_> {
         if !compress {
             return (self.exact(hier, bufs), None);
         }
+        let total: usize = self.sizes.iter().sum();
         let bad = match plan.encoding {
-            Encoding::Half => self.half(hier, plan.scale, bufs),
-            _ => self.half_between_hosts(hier, plan.scale, bufs),
+            // Small buffers and the hierarchy: reduce a float16 image.
+            Encoding::Half if hier || total <= IMAGE_MAX => self.half(hier, plan.scale, bufs),
+            // Float32 partial sums, float16 on every link.
+            Encoding::Half => self.half_links(false, true, plan.scale, bufs),
+            _ => self.half_links(hier, false, plan.scale, bufs),
         };
         match bad {
             Ok(None) => (Ok(()), None),
@@ -229,24 +238,25 @@ impl Allreduce<'_> {
         }
     }
 
-    /// Copies the inputs (zeros for a joined rank) into `fused`.
-    fn fuse_into(&self, fused: &mut [u8]) {
+    /// Copies the inputs times `factor` (zeros for a joined rank) into `fused`.
+    fn fuse_into(&self, fused: &mut [u8], factor: f64) {
         for (i, (o, &l)) in self.offsets().iter().zip(&self.sizes).enumerate() {
             let dst = &mut fused[*o..o + l];
             match self.input(i) {
-                Some(src) => dst.copy_from_slice(src),
+                Some(src) => copy_scaled(dst, src, self.dtype, factor),
                 None => dst.fill(0),
             }
         }
     }
 
-    /// Copies `fused` out to the outputs.
-    fn scatter_from(&self, fused: &[u8]) {
+    /// Copies `fused` times `factor` out to the outputs.
+    fn scatter_from(&self, fused: &[u8], factor: f64) {
         for (i, (o, &l)) in self.offsets().iter().zip(&self.sizes).enumerate() {
             if let Some(out) = self.output(i) {
                 // SAFETY: the front-end keeps the tensor alive until completion,
                 // and only the engine thread writes it until then.
-                unsafe { out.bytes_mut() }.copy_from_slice(&fused[*o..o + l]);
+                let out = unsafe { out.bytes_mut() };
+                copy_scaled(out, &fused[*o..o + l], self.dtype, factor);
             }
         }
     }
@@ -272,12 +282,10 @@ impl Allreduce<'_> {
         let mut fusion = std::mem::take(&mut bufs.fusion);
         fusion.resize(self.sizes.iter().sum());
         let fused = fusion.as_mut_slice();
-        self.fuse_into(fused);
-        scale(fused, self.dtype, self.pre);
+        self.fuse_into(fused, self.pre);
         let r = self.reduce(fused, self.dtype, hier, bufs);
         if r.is_ok() {
-            scale(fused, self.dtype, self.post);
-            self.scatter_from(fused);
+            self.scatter_from(fused, self.post);
         }
         bufs.fusion = fusion;
         r
@@ -313,19 +321,20 @@ impl Allreduce<'_> {
         r
     }
 
-    /// float32 within hosts, float16 between them; every rank ends with the
-    /// same float16-rounded sums.
-    fn half_between_hosts(
+    /// Float32 partial sums with float16 on the links between hosts, or on
+    /// every link (`everywhere`); every rank ends with the same
+    /// float16-rounded sums.
+    fn half_links(
         &self,
         hier: bool,
+        everywhere: bool,
         gscale: f64,
         bufs: &mut Buffers,
     ) -> Result<Option<Vec<usize>>> {
         let mut fusion = std::mem::take(&mut bufs.fusion);
         fusion.resize(self.sizes.iter().sum());
         let fused = fusion.as_mut_slice();
-        self.fuse_into(fused);
-        scale(fused, self.dtype, self.pre * gscale);
+        self.fuse_into(fused, self.pre * gscale);
         let r = if hier {
             collective::allreduce_hierarchical(
                 self.comm,
@@ -337,13 +346,18 @@ impl Allreduce<'_> {
                 &mut bufs.scratch,
             )
         } else {
-            collective::allreduce_mixed(self.comm, fused, self.op, &mut bufs.scratch)
+            collective::allreduce_half_links(
+                self.comm,
+                fused,
+                self.op,
+                everywhere,
+                &mut bufs.scratch,
+            )
         };
         let r = r.map(|_| {
             let bad = self.nonfinite(fused, self.dtype);
             if bad.is_none() {
-                scale(fused, self.dtype, self.post / gscale);
-                self.scatter_from(fused);
+                self.scatter_from(fused, self.post / gscale);
             }
             bad
         });

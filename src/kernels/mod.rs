@@ -183,6 +183,21 @@ pub fn scale(buf: &mut [u8], dtype: DataType, factor: f64) {
     }
 }
 
+/// `dst = src * factor` in one pass (a copy when the factor is 1); same
+/// lengths and element type. Saves a pass over a copy followed by [`scale`].
+pub fn copy_scaled(dst: &mut [u8], src: &[u8], dtype: DataType, factor: f64) {
+    assert_eq!(dst.len(), src.len(), "copy_scaled: lengths differ");
+    if factor != 1.0 && dtype == DataType::F32 {
+        if let (Some(d), Some(s)) = (typed_mut::<f32>(dst), typed::<f32>(src)) {
+            let f = factor as f32;
+            d.iter_mut().zip(s).for_each(|(d, s)| *d = s * f);
+            return;
+        }
+    }
+    dst.copy_from_slice(src);
+    scale(dst, dtype, factor);
+}
+
 fn half_scale<H>(b: &mut [H], f: f32)
 where
     [H]: HalfFloatSliceExt,

@@ -9,7 +9,7 @@ use super::shm::Segment;
 use super::Link;
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::{PerseusError, Result};
-use crate::kernels::{reduce_into, AlignedBuf};
+use crate::kernels::{from_half, reduce_half_into, reduce_into, AlignedBuf};
 use crate::wire::{header, parse_header, HEADER};
 use std::io::ErrorKind;
 use std::os::fd::AsRawFd;
@@ -64,14 +64,26 @@ impl<'a> Send<'a> {
     }
 }
 
-/// One incoming message of exactly `data.len()` bytes, copied into `data`
-/// or reduced into it.
+/// What a receive does with the payload as it arrives.
+#[derive(Clone, Copy)]
+enum Landing {
+    /// Copies it into `data`.
+    Copy,
+    /// Reduces it into `data` (same element type).
+    Reduce(DataType, ReduceOp),
+    /// The payload is float16 for the float32 `data` (half as many bytes):
+    /// widened and reduced into it, or (`None`) widened and stored.
+    Widen(Option<ReduceOp>),
+}
+
+/// One incoming message for `data`, copied into it, reduced into it, or
+/// widened from float16 into it.
 pub struct Recv<'a> {
     peer: usize,
     hdr: [u8; HEADER],
     data: &'a mut [u8],
     pos: usize,
-    reduce: Option<(DataType, ReduceOp)>,
+    landing: Landing,
     staging: Option<(AlignedBuf, usize)>,
 }
 
@@ -83,19 +95,35 @@ impl<'a> Recv<'a> {
             hdr: [0; HEADER],
             data,
             pos: 0,
-            reduce: None,
+            landing: Landing::Copy,
             staging: None,
         }
     }
     /// A message from rank `peer` reduced into `data` (`data[i] = op(data[i], msg[i])`).
     pub fn reducing(peer: usize, data: &'a mut [u8], dtype: DataType, op: ReduceOp) -> Self {
         Recv {
-            reduce: Some((dtype, op)),
+            landing: Landing::Reduce(dtype, op),
             ..Recv::new(peer, data)
         }
     }
+    /// A float16 message from rank `peer` for the float32 buffer `data`:
+    /// each element widened, then reduced into `data` with `op`, or stored
+    /// (`None`). The message is half as long as `data`.
+    pub fn widening(peer: usize, data: &'a mut [u8], op: Option<ReduceOp>) -> Self {
+        Recv {
+            landing: Landing::Widen(op),
+            ..Recv::new(peer, data)
+        }
+    }
+    /// Payload bytes on the link.
+    fn wire_len(&self) -> usize {
+        match self.landing {
+            Landing::Widen(_) => self.data.len() / 2,
+            _ => self.data.len(),
+        }
+    }
     fn total(&self) -> usize {
-        HEADER + self.data.len() + pad(self.data.len())
+        HEADER + self.wire_len() + pad(self.wire_len())
     }
     fn done(&self) -> bool {
         self.pos == self.total()
@@ -110,7 +138,7 @@ impl<'a> Recv<'a> {
     }
     /// Length of the expected payload.
     pub fn len(&self) -> usize {
-        self.data.len()
+        self.wire_len()
     }
     /// True for an empty payload.
     pub fn is_empty(&self) -> bool {
@@ -118,12 +146,19 @@ impl<'a> Recv<'a> {
     }
     /// Delivers a whole payload at once (in-memory transports in tests).
     pub fn deliver(&mut self, msg: &[u8]) {
-        assert_eq!(msg.len(), self.data.len(), "message length");
-        match self.reduce {
-            Some((dtype, op)) => reduce_into(self.data, msg, dtype, op),
-            None => self.data.copy_from_slice(msg),
-        }
+        assert_eq!(msg.len(), self.wire_len(), "message length");
+        land(self.landing, self.data, msg);
         self.pos = self.total();
+    }
+}
+
+/// Lands payload bytes `src` on `dst` (the matching part of the data).
+fn land(landing: Landing, dst: &mut [u8], src: &[u8]) {
+    match landing {
+        Landing::Copy => dst.copy_from_slice(src),
+        Landing::Reduce(dtype, op) => reduce_into(dst, src, dtype, op),
+        Landing::Widen(Some(op)) => reduce_half_into(dst, src, op),
+        Landing::Widen(None) => from_half(dst, src, 1.0),
     }
 }
 
@@ -181,7 +216,7 @@ fn step_send(links: &[Link], s: &mut Send<'_>) -> Result<bool> {
 fn step_recv(links: &[Link], r: &mut Recv<'_>) -> Result<bool> {
     let mut moved = false;
     let l = link(links, r.peer)?;
-    let len = r.data.len();
+    let len = r.wire_len();
     while !r.done() {
         let got = if r.pos < HEADER {
             let got = io(r.peer, l.read(&mut r.hdr[r.pos..]))?;
@@ -193,9 +228,9 @@ fn step_recv(links: &[Link], r: &mut Recv<'_>) -> Result<bool> {
             got
         } else if r.pos < HEADER + len {
             let off = r.pos - HEADER;
-            match r.reduce {
-                None => io(r.peer, l.read(&mut r.data[off..]))?,
-                Some((dtype, op)) => recv_reducing(l, r, off, dtype, op)?,
+            match r.landing {
+                Landing::Copy => io(r.peer, l.read(&mut r.data[off..]))?,
+                landing => recv_landing(l, r, off, landing)?,
             }
         } else {
             let mut sink = [0u8; 8];
@@ -215,44 +250,43 @@ fn step_recv(links: &[Link], r: &mut Recv<'_>) -> Result<bool> {
 fn check_header(r: &Recv<'_>) -> Result<()> {
     let (_, len) = parse_header(&r.hdr, usize::MAX)
         .map_err(|e| PerseusError::Protocol(format!("from rank {}: {e}", r.peer)))?;
-    if len != r.data.len() {
+    if len != r.wire_len() {
         return Err(PerseusError::Protocol(format!(
             "rank {} sent {len} bytes where {} were expected (ranks disagree about the \
              operation)",
             r.peer,
-            r.data.len()
+            r.wire_len()
         )));
     }
     Ok(())
 }
 
-/// Reduces incoming payload bytes into `r.data`, `off` payload bytes having
-/// been taken from the link so far: straight out of the ring for shared
-/// memory, through a staging buffer for sockets (where a partial element is
-/// kept for the next read). Returns the payload bytes taken from the link.
-fn recv_reducing(
-    l: &Link,
-    r: &mut Recv<'_>,
-    off: usize,
-    dtype: DataType,
-    op: ReduceOp,
-) -> Result<Option<usize>> {
-    let es = dtype.size();
+/// Lands incoming payload bytes on `r.data` (reduced or widened), `off`
+/// payload bytes having been taken from the link so far: straight out of the
+/// ring for shared memory, through a staging buffer for sockets (where a
+/// partial element is kept for the next read). Returns the payload bytes
+/// taken from the link.
+fn recv_landing(l: &Link, r: &mut Recv<'_>, off: usize, landing: Landing) -> Result<Option<usize>> {
+    // Payload bytes per element, and data bytes per payload byte.
+    let (es, widen) = match landing {
+        Landing::Reduce(dtype, _) => (dtype.size(), 1),
+        _ => (2, 2),
+    };
     if let Link::Shm { seg, me, peer } = l {
-        let dst = &mut r.data[off..];
+        let dst = &mut r.data[off * widen..];
         let ring = seg.ring(*peer, *me);
         return io(
             r.peer,
-            ring.consume(dst.len(), es, |at, src| {
-                reduce_into(&mut dst[at..at + src.len()], src, dtype, op)
+            ring.consume(dst.len() / widen, es, |at, src| {
+                land(landing, &mut dst[at * widen..(at + src.len()) * widen], src)
             }),
         );
     }
-    let len = r.data.len();
+    let len = r.wire_len();
     let (buf, carry) = r
         .staging
         .get_or_insert_with(|| (AlignedBuf::zeroed(STAGING), 0));
-    let reduced = off - *carry;
+    let landed = off - *carry;
     let want = (STAGING - *carry).min(len - off);
     let Some(n) = io(
         r.peer,
@@ -263,11 +297,10 @@ fn recv_reducing(
     };
     let have = *carry + n;
     let whole = have - have % es;
-    reduce_into(
-        &mut r.data[reduced..reduced + whole],
+    land(
+        landing,
+        &mut r.data[landed * widen..(landed + whole) * widen],
         &buf.as_slice()[..whole],
-        dtype,
-        op,
     );
     buf.as_mut_slice().copy_within(whole..have, 0);
     *carry = have - whole;

@@ -39,10 +39,10 @@ def test_perseus_variable_wins_and_init_says_so(run_workers):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("n,dtype", [(2, "0"), (3, "0"), (2, "1"), (2, "2")])
+@pytest.mark.parametrize("n,dtype", [(2, "0"), (3, "0"), (2, "1"), (2, "2"), (2, "")])
 def test_allreduce_dtype(run_workers, n, dtype):
-    """float16 halves the gradient bytes within float16 tolerance; 1 and 2 (one host) are
-    exact; an overflow is resent exactly and warned about once, naming the tensor."""
+    """float16 halves the gradient bytes within float16 tolerance; 1, 2 and unset (one
+    host) are exact; an overflow is resent exactly and warned about once, naming the tensor."""
     out = run_workers(n, "accelerations.py", "dtype", env={"PERSEUS_ALLREDUCE_DTYPE": dtype})
     warned = [line for line in out.splitlines() if "overflowed" in line]
     if dtype == "0":
@@ -54,10 +54,10 @@ def test_allreduce_dtype(run_workers, n, dtype):
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("dtype,mode", [("1", ""), ("1", "0"), ("2", ""), ("2", "0"),
-                                        ("0", "1")])
+                                        ("0", "1"), ("", "")])
 def test_allreduce_across_hosts(run_workers, dtype, mode):
     """Two loopback "hosts" of two ranks: hierarchical (automatic or 1) and flat modes,
-    exact or float16 between hosts (2) or everywhere (0)."""
+    exact or float16 between hosts (2, and unset) or everywhere (0)."""
     run_workers(4, "accelerations.py", "hosts", hosts="127.0.0.1:2,127.0.0.2:2",
                 env={"PERSEUS_ALLREDUCE_DTYPE": dtype, "PERSEUS_ALLREDUCE_MODE": mode})
 

@@ -1,0 +1,141 @@
+"""The effect of each PERSEUS_* performance switch, measured.
+
+    python benchmarks/switches.py [--quick] [--steps 40] [--size 64M] [--json PATH]
+
+Training: the communication-bound MLP of training.py on 2 ranks, once per switch
+setting, each against PERSEUS_ALLREDUCE_DTYPE=1 (float32 gradients, nothing else set) as
+the baseline: samples/s, its ratio to the baseline, and the payload bytes each rank sent
+per step (the engine's counters). Across hosts: one gradient allreduce of SIZE float32 on
+two loopback "hosts" of two ranks each (perseusrun -H 127.0.0.1:2,127.0.0.2:2: shared
+memory within a host, TCP between), flat against hierarchical and float32 against float16
+between hosts: time and the bytes each rank sent between and within hosts per call. The
+two "hosts" share this machine's cores, so these times show the algorithms' cost here,
+not a real network; the bytes are what a real network would carry.
+"""
+
+import harness
+import training
+
+BASE = {"PERSEUS_ALLREDUCE_DTYPE": "1"}
+TRAINING = [
+    ("baseline: PERSEUS_ALLREDUCE_DTYPE=1", {}),
+    ("PERSEUS_ALLREDUCE_DTYPE=0", {"PERSEUS_ALLREDUCE_DTYPE": "0"}),
+    ("PERSEUS_ACCUMULATE_N_STEPS=2", {"PERSEUS_ACCUMULATE_N_STEPS": "2"}),
+    ("PERSEUS_ALLREDUCE_FUSION=4", {"PERSEUS_ALLREDUCE_FUSION": "4"}),
+    ("PERSEUS_ALLREDUCE_FUSION=0 (no fusion)", {"PERSEUS_ALLREDUCE_FUSION": "0"}),
+]
+HOSTS = "127.0.0.1:2,127.0.0.2:2"
+ACROSS = [
+    ("flat, float32", {"PERSEUS_ALLREDUCE_MODE": "0", "PERSEUS_ALLREDUCE_DTYPE": "1"}),
+    ("hierarchical, float32", {"PERSEUS_ALLREDUCE_MODE": "1", "PERSEUS_ALLREDUCE_DTYPE": "1"}),
+    ("flat, float16 between hosts",
+     {"PERSEUS_ALLREDUCE_MODE": "0", "PERSEUS_ALLREDUCE_DTYPE": "2"}),
+    ("hierarchical, float16 between hosts",
+     {"PERSEUS_ALLREDUCE_MODE": "1", "PERSEUS_ALLREDUCE_DTYPE": "2"}),
+    ("hierarchical, float16 everywhere",
+     {"PERSEUS_ALLREDUCE_MODE": "1", "PERSEUS_ALLREDUCE_DTYPE": "0"}),
+]
+
+
+def body(comm, opts):
+    """One rank of the across-hosts job: gradient allreduces of opts["size"] bytes."""
+    import torch
+
+    core = comm.core
+    t = torch.full((opts["size"] // 4,), 0.5, dtype=torch.float32)
+    cap = t.__dlpack__()
+
+    def fn():
+        h = core.allreduce(cap, cap, "grad", core.OP_SUM, 1.0, 1.0, 0, True)
+        core.wait(h)
+        core.release(h)
+
+    fn()
+    before = core.counters()
+    fn()
+    after = core.counters()
+    sent = {k: after[k] - before[k] for k in ("bytes_inter_host", "bytes_intra_host")}
+    return {**harness.measure(comm, fn, **opts["timing"]), **sent}
+
+
+def _run(label, script, impl, n, opts, env, timeout, hosts=None):
+    try:
+        return harness.launch(script, impl, n, opts, env=dict(BASE, **env), timeout=timeout,
+                              hosts=hosts)
+    except harness.JobFailed as e:
+        print(f"[bench] {label}: {e}", flush=True)
+        return {"error": str(e).splitlines()[0]}
+
+
+def run(steps=40, size=64 << 20, quick=False, timeout=600, echo=True):
+    """Driver: every training variant, then every across-hosts variant."""
+    timing = {"warmup": 1, "min_iters": 3, "max_iters": 5 if quick else 30,
+              "budget": 0.2 if quick else 3.0}
+    result = {"steps": steps, "batch": 16, "size": size, "hosts": HOSTS, "training": {},
+              "across": {}}
+    for label, env in TRAINING:
+        result["training"][label] = _run(label, training.__file__, "hvd", 2,
+                                         {"steps": steps, "batch": 16}, env, timeout)
+    for label, env in ACROSS:
+        result["across"][label] = _run(label, __file__, "core", 4,
+                                       {"size": size, "timing": timing}, env, timeout, HOSTS)
+    if echo:
+        print(harness.text_sections(sections(result)), flush=True)
+    return result
+
+
+def mib(nbytes):
+    return f"{nbytes / 2**20:.2f} MiB"
+
+
+def sections(result):
+    rows, notes = [], []
+    runs = result["training"]
+    base = runs.get(TRAINING[0][0])
+    base_sps = None if base is None or harness.failed(base) else base[0]["samples_per_s"]
+    for label, res in runs.items():
+        if harness.failed(res):
+            rows.append([label, "failed", "-", "-"])
+            notes.append(f"{label}: {res['error']}")
+            continue
+        r = res[0]
+        ratio = r["samples_per_s"] / base_sps if base_sps else None
+        rows.append([label, f"{r['samples_per_s']:.1f}", harness.fmt(ratio, ".2f") + "×",
+                     mib(r.get("bytes_per_step", 0))])
+    out = [{"title": f"training, 2 ranks, one host: the MLP of training.py, batch "
+                     f"{result['batch']} per rank, {result['steps']} steps, per switch",
+            "headers": ["setting", "samples/s", "÷ baseline", "bytes sent per rank and step"],
+            "rows": rows, "notes": notes}]
+    rows, notes = [], []
+    for label, res in result["across"].items():
+        if harness.failed(res):
+            rows.append([label, "failed", "-", "-"])
+            notes.append(f"{label}: {res['error']}")
+            continue
+        inter = sum(r["bytes_inter_host"] for r in res) / len(res)
+        intra = sum(r["bytes_intra_host"] for r in res) / len(res)
+        rows.append([label, f"{res[0]['median'] * 1e3:.1f}", mib(inter), mib(intra)])
+    out.append({"title": f"one gradient allreduce of {harness.human(result['size'])} float32 "
+                         f"on two loopback hosts of two ranks ({result['hosts']})",
+                "headers": ["setting", "ms", "bytes between hosts per rank",
+                            "bytes within a host per rank"],
+                "rows": rows, "notes": notes})
+    return out
+
+
+def main(argv=None):
+    if harness.is_worker(argv):
+        return harness.worker_main(body, argv)
+    p = harness.driver_parser(__doc__, "smoke run: 5 steps, 1 MiB, few iterations",
+                              ranks=None)
+    p.add_argument("--steps", type=int, help="timed training steps (default 40, --quick 5)")
+    p.add_argument("--size", type=harness.parse_size, help="allreduce bytes (default 64M)")
+    a = p.parse_args(argv)
+    steps = a.steps or (5 if a.quick else 40)
+    size = a.size or ((1 << 20) if a.quick else (64 << 20))
+    result = run(steps, size, a.quick, a.timeout)
+    harness.finish(result, a.json)
+
+
+if __name__ == "__main__":
+    main()
