@@ -8,8 +8,8 @@
 //! takes `2(H-1)` steps for `H` hosts rather than the flat ring's `2(n-1)`.
 //! That stage alone may travel as float16.
 
-use super::ring::{allgather_ranges, allreduce, reduce_scatter_ranges};
-use super::{partition, Comm, SubComm};
+use super::ring::{allgather_ranges, allreduce, byte_parts, reduce_scatter_ranges};
+use super::{Comm, SubComm};
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::Result;
 use crate::kernels::{from_half, to_half, AlignedBuf};
@@ -55,11 +55,7 @@ pub fn allreduce_hierarchical(
     let leaders: Vec<usize> = hosts.iter().map(|g| g[li]).collect();
     let intra = SubComm::new(comm, mine);
     let cross = SubComm::new(comm, leaders);
-    let es = dtype.size();
-    let parts: Vec<_> = partition(buf.len() / es, intra.size())
-        .into_iter()
-        .map(|p| p.start * es..p.end * es)
-        .collect();
+    let parts = byte_parts(buf.len(), dtype.size(), intra.size());
     reduce_scatter_ranges(&intra, buf, &parts, dtype, op)?;
     let shard = &mut buf[parts[li].clone()];
     if half_between_hosts && dtype == DataType::F32 {

@@ -38,7 +38,7 @@ pub fn allreduce(
 }
 
 /// Element ranges of `buf` (elements of `es` bytes) split into `n` chunks, as byte ranges.
-fn byte_parts(len: usize, es: usize, n: usize) -> Vec<Range<usize>> {
+pub(super) fn byte_parts(len: usize, es: usize, n: usize) -> Vec<Range<usize>> {
     partition(len / es, n)
         .into_iter()
         .map(|p| p.start * es..p.end * es)
