@@ -81,7 +81,7 @@ pub fn run_op(
     };
     match kind {
         OpKind::Allreduce => {
-            let mut ar = Allreduce {
+            let ar = Allreduce {
                 comm,
                 sizes: shapes.iter().map(|s| elems(s) * dtype.size()).collect(),
                 dtype: *dtype,
@@ -135,7 +135,7 @@ struct Allreduce<'a> {
 impl Allreduce<'_> {
     /// Runs the plan; a compressed run whose float16 sum is not finite is
     /// redone exactly from the inputs, which nothing has written yet.
-    fn run(&mut self, plan: &Plan, bufs: &mut Buffers) -> (Result<()>, Option<(Vec<usize>, bool)>) {
+    fn run(&self, plan: &Plan, bufs: &mut Buffers) -> (Result<()>, Option<(Vec<usize>, bool)>) {
         let hosts = collective::hosts_of(self.comm);
         let hier = plan.mode != Mode::Flat && collective::fits(&hosts);
         let compress = self.dtype == DataType::F32
