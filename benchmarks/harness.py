@@ -258,7 +258,12 @@ class Comm:
             self.core.wait(h)
             self.core.release(h)
         elif self.impl == "hvd":
-            self.hvd.barrier()
+            # A fixed-name allreduce rather than hvd.barrier(), whose automatic name
+            # differs on every call: a repeating step stays eligible for offline
+            # negotiation (PERSEUS_OFFLINE_NEG).
+            import torch
+
+            self.hvd.allreduce(torch.zeros(1), name="bench.barrier")
         elif self.impl == "gloo":
             self.dist.barrier()
         else:

@@ -35,6 +35,10 @@ fn config(rank: usize, size: usize, port: u16, shm: bool) -> Config {
         allreduce_fusion: None,
         notes: vec![],
         nancheck: false,
+        offline_neg: false,
+        downsample_n: 1,
+        gradient_momentum: 1.0,
+        perf_check_n_steps: 0,
         plan: perseus::plan::Plan::default(),
     }
 }

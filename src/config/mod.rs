@@ -131,6 +131,34 @@ pub const PARAMS: &[Param] = &[
         doc: "Horovod's name for PERSEUS_ALLREDUCE_MODE",
     },
     Param {
+        name: "PERSEUS_OFFLINE_NEG",
+        default: "0",
+        allowed: "0 or 1",
+        doc: "1: once three steps in a row reduced the same tensors, ranks run that step's \
+              schedule without asking the coordinator; any change falls back to negotiation",
+    },
+    Param {
+        name: "PERSEUS_DOWNSAMPLE_N_ELEMENTS",
+        default: "1",
+        allowed: "an integer from 1 to 1024",
+        doc: "DistributedOptimizer sends 1/N of each gradient's elements per step, rotating so \
+              every element goes every N steps; the rest is kept and added later",
+    },
+    Param {
+        name: "PERSEUS_GRADIENT_MOMENTUM",
+        default: "1",
+        allowed: "a number from 0 to 1",
+        doc: "with PERSEUS_DOWNSAMPLE_N_ELEMENTS: the factor applied each step to the gradient \
+              kept back (0.9 for momentum SGD)",
+    },
+    Param {
+        name: "PERSEUS_PERF_CHECK_N_STEPS",
+        default: "0",
+        allowed: "an integer from 0 (off) to 1000000",
+        doc: "every N optimizer steps, ranks compare their compute time; a rank much slower \
+              than the median is reported with its host, local rank and figures",
+    },
+    Param {
         name: "PERSEUS_TIMELINE",
         default: "",
         allowed: "a file path (HOROVOD_TIMELINE is an alias)",
@@ -169,6 +197,14 @@ pub struct Config {
     pub accumulate_n_steps: u32,
     /// PERSEUS_ALLREDUCE_NANCHECK: check reduced gradients for NaN/Inf (front-ends).
     pub nancheck: bool,
+    /// PERSEUS_OFFLINE_NEG: run stable steps without the coordinator.
+    pub offline_neg: bool,
+    /// PERSEUS_DOWNSAMPLE_N_ELEMENTS: send 1/N of the gradient per step (front-ends).
+    pub downsample_n: u32,
+    /// PERSEUS_GRADIENT_MOMENTUM: decay of the kept-back gradient (front-ends).
+    pub gradient_momentum: f64,
+    /// PERSEUS_PERF_CHECK_N_STEPS: compare compute times every N steps (front-ends).
+    pub perf_check_n_steps: u64,
     /// PERSEUS_ALLREDUCE_FUSION: 1/N of the gradient bytes per fused buffer
     /// (front-ends set the threshold once they know the gradients); None: automatic.
     pub allreduce_fusion: Option<u32>,
@@ -385,6 +421,17 @@ impl Config {
             accumulate_n_steps: int_var("PERSEUS_ACCUMULATE_N_STEPS", 1, 1, 1024)? as u32,
             nancheck: int_var("PERSEUS_ALLREDUCE_NANCHECK", 0, 0, 1)? == 1,
             plan: gradient_plan()?,
+            offline_neg: int_var("PERSEUS_OFFLINE_NEG", 0, 0, 1)? == 1,
+            downsample_n: int_var("PERSEUS_DOWNSAMPLE_N_ELEMENTS", 1, 1, 1024)? as u32,
+            gradient_momentum: match float_var("PERSEUS_GRADIENT_MOMENTUM", 1.0)? {
+                m if m <= 1.0 => m,
+                _ => {
+                    let v = var("PERSEUS_GRADIENT_MOMENTUM").unwrap_or_default();
+                    let name = "PERSEUS_GRADIENT_MOMENTUM";
+                    return Err(invalid(name, &v, allowed_of(name)));
+                }
+            },
+            perf_check_n_steps: int_var("PERSEUS_PERF_CHECK_N_STEPS", 0, 0, 1_000_000)?,
         })
     }
 
@@ -447,6 +494,25 @@ impl Config {
             Mode::Auto => "",
         };
         m.insert("PERSEUS_ALLREDUCE_MODE".into(), mode.into());
+        let flags = [
+            (
+                "PERSEUS_OFFLINE_NEG",
+                u8::from(self.offline_neg).to_string(),
+            ),
+            (
+                "PERSEUS_DOWNSAMPLE_N_ELEMENTS",
+                self.downsample_n.to_string(),
+            ),
+            (
+                "PERSEUS_GRADIENT_MOMENTUM",
+                self.gradient_momentum.to_string(),
+            ),
+            (
+                "PERSEUS_PERF_CHECK_N_STEPS",
+                self.perf_check_n_steps.to_string(),
+            ),
+        ];
+        m.extend(flags.into_iter().map(|(k, v)| (k.to_string(), v)));
         m.insert(
             "PERSEUS_TIMELINE".into(),
             self.timeline.clone().unwrap_or_default(),

@@ -5,6 +5,7 @@
 //! agreement, fused, and answered. Being pure, it is tested without sockets.
 
 use super::message::{OpKind, Request, Response, WireRequest};
+use super::offline::Detector;
 use std::collections::{BTreeMap, HashMap};
 
 /// Responses to send and to whom (global ranks), in order.
@@ -44,12 +45,19 @@ pub struct Coordinator {
     cache: Vec<Request>,
     cache_index: HashMap<(u32, String), u32>,
     cache_capacity: usize,
+    offline: Option<Box<Detector>>,
 }
 
 impl Coordinator {
     /// Enables the response cache with room for `capacity` signatures.
     pub fn with_cache(mut self, capacity: usize) -> Coordinator {
         self.cache_capacity = capacity;
+        self
+    }
+
+    /// Enables offline negotiation (PERSEUS_OFFLINE_NEG, see [`super::offline`]).
+    pub fn with_offline(mut self, on: bool) -> Coordinator {
+        self.offline = on.then(|| Box::new(Detector::new(self.shut.len())));
         self
     }
 
@@ -86,6 +94,7 @@ impl Coordinator {
             cache: Vec::new(),
             cache_index: HashMap::new(),
             cache_capacity: 0,
+            offline: None,
         }
     }
 
@@ -93,6 +102,12 @@ impl Coordinator {
     pub fn submit(&mut self, rank: usize, reqs: Vec<Request>) -> Outgoing {
         let mut out = Outgoing::new();
         for req in reqs {
+            if req.kind == OpKind::OfflineAck {
+                if let Some(d) = &mut self.offline {
+                    d.ack(rank);
+                }
+                continue;
+            }
             let Some(set) = self.sets.get_mut(&req.process_set) else {
                 out.push((
                     vec![rank],
@@ -129,6 +144,12 @@ impl Coordinator {
             p.reqs[idx] = Some(req);
         }
         self.flush(&mut out);
+        if let Some(d) = &mut self.offline {
+            let joined = self.sets.values().any(|s| s.joined.contains(&true));
+            d.watch(&mut out, !joined);
+            let quiet = !joined && self.sets.values().all(|s| s.pending.is_empty());
+            out.extend(d.settle(quiet));
+        }
         out
     }
 
@@ -449,7 +470,7 @@ fn decide(
         }
         OpKind::AddProcessSet => done(-1),
         OpKind::RemoveProcessSet => done(first.ints.first().copied().unwrap_or(-1)),
-        OpKind::Barrier | OpKind::Shutdown | OpKind::Join => done(0),
+        OpKind::Barrier | OpKind::Shutdown | OpKind::Join | OpKind::OfflineAck => done(0),
     }
 }
 

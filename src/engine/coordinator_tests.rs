@@ -16,7 +16,7 @@ fn names(resp: &Response) -> Vec<String> {
     match resp {
         Response::Op { names, .. } | Response::Error { names, .. } => names.clone(),
         Response::Done { name, .. } | Response::Cached { name, .. } => vec![name.clone()],
-        Response::Abort { .. } => vec![],
+        Response::Abort { .. } | Response::Offline { .. } | Response::Switch { .. } => vec![],
     }
 }
 

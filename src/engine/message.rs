@@ -30,6 +30,9 @@ pub enum OpKind {
     RemoveProcessSet = 8,
     /// This rank is leaving.
     Shutdown = 9,
+    /// This rank took the coordinator's offer to run a recorded schedule
+    /// (PERSEUS_OFFLINE_NEG) and now holds its new requests.
+    OfflineAck = 10,
 }
 
 impl OpKind {
@@ -46,6 +49,7 @@ impl OpKind {
             7 => AddProcessSet,
             8 => RemoveProcessSet,
             9 => Shutdown,
+            10 => OfflineAck,
             _ => return Err(PerseusError::Protocol(format!("unknown op kind {c}"))),
         })
     }
@@ -64,6 +68,7 @@ impl OpKind {
             AddProcessSet => "add_process_set",
             RemoveProcessSet => "remove_process_set",
             Shutdown => "shutdown",
+            OfflineAck => "offline_ack",
         }
     }
 
@@ -239,6 +244,22 @@ pub enum Response {
         /// Why.
         message: String,
     },
+    /// PERSEUS_OFFLINE_NEG: the last steps were identical; every rank
+    /// answers with an [`OpKind::OfflineAck`] and holds its new requests
+    /// until the [`Response::Switch`].
+    Offline {
+        /// One step as allreduce groups (`Op`s of process set 0), in order.
+        groups: Vec<Response>,
+    },
+    /// Every rank acknowledged the offer: run the schedule from here on
+    /// (`go`), or send the held requests up as usual.
+    Switch {
+        /// Run the schedule.
+        go: bool,
+        /// Names of the current step that were already negotiated, skipped
+        /// in the schedule's first pass.
+        skip: Vec<String>,
+    },
 }
 
 const TAG_OP: u8 = 0;
@@ -246,6 +267,8 @@ const TAG_ERROR: u8 = 1;
 const TAG_DONE: u8 = 2;
 const TAG_ABORT: u8 = 3;
 const TAG_CACHED: u8 = 4;
+const TAG_OFFLINE: u8 = 5;
+const TAG_SWITCH: u8 = 6;
 
 /// A request as it travels: in full, or as a response-cache id.
 #[derive(Debug, Clone, PartialEq)]
@@ -357,6 +380,15 @@ pub fn encode_responses(resps: &[Response]) -> Vec<u8> {
             } => {
                 w.u8(TAG_CACHED).u32(*process_set).str(name).u32(*id);
             }
+            Response::Offline { groups } => {
+                w.u8(TAG_OFFLINE).bytes(&encode_responses(groups));
+            }
+            Response::Switch { go, skip } => {
+                w.u8(TAG_SWITCH).u8(u8::from(*go)).u32(skip.len() as u32);
+                skip.iter().for_each(|n| {
+                    w.str(n);
+                });
+            }
         }
     }
     w.0
@@ -364,6 +396,12 @@ pub fn encode_responses(resps: &[Response]) -> Vec<u8> {
 
 /// Decodes a batch of responses.
 pub fn decode_responses(buf: &[u8]) -> Result<Vec<Response>> {
+    decode_list(buf, true)
+}
+
+/// Decodes responses; `nest`: an offline schedule may appear (it may not
+/// inside another, which bounds the recursion).
+fn decode_list(buf: &[u8], nest: bool) -> Result<Vec<Response>> {
     let mut r = Reader::new(buf);
     let n = r.u32()? as usize;
     let mut out = Vec::with_capacity(n.min(4096));
@@ -416,6 +454,21 @@ pub fn decode_responses(buf: &[u8]) -> Result<Vec<Response>> {
                 name: r.str()?,
                 id: r.u32()?,
             },
+            TAG_OFFLINE if nest => {
+                let groups = decode_list(r.bytes()?, false)?;
+                if !groups.iter().all(|g| matches!(g, Response::Op { .. })) {
+                    return Err(PerseusError::Protocol(
+                        "an offline schedule may hold only operations".into(),
+                    ));
+                }
+                Response::Offline { groups }
+            }
+            TAG_SWITCH => {
+                let go = r.u8()? != 0;
+                let k = r.u32()? as usize;
+                let skip = (0..k).map(|_| r.str()).collect::<Result<Vec<_>>>()?;
+                Response::Switch { go, skip }
+            }
             t => return Err(PerseusError::Protocol(format!("unknown response tag {t}"))),
         });
     }

@@ -17,6 +17,7 @@ mod exec;
 mod handles;
 mod inbox;
 pub mod message;
+mod offline;
 pub mod tensor;
 
 pub use exec::Entry;
@@ -36,6 +37,7 @@ use coordinator::Coordinator;
 use handles::Handles;
 use inbox::Inbox;
 use message::{encode_requests, shape_bytes, WireRequest};
+use offline::{Mode, Schedule};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -52,6 +54,8 @@ enum Event {
     Enqueue(Box<(Request, Entry, Instant)>),
     SetFusion(u64),
     Fatal(String),
+    /// A caller waits on this handle (sent only while running offline).
+    Waiting(u64),
 }
 
 struct Shared {
@@ -63,6 +67,10 @@ struct Shared {
     timeline: Timeline,
     cache_hits: AtomicU64,
     counters: Counters,
+    /// Running an offline schedule: callers report their waits.
+    offline: AtomicBool,
+    /// The last handle a caller reported waiting on.
+    last_waited: AtomicU64,
 }
 
 /// What the engine has done so far on this rank (see [`Engine::counters`]).
@@ -76,6 +84,7 @@ struct Counters {
     bytes_intra_host: AtomicU64,
     bytes_inter_host: AtomicU64,
     compression_resends: AtomicU64,
+    negotiations_skipped: AtomicU64,
 }
 
 /// A running engine.
@@ -120,6 +129,8 @@ impl Engine {
             timeline: Timeline::new(t.rank),
             cache_hits: AtomicU64::new(0),
             counters: Counters::default(),
+            offline: AtomicBool::new(false),
+            last_waited: AtomicU64::new(0),
         });
         if let Some(path) = &config.timeline {
             shared.timeline.start(path)?;
@@ -129,7 +140,8 @@ impl Engine {
         let oversubscribed = config.oversubscribed();
         let spin = |d: Duration| if oversubscribed { Duration::ZERO } else { d };
         let coord = Coordinator::new(t.size, config.fusion_threshold as usize)
-            .with_cache(config.cache_capacity);
+            .with_cache(config.cache_capacity)
+            .with_offline(config.offline_neg);
         let state = State {
             mesh: if oversubscribed {
                 parts.mesh.without_spin()
@@ -150,6 +162,9 @@ impl Engine {
             exit: false,
             warned_overflow: false,
             gradient_scale: config.plan.scale,
+            mode: Mode::Negotiated,
+            parked: Vec::new(),
+            waited: HashSet::new(),
         };
         let thread = std::thread::Builder::new()
             .name("perseus-engine".into())
@@ -177,7 +192,8 @@ impl Engine {
     /// as response-cache ids), and payload bytes sent to ranks on this host
     /// (`bytes_intra_host`) and on other hosts (`bytes_inter_host`), and
     /// `compression_resends`: float16 allreduces that overflowed and were
-    /// resent uncompressed.
+    /// resent uncompressed, and `negotiations_skipped`: tensors run from an
+    /// offline schedule without asking the coordinator.
     pub fn counters(&self) -> BTreeMap<String, u64> {
         let c = &self.shared.counters;
         let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
@@ -191,6 +207,7 @@ impl Engine {
             ("bytes_intra_host", get(&c.bytes_intra_host)),
             ("bytes_inter_host", get(&c.bytes_inter_host)),
             ("compression_resends", get(&c.compression_resends)),
+            ("negotiations_skipped", get(&c.negotiations_skipped)),
         ]
         .into_iter()
         .map(|(k, v)| (k.to_string(), v))
@@ -292,7 +309,19 @@ impl Engine {
 
     /// True once the operation finished.
     pub fn poll(&self, handle: u64) -> bool {
-        self.shared.handles.poll(handle)
+        let done = self.shared.handles.poll(handle);
+        if !done && self.shared.last_waited.swap(handle, Ordering::Relaxed) != handle {
+            self.report_wait(handle);
+        }
+        done
+    }
+
+    /// Running offline, a caller that waits on a tensor the schedule holds
+    /// back (its group is incomplete) sends the ranks back to negotiation.
+    fn report_wait(&self, handle: u64) {
+        if self.shared.offline.load(Ordering::Relaxed) {
+            self.inbox.push(Event::Waiting(handle));
+        }
     }
 
     /// Waits for the operation; `interrupted` is asked every 100 ms whether
@@ -302,6 +331,9 @@ impl Engine {
         handle: u64,
         interrupted: impl FnMut() -> Option<PerseusError>,
     ) -> Result<Output> {
+        if !self.shared.handles.poll(handle) {
+            self.report_wait(handle);
+        }
         self.shared.handles.wait(
             handle,
             Duration::from_millis(100),
@@ -405,6 +437,12 @@ struct State {
     warned_overflow: bool,
     /// PERSEUS_ALLREDUCE_GRADIENT_SCALE, for that warning.
     gradient_scale: f64,
+    /// Offline negotiation (PERSEUS_OFFLINE_NEG): negotiating, offered, or running.
+    mode: Mode,
+    /// Requests held while the mode holds them, in the order they came.
+    parked: Vec<Request>,
+    /// Handles callers reported waiting on while running offline.
+    waited: HashSet<u64>,
 }
 
 impl State {
@@ -448,9 +486,15 @@ impl State {
                     return;
                 }
             }
+            if self.mode.holds() {
+                self.parked.append(&mut held);
+            }
             let answered = self.receive(&mut held);
             if self.exit {
                 return;
+            }
+            if self.run_offline() {
+                continue;
             }
             if got || answered {
                 idle_since = None;
@@ -549,10 +593,97 @@ impl State {
                 }
             }
             Event::Fatal(msg) => self.fail_all(PerseusError::Aborted(msg)),
+            Event::Waiting(h) => {
+                self.waited.insert(h);
+            }
         }
     }
 
-    fn send_up(&mut self, batch: Vec<Request>) {
+    /// Sends requests to the coordinator, or holds them while offline
+    /// negotiation does (see [`offline`]).
+    fn send_up(&mut self, mut batch: Vec<Request>) {
+        if self.mode.holds() {
+            self.parked.append(&mut batch);
+            return;
+        }
+        self.transmit(batch);
+    }
+
+    /// Runs the offline schedule as far as the held requests allow: before
+    /// each group every rank votes; one that cannot go on sends all back to
+    /// negotiation. True when it did something.
+    fn run_offline(&mut self) -> bool {
+        let mut did = false;
+        while let Mode::Running(schedule) = &mut self.mode {
+            if self.exit {
+                break;
+            }
+            let group = schedule.next();
+            let Response::Op { names, .. } = &group else {
+                break;
+            };
+            let off = self.parked.iter().any(|r| !schedule.fits(r));
+            let held: HashSet<&str> = self.parked.iter().map(|r| r.name.as_str()).collect();
+            let whole = !off && names.iter().all(|n| held.contains(n.as_str()));
+            let count = names.len();
+            drop(held);
+            if !whole && !off && !self.caller_blocked() {
+                break;
+            }
+            did = true;
+            let voted = offline_vote(
+                &self.mesh,
+                &mut self.uplink,
+                &mut self.local,
+                self.timeout,
+                whole,
+            );
+            match voted {
+                Err(e) => self.fail_all(e),
+                Ok(false) => self.fall_back(),
+                Ok(true) => {
+                    if let Mode::Running(s) = &mut self.mode {
+                        s.advance();
+                    }
+                    if let Response::Op { names, .. } = &group {
+                        let ran: HashSet<&String> = names.iter().collect();
+                        self.parked.retain(|r| !ran.contains(&r.name));
+                    }
+                    let skipped = &self.shared.counters.negotiations_skipped;
+                    skipped.fetch_add(count as u64, Ordering::Relaxed);
+                    self.execute(group);
+                }
+            }
+        }
+        did
+    }
+
+    /// True when a caller waits on a held tensor: its group cannot complete
+    /// before that caller goes on, so the schedule must be left.
+    fn caller_blocked(&mut self) -> bool {
+        if self.waited.is_empty() {
+            return false;
+        }
+        let pending: HashSet<u64> = self.entries.values().map(|(_, e, _)| e.handle).collect();
+        self.waited.retain(|h| pending.contains(h));
+        self.parked.iter().any(|r| {
+            self.entries
+                .get(&(r.process_set, r.name.clone()))
+                .is_some_and(|(_, e, _)| self.waited.contains(&e.handle))
+        })
+    }
+
+    /// Leaves the offline schedule (on every rank at the same group): what
+    /// was held goes to the coordinator in the order it came.
+    fn fall_back(&mut self) {
+        self.mode = Mode::Negotiated;
+        self.shared.offline.store(false, Ordering::Relaxed);
+        self.waited.clear();
+        let held = std::mem::take(&mut self.parked);
+        self.transmit(held);
+    }
+
+    fn transmit(&mut self, batch: Vec<Request>) {
         if batch.is_empty() {
             return;
         }
@@ -598,6 +729,9 @@ impl State {
 
     fn fail_all(&mut self, e: PerseusError) {
         self.shared.fatal.lock().unwrap().get_or_insert(e.clone());
+        self.mode = Mode::Negotiated;
+        self.shared.offline.store(false, Ordering::Relaxed);
+        self.parked.clear();
         for ((ps, name), (_, entry, _)) in std::mem::take(&mut self.entries) {
             self.finish(&ps, &name, entry.handle, Err(e.clone()));
         }
@@ -764,6 +898,22 @@ impl State {
                 self.finish(&ps, name, e.handle, Ok(out));
             }
             Response::Abort { message } => self.fail_all(PerseusError::Aborted(message.clone())),
+            Response::Offline { groups } => {
+                if matches!(self.mode, Mode::Negotiated) {
+                    self.mode = Mode::Offered(groups.clone());
+                    let ack = Request::new(OpKind::OfflineAck, "offline", 0);
+                    self.transmit(vec![ack]);
+                }
+            }
+            Response::Switch { go, skip } => {
+                match std::mem::replace(&mut self.mode, Mode::Negotiated) {
+                    Mode::Offered(groups) if *go => {
+                        self.mode = Mode::Running(Schedule::new(groups, skip.clone()));
+                        self.shared.offline.store(true, Ordering::Relaxed);
+                    }
+                    _ => self.fall_back(),
+                }
+            }
             Response::Cached {
                 process_set,
                 name,
@@ -776,4 +926,63 @@ impl State {
             }
         }
     }
+}
+
+/// One offline vote with every rank (a dissemination max of one byte: 0 to
+/// go on, 1 to leave the schedule); true when all said 0. Peers may be busy
+/// computing for a long time, so it waits patiently, reading the control
+/// streams meanwhile: a lost rank or an abort ends it with that error.
+fn offline_vote(
+    mesh: &Mesh,
+    uplink: &mut Uplink,
+    local: &mut Vec<Response>,
+    timeout: Duration,
+    go: bool,
+) -> Result<bool> {
+    use crate::transport::{Recv, Send};
+    let (n, r) = (mesh.size(), mesh.rank());
+    let mut mine = [u8::from(!go)];
+    let mut alive = || -> Result<()> {
+        for inc in uplink.receive() {
+            match inc {
+                Incoming::Requests(rank, reqs) => {
+                    // A rank that already left the schedule negotiates again.
+                    if let Uplink::Coordinator { coord, .. } = uplink {
+                        let out = coord.submit_wire(rank, reqs);
+                        uplink.dispatch(out, local, timeout);
+                    }
+                }
+                Incoming::Responses(rs) => {
+                    for resp in rs {
+                        if let Response::Abort { message } = &resp {
+                            return Err(PerseusError::Aborted(message.clone()));
+                        }
+                        local.push(resp);
+                    }
+                }
+                Incoming::Lost(rank, why) => {
+                    if let Uplink::Coordinator { coord, .. } = uplink {
+                        let out = coord.disconnect(rank, &why);
+                        uplink.dispatch(out, local, timeout);
+                        return Err(PerseusError::Peer(format!("rank {rank} is gone ({why})")));
+                    }
+                    return Err(lost_coordinator(&why));
+                }
+            }
+        }
+        Ok(())
+    };
+    let mut dist = 1;
+    while dist < n {
+        let (to, from) = ((r + dist) % n, (r + n - dist) % n);
+        let mut theirs = [0u8];
+        mesh.transfer_patient(
+            &mut [Send::new(to, &mine)],
+            &mut [Recv::new(from, &mut theirs)],
+            &mut alive,
+        )?;
+        mine[0] = mine[0].max(theirs[0]);
+        dist *= 2;
+    }
+    Ok(mine[0] == 0)
 }

@@ -68,6 +68,9 @@ impl Link {
     }
 }
 
+/// How often a patient transfer asks whether to keep waiting.
+pub const PATIENT_CHECK: Duration = Duration::from_millis(100);
+
 /// How long a rank waiting only on shared memory yields before it sleeps.
 const DEFAULT_SPIN: Duration = Duration::from_micros(50);
 
@@ -150,8 +153,34 @@ impl Mesh {
 
     /// Runs sends and receives (peers named by global rank) to completion.
     pub fn transfer(&self, sends: &mut [Send<'_>], recvs: &mut [Recv<'_>]) -> Result<()> {
+        self.transfer_with(sends, recvs, None)
+    }
+
+    /// Like [`Mesh::transfer`], but waits as long as it takes for peers
+    /// that are busy elsewhere: instead of failing when nothing moved for the
+    /// timeout, it asks `alive` every [`PATIENT_CHECK`] whether to go on
+    /// (an error from it ends the wait with that error).
+    pub fn transfer_patient(
+        &self,
+        sends: &mut [Send<'_>],
+        recvs: &mut [Recv<'_>],
+        alive: &mut dyn FnMut() -> Result<()>,
+    ) -> Result<()> {
+        self.transfer_with(sends, recvs, Some(alive))
+    }
+
+    fn transfer_with(
+        &self,
+        sends: &mut [Send<'_>],
+        recvs: &mut [Recv<'_>],
+        alive: Option<&mut dyn FnMut() -> Result<()>>,
+    ) -> Result<()> {
         let shm = self.shm.as_ref().map(|(s, me)| (&**s, *me));
-        progress::run(&self.links, shm, self.timeout, self.spin, sends, recvs)?;
+        let limit = match alive {
+            Some(f) => progress::Limit::Ask(PATIENT_CHECK.min(self.timeout), f),
+            None => progress::Limit::Fail(self.timeout),
+        };
+        progress::run(&self.links, shm, limit, self.spin, sends, recvs)?;
         for s in sends.iter() {
             let same = self.host_of(s.peer()) == self.host_of(self.rank);
             let counter = if same {

@@ -310,6 +310,14 @@ fn recv_landing(l: &Link, r: &mut Recv<'_>, off: usize, landing: Landing) -> Res
 /// Longest sleep on the doorbell before re-checking TCP and the clock.
 const SHM_NAP: Duration = Duration::from_millis(100);
 
+/// When a transfer that makes no progress gives up.
+pub enum Limit<'f> {
+    /// Fail after this long.
+    Fail(Duration),
+    /// Call the function after each such period; go on while it says Ok.
+    Ask(Duration, &'f mut dyn FnMut() -> Result<()>),
+}
+
 /// Runs all transfers; see [`super::Mesh::transfer`]. `shm` is the host's
 /// segment and this rank's member index, when some peers share the host;
 /// a rank waiting only on shared memory yields the core for `spin` before
@@ -317,7 +325,7 @@ const SHM_NAP: Duration = Duration::from_millis(100);
 pub fn run(
     links: &[Link],
     shm: Option<(&Segment, usize)>,
-    timeout: Duration,
+    mut limit: Limit<'_>,
     spin: Duration,
     sends: &mut [Send<'_>],
     recvs: &mut [Recv<'_>],
@@ -342,7 +350,17 @@ pub fn run(
             last_progress = Instant::now();
             continue;
         }
-        let waited = last_progress.elapsed();
+        let mut waited = last_progress.elapsed();
+        let timeout = match &mut limit {
+            Limit::Ask(every, alive) if waited >= *every => {
+                alive()?;
+                last_progress = Instant::now();
+                waited = Duration::ZERO;
+                *every
+            }
+            Limit::Ask(every, _) => *every,
+            Limit::Fail(t) => *t,
+        };
         if waited >= timeout {
             let who: Vec<usize> = recvs
                 .iter()

@@ -20,14 +20,19 @@ WORKER = textwrap.dedent(
     import torch
     import perseus.torch.horovod as hvd
     hvd.init()
-    victim = int(sys.argv[1])
-    x = hvd.allreduce(torch.ones(4), name="warmup", op=hvd.Sum)
-    assert x.tolist() == [hvd.size()] * 4
+    victim, steps = int(sys.argv[1]), int(sys.argv[2])
+    for _ in range(steps):
+        x = hvd.allreduce(torch.ones(4), name="warmup", op=hvd.Sum)
+        assert x.tolist() == [hvd.size()] * 4
+    if steps > 1:
+        assert hvd.counters()["negotiations_skipped"] > 0, hvd.counters()
     if hvd.rank() == victim:
         os._exit(17)
     t0 = time.time()
     try:
-        hvd.allreduce(torch.ones(4), name="after_death")
+        # After many equal steps (PERSEUS_OFFLINE_NEG=1) this one runs offline:
+        # the survivors wait for the victim's vote, not for the coordinator.
+        hvd.allreduce(torch.ones(4), name="warmup" if steps > 1 else "after_death")
     except hvd.HorovodInternalError as e:
         print(f"rank {hvd.rank()} error after {time.time() - t0:.1f}s: {e}", flush=True)
         sys.exit(0)
@@ -66,10 +71,13 @@ def spawn(n, script, args, env_extra=None):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("victim", [0, 2])
-def test_dead_rank_fails_pending_ops_everywhere(victim):
+@pytest.mark.parametrize("offline", ["0", "1"])
+def test_dead_rank_fails_pending_ops_everywhere(victim, offline):
     n = 3
     t0 = time.time()
-    srv, procs = spawn(n, WORKER, [str(victim)], {"GLOO_TIMEOUT_SECONDS": "30"})
+    steps = "10" if offline == "1" else "1"
+    env = {"GLOO_TIMEOUT_SECONDS": "30", "PERSEUS_OFFLINE_NEG": offline}
+    srv, procs = spawn(n, WORKER, [str(victim), steps], env)
     outs = [p.communicate(timeout=90)[0] for p in procs]
     srv.stop()
     assert time.time() - t0 < 60

@@ -70,8 +70,10 @@ def counters():
     """What the engine did on this rank so far: ``operations`` (collectives run),
     ``tensors``, ``fused_buffers`` and the largest one's bytes (``fused_bytes_max``),
     ``negotiation_messages``, ``cache_hits``, ``bytes_intra_host`` and
-    ``bytes_inter_host`` (payload bytes sent), and ``compression_resends`` (float16
-    gradient buffers that overflowed and were reduced again in float32)."""
+    ``bytes_inter_host`` (payload bytes sent), ``compression_resends`` (float16
+    gradient buffers that overflowed and were reduced again in float32), and
+    ``negotiations_skipped`` (tensors run from an offline schedule,
+    PERSEUS_OFFLINE_NEG, without asking the coordinator)."""
     check_initialized()
     return dict(_core.counters())
 

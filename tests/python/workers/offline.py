@@ -1,0 +1,139 @@
+"""PERSEUS_OFFLINE_NEG: stable steps run without the coordinator, and every
+change (new name, shape, op kind, process set, missing tensor, shutdown)
+returns the ranks to negotiation with correct results."""
+
+import time
+
+import perseus.torch.horovod as hvd
+import torch
+import torch.nn.functional as F
+from _helpers import close, done
+from torch import nn
+
+SIZES = {"w": 1000, "b": 10, "c": 5000}
+
+
+def step(i, sizes=None, wait=hvd.synchronize):
+    """Allreduces every tensor of ``sizes`` under its name and checks the sums."""
+    sizes = SIZES if sizes is None else sizes
+    r, n = hvd.rank(), hvd.size()
+    ts = {k: torch.full((s,), float(r + 1 + i * j)) for j, (k, s) in enumerate(sizes.items())}
+    hs = [hvd.allreduce_async_(t, op=hvd.Sum, name=k) for k, t in ts.items()]
+    for h in hs:
+        wait(h)
+    for j, (k, t) in enumerate(ts.items()):
+        expect = float(sum(q + 1 + i * j for q in range(n)))
+        close(t, torch.full_like(t, expect), f"step {i} tensor {k}")
+
+
+def spin(h):
+    """Waits by polling only, as some training loops do."""
+    while not hvd.poll(h):
+        time.sleep(0.001)
+    hvd.synchronize(h)
+
+
+def delta(before):
+    after = hvd.counters()
+    return {k: after[k] - before[k] for k in after}
+
+
+def settled(i, what):
+    """Runs steps until the schedule has run one whole step offline."""
+    for k in range(15):
+        before = hvd.counters()
+        step(i + k)
+        d = delta(before)
+        if d["negotiations_skipped"] == len(SIZES):
+            # Running offline: the next step asks the coordinator nothing.
+            before = hvd.counters()
+            step(i + k + 1)
+            d = delta(before)
+            assert d["negotiation_messages"] == 0, (what, d)
+            assert d["negotiations_skipped"] == len(SIZES), (what, d)
+            return i + k + 2
+    raise AssertionError(f"{what}: never ran offline: {hvd.counters()}")
+
+
+def make_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).to(torch.float64)
+
+
+def train(r, n, updates=12, batch=3):
+    """DistributedOptimizer runs offline and still equals one process on the whole batch."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(updates, n * batch, 4, generator=g, dtype=torch.float64)
+    y = torch.randn(updates, n * batch, 2, generator=g, dtype=torch.float64)
+    ref = make_model()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    model = make_model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=model.named_parameters())
+    before = hvd.counters()
+    rows = slice(r * batch, (r + 1) * batch)
+    for u in range(updates):
+        ref_opt.zero_grad()
+        F.mse_loss(ref(x[u]), y[u]).backward()
+        ref_opt.step()
+        opt.zero_grad()
+        F.mse_loss(model(x[u, rows]), y[u, rows]).backward()
+        opt.step()
+    d = delta(before)
+    assert d["negotiations_skipped"] >= 4 * len(list(model.parameters())), d
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        close(p.detach(), q.detach(), f"offline training: {name}", rtol=1e-10, atol=1e-10)
+
+
+def main():
+    hvd.init()
+    r = hvd.rank()
+    train(r, hvd.size())
+    i = settled(0, "start")
+    # Five more steps: nothing goes to the coordinator.
+    before = hvd.counters()
+    for _ in range(5):
+        step(i)
+        i += 1
+    d = delta(before)
+    assert d["negotiation_messages"] == 0 and d["negotiations_skipped"] == 15, d
+    assert d["tensors"] == 15, d
+
+    # Other collectives in between: back to negotiation, same results.
+    x = torch.tensor([float(r)])
+    hvd.broadcast_(x, root_rank=1, name="bc")
+    close(x, torch.tensor([1.0]), "broadcast in offline mode")
+    hvd.barrier()
+    i = settled(i, "after a broadcast and a barrier")
+
+    # A shape change on every rank: negotiated, then offline again.
+    step(i, {"w": 1000, "b": 11, "c": 5000})
+    i = settled(i + 1, "after a shape change")
+
+    # A step without "c" (its caller waits on the others): the incomplete
+    # group is given up, and nothing hangs.
+    step(i, {"w": 1000, "b": 10})
+    i = settled(i + 1, "after a missing tensor")
+    step(i, {"w": 1000, "b": 10}, wait=spin)
+    i = settled(i + 1, "after a missing tensor with poll")
+
+    # Another process set.
+    ps = hvd.add_process_set([0, 1])
+    if r in (0, 1):
+        y = hvd.allreduce(torch.ones(3), op=hvd.Sum, name="ps", process_set=ps)
+        close(y, torch.full((3,), 2.0), "process set allreduce")
+    hvd.remove_process_set(ps)
+    i = settled(i, "after a process set")
+
+    # A new tensor in the step.
+    step(i, {**SIZES, "d": 7})
+    step(i + 1)
+    assert hvd.counters()["negotiations_skipped"] > 0
+    i = settled(i + 2, "after a new tensor")
+    # Shutdown straight from the schedule.
+    hvd.shutdown()
+    done(r)
+
+
+if __name__ == "__main__":
+    main()
