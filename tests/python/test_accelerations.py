@@ -72,3 +72,12 @@ def test_hierarchical_variable_of_horovod(run_workers):
                            "HOROVOD_HIERARCHICAL_ALLREDUCE": "0"})
     assert "PERSEUS_ALLREDUCE_MODE=1 takes precedence over HOROVOD_HIERARCHICAL_ALLREDUCE=0" \
         in out, out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("n,every,momentum", [(2, "4", "1"), (3, "3", "0.9")])
+def test_downsample_n_elements(run_workers, n, every, momentum):
+    """1/N of each gradient per step, rotating; the rest kept (decayed) and sent later."""
+    run_workers(n, "accelerations.py", "downsample",
+                env={"PERSEUS_DOWNSAMPLE_N_ELEMENTS": every,
+                     "PERSEUS_GRADIENT_MOMENTUM": momentum})

@@ -17,6 +17,10 @@ import pytest
     ("PERSEUS_ALLREDUCE_GRADIENT_SCALE", "1e9"),
     ("PERSEUS_ALLREDUCE_MODE", "2"),
     ("HOROVOD_HIERARCHICAL_ALLREDUCE", "yes"),
+    ("PERSEUS_OFFLINE_NEG", "2"),
+    ("PERSEUS_DOWNSAMPLE_N_ELEMENTS", "0"),
+    ("PERSEUS_GRADIENT_MOMENTUM", "1.5"),
+    ("PERSEUS_PERF_CHECK_N_STEPS", "-1"),
 ])
 def test_invalid_env_value_fails_init(run_workers, variable, value):
     run_workers(2, "bad_env.py", variable, env={variable: value}, timeout=60)

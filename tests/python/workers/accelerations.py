@@ -5,6 +5,7 @@ Usage: accelerations.py accumulate   (run with PERSEUS_ACCUMULATE_N_STEPS=2)
        accelerations.py fusion N     (run with PERSEUS_ALLREDUCE_FUSION=N)
        accelerations.py dtype        (any PERSEUS_ALLREDUCE_DTYPE, one host)
        accelerations.py hosts        (any PERSEUS_ALLREDUCE_DTYPE and _MODE, several "hosts")
+       accelerations.py downsample   (PERSEUS_DOWNSAMPLE_N_ELEMENTS, _GRADIENT_MOMENTUM)
 """
 
 import sys
@@ -248,11 +249,55 @@ def check_hosts(r, n):
     same_everywhere(got, "gradient")
 
 
+def check_downsample(r, n):
+    """Every N-th element per step, rotating, the rest kept in a decayed residual: the
+    parameters equal a float64 reference of that rule, and the bytes fall by N."""
+    cfg = basics.config()
+    every = int(cfg["PERSEUS_DOWNSAMPLE_N_ELEMENTS"])
+    m = float(cfg["PERSEUS_GRADIENT_MOMENTUM"])
+    assert every > 1, "run with PERSEUS_DOWNSAMPLE_N_ELEMENTS > 1"
+    steps = 2 * every + 1
+    g = torch.Generator().manual_seed(3)
+    # grads[t, k]: rank k's gradient at step t, for a 10-element and a 4096-element weight
+    # (10 is not a multiple of N: the sent slices are padded).
+    small = torch.randn(steps, n, 10, generator=g, dtype=torch.float64)
+    big = torch.randn(steps, n, 4096, generator=g, dtype=torch.float64)
+
+    def reference(grads):
+        w = torch.zeros(grads.shape[-1], dtype=torch.float64)
+        acc = torch.zeros(n, grads.shape[-1], dtype=torch.float64)
+        for t in range(steps):
+            acc = m * acc + grads[t] if t else grads[t].clone()
+            off = t % every
+            applied = torch.zeros_like(w)
+            applied[off::every] = acc[:, off::every].mean(0)
+            acc[:, off::every] = 0
+            w -= applied
+        return w
+
+    ws = nn.Parameter(torch.zeros(10, dtype=torch.float64))
+    wb = nn.Parameter(torch.zeros(4096, dtype=torch.float64))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([ws, wb], lr=1.0),
+                                   named_parameters=[("small", ws), ("big", wb)])
+    for t in range(steps):
+        opt.zero_grad()
+        before = hvd.counters()
+        ((ws * small[t, r]).sum() + (wb * big[t, r]).sum()).backward()
+        opt.step()
+        after = hvd.counters()
+        # Over shared memory every rank sends its whole (small) buffer to each other rank.
+        padded = 8 * (-(-10 // every) + -(-4096 // every))
+        assert after["bytes_intra_host"] - before["bytes_intra_host"] == (n - 1) * padded
+    close(ws.detach(), reference(small), "down-sampled small weight", rtol=1e-12, atol=1e-12)
+    close(wb.detach(), reference(big), "down-sampled big weight", rtol=1e-12, atol=1e-12)
+
+
 def main():
     hvd.init()
     r, n = hvd.rank(), hvd.size()
     checks = {"accumulate": check_accumulate, "nancheck": check_nancheck,
-              "fusion": check_fusion, "dtype": check_dtype, "hosts": check_hosts}
+              "fusion": check_fusion, "dtype": check_dtype, "hosts": check_hosts,
+              "downsample": check_downsample}
     checks[sys.argv[1]](r, n)
     hvd.shutdown()
     done(r)

@@ -22,6 +22,16 @@ from perseus.torch.horovod.mpi_ops import (
 )
 
 
+class _Sampled:
+    """How a down-sampled gradient was sent: every ``every``-th element from ``offset``,
+    ``count`` of them, padded to a fixed length; ``ctx`` is the compression's context."""
+
+    __slots__ = ("offset", "every", "count", "ctx")
+
+    def __init__(self, offset, every, count, ctx):
+        self.offset, self.every, self.count, self.ctx = offset, every, count, ctx
+
+
 def _split_list(items, n):
     """``items`` cut into ``n`` consecutive chunks whose lengths differ by at most one."""
     d, r = divmod(len(items), n)
@@ -65,6 +75,11 @@ class _DistributedOptimizer:
         # PERSEUS_ALLREDUCE_NANCHECK: reduced gradients are checked (see _check_finite()).
         self._nancheck = cfg.get("PERSEUS_ALLREDUCE_NANCHECK", "0") == "1"
         self._nonfinite_here = []
+        # PERSEUS_DOWNSAMPLE_N_ELEMENTS / PERSEUS_GRADIENT_MOMENTUM: see _downsample().
+        self._downsample_n = int(cfg.get("PERSEUS_DOWNSAMPLE_N_ELEMENTS", "1"))
+        self._residual_momentum = float(cfg.get("PERSEUS_GRADIENT_MOMENTUM", "1"))
+        self._residuals = {}
+        self._updates = 0
         # PERSEUS_ALLREDUCE_FUSION=N: fused buffers of 1/N of the gradient bytes.
         fusion = int(cfg.get("PERSEUS_ALLREDUCE_FUSION") or -1)  # -1: unset, automatic
         if fusion >= 0:
@@ -94,6 +109,8 @@ class _DistributedOptimizer:
         self._synchronized = False
         self._should_synchronize = True
         self._accumulated = 0
+        self._residuals.clear()
+        self._updates = 0
         for p in self._allreduce_delay:
             self._allreduce_delay[p] = self._passes_per_update()
         super().load_state_dict(*args, **kwargs)
@@ -167,6 +184,53 @@ class _DistributedOptimizer:
             f"PERSEUS_ALLREDUCE_NANCHECK: NaN or Inf in the reduced gradient of "
             f"{', '.join(bad)}; {where}. The optimizer step was not applied.")
 
+    def _downsample(self, p, tensor):
+        """PERSEUS_DOWNSAMPLE_N_ELEMENTS=N: adds the gradient to this parameter's residual
+        (decayed by PERSEUS_GRADIENT_MOMENTUM), takes every N-th element of it from offset
+        ``updates mod N`` (the same on every rank, rotating so each element goes once in N
+        updates) and clears them from the residual. The slice is padded to a length that
+        does not depend on the offset, so the tensor's signature stays the same every step
+        (response cache, offline negotiation). Returns the tensor to send and its context."""
+        n = self._downsample_n
+        if n <= 1 or p.grad.is_sparse or tensor.is_sparse or not tensor.is_floating_point():
+            return tensor, None
+        flat = tensor.reshape(-1)
+        acc = self._residuals.get(p)
+        if acc is None or acc.shape != flat.shape:
+            acc = flat.clone()
+        else:
+            acc.mul_(self._residual_momentum).add_(flat)
+        self._residuals[p] = acc
+        offset = self._updates % n
+        picked = acc[offset::n]
+        sent = torch.zeros(-(-flat.numel() // n), dtype=acc.dtype, device=acc.device)
+        sent[:picked.numel()] = picked
+        picked.zero_()
+        return sent, (offset, picked.numel())
+
+    def _send_form(self, p, tensor):
+        """The tensor as it goes to the wire (down-sampled, then compressed) and the
+        context that :meth:`_restore` needs."""
+        sent, sampled = self._downsample(p, tensor)
+        compressed, ctx = self._compression.compress(sent)
+        if sampled is None:
+            return compressed, ctx
+        return compressed, _Sampled(sampled[0], self._downsample_n, sampled[1], ctx)
+
+    def _restore(self, p, output, ctx):
+        """Writes a reduced gradient back into ``p.grad``; a down-sampled one lands on its
+        elements, the others get zero (their share waits in the residual)."""
+        if not isinstance(ctx, _Sampled):
+            p.grad.set_(self._compression.decompress(output, ctx))
+            return
+        reduced = self._compression.decompress(output, ctx.ctx)
+        grad = p.grad.view(-1) if p.grad.is_contiguous() else None
+        if grad is None:
+            p.grad = torch.zeros_like(p)
+            grad = p.grad.view(-1)
+        grad.zero_()
+        grad[ctx.offset::ctx.every].copy_(reduced[:ctx.count])
+
     def _allreduce_grad_async(self, p):
         if p.grad is None:
             # Not computed here (e.g. an unused branch), but others may have computed it.
@@ -179,7 +243,7 @@ class _DistributedOptimizer:
                                               self.process_set), None
             tensor = tensor.to_dense()
         self._note_nonfinite(name, tensor)
-        compressed, ctx = self._compression.compress(tensor)
+        compressed, ctx = self._send_form(p, tensor)
         pre, post = self._scale_factors()
         handle = gradient_allreduce_async_(compressed, name, self.op, pre, post, self.process_set)
         return handle, ctx
@@ -191,7 +255,7 @@ class _DistributedOptimizer:
         name = self._parameter_names.get(params[0])
         for p in params:
             self._note_nonfinite(self._parameter_names.get(p), p.grad)
-        compressed, ctxs = zip(*[self._compression.compress(p.grad) for p in params])
+        compressed, ctxs = zip(*[self._send_form(p, p.grad) for p in params])
         pre, post = self._scale_factors()
         handle = GroupHandle([
             gradient_allreduce_async_(t, f"{name}.{i}", self.op, pre, post, self.process_set)
@@ -245,7 +309,7 @@ class _DistributedOptimizer:
                     outputs = synchronize(handle)
                     for gp, output, gctx in zip(p, outputs, ctx):
                         self._allreduce_delay[gp] = self._passes_per_update()
-                        gp.grad.set_(self._compression.decompress(output, gctx))
+                        self._restore(gp, output, gctx)
                     if p in self._group_counts:
                         self._group_counts[p] = 0
                     continue
@@ -260,9 +324,10 @@ class _DistributedOptimizer:
                         reduced = reduced.to_sparse()
                     p.grad = reduced
                 else:
-                    p.grad.set_(self._compression.decompress(output, ctx))
+                    self._restore(p, output, ctx)
         finally:
             self._handles.clear()
+        self._updates += 1
         if self._nancheck:
             self._check_finite(self._requires_update)
         self._synchronized = True
