@@ -81,3 +81,17 @@ def test_downsample_n_elements(run_workers, n, every, momentum):
     run_workers(n, "accelerations.py", "downsample",
                 env={"PERSEUS_DOWNSAMPLE_N_ELEMENTS": every,
                      "PERSEUS_GRADIENT_MOMENTUM": momentum})
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("n", [2, 3])
+def test_perf_check_names_the_slow_rank(run_workers, n):
+    """Every 3 steps; only the slow rank reports, with its host, local rank and figures."""
+    out = run_workers(n, "accelerations.py", "perfcheck",
+                      env={"PERSEUS_PERF_CHECK_N_STEPS": "3"})
+    reports = [line for line in out.splitlines() if "PERSEUS_PERF_CHECK_N_STEPS:" in line]
+    assert len(reports) == 2, out
+    for line in reports:
+        assert line.startswith(f"[{n - 1}]<stderr>:"), out
+        assert f"(host localhost, local rank {n - 1})" in line and "ms per step" in line, line
+        assert "the median rank's" in line, line

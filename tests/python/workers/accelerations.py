@@ -6,6 +6,7 @@ Usage: accelerations.py accumulate   (run with PERSEUS_ACCUMULATE_N_STEPS=2)
        accelerations.py dtype        (any PERSEUS_ALLREDUCE_DTYPE, one host)
        accelerations.py hosts        (any PERSEUS_ALLREDUCE_DTYPE and _MODE, several "hosts")
        accelerations.py downsample   (PERSEUS_DOWNSAMPLE_N_ELEMENTS, _GRADIENT_MOMENTUM)
+       accelerations.py perfcheck    (PERSEUS_PERF_CHECK_N_STEPS=3; the last rank is slow)
 """
 
 import sys
@@ -292,12 +293,27 @@ def check_downsample(r, n):
     close(wb.detach(), reference(big), "down-sampled big weight", rtol=1e-12, atol=1e-12)
 
 
+def check_perfcheck(r, n):
+    """The last rank computes 40 ms longer per step: the check names it, on its host."""
+    assert basics.config()["PERSEUS_PERF_CHECK_N_STEPS"] == "3"
+    model = make_model()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    x = torch.randn(4, 4, dtype=torch.float64)
+    for _ in range(7):
+        opt.zero_grad()
+        if r == n - 1:
+            time.sleep(0.04)
+        model(x).sum().backward()
+        opt.step()
+
+
 def main():
     hvd.init()
     r, n = hvd.rank(), hvd.size()
     checks = {"accumulate": check_accumulate, "nancheck": check_nancheck,
               "fusion": check_fusion, "dtype": check_dtype, "hosts": check_hosts,
-              "downsample": check_downsample}
+              "downsample": check_downsample, "perfcheck": check_perfcheck}
     checks[sys.argv[1]](r, n)
     hvd.shutdown()
     done(r)

@@ -1,12 +1,17 @@
 """``DistributedOptimizer``: averages gradients across ranks while backward still runs."""
 
 import os
+import socket
+import statistics
+import sys
+import time
 import warnings
 from contextlib import contextmanager
 
 import torch
 
 from perseus.common.basics import config as _config
+from perseus.common.basics import local_rank
 from perseus.common.basics import set_fusion_threshold
 from perseus.common.ops import GroupHandle
 from perseus.common.process_sets import global_process_set
@@ -15,6 +20,7 @@ from perseus.torch.horovod.functions import allgather_object, broadcast_object
 from perseus.torch.horovod.mpi_ops import (
     Adasum,
     Average,
+    allgather,
     gradient_allreduce_async_,
     size,
     sparse_allreduce_async,
@@ -80,6 +86,10 @@ class _DistributedOptimizer:
         self._residual_momentum = float(cfg.get("PERSEUS_GRADIENT_MOMENTUM", "1"))
         self._residuals = {}
         self._updates = 0
+        # PERSEUS_PERF_CHECK_N_STEPS: see _perf_check().
+        self._perf_every = int(cfg.get("PERSEUS_PERF_CHECK_N_STEPS", "0"))
+        self._compute_times = []
+        self._last_step_end = None
         # PERSEUS_ALLREDUCE_FUSION=N: fused buffers of 1/N of the gradient bytes.
         fusion = int(cfg.get("PERSEUS_ALLREDUCE_FUSION") or -1)  # -1: unset, automatic
         if fusion >= 0:
@@ -231,6 +241,24 @@ class _DistributedOptimizer:
         grad.zero_()
         grad[ctx.offset::ctx.every].copy_(reduced[:ctx.count])
 
+    def _perf_check(self):
+        """PERSEUS_PERF_CHECK_N_STEPS=N: every N steps the ranks share their mean compute
+        time per step (from the end of one ``step()`` to the start of the next); a rank
+        slower than 1.5x the median says so on its own host, with the figures."""
+        mine = statistics.fmean(self._compute_times)
+        self._compute_times = []
+        times = allgather(torch.tensor([mine], dtype=torch.float64),
+                          name="DistributedOptimizer.perf_check",
+                          process_set=self.process_set).reshape(-1).tolist()
+        median = statistics.median_low(times)
+        if mine > 1.5 * median and mine - median > 1e-3:
+            print(f"[perseus] PERSEUS_PERF_CHECK_N_STEPS: this rank (host "
+                  f"{os.environ.get('PERSEUS_HOSTNAME') or socket.gethostname()}, local rank {local_rank()}) computed "
+                  f"{mine * 1e3:.1f} ms per step over the last {self._perf_every} steps, "
+                  f"{mine / median:.1f}x the median rank's {median * 1e3:.1f} ms; every rank "
+                  f"waits for it. Check this machine's load, clocks and devices.",
+                  file=sys.stderr, flush=True)
+
     def _allreduce_grad_async(self, p):
         if p.grad is None:
             # Not computed here (e.g. an unused branch), but others may have computed it.
@@ -365,6 +393,10 @@ class _DistributedOptimizer:
                     for p in group["params"]:
                         if p.grad is not None:
                             p.grad.div_(self._accumulate)
+        entered = time.perf_counter()
+        timed = self._perf_every > 0 and bool(self._hook_handles)
+        if timed and self._last_step_end is not None:
+            self._compute_times.append(entered - self._last_step_end)
         if self._should_synchronize:
             if self._synchronized:
                 warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
@@ -374,7 +406,12 @@ class _DistributedOptimizer:
                               "optimizer.synchronize() in your code.")
             self.synchronize()
         self._synchronized = False
-        return super().step(closure)
+        result = super().step(closure)
+        if timed:
+            if len(self._compute_times) >= self._perf_every:
+                self._perf_check()
+            self._last_step_end = time.perf_counter()
+        return result
 
     def zero_grad(self, *args, **kwargs):
         """Clear gradients; refused while gradient reductions are in flight. Between the
