@@ -8,8 +8,9 @@ use super::tensor::{OwnedTensor, TensorView};
 use crate::collective::{self, Comm};
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::{PerseusError, Result};
-use crate::kernels::{copy_scaled, first_nonfinite, from_half, scale, to_half, AlignedBuf};
+use crate::kernels::{clock, copy_scaled, first_nonfinite, from_half, scale, to_half, AlignedBuf};
 use crate::plan::{Encoding, Mode, Plan};
+use std::time::Instant;
 
 /// A local operation waiting for its response.
 pub struct Entry {
@@ -30,6 +31,51 @@ pub struct Buffers {
     pub half: AlignedBuf,
     /// Scratch for the algorithms.
     pub scratch: AlignedBuf,
+    /// While the timeline runs: the phases of the allreduce being run.
+    pub phases: Option<Vec<Phase>>,
+}
+
+/// One phase of an allreduce, for the timeline: FUSE (inputs copied and
+/// prescaled into the fusion buffer), COMPRESS (cast to float16), TRANSFER
+/// (the collective), REDUCE (the part of TRANSFER the reduction kernels ran,
+/// in total, drawn from its start), COMPLETE (results checked, cast back,
+/// scaled and copied out).
+pub struct Phase {
+    /// Its name.
+    pub name: &'static str,
+    /// When it began.
+    pub start: Instant,
+    /// When it ended.
+    pub end: Instant,
+}
+
+impl Buffers {
+    fn mark(&mut self, name: &'static str, start: Instant) {
+        if let Some(p) = &mut self.phases {
+            p.push(Phase {
+                name,
+                start,
+                end: Instant::now(),
+            });
+        }
+    }
+
+    /// Runs a collective as the TRANSFER phase, with its REDUCE share.
+    fn transfer(&mut self, f: impl FnOnce(&mut Buffers) -> Result<()>) -> Result<()> {
+        if self.phases.is_none() {
+            return f(self);
+        }
+        let start = Instant::now();
+        clock::start();
+        let r = f(self);
+        let reduced = clock::stop();
+        self.mark("TRANSFER", start);
+        self.mark("REDUCE", start);
+        if let Some(last) = self.phases.as_mut().and_then(|p| p.last_mut()) {
+            last.end = start + reduced;
+        }
+        r
+    }
 }
 
 /// What a data-moving response did on this rank.
@@ -222,20 +268,22 @@ impl Allreduce<'_> {
         hier: bool,
         bufs: &mut Buffers,
     ) -> Result<()> {
-        if hier {
-            let mut half = AlignedBuf::default();
-            collective::allreduce_hierarchical(
-                self.comm,
-                buf,
-                dtype,
-                self.op,
-                false,
-                &mut half,
-                &mut bufs.scratch,
-            )
-        } else {
-            collective::allreduce(self.comm, buf, dtype, self.op, &mut bufs.scratch)
-        }
+        bufs.transfer(|bufs| {
+            if hier {
+                let mut half = AlignedBuf::default();
+                collective::allreduce_hierarchical(
+                    self.comm,
+                    buf,
+                    dtype,
+                    self.op,
+                    false,
+                    &mut half,
+                    &mut bufs.scratch,
+                )
+            } else {
+                collective::allreduce(self.comm, buf, dtype, self.op, &mut bufs.scratch)
+            }
+        })
     }
 
     /// Copies the inputs times `factor` (zeros for a joined rank) into `fused`.
@@ -276,16 +324,22 @@ impl Allreduce<'_> {
             }
             scale(out, self.dtype, self.pre);
             self.reduce(out, self.dtype, hier, bufs)?;
+            let t = Instant::now();
             scale(out, self.dtype, self.post);
+            bufs.mark("COMPLETE", t);
             return Ok(());
         }
         let mut fusion = std::mem::take(&mut bufs.fusion);
         fusion.resize(self.sizes.iter().sum());
         let fused = fusion.as_mut_slice();
+        let t = Instant::now();
         self.fuse_into(fused, self.pre);
+        bufs.mark("FUSE", t);
         let r = self.reduce(fused, self.dtype, hier, bufs);
         if r.is_ok() {
+            let t = Instant::now();
             self.scatter_from(fused, self.post);
+            bufs.mark("COMPLETE", t);
         }
         bufs.fusion = fusion;
         r
@@ -297,6 +351,7 @@ impl Allreduce<'_> {
         let mut half = std::mem::take(&mut bufs.half);
         half.resize(self.sizes.iter().sum::<usize>() / 2);
         let h = half.as_mut_slice();
+        let t = Instant::now();
         for (i, (o, &l)) in self.offsets().iter().zip(&self.sizes).enumerate() {
             let dst = &mut h[o / 2..(o + l) / 2];
             match self.input(i) {
@@ -304,7 +359,10 @@ impl Allreduce<'_> {
                 None => dst.fill(0),
             }
         }
-        let r = self.reduce(h, DataType::F16, hier, bufs).map(|_| {
+        bufs.mark("COMPRESS", t);
+        let r = self.reduce(h, DataType::F16, hier, bufs);
+        let t = Instant::now();
+        let r = r.map(|_| {
             let bad = self.nonfinite(h, DataType::F16);
             if bad.is_none() {
                 for (i, (o, &l)) in self.offsets().iter().zip(&self.sizes).enumerate() {
@@ -317,6 +375,7 @@ impl Allreduce<'_> {
             }
             bad
         });
+        bufs.mark("COMPLETE", t);
         bufs.half = half;
         r
     }
@@ -334,26 +393,31 @@ impl Allreduce<'_> {
         let mut fusion = std::mem::take(&mut bufs.fusion);
         fusion.resize(self.sizes.iter().sum());
         let fused = fusion.as_mut_slice();
+        let t = Instant::now();
         self.fuse_into(fused, self.pre * gscale);
-        let r = if hier {
-            collective::allreduce_hierarchical(
-                self.comm,
-                fused,
-                self.dtype,
-                self.op,
-                true,
-                &mut bufs.half,
-                &mut bufs.scratch,
-            )
-        } else {
-            collective::allreduce_half_links(
-                self.comm,
-                fused,
-                self.op,
-                everywhere,
-                &mut bufs.scratch,
-            )
-        };
+        bufs.mark("FUSE", t);
+        let r = bufs.transfer(|bufs| {
+            if hier {
+                collective::allreduce_hierarchical(
+                    self.comm,
+                    fused,
+                    self.dtype,
+                    self.op,
+                    true,
+                    &mut bufs.half,
+                    &mut bufs.scratch,
+                )
+            } else {
+                collective::allreduce_half_links(
+                    self.comm,
+                    fused,
+                    self.op,
+                    everywhere,
+                    &mut bufs.scratch,
+                )
+            }
+        });
+        let t = Instant::now();
         let r = r.map(|_| {
             let bad = self.nonfinite(fused, self.dtype);
             if bad.is_none() {
@@ -361,6 +425,7 @@ impl Allreduce<'_> {
             }
             bad
         });
+        bufs.mark("COMPLETE", t);
         bufs.fusion = fusion;
         r
     }

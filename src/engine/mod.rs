@@ -797,8 +797,17 @@ impl State {
                 let start = Instant::now();
                 let (entries, queued): (Vec<Option<Entry>>, Vec<Option<Instant>>) =
                     taken.into_iter().map(Option::unzip).unzip();
+                let tracing = self.shared.timeline.active();
+                self.bufs.phases = tracing.then(Vec::new);
                 let outcome = exec::run_op(&comm, &resp, &entries, &mut self.bufs);
                 let end = Instant::now();
+                let phases = self.bufs.phases.take().unwrap_or_default();
+                // Waiting for the group and the vote, when run from the offline schedule.
+                let wait = if matches!(self.mode, Mode::Running(_)) {
+                    "OFFLINE"
+                } else {
+                    "NEGOTIATE"
+                };
                 if let Some((bad, finite)) = &outcome.resent {
                     self.note_resend(&members, names, bad, *finite);
                 }
@@ -826,7 +835,7 @@ impl State {
                 {
                     if tl.active() {
                         if let Some(at) = at {
-                            tl.span(name, "NEGOTIATE", at, start, "");
+                            tl.span(name, wait, at, start, "");
                         }
                         tl.span(
                             name,
@@ -835,6 +844,9 @@ impl State {
                             end,
                             &format!("\"fused\":{}", names.len()),
                         );
+                        for p in &phases {
+                            tl.span(name, p.name, p.start, p.end, "");
+                        }
                     }
                     if let Some(e) = e {
                         let failed = r.as_ref().err().cloned();

@@ -4,6 +4,7 @@
 //! loop the compiler vectorises. Half types go through `f32` in blocks.
 
 mod aligned;
+pub mod clock;
 mod convert;
 
 pub use aligned::AlignedBuf;
@@ -101,10 +102,14 @@ where
 /// same number of bytes, a multiple of the element size. Average sums: the
 /// division by the number of ranks is a postscale.
 pub fn reduce_into(dst: &mut [u8], src: &[u8], dtype: DataType, op: ReduceOp) {
+    clock::timed(|| reduce_untimed(dst, src, dtype, op))
+}
+
+fn reduce_untimed(dst: &mut [u8], src: &[u8], dtype: DataType, op: ReduceOp) {
     assert_eq!(dst.len(), src.len(), "reduce_into: buffer lengths differ");
     let align = dtype.size();
     if (dst.as_ptr() as usize) % align != 0 || (src.as_ptr() as usize) % align != 0 {
-        return with_aligned(dst, src, |d, s| reduce_into(d, s, dtype, op));
+        return with_aligned(dst, src, |d, s| reduce_untimed(d, s, dtype, op));
     }
     match dtype {
         DataType::U8 => int_reduce!(u8, dst, src, op),

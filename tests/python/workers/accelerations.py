@@ -9,7 +9,10 @@ Usage: accelerations.py accumulate   (run with PERSEUS_ACCUMULATE_N_STEPS=2)
        accelerations.py perfcheck    (PERSEUS_PERF_CHECK_N_STEPS=3; the last rank is slow)
 """
 
+import json
+import os
 import sys
+import tempfile
 import time
 
 import perseus.torch.horovod as hvd
@@ -192,7 +195,17 @@ def check_dtype(r, n):
     assert torch.equal(t, torch.arange(BIG, dtype=torch.float32) * n), "explicit is not exact"
     assert total(sent(d)) == 2 * (n - 1) * nbytes, d
 
+    path = os.path.join(tempfile.gettempdir(), f"perseus-dtype-{os.getpid()}.json")
+    hvd.start_timeline(path)
     got, want, d = gradient_step(r, n)
+    hvd.stop_timeline()
+    with open(path) as f:
+        phases = {e["name"] for e in json.load(f) if e["tid"] == "w"}
+    os.remove(path)
+    # float16 everywhere casts before the transfer (1 MiB: float32 partial sums, float16
+    # links, the inputs fused first); exact runs in the output's memory.
+    assert {"TRANSFER", "REDUCE", "COMPLETE"} <= phases, phases
+    assert ("FUSE" in phases) == (dtype == "0"), phases
     wire = nbytes // 2 if dtype == "0" else nbytes  # one host: 2 means exact
     assert total(sent(d)) == 2 * (n - 1) * wire, (dtype, d)
     assert d["compression_resends"] == 0, d

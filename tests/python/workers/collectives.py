@@ -1,6 +1,7 @@
 """Every collective's values on every rank, every dtype and op, in the allgather mode
 given by PERSEUS_CHANGE_HVD_ALLGATHER (0: stack, 1: concatenate); and process sets."""
 
+import json
 import os
 import tempfile
 import warnings
@@ -280,14 +281,32 @@ def check_join(r, n):
 
 
 def check_timeline(r, n):
+    """Every tensor's row: the wait for negotiation, the operation, and its phases inside
+    it (FUSE only where tensors were fused; REDUCE within TRANSFER)."""
     path = os.path.join(tempfile.gettempdir(), f"perseus-timeline-{os.getpid()}-{r}.json")
     hvd.start_timeline(path, mark_cycles=True)
     hvd.allreduce(torch.ones(4), name="timeline.op")
+    pair = [torch.ones(8), torch.ones(8)]
+    for h in [hvd.allreduce_async_(t, name=f"timeline.f{k}") for k, t in enumerate(pair)]:
+        hvd.synchronize(h)
     hvd.stop_timeline()
-    if r == 0:
-        assert os.path.exists(path) and os.path.getsize(path) > 0, "no timeline written"
-        with open(path) as f:
-            assert "timeline.op" in f.read(), "timeline lacks the operation"
+    assert os.path.exists(path) and os.path.getsize(path) > 0, "no timeline written"
+    with open(path) as f:
+        events = json.load(f)
+    spans = {}
+    for e in events:
+        spans.setdefault(e["tid"], {})[e["name"]] = (e["ts"], e["ts"] + e["dur"])
+    lone = spans["timeline.op"]
+    assert {"NEGOTIATE", "ALLREDUCE", "TRANSFER", "REDUCE", "COMPLETE"} <= set(lone), lone
+    outer = lone["ALLREDUCE"]
+    for phase in ("TRANSFER", "REDUCE", "COMPLETE"):
+        lo, hi = lone[phase]
+        assert outer[0] - 1 <= lo <= hi <= outer[1] + 1, (phase, lone)
+    assert lone["REDUCE"][1] <= lone["TRANSFER"][1] + 1, lone
+    assert lone["NEGOTIATE"][1] <= outer[0] + 1, lone
+    fused = [spans[f"timeline.f{k}"] for k in range(2)]
+    if any("FUSE" in f for f in fused):  # fused when both arrived together, as usual
+        assert all({"FUSE", "TRANSFER", "COMPLETE"} <= set(f) for f in fused), fused
     if os.path.exists(path):
         os.remove(path)
 

@@ -2,6 +2,9 @@
 change (new name, shape, op kind, process set, missing tensor, shutdown)
 returns the ranks to negotiation with correct results."""
 
+import json
+import os
+import tempfile
 import time
 
 import perseus.torch.horovod as hvd
@@ -98,6 +101,16 @@ def main():
     d = delta(before)
     assert d["negotiation_messages"] == 0 and d["negotiations_skipped"] == 15, d
     assert d["tensors"] == 15, d
+    # The timeline shows the wait for the group and the vote as OFFLINE.
+    path = os.path.join(tempfile.gettempdir(), f"perseus-offline-{os.getpid()}.json")
+    hvd.start_timeline(path)
+    step(i)
+    i += 1
+    hvd.stop_timeline()
+    with open(path) as f:
+        rows = {(e["tid"], e["name"]) for e in json.load(f)}
+    os.remove(path)
+    assert {("w", "OFFLINE"), ("w", "ALLREDUCE")} <= rows and ("w", "NEGOTIATE") not in rows, rows
 
     # Other collectives in between: back to negotiation, same results.
     x = torch.tensor([float(r)])
