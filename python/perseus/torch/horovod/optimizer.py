@@ -11,8 +11,7 @@ from contextlib import contextmanager
 import torch
 
 from perseus.common.basics import config as _config
-from perseus.common.basics import local_rank
-from perseus.common.basics import set_fusion_threshold
+from perseus.common.basics import local_rank, set_fusion_threshold
 from perseus.common.ops import GroupHandle
 from perseus.common.process_sets import global_process_set
 from perseus.torch.horovod.compression import Compression
@@ -32,7 +31,7 @@ class _Sampled:
     """How a down-sampled gradient was sent: every ``every``-th element from ``offset``,
     ``count`` of them, padded to a fixed length; ``ctx`` is the compression's context."""
 
-    __slots__ = ("offset", "every", "count", "ctx")
+    __slots__ = ("count", "ctx", "every", "offset")
 
     def __init__(self, offset, every, count, ctx):
         self.offset, self.every, self.count, self.ctx = offset, every, count, ctx
