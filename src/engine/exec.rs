@@ -70,9 +70,12 @@ impl Buffers {
         let r = f(self);
         let reduced = clock::stop();
         self.mark("TRANSFER", start);
-        self.mark("REDUCE", start);
-        if let Some(last) = self.phases.as_mut().and_then(|p| p.last_mut()) {
-            last.end = start + reduced;
+        if let Some(p) = &mut self.phases {
+            p.push(Phase {
+                name: "REDUCE",
+                start,
+                end: start + reduced,
+            });
         }
         r
     }

@@ -311,15 +311,19 @@ impl Engine {
     pub fn poll(&self, handle: u64) -> bool {
         let done = self.shared.handles.poll(handle);
         if !done && self.shared.last_waited.swap(handle, Ordering::Relaxed) != handle {
-            self.report_wait(handle);
+            self.report_wait(handle, true);
         }
         done
     }
 
     /// Running offline, a caller that waits on a tensor the schedule holds
     /// back (its group is incomplete) sends the ranks back to negotiation.
-    fn report_wait(&self, handle: u64) {
-        if self.shared.offline.load(Ordering::Relaxed) {
+    /// Costs one atomic load otherwise; `pending`: the caller knows the
+    /// handle is not done (else it is asked, only when offline).
+    fn report_wait(&self, handle: u64, pending: bool) {
+        if self.shared.offline.load(Ordering::Relaxed)
+            && (pending || !self.shared.handles.poll(handle))
+        {
             self.inbox.push(Event::Waiting(handle));
         }
     }
@@ -331,9 +335,7 @@ impl Engine {
         handle: u64,
         interrupted: impl FnMut() -> Option<PerseusError>,
     ) -> Result<Output> {
-        if !self.shared.handles.poll(handle) {
-            self.report_wait(handle);
-        }
+        self.report_wait(handle, false);
         self.shared.handles.wait(
             handle,
             Duration::from_millis(100),

@@ -175,10 +175,13 @@ impl Detector {
         }
         self.cur_names.extend(g.into_iter().map(|(n, _)| n));
         self.cur.push(resp.clone());
-        let stable = self.done.len() == STABLE_STEPS - 1 && {
-            let now = step_sig(&self.cur);
-            self.done.iter().all(|d| *d == now)
-        };
+        // Sort and compare only once the step has as many tensors as the last ones.
+        let stable = self.done.len() == STABLE_STEPS - 1
+            && self.done.iter().all(|d| d.len() == self.cur_names.len())
+            && {
+                let now = step_sig(&self.cur);
+                self.done.iter().all(|d| *d == now)
+            };
         if !stable {
             return None;
         }

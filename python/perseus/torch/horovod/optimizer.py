@@ -251,8 +251,9 @@ class _DistributedOptimizer:
                           process_set=self.process_set).reshape(-1).tolist()
         median = statistics.median_low(times)
         if mine > 1.5 * median and mine - median > 1e-3:
-            print(f"[perseus] PERSEUS_PERF_CHECK_N_STEPS: this rank (host "
-                  f"{os.environ.get('PERSEUS_HOSTNAME') or socket.gethostname()}, local rank {local_rank()}) computed "
+            host = os.environ.get("PERSEUS_HOSTNAME") or socket.gethostname()
+            print(f"[perseus] PERSEUS_PERF_CHECK_N_STEPS: this rank (host {host}, "
+                  f"local rank {local_rank()}) computed "
                   f"{mine * 1e3:.1f} ms per step over the last {self._perf_every} steps, "
                   f"{mine / median:.1f}x the median rank's {median * 1e3:.1f} ms; every rank "
                   f"waits for it. Check this machine's load, clocks and devices.",
