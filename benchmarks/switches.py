@@ -10,7 +10,10 @@ two loopback "hosts" of two ranks each (perseusrun -H 127.0.0.1:2,127.0.0.2:2: s
 memory within a host, TCP between), flat against hierarchical and float32 against float16
 between hosts: time and the bytes each rank sent between and within hosts per call. The
 two "hosts" share this machine's cores, so these times show the algorithms' cost here,
-not a real network; the bytes are what a real network would carry.
+not a real network; the bytes are what a real network would carry. Streams: the same
+allreduce between two loopback "hosts" of one rank each (TCP only) with
+PERSEUS_ALLREDUCE_STREAMS=1, 2 and 4, and the share of the bytes the extra streams carried.
+--part runs one section only.
 """
 
 import harness
@@ -38,6 +41,12 @@ ACROSS = [
      {"PERSEUS_ALLREDUCE_MODE": "1", "PERSEUS_ALLREDUCE_DTYPE": "0"}),
 ]
 
+TWO_HOSTS = "127.0.0.1:1,127.0.0.2:1"
+STREAMS = [(f"PERSEUS_ALLREDUCE_STREAMS={k}", {"PERSEUS_ALLREDUCE_STREAMS": str(k)})
+           for k in (1, 2, 4)]
+PARTS = ("training", "across", "streams")
+COUNTED = ("bytes_inter_host", "bytes_intra_host", "bytes_extra_streams")
+
 
 def body(comm, opts):
     """One rank of the across-hosts job: gradient allreduces of opts["size"] bytes."""
@@ -56,7 +65,7 @@ def body(comm, opts):
     before = core.counters()
     fn()
     after = core.counters()
-    sent = {k: after[k] - before[k] for k in ("bytes_inter_host", "bytes_intra_host")}
+    sent = {k: after[k] - before[k] for k in COUNTED}
     return {**harness.measure(comm, fn, **opts["timing"]), **sent}
 
 
@@ -69,18 +78,22 @@ def _run(label, script, impl, n, opts, env, timeout, hosts=None):
         return {"error": str(e).splitlines()[0]}
 
 
-def run(steps=40, size=64 << 20, quick=False, timeout=600, echo=True):
-    """Driver: every training variant, then every across-hosts variant."""
+def run(steps=40, size=64 << 20, quick=False, timeout=600, echo=True, parts=PARTS):
+    """Driver: every training variant, every across-hosts variant, every stream count."""
     timing = {"warmup": 1, "min_iters": 3, "max_iters": 5 if quick else 30,
               "budget": 0.2 if quick else 3.0}
     result = {"steps": steps, "batch": 16, "size": size, "hosts": HOSTS, "training": {},
-              "across": {}}
-    for label, env in TRAINING:
+              "across": {}, "streams": {}}
+    for label, env in TRAINING if "training" in parts else []:
         result["training"][label] = _run(label, training.__file__, "hvd", 2,
                                          {"steps": steps, "batch": 16}, env, timeout)
-    for label, env in ACROSS:
+    for label, env in ACROSS if "across" in parts else []:
         result["across"][label] = _run(label, __file__, "core", 4,
                                        {"size": size, "timing": timing}, env, timeout, HOSTS)
+    for label, env in STREAMS if "streams" in parts else []:
+        result["streams"][label] = _run(label, __file__, "core", 2,
+                                        {"size": size, "timing": timing}, env, timeout,
+                                        TWO_HOSTS)
     if echo:
         print(harness.text_sections(sections(result)), flush=True)
     return result
@@ -104,7 +117,7 @@ def sections(result):
         ratio = r["samples_per_s"] / base_sps if base_sps else None
         rows.append([label, f"{r['samples_per_s']:.1f}", harness.fmt(ratio, ".2f") + "×",
                      mib(r.get("bytes_per_step", 0))])
-    out = [{"title": f"training, 2 ranks, one host: the MLP of training.py, batch "
+    out = [] if not runs else [{"title": f"training, 2 ranks, one host: the MLP of training.py, batch "
                      f"{result['batch']} per rank, {result['steps']} steps, per switch",
             "headers": ["setting", "samples/s", "÷ baseline", "bytes sent per rank and step"],
             "rows": rows, "notes": notes}]
@@ -117,11 +130,31 @@ def sections(result):
         inter = sum(r["bytes_inter_host"] for r in res) / len(res)
         intra = sum(r["bytes_intra_host"] for r in res) / len(res)
         rows.append([label, f"{res[0]['median'] * 1e3:.1f}", mib(inter), mib(intra)])
-    out.append({"title": f"one gradient allreduce of {harness.human(result['size'])} float32 "
-                         f"on two loopback hosts of two ranks ({result['hosts']})",
-                "headers": ["setting", "ms", "bytes between hosts per rank",
-                            "bytes within a host per rank"],
-                "rows": rows, "notes": notes})
+    if rows:
+        out.append({"title": f"one gradient allreduce of {harness.human(result['size'])} "
+                             f"float32 on two loopback hosts of two ranks ({result['hosts']})",
+                    "headers": ["setting", "ms", "bytes between hosts per rank",
+                                "bytes within a host per rank"],
+                    "rows": rows, "notes": notes})
+    rows, notes = [], []
+    runs = result.get("streams", {})
+    base = runs.get(STREAMS[0][0])
+    base_ms = None if base is None or harness.failed(base) else base[0]["median"]
+    for label, res in runs.items():
+        if harness.failed(res):
+            rows.append([label, "failed", "-", "-", "-"])
+            notes.append(f"{label}: {res['error']}")
+            continue
+        ms, sent = res[0]["median"], res[0]["bytes_inter_host"]
+        gbs = result["size"] / ms / 1e9  # busbw = algbw x 2(n-1)/n = algbw at 2 ranks
+        rows.append([label, f"{ms * 1e3:.1f}", f"{gbs:.2f}",
+                     harness.fmt(base_ms / ms if base_ms else None, ".2f") + "×",
+                     f"{res[0]['bytes_extra_streams'] / sent:.0%}" if sent else "-"])
+    if rows:
+        out.append({"title": f"one allreduce of {harness.human(result['size'])} float32 "
+                             f"between two loopback hosts of one rank ({TWO_HOSTS}), TCP",
+                    "headers": ["setting", "ms", "busbw GB/s", "speed-up", "bytes on streams 2.."],
+                    "rows": rows, "notes": notes})
     return out
 
 
@@ -132,10 +165,12 @@ def main(argv=None):
                               ranks=None)
     p.add_argument("--steps", type=int, help="timed training steps (default 40, --quick 5)")
     p.add_argument("--size", type=harness.parse_size, help="allreduce bytes (default 64M)")
+    p.add_argument("--part", choices=PARTS, action="append",
+                   help="run this section only (repeatable; default all)")
     a = p.parse_args(argv)
     steps = a.steps or (5 if a.quick else 40)
     size = a.size or ((1 << 20) if a.quick else (64 << 20))
-    result = run(steps, size, a.quick, a.timeout)
+    result = run(steps, size, a.quick, a.timeout, parts=a.part or PARTS)
     harness.finish(result, a.json)
 
 

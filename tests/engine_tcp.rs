@@ -36,6 +36,7 @@ fn config(rank: usize, size: usize, port: u16, shm: bool) -> Config {
         notes: vec![],
         nancheck: false,
         offline_neg: false,
+        streams: 1,
         downsample_n: 1,
         gradient_momentum: 1.0,
         perf_check_n_steps: 0,
@@ -206,4 +207,62 @@ fn shared_memory_and_tcp_give_identical_bits() {
         assert_eq!(bits, tcp, "rank {r} tensor {k}");
     }
     assert_eq!(all.len(), 2 * 3 * 4);
+}
+
+#[test]
+fn streams_split_a_large_allreduce_over_tcp() {
+    let server = StoreServer::start("127.0.0.1:0", "t").unwrap();
+    let port = server.port();
+    let n = 3;
+    let threads: Vec<_> = (0..n)
+        .map(|r| {
+            std::thread::spawn(move || {
+                let mut cfg = config(r, n, port, false);
+                cfg.streams = 3;
+                let e = Engine::start(cfg).unwrap();
+                // 6 MB: three slices, each on its own connections and thread.
+                let count = 1_500_001;
+                let mut v: Vec<f32> = (0..count).map(|i| ((i + r) % 9) as f32).collect();
+                allreduce(&e, "big", &mut v, ReduceOp::Sum).unwrap();
+                assert!(v
+                    .iter()
+                    .enumerate()
+                    .all(|(i, x)| *x == (0..n).map(|q| ((i + q) % 9) as f32).sum::<f32>()));
+                let extra = e.counters()["bytes_extra_streams"];
+                // Two of three slices went on streams 1 and 2: 2/3 of the ring's 4 MB out.
+                assert!(extra > 2 << 20, "rank {r}: {extra} bytes on extra streams");
+                // A small one stays on stream 0.
+                let mut s = vec![1.0f32; 1000];
+                allreduce(&e, "small", &mut s, ReduceOp::Sum).unwrap();
+                assert_eq!(s, vec![3.0; 1000]);
+                assert_eq!(e.counters()["bytes_extra_streams"], extra);
+                e.shutdown().unwrap();
+            })
+        })
+        .collect();
+    threads.into_iter().for_each(|t| t.join().unwrap());
+}
+
+#[test]
+fn streams_must_agree_on_every_rank() {
+    let server = StoreServer::start("127.0.0.1:0", "t").unwrap();
+    let port = server.port();
+    let threads: Vec<_> = (0..2)
+        .map(|r| {
+            std::thread::spawn(move || {
+                let mut cfg = config(r, 2, port, false);
+                cfg.streams = 2 + r;
+                let err = Engine::start(cfg)
+                    .err()
+                    .expect("mismatched streams must fail");
+                let msg = err.to_string();
+                assert!(msg.contains("PERSEUS_ALLREDUCE_STREAMS"), "{msg}");
+                assert!(
+                    msg.contains(&format!("rank {} has {}", 1 - r, 3 - r)),
+                    "{msg}"
+                );
+            })
+        })
+        .collect();
+    threads.into_iter().for_each(|t| t.join().unwrap());
 }

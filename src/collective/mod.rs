@@ -12,6 +12,7 @@ mod barrier;
 mod broadcast;
 mod hierarchical;
 mod ring;
+mod stripe;
 
 #[cfg(test)]
 mod tests;
@@ -21,13 +22,15 @@ pub use barrier::barrier;
 pub use broadcast::broadcast;
 pub use hierarchical::{allreduce_hierarchical, fits, hosts_of};
 pub use ring::{allgatherv, allreduce, allreduce_half_links, reduce_scatter};
+pub use stripe::{striped, stripes, MIN_STRIPE};
 
 use crate::error::Result;
-use crate::transport::{Mesh, Recv, Send};
+use crate::transport::{Channel, Mesh, Recv, Send};
 use std::ops::Range;
 
-/// A group of ranks that exchange messages.
-pub trait Comm {
+/// A group of ranks that exchange messages. Shared between the threads of
+/// a striped collective (see [`striped`]), hence `Sync`.
+pub trait Comm: Sync {
     /// This rank within the group.
     fn rank(&self) -> usize;
     /// Number of ranks in the group.
@@ -38,26 +41,61 @@ pub trait Comm {
     fn host(&self, _rank: usize) -> usize {
         0
     }
+    /// Parallel streams between ranks of different hosts (and between all
+    /// ranks when [`Comm::shares_memory`] is false).
+    fn streams(&self) -> usize {
+        1
+    }
+    /// True when ranks on one host talk through shared memory, over one
+    /// stream only.
+    fn shares_memory(&self) -> bool {
+        false
+    }
+    /// The same group on stream `s` (`0 < s < streams()`).
+    fn channel(&self, _s: usize) -> Option<Box<dyn Comm + '_>> {
+        None
+    }
 }
 
 /// A subgroup of a parent group: group rank `i` is parent rank `members[i]`.
 pub struct SubComm<'a> {
-    parent: &'a dyn Comm,
+    parent: Parent<'a>,
     members: Vec<usize>,
     rank: usize,
+}
+
+/// A [`SubComm`]'s parent: borrowed, or (one stream of a parent) owned.
+enum Parent<'a> {
+    Borrowed(&'a dyn Comm),
+    Owned(Box<dyn Comm + 'a>),
 }
 
 impl<'a> SubComm<'a> {
     /// The subgroup of `members` (parent ranks, including the caller's).
     pub fn new(parent: &'a dyn Comm, members: Vec<usize>) -> Self {
+        Self::with_parent(Parent::Borrowed(parent), members)
+    }
+
+    fn with_parent(parent: Parent<'a>, members: Vec<usize>) -> Self {
+        let p = match &parent {
+            Parent::Borrowed(p) => *p,
+            Parent::Owned(b) => &**b,
+        };
         let rank = members
             .iter()
-            .position(|&m| m == parent.rank())
+            .position(|&m| m == p.rank())
             .expect("caller not in its subgroup");
         SubComm {
             parent,
             members,
             rank,
+        }
+    }
+
+    fn parent(&self) -> &dyn Comm {
+        match &self.parent {
+            Parent::Borrowed(p) => *p,
+            Parent::Owned(b) => &**b,
         }
     }
 }
@@ -76,10 +114,23 @@ impl Comm for SubComm<'_> {
         recvs
             .iter_mut()
             .for_each(|r| r.map_peer(|p| self.members[p]));
-        self.parent.transfer(sends, recvs)
+        self.parent().transfer(sends, recvs)
     }
     fn host(&self, rank: usize) -> usize {
-        self.parent.host(self.members[rank])
+        self.parent().host(self.members[rank])
+    }
+    fn streams(&self) -> usize {
+        self.parent().streams()
+    }
+    fn shares_memory(&self) -> bool {
+        self.parent().shares_memory()
+    }
+    fn channel(&self, s: usize) -> Option<Box<dyn Comm + '_>> {
+        let parent = self.parent().channel(s)?;
+        Some(Box::new(SubComm::with_parent(
+            Parent::Owned(parent),
+            self.members.clone(),
+        )))
     }
 }
 
@@ -96,6 +147,31 @@ impl Comm for Mesh {
     }
     fn host(&self, rank: usize) -> usize {
         self.host_of(rank)
+    }
+    fn streams(&self) -> usize {
+        Mesh::streams(self)
+    }
+    fn shares_memory(&self) -> bool {
+        Mesh::shares_memory(self)
+    }
+    fn channel(&self, s: usize) -> Option<Box<dyn Comm + '_>> {
+        (s < Mesh::streams(self)).then(|| Box::new(Mesh::channel(self, s)) as Box<dyn Comm>)
+    }
+}
+
+/// One stream of the mesh: the same ranks, its own connections.
+impl Comm for Channel<'_> {
+    fn rank(&self) -> usize {
+        self.mesh().rank()
+    }
+    fn size(&self) -> usize {
+        self.mesh().size()
+    }
+    fn transfer(&self, sends: &mut [Send<'_>], recvs: &mut [Recv<'_>]) -> Result<()> {
+        Channel::transfer(self, sends, recvs)
+    }
+    fn host(&self, rank: usize) -> usize {
+        self.mesh().host_of(rank)
     }
 }
 

@@ -7,7 +7,7 @@
 //! sends its whole buffer to every other and reduces in rank order, one
 //! round trip instead of `2(n-1)`.
 
-use super::{partition, split2, Comm};
+use super::{partition, split2, striped, Comm};
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::Result;
 use crate::kernels::{reduce_into, round_through_half, to_half, AlignedBuf};
@@ -17,8 +17,22 @@ use std::ops::Range;
 /// Buffers up to this size use the direct exchange instead of the ring.
 const DIRECT_MAX: usize = 64 << 10;
 
-/// Reduces `buf` across the group in place. Every rank ends with identical bytes.
+/// Reduces `buf` across the group in place. Every rank ends with identical
+/// bytes. A large buffer between hosts is striped over the streams.
 pub fn allreduce(
+    comm: &dyn Comm,
+    buf: &mut [u8],
+    dtype: DataType,
+    op: ReduceOp,
+    scratch: &mut AlignedBuf,
+) -> Result<()> {
+    striped(comm, buf, dtype.size(), scratch, |c, b, s| {
+        allreduce_one(c, b, dtype, op, s)
+    })
+}
+
+/// [`allreduce`] on one stream.
+fn allreduce_one(
     comm: &dyn Comm,
     buf: &mut [u8],
     dtype: DataType,
@@ -51,8 +65,21 @@ pub(super) fn byte_parts(len: usize, es: usize, n: usize) -> Vec<Range<usize>> {
 /// sums stay float32: a receiver widens each float16 segment as it arrives
 /// and adds it in. The owner of each reduced chunk rounds it through float16
 /// before the allgather, so the chunk travels on without further loss and
-/// every rank ends with the same bytes.
+/// every rank ends with the same bytes. Striped like [`allreduce`].
 pub fn allreduce_half_links(
+    comm: &dyn Comm,
+    buf: &mut [u8],
+    op: ReduceOp,
+    everywhere: bool,
+    scratch: &mut AlignedBuf,
+) -> Result<()> {
+    striped(comm, buf, 4, scratch, |c, b, s| {
+        half_links_one(c, b, op, everywhere, s)
+    })
+}
+
+/// [`allreduce_half_links`] on one stream.
+fn half_links_one(
     comm: &dyn Comm,
     buf: &mut [u8],
     op: ReduceOp,

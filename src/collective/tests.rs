@@ -5,45 +5,94 @@ use super::*;
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::PerseusError;
 use crate::kernels::AlignedBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::Mutex;
 use std::time::Duration;
 
-/// A rank of an in-memory group: a channel to and from every other rank.
+/// A rank of an in-memory group: on each stream, a channel to and from
+/// every other rank.
 struct ThreadComm {
     rank: usize,
-    tx: Vec<Sender<Vec<u8>>>,
-    rx: Vec<Receiver<Vec<u8>>>,
+    streams: Vec<Links>,
     /// Host of every rank.
     hosts: Vec<usize>,
+    /// Ranks on one host share memory (one stream between them).
+    shm: bool,
     /// Payload bytes this rank sent to ranks on other hosts.
-    inter: std::cell::Cell<usize>,
+    inter: AtomicUsize,
     /// Payload bytes this rank sent.
-    sent: std::cell::Cell<usize>,
+    sent: AtomicUsize,
+    /// Payload bytes this rank sent on each stream.
+    per_stream: Vec<AtomicUsize>,
 }
 
-fn group(n: usize) -> Vec<ThreadComm> {
-    let mut txs: Vec<Vec<Option<Sender<Vec<u8>>>>> = (0..n).map(|_| vec![None; n]).collect();
-    let mut rxs: Vec<Vec<Option<Receiver<Vec<u8>>>>> =
-        (0..n).map(|_| (0..n).map(|_| None).collect()).collect();
-    for (a, row) in txs.iter_mut().enumerate() {
-        for (b, slot) in row.iter_mut().enumerate() {
-            let (t, r) = channel();
-            *slot = Some(t);
-            rxs[b][a] = Some(r);
+/// One stream's channels of a rank.
+struct Links {
+    tx: Vec<Sender<Vec<u8>>>,
+    rx: Vec<Mutex<Receiver<Vec<u8>>>>,
+}
+
+fn group_streams(n: usize, streams: usize) -> Vec<ThreadComm> {
+    let mut comms: Vec<ThreadComm> = (0..n)
+        .map(|rank| ThreadComm {
+            rank,
+            streams: Vec::new(),
+            hosts: vec![0; n],
+            shm: false,
+            inter: AtomicUsize::new(0),
+            sent: AtomicUsize::new(0),
+            per_stream: (0..streams).map(|_| AtomicUsize::new(0)).collect(),
+        })
+        .collect();
+    for _ in 0..streams {
+        let mut txs: Vec<Vec<Option<Sender<Vec<u8>>>>> = (0..n).map(|_| vec![None; n]).collect();
+        let mut rxs: Vec<Vec<Option<Receiver<Vec<u8>>>>> =
+            (0..n).map(|_| (0..n).map(|_| None).collect()).collect();
+        for (a, row) in txs.iter_mut().enumerate() {
+            for (b, slot) in row.iter_mut().enumerate() {
+                let (t, r) = channel();
+                *slot = Some(t);
+                rxs[b][a] = Some(r);
+            }
+        }
+        for ((c, tx), rx) in comms.iter_mut().zip(txs).zip(rxs) {
+            c.streams.push(Links {
+                tx: tx.into_iter().map(Option::unwrap).collect(),
+                rx: rx.into_iter().map(|r| Mutex::new(r.unwrap())).collect(),
+            });
         }
     }
-    txs.into_iter()
-        .zip(rxs)
-        .enumerate()
-        .map(|(rank, (tx, rx))| ThreadComm {
-            rank,
-            tx: tx.into_iter().map(Option::unwrap).collect(),
-            rx: rx.into_iter().map(Option::unwrap).collect(),
-            hosts: vec![0; n],
-            inter: std::cell::Cell::new(0),
-            sent: std::cell::Cell::new(0),
-        })
-        .collect()
+    comms
+}
+
+impl ThreadComm {
+    fn transfer_on(
+        &self,
+        stream: usize,
+        sends: &mut [Send<'_>],
+        recvs: &mut [Recv<'_>],
+    ) -> crate::error::Result<()> {
+        let links = &self.streams[stream];
+        for s in sends.iter() {
+            let len = s.data().len();
+            if self.hosts[s.peer()] != self.hosts[self.rank] {
+                self.inter.fetch_add(len, Ordering::Relaxed);
+            }
+            self.sent.fetch_add(len, Ordering::Relaxed);
+            self.per_stream[stream].fetch_add(len, Ordering::Relaxed);
+            links.tx[s.peer()].send(s.data().to_vec()).unwrap();
+        }
+        for r in recvs.iter_mut() {
+            let got = links.rx[r.peer()]
+                .lock()
+                .unwrap()
+                .recv_timeout(Duration::from_secs(10))
+                .map_err(|_| PerseusError::Peer(format!("rank {} is silent", r.peer())))?;
+            r.deliver(&got);
+        }
+        Ok(())
+    }
 }
 
 impl Comm for ThreadComm {
@@ -51,26 +100,43 @@ impl Comm for ThreadComm {
         self.rank
     }
     fn size(&self) -> usize {
-        self.tx.len()
+        self.hosts.len()
     }
     fn transfer(&self, sends: &mut [Send<'_>], recvs: &mut [Recv<'_>]) -> crate::error::Result<()> {
-        for s in sends.iter() {
-            if self.hosts[s.peer()] != self.hosts[self.rank] {
-                self.inter.set(self.inter.get() + s.data().len());
-            }
-            self.sent.set(self.sent.get() + s.data().len());
-            self.tx[s.peer()].send(s.data().to_vec()).unwrap();
-        }
-        for r in recvs.iter_mut() {
-            let got = self.rx[r.peer()]
-                .recv_timeout(Duration::from_secs(10))
-                .map_err(|_| PerseusError::Peer(format!("rank {} is silent", r.peer())))?;
-            r.deliver(&got);
-        }
-        Ok(())
+        self.transfer_on(0, sends, recvs)
     }
     fn host(&self, rank: usize) -> usize {
         self.hosts[rank]
+    }
+    fn streams(&self) -> usize {
+        self.streams.len()
+    }
+    fn shares_memory(&self) -> bool {
+        self.shm
+    }
+    fn channel(&self, s: usize) -> Option<Box<dyn Comm + '_>> {
+        (s < self.streams.len()).then(|| Box::new(Stream { comm: self, s }) as Box<dyn Comm>)
+    }
+}
+
+/// Stream `s` of a [`ThreadComm`].
+struct Stream<'a> {
+    comm: &'a ThreadComm,
+    s: usize,
+}
+
+impl Comm for Stream<'_> {
+    fn rank(&self) -> usize {
+        self.comm.rank
+    }
+    fn size(&self) -> usize {
+        self.comm.size()
+    }
+    fn transfer(&self, sends: &mut [Send<'_>], recvs: &mut [Recv<'_>]) -> crate::error::Result<()> {
+        self.comm.transfer_on(self.s, sends, recvs)
+    }
+    fn host(&self, rank: usize) -> usize {
+        self.comm.hosts[rank]
     }
 }
 
@@ -87,9 +153,23 @@ fn run_on<T: std::marker::Send + 'static>(
     hosts: &[usize],
     f: impl Fn(&ThreadComm) -> T + std::marker::Send + Sync + 'static,
 ) -> Vec<T> {
+    run_streams(hosts, 1, false, f)
+}
+
+/// Like [`run_on`], with `streams` streams per pair and (`shm`) ranks on
+/// one host sharing memory.
+fn run_streams<T: std::marker::Send + 'static>(
+    hosts: &[usize],
+    streams: usize,
+    shm: bool,
+    f: impl Fn(&ThreadComm) -> T + std::marker::Send + Sync + 'static,
+) -> Vec<T> {
     let f = std::sync::Arc::new(f);
-    let mut comms = group(hosts.len());
-    comms.iter_mut().for_each(|c| c.hosts = hosts.to_vec());
+    let mut comms = group_streams(hosts.len(), streams);
+    comms.iter_mut().for_each(|c| {
+        c.hosts = hosts.to_vec();
+        c.shm = shm;
+    });
     let handles: Vec<_> = comms
         .into_iter()
         .map(|c| {
@@ -391,7 +471,7 @@ fn half_between_hosts_is_identical_everywhere_and_halves_inter_host_bytes() {
                         (false, false) => allreduce(c, buf, DataType::F32, ReduceOp::Sum, &mut s),
                     }
                     .unwrap();
-                    (b.as_slice().to_vec(), c.inter.get())
+                    (b.as_slice().to_vec(), c.inter.load(Ordering::Relaxed))
                 })
             };
             let exact = run_mode(false);
@@ -432,7 +512,7 @@ fn half_links_everywhere_halve_every_byte_and_agree() {
                     allreduce(c, b.as_mut_slice(), DataType::F32, ReduceOp::Sum, &mut s)
                 }
                 .unwrap();
-                (to_f32s(b.as_slice()), c.sent.get())
+                (to_f32s(b.as_slice()), c.sent.load(Ordering::Relaxed))
             })
         };
         let (exact, half) = (run_mode(false), run_mode(true));
@@ -462,4 +542,97 @@ fn half_between_hosts_on_one_host_is_exact() {
         to_f32s(b.as_slice())
     });
     assert!(out.iter().all(|o| o == &want_sum(1000, 3)));
+}
+
+#[test]
+fn stripes_only_where_every_link_has_the_streams() {
+    let mib = MIN_STRIPE;
+    let check = |hosts: &[usize], streams: usize, shm: bool, len: usize, want: usize| {
+        let got = run_streams(hosts, streams, shm, move |c| stripes(c, len));
+        assert!(
+            got.iter().all(|&k| k == want),
+            "hosts {hosts:?} streams {streams} shm {shm} len {len}: {got:?}, want {want}"
+        );
+    };
+    check(&[0, 1], 4, true, 8 * mib, 4);
+    check(&[0, 1], 4, true, 3 * mib, 3);
+    check(&[0, 1], 4, true, 2 * mib - 1, 1);
+    check(&[0, 1], 1, true, 64 * mib, 1);
+    // Two ranks of one host share memory: one stream between them.
+    check(&[0, 0, 1], 4, true, 64 * mib, 1);
+    // Without shared memory every pair has every stream.
+    check(&[0, 0, 1], 4, false, 64 * mib, 4);
+    check(&[0], 4, false, 64 * mib, 1);
+}
+
+#[test]
+fn striped_allreduce_uses_every_stream_and_is_exact() {
+    // 3 ranks on 3 hosts, 3 streams, ~4.2 MB: three slices of whole elements.
+    let count = 1_050_001;
+    let out = run_streams(&[0, 1, 2], 3, true, move |c| {
+        let mut b = AlignedBuf::from_slice(&f32s(&grad(count, c.rank())));
+        let mut s = AlignedBuf::default();
+        allreduce(c, b.as_mut_slice(), DataType::F32, ReduceOp::Sum, &mut s).unwrap();
+        let per: Vec<usize> = c
+            .per_stream
+            .iter()
+            .map(|a| a.load(Ordering::Relaxed))
+            .collect();
+        (to_f32s(b.as_slice()), per)
+    });
+    let want = want_sum(count, 3);
+    for (r, (got, per)) in out.iter().enumerate() {
+        assert!(got == &want, "rank {r}: striped sum differs");
+        assert!(per.iter().all(|&b| b > 1 << 20), "rank {r}: {per:?}");
+    }
+}
+
+#[test]
+fn striped_half_links_and_hierarchy_agree_everywhere() {
+    // 2 hosts of 2 ranks in shared memory: the hierarchy's stage between
+    // hosts is striped; the flat float16 ring is not (shared memory in it).
+    let count = 3_000_000;
+    for (hier, half) in [(true, false), (true, true), (false, true)] {
+        let out = run_streams(&[0, 0, 1, 1], 2, true, move |c| {
+            let mut b = AlignedBuf::from_slice(&f32s(&grad(count, c.rank())));
+            let (mut h, mut s) = (AlignedBuf::default(), AlignedBuf::default());
+            let buf = b.as_mut_slice();
+            if hier {
+                allreduce_hierarchical(c, buf, DataType::F32, ReduceOp::Sum, half, &mut h, &mut s)
+            } else {
+                allreduce_half_links(c, buf, ReduceOp::Sum, false, &mut s)
+            }
+            .unwrap();
+            (
+                to_f32s(b.as_slice()),
+                c.per_stream[1].load(Ordering::Relaxed),
+            )
+        });
+        let want = want_sum(count, 4);
+        for (r, (got, extra)) in out.iter().enumerate() {
+            assert_eq!(got, &out[0].0, "hier {hier} half {half}: rank {r} differs");
+            assert_eq!(
+                *extra > 0,
+                hier,
+                "hier {hier} half {half}: rank {r} stream 1"
+            );
+            if !half {
+                assert!(got == &want, "rank {r}: exact hierarchy differs");
+            }
+        }
+    }
+    // Ranks on four hosts: the float16 ring itself is striped.
+    let out = run_streams(&[0, 1, 2, 3], 2, true, move |c| {
+        let mut b = AlignedBuf::from_slice(&f32s(&grad(count, c.rank())));
+        let mut s = AlignedBuf::default();
+        allreduce_half_links(c, b.as_mut_slice(), ReduceOp::Sum, false, &mut s).unwrap();
+        (
+            to_f32s(b.as_slice()),
+            c.per_stream[1].load(Ordering::Relaxed),
+        )
+    });
+    for (r, (got, extra)) in out.iter().enumerate() {
+        assert_eq!(got, &out[0].0, "rank {r} differs");
+        assert!(*extra > 0, "rank {r}: stream 1 unused");
+    }
 }

@@ -131,6 +131,13 @@ pub const PARAMS: &[Param] = &[
         doc: "Horovod's name for PERSEUS_ALLREDUCE_MODE",
     },
     Param {
+        name: "PERSEUS_ALLREDUCE_STREAMS",
+        default: "4",
+        allowed: "an integer from 1 to 12, the same on every rank",
+        doc: "TCP connections per pair of ranks on different hosts; a large allreduce between \
+              hosts is split across them, each part on its own thread",
+    },
+    Param {
         name: "PERSEUS_OFFLINE_NEG",
         default: "0",
         allowed: "0 or 1",
@@ -199,6 +206,8 @@ pub struct Config {
     pub nancheck: bool,
     /// PERSEUS_OFFLINE_NEG: run stable steps without the coordinator.
     pub offline_neg: bool,
+    /// PERSEUS_ALLREDUCE_STREAMS: TCP connections (and threads) per peer pair.
+    pub streams: usize,
     /// PERSEUS_DOWNSAMPLE_N_ELEMENTS: send 1/N of the gradient per step (front-ends).
     pub downsample_n: u32,
     /// PERSEUS_GRADIENT_MOMENTUM: decay of the kept-back gradient (front-ends).
@@ -422,6 +431,7 @@ impl Config {
             nancheck: int_var("PERSEUS_ALLREDUCE_NANCHECK", 0, 0, 1)? == 1,
             plan: gradient_plan()?,
             offline_neg: int_var("PERSEUS_OFFLINE_NEG", 0, 0, 1)? == 1,
+            streams: int_var("PERSEUS_ALLREDUCE_STREAMS", 4, 1, 12)? as usize,
             downsample_n: int_var("PERSEUS_DOWNSAMPLE_N_ELEMENTS", 1, 1, 1024)? as u32,
             gradient_momentum: match float_var("PERSEUS_GRADIENT_MOMENTUM", 1.0)? {
                 m if m <= 1.0 => m,
@@ -499,6 +509,7 @@ impl Config {
                 "PERSEUS_OFFLINE_NEG",
                 u8::from(self.offline_neg).to_string(),
             ),
+            ("PERSEUS_ALLREDUCE_STREAMS", self.streams.to_string()),
             (
                 "PERSEUS_DOWNSAMPLE_N_ELEMENTS",
                 self.downsample_n.to_string(),

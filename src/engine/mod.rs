@@ -85,6 +85,7 @@ struct Counters {
     bytes_inter_host: AtomicU64,
     compression_resends: AtomicU64,
     negotiations_skipped: AtomicU64,
+    bytes_extra_streams: AtomicU64,
 }
 
 /// A running engine.
@@ -192,8 +193,10 @@ impl Engine {
     /// as response-cache ids), and payload bytes sent to ranks on this host
     /// (`bytes_intra_host`) and on other hosts (`bytes_inter_host`), and
     /// `compression_resends`: float16 allreduces that overflowed and were
-    /// resent uncompressed, and `negotiations_skipped`: tensors run from an
-    /// offline schedule without asking the coordinator.
+    /// resent uncompressed, `negotiations_skipped`: tensors run from an
+    /// offline schedule without asking the coordinator, and
+    /// `bytes_extra_streams`: payload bytes sent on streams other than the
+    /// first (PERSEUS_ALLREDUCE_STREAMS).
     pub fn counters(&self) -> BTreeMap<String, u64> {
         let c = &self.shared.counters;
         let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
@@ -208,6 +211,7 @@ impl Engine {
             ("bytes_inter_host", get(&c.bytes_inter_host)),
             ("compression_resends", get(&c.compression_resends)),
             ("negotiations_skipped", get(&c.negotiations_skipped)),
+            ("bytes_extra_streams", get(&c.bytes_extra_streams)),
         ]
         .into_iter()
         .map(|(k, v)| (k.to_string(), v))
@@ -802,6 +806,7 @@ impl State {
                 let tracing = self.shared.timeline.active();
                 self.bufs.phases = tracing.then(Vec::new);
                 let outcome = exec::run_op(&comm, &resp, &entries, &mut self.bufs);
+                drop(comm);
                 let end = Instant::now();
                 let phases = self.bufs.phases.take().unwrap_or_default();
                 // Waiting for the group and the vote, when run from the offline schedule.
@@ -827,6 +832,8 @@ impl State {
                 let (intra, inter) = self.mesh.bytes_sent();
                 c.bytes_intra_host.store(intra, Ordering::Relaxed);
                 c.bytes_inter_host.store(inter, Ordering::Relaxed);
+                let extra = self.mesh.bytes_sent_extra();
+                c.bytes_extra_streams.store(extra, Ordering::Relaxed);
                 let shared = self.shared.clone();
                 let tl = &shared.timeline;
                 let phase = kind.name().to_uppercase();

@@ -1,7 +1,7 @@
 //! Building the mesh at `init()`: listen, publish the address in the
 //! rendezvous, connect to every lower rank, accept every higher one. Each new
-//! stream opens with a hello (job secret, sender rank, channel) that the
-//! acceptor checks and answers.
+//! stream opens with a hello (job secret, sender rank, channel, stream
+//! index) that the acceptor checks and answers.
 
 use super::shm::Segment;
 use super::{Link, Mesh};
@@ -53,9 +53,9 @@ fn local_addr(cfg: &Config, rdv_host: &str) -> Result<IpAddr> {
     Ok(probe.local_addr()?.ip())
 }
 
-fn hello(secret: &str, rank: usize, channel: u8) -> Vec<u8> {
+fn hello(secret: &str, rank: usize, channel: u8, stream: usize) -> Vec<u8> {
     let mut w = Writer::new();
-    w.str(secret).u32(rank as u32).u8(channel);
+    w.str(secret).u32(rank as u32).u8(channel).u8(stream as u8);
     w.0
 }
 
@@ -76,25 +76,63 @@ pub fn connect_mesh(cfg: &Config) -> Result<MeshParts> {
     let listener = TcpListener::bind((ip, 0))?;
     let addr = listener.local_addr()?;
     let host = host_key(cfg);
-    store.set(&format!("mesh/{rank}"), format!("{addr} {host}").as_bytes())?;
+    let entry = format!("{addr} {host} {}", cfg.streams);
+    store.set(&format!("mesh/{rank}"), entry.as_bytes())?;
+    let mut peers = Vec::with_capacity(size);
+    for p in 0..size {
+        peers.push(if p == rank {
+            Published {
+                addr: addr.to_string(),
+                host: host.clone(),
+                streams: cfg.streams,
+            }
+        } else {
+            published(&mut store, p, timeout)?
+        });
+    }
+    if let Some((p, other)) = peers
+        .iter()
+        .enumerate()
+        .find(|(_, e)| e.streams != cfg.streams)
+    {
+        return Err(PerseusError::InvalidConfig {
+            var: "PERSEUS_ALLREDUCE_STREAMS".into(),
+            value: cfg.streams.to_string(),
+            allowed: format!(
+                "the same value on every rank, but rank {p} has {}",
+                other.streams
+            ),
+        });
+    }
+    let hosts: Vec<String> = peers.iter().map(|e| e.host.clone()).collect();
+    // Pairs in shared memory keep one TCP data stream (unused once the rings are up).
+    let streams_to = |p: usize| {
+        if cfg.shm && hosts[p] == host {
+            1
+        } else {
+            cfg.streams
+        }
+    };
 
-    let mut data: Vec<Option<TcpStream>> = (0..size).map(|_| None).collect();
+    let mut data: Vec<Vec<Option<TcpStream>>> = (0..cfg.streams)
+        .map(|_| (0..size).map(|_| None).collect())
+        .collect();
     let mut control: Vec<Option<TcpStream>> = (0..size).map(|_| None).collect();
     let mut worker_control = None;
-    for (peer, slot) in data.iter_mut().enumerate().take(rank) {
-        let a = published(&mut store, peer, timeout)?.0;
-        *slot = Some(dial(
-            &a,
-            peer,
-            &hello(&cfg.secret, rank, CHANNEL_DATA),
-            timeout,
-        )?);
+    for (peer, entry) in peers.iter().enumerate().take(rank) {
+        for (s, row) in data.iter_mut().enumerate().take(streams_to(peer)) {
+            let h = hello(&cfg.secret, rank, CHANNEL_DATA, s);
+            row[peer] = Some(dial(&entry.addr, peer, &h, timeout)?);
+        }
         if peer == 0 {
-            let h = hello(&cfg.secret, rank, CHANNEL_CONTROL);
-            worker_control = Some(dial(&a, 0, &h, timeout)?);
+            let h = hello(&cfg.secret, rank, CHANNEL_CONTROL, 0);
+            worker_control = Some(dial(&entry.addr, 0, &h, timeout)?);
         }
     }
-    let mut expect = size - 1 - rank + if rank == 0 { size - 1 } else { 0 };
+    let mut expect: usize = (rank + 1..size).map(streams_to).sum();
+    if rank == 0 {
+        expect += size - 1;
+    }
     listener.set_nonblocking(true)?;
     let deadline = Instant::now() + timeout;
     while expect > 0 {
@@ -102,8 +140,9 @@ pub fn connect_mesh(cfg: &Config) -> Result<MeshParts> {
             Ok((c, _)) => c,
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 if Instant::now() >= deadline {
-                    let missing: Vec<usize> =
-                        (rank + 1..size).filter(|&r| data[r].is_none()).collect();
+                    let missing: Vec<usize> = (rank + 1..size)
+                        .filter(|&r| (0..streams_to(r)).any(|s| data[s][r].is_none()))
+                        .collect();
                     return Err(PerseusError::Peer(format!(
                         "rank {rank}: ranks {missing:?} did not connect within {timeout:?}"
                     )));
@@ -113,17 +152,20 @@ pub fn connect_mesh(cfg: &Config) -> Result<MeshParts> {
             }
             Err(e) => return Err(e.into()),
         };
-        if let Some((from, channel, conn)) = admit(conn, cfg, &data, &control, timeout) {
-            let slot = if channel == CHANNEL_DATA {
-                &mut data
+        let open = |from: usize, channel: u8, s: usize| match channel {
+            CHANNEL_DATA => s < streams_to(from) && data[s][from].is_none(),
+            _ => control[from].is_none(),
+        };
+        if let Some((from, channel, s, conn)) = admit(conn, cfg, &open, timeout) {
+            if channel == CHANNEL_DATA {
+                data[s][from] = Some(conn);
             } else {
-                &mut control
-            };
-            slot[from] = Some(conn);
+                control[from] = Some(conn);
+            }
             expect -= 1;
         }
     }
-    for s in data.iter().flatten() {
+    for s in data.iter().flatten().flatten() {
         s.set_nonblocking(true)?;
         s.set_nodelay(true)?;
     }
@@ -131,18 +173,11 @@ pub fn connect_mesh(cfg: &Config) -> Result<MeshParts> {
         Some(c) => Control::Worker(c),
         None => Control::Coordinator(control),
     };
-    let mut links: Vec<Link> = data
+    let mut rows = data
         .into_iter()
-        .map(|s| s.map_or(Link::None, Link::Tcp))
-        .collect();
-    let mut hosts = Vec::with_capacity(size);
-    for p in 0..size {
-        hosts.push(if p == rank {
-            host.clone()
-        } else {
-            published(&mut store, p, timeout)?.1
-        });
-    }
+        .map(|row| row.into_iter().map(|s| s.map_or(Link::None, Link::Tcp)));
+    let mut links: Vec<Link> = rows.next().expect("stream 0").collect();
+    let extra: Vec<Vec<Link>> = rows.map(Iterator::collect).collect();
     let mut shm = None;
     let group: Vec<usize> = (0..size).filter(|&p| hosts[p] == host).collect();
     if cfg.shm && group.len() > 1 {
@@ -160,17 +195,39 @@ pub fn connect_mesh(cfg: &Config) -> Result<MeshParts> {
         shm = Some((seg, me));
     }
     Ok(MeshParts {
-        mesh: Mesh::new(rank, links, shm, timeout).with_hosts(&hosts),
+        mesh: Mesh::new(rank, links, shm, timeout)
+            .with_hosts(&hosts)
+            .with_streams(extra, cfg.shm),
         control,
         hosts,
     })
 }
 
-/// A published mesh entry: (address, host key).
-fn published(store: &mut StoreClient, peer: usize, timeout: Duration) -> Result<(String, String)> {
+/// What a rank publishes in the rendezvous for its peers.
+struct Published {
+    /// Where it listens.
+    addr: String,
+    /// Its host key.
+    host: String,
+    /// Its PERSEUS_ALLREDUCE_STREAMS.
+    streams: usize,
+}
+
+/// Reads `peer`'s published entry ("address host-key streams").
+fn published(store: &mut StoreClient, peer: usize, timeout: Duration) -> Result<Published> {
     let v = String::from_utf8_lossy(&store.get(&format!("mesh/{peer}"), timeout)?).to_string();
-    let (addr, host) = v.split_once(' ').unwrap_or((v.as_str(), ""));
-    Ok((addr.to_string(), host.to_string()))
+    let mut f = v.split(' ');
+    let (addr, host, streams) = (f.next(), f.next(), f.next().and_then(|s| s.parse().ok()));
+    match (addr, host, streams) {
+        (Some(addr), Some(host), Some(streams)) => Ok(Published {
+            addr: addr.to_string(),
+            host: host.to_string(),
+            streams,
+        }),
+        _ => Err(PerseusError::Protocol(format!(
+            "rank {peer} published a malformed mesh entry {v:?}"
+        ))),
+    }
 }
 
 /// Names this host: ranks with equal keys share memory. The launcher's host
@@ -266,15 +323,15 @@ fn dial(addr: &str, peer: usize, hello: &[u8], timeout: Duration) -> Result<TcpS
     Ok(s)
 }
 
-/// Checks an incoming hello; answers and returns (rank, channel, stream) or
-/// drops a stranger.
+/// Checks an incoming hello; answers and returns (rank, channel,
+/// stream, connection) or drops a stranger. `open(rank, channel, stream)` says whether
+/// that connection is still expected.
 fn admit(
     mut conn: TcpStream,
     cfg: &Config,
-    data: &[Option<TcpStream>],
-    control: &[Option<TcpStream>],
+    open: &dyn Fn(usize, u8, usize) -> bool,
     timeout: Duration,
-) -> Option<(usize, u8, TcpStream)> {
+) -> Option<(usize, u8, usize, TcpStream)> {
     conn.set_nonblocking(false).ok()?;
     conn.set_nodelay(true).ok()?;
     conn.set_read_timeout(Some(timeout.min(Duration::from_secs(10))))
@@ -282,29 +339,42 @@ fn admit(
     let (k, p) = read_frame(&mut conn).ok()?;
     let mut r = Reader::new(&p);
     let parsed = (k == HELLO)
-        .then(|| Some((r.str().ok()?, r.u32().ok()? as usize, r.u8().ok()?)))
+        .then(|| {
+            Some((
+                r.str().ok()?,
+                r.u32().ok()? as usize,
+                r.u8().ok()?,
+                r.u8().ok()? as usize,
+            ))
+        })
         .flatten();
     let me = cfg.topology.rank;
     let verdict = match parsed {
         None => Err("malformed hello".to_string()),
-        Some((secret, _, _)) if secret != cfg.secret => Err("wrong job secret".into()),
-        Some((_, from, _)) if from <= me || from >= cfg.topology.size => {
+        Some((secret, ..)) if secret != cfg.secret => Err("wrong job secret".into()),
+        Some((_, from, ..)) if from <= me || from >= cfg.topology.size => {
             Err(format!("rank {from} must not connect to rank {me}"))
         }
-        Some((_, from, CHANNEL_DATA)) if data[from].is_some() => {
-            Err(format!("rank {from} is already connected"))
-        }
-        Some((_, from, CHANNEL_CONTROL)) if me != 0 || control[from].is_some() => {
+        Some((_, from, CHANNEL_CONTROL, _)) if me != 0 => {
             Err(format!("unexpected control connection from rank {from}"))
         }
-        Some((_, from, ch)) if ch == CHANNEL_DATA || ch == CHANNEL_CONTROL => Ok((from, ch)),
-        Some((_, _, ch)) => Err(format!("unknown channel {ch}")),
+        Some((_, from, ch, s)) if ch == CHANNEL_DATA || ch == CHANNEL_CONTROL => {
+            if open(from, ch, s) {
+                Ok((from, ch, s))
+            } else {
+                Err(format!(
+                    "rank {from} is already connected (channel {ch}, stream {s}) or \
+                     has no such stream"
+                ))
+            }
+        }
+        Some((_, _, ch, _)) => Err(format!("unknown channel {ch}")),
     };
     match verdict {
-        Ok((from, ch)) => {
+        Ok((from, ch, s)) => {
             write_frame(&mut conn, HELLO_OK, &[]).ok()?;
             conn.set_read_timeout(None).ok()?;
-            Some((from, ch, conn))
+            Some((from, ch, s, conn))
         }
         Err(msg) => {
             let _ = write_frame(&mut conn, HELLO_ERR, msg.as_bytes());

@@ -1,7 +1,10 @@
 //! Point-to-point transport between ranks: a full TCP mesh, one data stream
 //! per peer pair, plus control streams from every rank to rank 0 (the
 //! coordinator); ranks on the same host replace their TCP data stream with
-//! a shared-memory ring pair ([`shm`]). Data moves in frames (the
+//! a shared-memory ring pair ([`shm`]). Pairs joined by TCP have
+//! `PERSEUS_ALLREDUCE_STREAMS` data streams: stream 0 carries everything
+//! by default, and a large collective between hosts runs one part on each
+//! stream, on its own thread (see [`Mesh::channel`]). Data moves in frames (the
 //! [`crate::wire`] header, then the payload); each side knows the length to
 //! expect from negotiation, and a frame of another length is a protocol
 //! error naming the peer.
@@ -78,12 +81,17 @@ const DEFAULT_SPIN: Duration = Duration::from_micros(50);
 pub struct Mesh {
     rank: usize,
     links: Vec<Link>,
+    /// Streams 1.. (`extra[s - 1][peer]`); `Link::None` for peers in shared memory.
+    extra: Vec<Vec<Link>>,
+    /// Ranks that share a host talk through shared memory (PERSEUS_SHM).
+    shm_on: bool,
     shm: Option<(Arc<Segment>, usize)>,
     timeout: Duration,
     spin: Duration,
     host_ids: Vec<usize>,
     sent_intra: AtomicU64,
     sent_inter: AtomicU64,
+    sent_extra: AtomicU64,
 }
 
 impl Mesh {
@@ -99,13 +107,42 @@ impl Mesh {
         Mesh {
             rank,
             links,
+            extra: Vec::new(),
+            shm_on: false,
             shm,
             timeout,
             spin: DEFAULT_SPIN,
             host_ids,
             sent_intra: AtomicU64::new(0),
             sent_inter: AtomicU64::new(0),
+            sent_extra: AtomicU64::new(0),
         }
+    }
+
+    /// Adds streams 1.. (`extra[s - 1][peer]`, `Link::None` for peers in
+    /// shared memory and for this rank) and says whether ranks sharing a
+    /// host use shared memory.
+    pub fn with_streams(mut self, extra: Vec<Vec<Link>>, shm_on: bool) -> Mesh {
+        self.extra = extra;
+        self.shm_on = shm_on;
+        self
+    }
+
+    /// Data streams per pair of ranks joined by TCP.
+    pub fn streams(&self) -> usize {
+        self.extra.len() + 1
+    }
+
+    /// True when ranks that share a host talk through shared memory (those
+    /// pairs have one stream only).
+    pub fn shares_memory(&self) -> bool {
+        self.shm_on
+    }
+
+    /// Stream `s` of this mesh as a group of its own (`s < streams()`).
+    pub fn channel(&self, s: usize) -> Channel<'_> {
+        assert!(s < self.streams(), "stream {s} of {}", self.streams());
+        Channel { mesh: self, s }
     }
 
     /// Waits on shared memory sleep at once (for hosts with more ranks than cores).
@@ -136,6 +173,11 @@ impl Mesh {
         )
     }
 
+    /// Payload bytes sent so far on streams other than stream 0.
+    pub fn bytes_sent_extra(&self) -> u64 {
+        self.sent_extra.load(Ordering::Relaxed)
+    }
+
     /// This rank.
     pub fn rank(&self) -> usize {
         self.rank
@@ -153,7 +195,7 @@ impl Mesh {
 
     /// Runs sends and receives (peers named by global rank) to completion.
     pub fn transfer(&self, sends: &mut [Send<'_>], recvs: &mut [Recv<'_>]) -> Result<()> {
-        self.transfer_with(sends, recvs, None)
+        self.transfer_with(0, sends, recvs, None)
     }
 
     /// Like [`Mesh::transfer`], but waits as long as it takes for peers
@@ -166,21 +208,29 @@ impl Mesh {
         recvs: &mut [Recv<'_>],
         alive: &mut dyn FnMut() -> Result<()>,
     ) -> Result<()> {
-        self.transfer_with(sends, recvs, Some(alive))
+        self.transfer_with(0, sends, recvs, Some(alive))
     }
 
     fn transfer_with(
         &self,
+        stream: usize,
         sends: &mut [Send<'_>],
         recvs: &mut [Recv<'_>],
         alive: Option<&mut dyn FnMut() -> Result<()>>,
     ) -> Result<()> {
-        let shm = self.shm.as_ref().map(|(s, me)| (&**s, *me));
         let limit = match alive {
             Some(f) => progress::Limit::Ask(PATIENT_CHECK.min(self.timeout), f),
             None => progress::Limit::Fail(self.timeout),
         };
-        progress::run(&self.links, shm, limit, self.spin, sends, recvs)?;
+        if stream == 0 {
+            let shm = self.shm.as_ref().map(|(s, me)| (&**s, *me));
+            progress::run(&self.links, shm, limit, self.spin, sends, recvs)?;
+        } else {
+            let links = &self.extra[stream - 1];
+            progress::run(links, None, limit, self.spin, sends, recvs)?;
+            let bytes: usize = sends.iter().map(|s| s.data().len()).sum();
+            self.sent_extra.fetch_add(bytes as u64, Ordering::Relaxed);
+        }
         for s in sends.iter() {
             let same = self.host_of(s.peer()) == self.host_of(self.rank);
             let counter = if same {
@@ -191,5 +241,24 @@ impl Mesh {
             counter.fetch_add(s.data().len() as u64, Ordering::Relaxed);
         }
         Ok(())
+    }
+}
+
+/// One data stream of a [`Mesh`]: the same ranks, its own connections.
+pub struct Channel<'a> {
+    mesh: &'a Mesh,
+    s: usize,
+}
+
+impl Channel<'_> {
+    /// The mesh it belongs to.
+    pub fn mesh(&self) -> &Mesh {
+        self.mesh
+    }
+
+    /// Runs sends and receives on this stream (peers must be joined by TCP
+    /// unless this is stream 0).
+    pub fn transfer(&self, sends: &mut [Send<'_>], recvs: &mut [Recv<'_>]) -> Result<()> {
+        self.mesh.transfer_with(self.s, sends, recvs, None)
     }
 }

@@ -95,3 +95,23 @@ def test_perf_check_names_the_slow_rank(run_workers, n):
         assert line.startswith(f"[{n - 1}]<stderr>:"), out
         assert f"(host localhost, local rank {n - 1})" in line and "ms per step" in line, line
         assert "the median rank's" in line, line
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("n,streams,hosts", [
+    (2, "4", "127.0.0.1:1,127.0.0.2:1"),  # two "hosts": TCP between them
+    (3, "3", None),                       # one host with PERSEUS_SHM=0
+    (2, "1", "127.0.0.1:1,127.0.0.2:1"),  # one stream: nothing striped
+])
+def test_allreduce_streams(run_workers, n, streams, hosts):
+    """Large allreduces between TCP peers are split across the streams, exactly."""
+    env = {"PERSEUS_ALLREDUCE_STREAMS": streams}
+    if hosts is None:
+        env["PERSEUS_SHM"] = "0"
+    run_workers(n, "accelerations.py", "streams", env=env, hosts=hosts)
+
+
+@pytest.mark.timeout(60)
+def test_allreduce_streams_must_agree(run_workers):
+    """Ranks that disagree on PERSEUS_ALLREDUCE_STREAMS all fail init, naming the other."""
+    run_workers(2, "streams_mismatch.py", timeout=45)

@@ -7,6 +7,7 @@ Usage: accelerations.py accumulate   (run with PERSEUS_ACCUMULATE_N_STEPS=2)
        accelerations.py hosts        (any PERSEUS_ALLREDUCE_DTYPE and _MODE, several "hosts")
        accelerations.py downsample   (PERSEUS_DOWNSAMPLE_N_ELEMENTS, _GRADIENT_MOMENTUM)
        accelerations.py perfcheck    (PERSEUS_PERF_CHECK_N_STEPS=3; the last rank is slow)
+       accelerations.py streams      (PERSEUS_ALLREDUCE_STREAMS, TCP between every pair)
 """
 
 import json
@@ -321,12 +322,50 @@ def check_perfcheck(r, n):
         opt.step()
 
 
+def check_streams(r, n):
+    """With TCP between every pair, a 4 MiB allreduce is cut into one slice per stream
+    (at most one per MiB): exact, and the extra streams carry their share of the bytes;
+    a small allreduce stays on the first stream."""
+    streams = int(basics.config()["PERSEUS_ALLREDUCE_STREAMS"])
+    count = 1 << 20
+    t = torch.arange(count, dtype=torch.float32) % 1000 + r
+    before = hvd.counters()
+    hvd.allreduce_(t, op=hvd.Sum, name="streams.big")
+    d = {k: v - before[k] for k, v in hvd.counters().items()}
+    want = torch.arange(count, dtype=torch.float32) % 1000 * n + n * (n - 1) // 2
+    assert torch.equal(t, want), "striped allreduce is not exact"
+    # Each rank sends 2(n-1)/n of the buffer; all but the first slice on the extra streams.
+    ring = 2 * (n - 1) * count * 4 // n
+    share = d["bytes_extra_streams"] / ring
+    assert abs(share - (streams - 1) / streams) < 0.01, (streams, d)
+    assert total(sent(d)) == 2 * (n - 1) * count * 4, d
+
+    small = torch.full((1000,), float(r))
+    before = hvd.counters()["bytes_extra_streams"]
+    hvd.allreduce_(small, op=hvd.Sum, name="streams.small")
+    assert torch.equal(small, torch.full((1000,), float(n * (n - 1) // 2)))
+    assert hvd.counters()["bytes_extra_streams"] == before
+
+    # Gradients (float16 between hosts by default) are striped the same way.
+    w = nn.Parameter(torch.zeros(count))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([w], lr=0.0), named_parameters=[("w", w)])
+    g = torch.cos(torch.arange(count, dtype=torch.float32) * 1e-3 + r)
+    (w * g).sum().backward()
+    opt.synchronize()
+    exact = sum(torch.cos(torch.arange(count, dtype=torch.float64) * 1e-3 + k)
+                for k in range(n)) / n
+    err = (w.grad.to(torch.float64) - exact).abs().max().item()
+    assert err <= 2e-3, f"striped gradient off by {err}"
+    same_everywhere(w.grad, "striped gradient")
+
+
 def main():
     hvd.init()
     r, n = hvd.rank(), hvd.size()
     checks = {"accumulate": check_accumulate, "nancheck": check_nancheck,
               "fusion": check_fusion, "dtype": check_dtype, "hosts": check_hosts,
-              "downsample": check_downsample, "perfcheck": check_perfcheck}
+              "downsample": check_downsample, "perfcheck": check_perfcheck,
+              "streams": check_streams}
     checks[sys.argv[1]](r, n)
     hvd.shutdown()
     done(r)
