@@ -13,7 +13,9 @@ two "hosts" share this machine's cores, so these times show the algorithms' cost
 not a real network; the bytes are what a real network would carry. Streams: the same
 allreduce between two loopback "hosts" of one rank each (TCP only) with
 PERSEUS_ALLREDUCE_STREAMS=1, 2 and 4, and the share of the bytes the extra streams carried.
---part runs one section only.
+Negotiation: small_ops.py's 100 asynchronous 4 KiB allreduces through perseus.torch.horovod,
+2 ranks, PERSEUS_OFFLINE_NEG=0 and 1, with the negotiation messages each rank sent and the
+tensors it ran without asking over the whole run. --part runs some sections only.
 """
 
 import harness
@@ -44,13 +46,24 @@ ACROSS = [
 TWO_HOSTS = "127.0.0.1:1,127.0.0.2:1"
 STREAMS = [(f"PERSEUS_ALLREDUCE_STREAMS={k}", {"PERSEUS_ALLREDUCE_STREAMS": str(k)})
            for k in (1, 2, 4)]
-PARTS = ("training", "across", "streams")
+NEGOTIATION = [(f"PERSEUS_OFFLINE_NEG={k}", {"PERSEUS_OFFLINE_NEG": str(k)}) for k in (0, 1)]
+PARTS = ("training", "across", "streams", "negotiation")
 COUNTED = ("bytes_inter_host", "bytes_intra_host", "bytes_extra_streams")
 
 
 def body(comm, opts):
-    """One rank of the across-hosts job: gradient allreduces of opts["size"] bytes."""
+    """One rank of the across-hosts and streams jobs: gradient allreduces of opts["size"]
+    bytes; of the negotiation job: small_ops.py's async100."""
     import torch
+
+    if comm.impl == "hvd":
+        import small_ops
+
+        keys = ("negotiation_messages", "negotiations_skipped")
+        before = comm.hvd.counters()
+        res = small_ops.bench_async100(comm, opts["timing"])
+        after = comm.hvd.counters()
+        return {**res, **{k: after[k] - before[k] for k in keys}}
 
     core = comm.core
     t = torch.full((opts["size"] // 4,), 0.5, dtype=torch.float32)
@@ -94,6 +107,11 @@ def run(steps=40, size=64 << 20, quick=False, timeout=600, echo=True, parts=PART
         result["streams"][label] = _run(label, __file__, "core", 2,
                                         {"size": size, "timing": timing}, env, timeout,
                                         TWO_HOSTS)
+    small = {"warmup": 3, "min_iters": 5, "max_iters": 20 if quick else 200,
+             "budget": 0.1 if quick else 1.0}
+    for label, env in NEGOTIATION if "negotiation" in parts else []:
+        result.setdefault("negotiation", {})[label] = _run(label, __file__, "hvd", 2,
+                                                           {"timing": small}, env, timeout)
     if echo:
         print(harness.text_sections(sections(result)), flush=True)
     return result
@@ -154,6 +172,26 @@ def sections(result):
         out.append({"title": f"one allreduce of {harness.human(result['size'])} float32 "
                              f"between two loopback hosts of one rank ({TWO_HOSTS}), TCP",
                     "headers": ["setting", "ms", "busbw GB/s", "speed-up", "bytes on streams 2.."],
+                    "rows": rows, "notes": notes})
+    rows, notes = [], []
+    runs = result.get("negotiation", {})
+    base = runs.get(NEGOTIATION[0][0])
+    base_ms = None if base is None or harness.failed(base) else base[0]["median"]
+    for label, res in runs.items():
+        if harness.failed(res):
+            rows.append([label, "failed", "-", "-", "-"])
+            notes.append(f"{label}: {res['error']}")
+            continue
+        r = res[0]
+        rows.append([label, f"{r['median'] * 1e3:.3f}",
+                     harness.fmt(base_ms / r["median"] if base_ms else None, ".2f") + "×",
+                     str(res[-1]["negotiation_messages"]), str(res[-1]["negotiations_skipped"])])
+    if rows:
+        out.append({"title": "100 async 4 KiB allreduces (small_ops.py async100), 2 ranks, "
+                             "one host, per PERSEUS_OFFLINE_NEG",
+                    "headers": ["setting", "median ms", "speed-up",
+                                "negotiation messages (rank 1, whole run)",
+                                "tensors run without asking (rank 1)"],
                     "rows": rows, "notes": notes})
     return out
 

@@ -73,7 +73,8 @@ def counters():
     ``bytes_inter_host`` (payload bytes sent), ``compression_resends`` (float16
     gradient buffers that overflowed and were reduced again in float32), and
     ``negotiations_skipped`` (tensors run from an offline schedule,
-    PERSEUS_OFFLINE_NEG, without asking the coordinator)."""
+    PERSEUS_OFFLINE_NEG, without asking the coordinator), and ``bytes_extra_streams``
+    (payload bytes sent on streams other than the first, PERSEUS_ALLREDUCE_STREAMS)."""
     check_initialized()
     return dict(_core.counters())
 
