@@ -8,6 +8,7 @@ pub mod kernels;
 
 pub use dtype::{DataType, ReduceOp};
 pub use error::{PerseusError, Result};
+pub mod auth;
 pub mod collective;
 pub mod config;
 pub mod engine;

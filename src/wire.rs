@@ -11,7 +11,9 @@ pub const MAGIC: u32 = 0x5052_5353;
 /// Version of the frame layout and of every message inside it.
 pub const VERSION: u16 = 1;
 /// Largest control frame accepted (control messages are small; data moves elsewhere).
-pub const MAX_FRAME: usize = 256 << 20;
+pub const MAX_FRAME: usize = 64 << 20;
+/// Largest frame accepted before the peer has proved it knows the secret.
+pub const MAX_HANDSHAKE: usize = 64 << 10;
 /// Bytes in a frame header: magic u32, version u16, kind u16, length u64.
 pub const HEADER: usize = 16;
 
@@ -65,11 +67,23 @@ fn framed(kind: u16, payload: &[u8]) -> Vec<u8> {
 
 /// Reads one frame from a blocking stream: (kind, payload).
 pub fn read_frame(r: &mut impl Read) -> Result<(u16, Vec<u8>)> {
+    read_frame_max(r, MAX_FRAME)
+}
+
+/// Reads one frame of at most `max` payload bytes. Memory grows with the
+/// bytes that actually arrive, not with the length a header claims.
+pub fn read_frame_max(r: &mut impl Read, max: usize) -> Result<(u16, Vec<u8>)> {
     let mut h = [0u8; HEADER];
     r.read_exact(&mut h)?;
-    let (kind, len) = parse_header(&h, MAX_FRAME)?;
-    let mut payload = vec![0u8; len];
-    r.read_exact(&mut payload)?;
+    let (kind, len) = parse_header(&h, max)?;
+    let mut payload = Vec::with_capacity(len.min(64 << 10));
+    r.take(len as u64).read_to_end(&mut payload)?;
+    if payload.len() < len {
+        return Err(PerseusError::Protocol(format!(
+            "frame cut short: {} of {len} bytes before the stream ended",
+            payload.len()
+        )));
+    }
     Ok((kind, payload))
 }
 

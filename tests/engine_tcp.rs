@@ -266,3 +266,58 @@ fn streams_must_agree_on_every_rank() {
         .collect();
     threads.into_iter().for_each(|t| t.join().unwrap());
 }
+
+#[test]
+fn strangers_at_a_mesh_port_are_dropped_and_the_job_connects() {
+    use perseus::rendezvous::StoreClient;
+    use std::io::{Read, Write};
+    use std::net::TcpStream;
+    let server = StoreServer::start("127.0.0.1:0", "t").unwrap();
+    let port = server.port();
+    let rank = |r: usize| {
+        std::thread::spawn(move || {
+            let e = Engine::start(config(r, 2, port, false)).unwrap();
+            let mut v = vec![1.0f32 + r as f32; 1000];
+            allreduce(&e, "after.strangers", &mut v, ReduceOp::Sum).unwrap();
+            assert_eq!(v, vec![3.0; 1000]);
+            e.shutdown().unwrap();
+        })
+    };
+    // Rank 0 waits in init for rank 1 to connect; strangers come first.
+    let r0 = rank(0);
+    let t = Duration::from_secs(10);
+    let mut store = StoreClient::connect("127.0.0.1", port, "t", t).unwrap();
+    // Rank 0 accepts once it has read every peer's entry: give it rank 1's now (the
+    // real rank 1 publishes the same stream count later; without shared memory the
+    // host key does not matter).
+    store.set("mesh/1", b"127.0.0.1:1 elsewhere 1").unwrap();
+    let entry = String::from_utf8(store.get("mesh/0", t).unwrap()).unwrap();
+    let addr = entry.split(' ').next().unwrap().to_string();
+    let hung_up = |mut s: TcpStream| {
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut buf = [0u8; 64];
+        assert!(matches!(s.read(&mut buf), Ok(0) | Err(_)), "not closed");
+    };
+    let mut s = TcpStream::connect(&addr).unwrap();
+    s.write_all(b"\x00\x01garbage that is no frame at all")
+        .unwrap();
+    hung_up(s);
+    let mut s = TcpStream::connect(&addr).unwrap();
+    s.write_all(&perseus::wire::header(0x300, 1 << 30)).unwrap();
+    hung_up(s);
+    let mut s = TcpStream::connect(&addr).unwrap();
+    let err = perseus::auth::dial(&mut s, "not the secret", &[1, 0, 0, 0, 0, 0])
+        .err()
+        .expect("a wrong secret must be caught");
+    assert!(err.to_string().contains("secret"), "{err}");
+    drop(s);
+    // The right secret, but a rank that does not exist: refused by the acceptor.
+    let mut s = TcpStream::connect(&addr).unwrap();
+    perseus::auth::dial(&mut s, "t", &[9, 0, 0, 0, 0, 0]).unwrap();
+    let (k, why) = perseus::wire::read_frame(&mut s).unwrap();
+    assert_eq!(k, 0x202, "refused");
+    assert!(String::from_utf8_lossy(&why).contains("rank 9"), "{why:?}");
+    let r1 = rank(1);
+    r0.join().unwrap();
+    r1.join().unwrap();
+}

@@ -292,6 +292,12 @@ fn listen_address(t: &Topology) -> Result<Option<String>> {
 }
 
 /// The PERSEUS_ variables set together with a HOROVOD_ one they override.
+/// Said at init when a job of several ranks has no secret.
+const UNAUTHENTICATED: &str = "warning: PERSEUS_SECRET is not set, so this job is \
+    unauthenticated: anyone who can reach its rendezvous and ports can join it. perseusrun \
+    makes a secret per job; under other launchers give every rank the same random \
+    PERSEUS_SECRET (e.g. from `openssl rand -hex 16`).";
+
 fn precedence_notes() -> Vec<String> {
     let pairs = [
         ("PERSEUS_ALLREDUCE_FUSION", "HOROVOD_FUSION_THRESHOLD"),
@@ -410,6 +416,7 @@ impl Config {
         let cycle_ms = float_var("HOROVOD_CYCLE_TIME", 1.0)?;
         let cache_capacity = int_var("HOROVOD_CACHE_CAPACITY", 1024, 0, 1 << 24)? as usize;
         let allgather_mode = int_var("PERSEUS_CHANGE_HVD_ALLGATHER", 0, 0, 1)? as u8;
+        let unauthenticated = rendezvous.is_some() && var("PERSEUS_SECRET").is_none();
         Ok(Config {
             topology,
             rendezvous,
@@ -426,7 +433,10 @@ impl Config {
             allreduce_fusion: var("PERSEUS_ALLREDUCE_FUSION")
                 .map(|_| int_var("PERSEUS_ALLREDUCE_FUSION", 0, 0, 128).map(|n| n as u32))
                 .transpose()?,
-            notes: precedence_notes(),
+            notes: precedence_notes()
+                .into_iter()
+                .chain(unauthenticated.then(|| UNAUTHENTICATED.to_string()))
+                .collect(),
             accumulate_n_steps: int_var("PERSEUS_ACCUMULATE_N_STEPS", 1, 1, 1024)? as u32,
             nancheck: int_var("PERSEUS_ALLREDUCE_NANCHECK", 0, 0, 1)? == 1,
             plan: gradient_plan()?,

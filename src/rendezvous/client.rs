@@ -1,6 +1,7 @@
 //! The store client each rank uses during `init()`.
 
 use super::kind;
+use crate::auth::{self, Session};
 use crate::error::{PerseusError, Result};
 use crate::wire::{read_frame, write_frame, Reader, Writer};
 use std::net::TcpStream;
@@ -10,11 +11,12 @@ use std::time::{Duration, Instant};
 pub struct StoreClient {
     conn: TcpStream,
     addr: String,
+    session: Session,
 }
 
 impl StoreClient {
     /// Connects (retrying until `timeout`, the server may start later) and
-    /// presents the job secret.
+    /// proves it knows the job secret.
     pub fn connect(host: &str, port: u16, secret: &str, timeout: Duration) -> Result<StoreClient> {
         let addr = format!("{host}:{port}");
         let deadline = Instant::now() + timeout;
@@ -30,10 +32,21 @@ impl StoreClient {
             }
         };
         conn.set_nodelay(true)?;
-        let mut c = StoreClient { conn, addr };
-        write_frame(&mut c.conn, kind::HELLO, secret.as_bytes())?;
+        let mut conn = conn;
+        let session = auth::dial(&mut conn, secret, b"rendezvous")
+            .map_err(|e| PerseusError::Peer(format!("rendezvous at {addr}: {e}")))?;
+        let mut c = StoreClient {
+            conn,
+            addr,
+            session,
+        };
         c.reply(kind::OK)?;
         Ok(c)
+    }
+
+    fn request(&mut self, k: u16, mut payload: Vec<u8>) -> Result<()> {
+        self.session.seal(k, &mut payload);
+        Ok(write_frame(&mut self.conn, k, &payload)?)
     }
 
     fn reply(&mut self, want: u16) -> Result<Vec<u8>> {
@@ -45,7 +58,7 @@ impl StoreClient {
         })?;
         match k {
             k if k == want => Ok(p),
-            kind::ERR => Err(PerseusError::Peer(format!(
+            kind::ERR | auth::kind::REFUSED => Err(PerseusError::Peer(format!(
                 "rendezvous at {}: {}",
                 self.addr,
                 String::from_utf8_lossy(&p)
@@ -60,7 +73,7 @@ impl StoreClient {
     pub fn set(&mut self, key: &str, value: &[u8]) -> Result<()> {
         let mut w = Writer::new();
         w.str(key).bytes(value);
-        write_frame(&mut self.conn, kind::SET, &w.0)?;
+        self.request(kind::SET, w.0)?;
         self.reply(kind::OK).map(|_| ())
     }
 
@@ -68,7 +81,7 @@ impl StoreClient {
     pub fn get(&mut self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
         let mut w = Writer::new();
         w.str(key).u64(timeout.as_millis() as u64);
-        write_frame(&mut self.conn, kind::GET, &w.0)?;
+        self.request(kind::GET, w.0)?;
         let p = self.reply(kind::VALUE)?;
         let mut r = Reader::new(&p);
         Ok(r.bytes()?.to_vec())

@@ -1,7 +1,9 @@
 //! The rendezvous: a small key-value store over TCP where ranks publish their
 //! addresses and find each other's. `perseusrun` hosts the server; every rank
-//! is a client. Each connection starts with a hello frame carrying the job
-//! secret; a wrong secret or a malformed frame closes the connection.
+//! is a client. Each connection opens with the challenge-response of
+//! [`crate::auth`] and every request carries a tag made with its session
+//! key; a wrong secret, a bad tag or a malformed frame closes the
+//! connection, and the server says why on its standard error.
 
 mod client;
 mod server;
@@ -11,8 +13,6 @@ pub use server::StoreServer;
 
 /// Frame kinds of the store protocol.
 pub(crate) mod kind {
-    /// Client → server: the job secret.
-    pub const HELLO: u16 = 1;
     /// Client → server: key, value.
     pub const SET: u16 = 2;
     /// Client → server: key, timeout in ms.

@@ -1,7 +1,8 @@
 //! The store server: one thread accepting, one thread per client.
 
 use super::kind;
-use crate::error::Result;
+use crate::auth;
+use crate::error::{PerseusError, Result};
 use crate::wire::{read_frame, write_frame, Reader, Writer};
 use std::collections::HashMap;
 use std::net::{TcpListener, TcpStream};
@@ -80,22 +81,38 @@ impl Drop for StoreServer {
     }
 }
 
+/// How long a new connection has to prove it knows the secret.
+const HANDSHAKE_TIME: Duration = Duration::from_secs(5);
+
 fn serve(mut conn: TcpStream, store: &Store, secret: &str) {
+    let peer = conn
+        .peer_addr()
+        .map_or_else(|_| "?".into(), |a| a.to_string());
+    let drop_it =
+        |why: &str| eprintln!("[perseus] rendezvous: dropped the connection from {peer}: {why}");
     let _ = conn.set_nodelay(true);
-    match read_frame(&mut conn) {
-        Ok((kind::HELLO, p)) if p == secret.as_bytes() => {
-            if write_frame(&mut conn, kind::OK, &[]).is_err() {
-                return;
-            }
-        }
-        Ok((kind::HELLO, _)) => {
-            let _ = write_frame(&mut conn, kind::ERR, b"wrong job secret");
-            return;
-        }
-        _ => return,
+    let _ = conn.set_read_timeout(Some(HANDSHAKE_TIME));
+    let mut session = match auth::accept(&mut conn, secret) {
+        Ok((_, session)) => session,
+        Err(why) => return drop_it(&why),
+    };
+    if write_frame(&mut conn, kind::OK, &[]).is_err() || conn.set_read_timeout(None).is_err() {
+        return;
     }
-    while let Ok((k, payload)) = read_frame(&mut conn) {
-        let reply = handle(store, k, &payload);
+    loop {
+        let (k, payload) = match read_frame(&mut conn) {
+            Ok(f) => f,
+            Err(PerseusError::Io(_)) => return,
+            Err(e) => return drop_it(&e.to_string()),
+        };
+        let payload = match session.open(k, &payload) {
+            Ok(p) => p,
+            Err(e) => {
+                let _ = write_frame(&mut conn, kind::ERR, e.to_string().as_bytes());
+                return drop_it(&e.to_string());
+            }
+        };
+        let reply = handle(store, k, payload);
         let sent = match reply {
             Ok((rk, body)) => write_frame(&mut conn, rk, &body),
             Err(msg) => write_frame(&mut conn, kind::ERR, msg.as_bytes()),

@@ -1,10 +1,12 @@
 //! Building the mesh at `init()`: listen, publish the address in the
 //! rendezvous, connect to every lower rank, accept every higher one. Each new
-//! stream opens with a hello (job secret, sender rank, channel, stream
-//! index) that the acceptor checks and answers.
+//! stream opens with the challenge-response of [`crate::auth`], whose
+//! fields (sender rank, channel, stream index) the acceptor then checks and
+//! answers.
 
 use super::shm::Segment;
 use super::{Link, Mesh};
+use crate::auth;
 use crate::config::Config;
 use crate::error::{PerseusError, Result};
 use crate::rendezvous::StoreClient;
@@ -13,7 +15,6 @@ use std::net::{IpAddr, TcpListener, TcpStream, UdpSocket};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-const HELLO: u16 = 0x200;
 const HELLO_OK: u16 = 0x201;
 const HELLO_ERR: u16 = 0x202;
 const CHANNEL_DATA: u8 = 0;
@@ -53,9 +54,10 @@ fn local_addr(cfg: &Config, rdv_host: &str) -> Result<IpAddr> {
     Ok(probe.local_addr()?.ip())
 }
 
-fn hello(secret: &str, rank: usize, channel: u8, stream: usize) -> Vec<u8> {
+/// The fields of a mesh hello: sender rank, channel, stream.
+fn hello(rank: usize, channel: u8, stream: usize) -> Vec<u8> {
     let mut w = Writer::new();
-    w.str(secret).u32(rank as u32).u8(channel).u8(stream as u8);
+    w.u32(rank as u32).u8(channel).u8(stream as u8);
     w.0
 }
 
@@ -121,12 +123,12 @@ pub fn connect_mesh(cfg: &Config) -> Result<MeshParts> {
     let mut worker_control = None;
     for (peer, entry) in peers.iter().enumerate().take(rank) {
         for (s, row) in data.iter_mut().enumerate().take(streams_to(peer)) {
-            let h = hello(&cfg.secret, rank, CHANNEL_DATA, s);
-            row[peer] = Some(dial(&entry.addr, peer, &h, timeout)?);
+            let h = hello(rank, CHANNEL_DATA, s);
+            row[peer] = Some(dial(&entry.addr, peer, &cfg.secret, &h, timeout)?);
         }
         if peer == 0 {
-            let h = hello(&cfg.secret, rank, CHANNEL_CONTROL, 0);
-            worker_control = Some(dial(&entry.addr, 0, &h, timeout)?);
+            let h = hello(rank, CHANNEL_CONTROL, 0);
+            worker_control = Some(dial(&entry.addr, 0, &cfg.secret, &h, timeout)?);
         }
     }
     let mut expect: usize = (rank + 1..size).map(streams_to).sum();
@@ -294,8 +296,15 @@ fn open_segment(
     Ok(seg)
 }
 
-/// Connects to `addr`, says hello, waits for the answer.
-fn dial(addr: &str, peer: usize, hello: &[u8], timeout: Duration) -> Result<TcpStream> {
+/// Connects to `addr`, proves the secret with `hello`'s fields, waits for
+/// the answer.
+fn dial(
+    addr: &str,
+    peer: usize,
+    secret: &str,
+    hello: &[u8],
+    timeout: Duration,
+) -> Result<TcpStream> {
     let deadline = Instant::now() + timeout;
     let mut s = loop {
         match TcpStream::connect(addr) {
@@ -310,9 +319,9 @@ fn dial(addr: &str, peer: usize, hello: &[u8], timeout: Duration) -> Result<TcpS
     };
     s.set_nodelay(true)?;
     s.set_read_timeout(Some(timeout))?;
-    write_frame(&mut s, HELLO, hello)?;
-    let (k, p) = read_frame(&mut s)
-        .map_err(|e| PerseusError::Peer(format!("rank {peer} at {addr} refused us: {e}")))?;
+    let refused = |e: PerseusError| PerseusError::Peer(format!("rank {peer} at {addr}: {e}"));
+    auth::dial(&mut s, secret, hello).map_err(refused)?;
+    let (k, p) = read_frame(&mut s).map_err(refused)?;
     if k != HELLO_OK {
         return Err(PerseusError::Peer(format!(
             "rank {peer} at {addr} refused the connection: {}",
@@ -323,42 +332,46 @@ fn dial(addr: &str, peer: usize, hello: &[u8], timeout: Duration) -> Result<TcpS
     Ok(s)
 }
 
-/// Checks an incoming hello; answers and returns (rank, channel,
-/// stream, connection) or drops a stranger. `open(rank, channel, stream)` says whether
-/// that connection is still expected.
+/// How long a new connection has to prove it knows the secret.
+const HANDSHAKE_TIME: Duration = Duration::from_secs(5);
+
+/// Checks an incoming connection: the secret, then the hello's fields.
+/// Answers and returns (rank, channel, stream, connection), or logs why and
+/// drops it. `open(rank, channel, stream)` says whether that connection is
+/// still expected.
 fn admit(
     mut conn: TcpStream,
     cfg: &Config,
     open: &dyn Fn(usize, u8, usize) -> bool,
     timeout: Duration,
 ) -> Option<(usize, u8, usize, TcpStream)> {
+    let me = cfg.topology.rank;
+    let peer = conn
+        .peer_addr()
+        .map_or_else(|_| "?".into(), |a| a.to_string());
+    let drop_it = |why: &str| {
+        eprintln!("[perseus] rank {me}: dropped a connection from {peer}: {why}");
+        None
+    };
     conn.set_nonblocking(false).ok()?;
     conn.set_nodelay(true).ok()?;
-    conn.set_read_timeout(Some(timeout.min(Duration::from_secs(10))))
+    conn.set_read_timeout(Some(timeout.min(HANDSHAKE_TIME)))
         .ok()?;
-    let (k, p) = read_frame(&mut conn).ok()?;
-    let mut r = Reader::new(&p);
-    let parsed = (k == HELLO)
-        .then(|| {
-            Some((
-                r.str().ok()?,
-                r.u32().ok()? as usize,
-                r.u8().ok()?,
-                r.u8().ok()? as usize,
-            ))
-        })
-        .flatten();
-    let me = cfg.topology.rank;
+    let fields = match auth::accept(&mut conn, &cfg.secret) {
+        Ok((fields, _)) => fields,
+        Err(why) => return drop_it(&why),
+    };
+    let mut r = Reader::new(&fields);
+    let parsed = (|| Some((r.u32().ok()? as usize, r.u8().ok()?, r.u8().ok()? as usize)))();
     let verdict = match parsed {
         None => Err("malformed hello".to_string()),
-        Some((secret, ..)) if secret != cfg.secret => Err("wrong job secret".into()),
-        Some((_, from, ..)) if from <= me || from >= cfg.topology.size => {
+        Some((from, ..)) if from <= me || from >= cfg.topology.size => {
             Err(format!("rank {from} must not connect to rank {me}"))
         }
-        Some((_, from, CHANNEL_CONTROL, _)) if me != 0 => {
+        Some((from, CHANNEL_CONTROL, _)) if me != 0 => {
             Err(format!("unexpected control connection from rank {from}"))
         }
-        Some((_, from, ch, s)) if ch == CHANNEL_DATA || ch == CHANNEL_CONTROL => {
+        Some((from, ch, s)) if ch == CHANNEL_DATA || ch == CHANNEL_CONTROL => {
             if open(from, ch, s) {
                 Ok((from, ch, s))
             } else {
@@ -368,7 +381,7 @@ fn admit(
                 ))
             }
         }
-        Some((_, _, ch, _)) => Err(format!("unknown channel {ch}")),
+        Some((_, ch, _)) => Err(format!("unknown channel {ch}")),
     };
     match verdict {
         Ok((from, ch, s)) => {
@@ -378,7 +391,7 @@ fn admit(
         }
         Err(msg) => {
             let _ = write_frame(&mut conn, HELLO_ERR, msg.as_bytes());
-            None
+            drop_it(&msg)
         }
     }
 }

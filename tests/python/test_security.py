@@ -1,0 +1,58 @@
+"""Authentication and wire hardening seen from outside: strangers at the rendezvous of
+a running job, and the warning of a job started without a secret."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from perseus import _core
+
+pytest.importorskip("torch")
+
+WORKERS = Path(__file__).parent / "workers"
+
+
+@pytest.mark.timeout(120)
+def test_strangers_are_dropped_and_the_job_completes(run_workers):
+    """Garbage, a truncated frame, an absurd length, a wrong proof and silence: each
+    connection closed and logged by the rendezvous; the job's collectives unaffected."""
+    out = run_workers(2, "stranger.py", timeout=100)
+    dropped = [line for line in out.splitlines() if "rendezvous: dropped the connection" in line]
+    for why in ("bad frame magic", "frame cut short", "exceeds the limit", "wrong job secret",
+                "no hello within the handshake time"):
+        assert any(why in line for line in dropped), (why, dropped)
+
+
+SCRIPT = """
+import perseus.torch.horovod as hvd, torch
+hvd.init()
+assert hvd.allreduce(torch.ones(3), op=hvd.Sum).tolist() == [2.0] * 3
+hvd.shutdown()
+print("WORKER OK", flush=True)
+"""
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("secret", [None, "b4d5e1"])
+def test_a_job_without_secret_is_warned_about(secret):
+    """Started by another launcher without PERSEUS_SECRET: rank 0 warns once that the job
+    is unauthenticated; with a secret, nothing is said."""
+    srv = _core.RendezvousServer("127.0.0.1:0", secret or "")
+    procs = []
+    for r in range(2):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PERSEUS_")}
+        env.update(PERSEUS_RANK=str(r), PERSEUS_SIZE="2", PERSEUS_LOCAL_RANK=str(r),
+                   PERSEUS_LOCAL_SIZE="2", PERSEUS_RENDEZVOUS_ADDR="127.0.0.1",
+                   PERSEUS_RENDEZVOUS_PORT=str(srv.port))
+        if secret:
+            env["PERSEUS_SECRET"] = secret
+        procs.append(subprocess.Popen([sys.executable, "-c", SCRIPT], env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    outs = [p.communicate(timeout=60)[0] for p in procs]
+    srv.stop()
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0 and "WORKER OK" in out, out
+    warned = [out.count("this job is unauthenticated") for out in outs]
+    assert warned == ([1, 0] if secret is None else [0, 0]), outs
