@@ -37,6 +37,7 @@ fn config(rank: usize, size: usize, port: u16, shm: bool) -> Config {
         nancheck: false,
         offline_neg: false,
         streams: 1,
+        stall: Default::default(),
         downsample_n: 1,
         gradient_momentum: 1.0,
         perf_check_n_steps: 0,

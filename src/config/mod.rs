@@ -166,12 +166,36 @@ pub const PARAMS: &[Param] = &[
               than the median is reported with its host, local rank and figures",
     },
     Param {
+        name: "PERSEUS_STALL_CHECK_TIME_SECONDS",
+        default: "60",
+        allowed: "an integer number of seconds from 0 (off) to 86400",
+        doc: "rank 0 warns about a collective some ranks have waited on this long, naming \
+              it and the ranks that have not submitted it",
+    },
+    Param {
+        name: "PERSEUS_STALL_SHUTDOWN_TIME_SECONDS",
+        default: "0",
+        allowed: "an integer number of seconds from 0 (never) to 86400",
+        doc: "a collective some ranks have waited on this long fails the job on every rank \
+              with an error naming it and the missing ranks",
+    },
+    Param {
         name: "PERSEUS_TIMELINE",
         default: "",
         allowed: "a file path (HOROVOD_TIMELINE is an alias)",
         doc: "write a Chrome-trace JSON of every operation to this file",
     },
 ];
+
+/// Limits of the stall check (PERSEUS_STALL_CHECK_TIME_SECONDS and
+/// PERSEUS_STALL_SHUTDOWN_TIME_SECONDS); `None` is off.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct StallLimits {
+    /// Warn about a name some ranks have waited on for this long.
+    pub warn: Option<Duration>,
+    /// Abort the job when one has waited this long.
+    pub fail: Option<Duration>,
+}
 
 /// The parsed configuration of one rank.
 #[derive(Debug, Clone)]
@@ -208,6 +232,8 @@ pub struct Config {
     pub offline_neg: bool,
     /// PERSEUS_ALLREDUCE_STREAMS: TCP connections (and threads) per peer pair.
     pub streams: usize,
+    /// PERSEUS_STALL_CHECK_TIME_SECONDS and _SHUTDOWN_TIME_SECONDS.
+    pub stall: StallLimits,
     /// PERSEUS_DOWNSAMPLE_N_ELEMENTS: send 1/N of the gradient per step (front-ends).
     pub downsample_n: u32,
     /// PERSEUS_GRADIENT_MOMENTUM: decay of the kept-back gradient (front-ends).
@@ -292,6 +318,11 @@ fn listen_address(t: &Topology) -> Result<Option<String>> {
 }
 
 /// The PERSEUS_ variables set together with a HOROVOD_ one they override.
+/// A number of seconds, 0 meaning off.
+fn seconds(n: u64) -> Option<Duration> {
+    (n > 0).then(|| Duration::from_secs(n))
+}
+
 /// Said at init when a job of several ranks has no secret.
 const UNAUTHENTICATED: &str = "warning: PERSEUS_SECRET is not set, so this job is \
     unauthenticated: anyone who can reach its rendezvous and ports can join it. perseusrun \
@@ -442,6 +473,15 @@ impl Config {
             plan: gradient_plan()?,
             offline_neg: int_var("PERSEUS_OFFLINE_NEG", 0, 0, 1)? == 1,
             streams: int_var("PERSEUS_ALLREDUCE_STREAMS", 4, 1, 12)? as usize,
+            stall: StallLimits {
+                warn: seconds(int_var("PERSEUS_STALL_CHECK_TIME_SECONDS", 60, 0, 86_400)?),
+                fail: seconds(int_var(
+                    "PERSEUS_STALL_SHUTDOWN_TIME_SECONDS",
+                    0,
+                    0,
+                    86_400,
+                )?),
+            },
             downsample_n: int_var("PERSEUS_DOWNSAMPLE_N_ELEMENTS", 1, 1, 1024)? as u32,
             gradient_momentum: match float_var("PERSEUS_GRADIENT_MOMENTUM", 1.0)? {
                 m if m <= 1.0 => m,
@@ -520,6 +560,14 @@ impl Config {
                 u8::from(self.offline_neg).to_string(),
             ),
             ("PERSEUS_ALLREDUCE_STREAMS", self.streams.to_string()),
+            (
+                "PERSEUS_STALL_CHECK_TIME_SECONDS",
+                self.stall.warn.map_or(0, |d| d.as_secs()).to_string(),
+            ),
+            (
+                "PERSEUS_STALL_SHUTDOWN_TIME_SECONDS",
+                self.stall.fail.map_or(0, |d| d.as_secs()).to_string(),
+            ),
             (
                 "PERSEUS_DOWNSAMPLE_N_ELEMENTS",
                 self.downsample_n.to_string(),

@@ -6,7 +6,9 @@
 
 use super::message::{OpKind, Request, Response, WireRequest};
 use super::offline::Detector;
+use crate::config::StallLimits;
 use std::collections::{BTreeMap, HashMap};
+use std::time::{Duration, Instant};
 
 /// Responses to send and to whom (global ranks), in order.
 pub type Outgoing = Vec<(Vec<usize>, Response)>;
@@ -14,6 +16,19 @@ pub type Outgoing = Vec<(Vec<usize>, Response)>;
 struct Pending {
     seq: u64,
     reqs: Vec<Option<Request>>,
+    /// When the first rank asked for it.
+    since: Instant,
+    /// A stall warning about it was given.
+    warned: bool,
+}
+
+/// What a stall check found: warnings to print, and the abort to send.
+#[derive(Default)]
+pub struct Stalls {
+    /// One line per name newly past the warning limit.
+    pub warnings: Vec<String>,
+    /// An abort for every rank, when a name is past the shutdown limit.
+    pub abort: Outgoing,
 }
 
 struct SetState {
@@ -46,9 +61,76 @@ pub struct Coordinator {
     cache_index: HashMap<(u32, String), u32>,
     cache_capacity: usize,
     offline: Option<Box<Detector>>,
+    stall: StallLimits,
 }
 
 impl Coordinator {
+    /// Enables the stall check.
+    pub fn with_stall_limits(mut self, stall: StallLimits) -> Coordinator {
+        self.stall = stall;
+        self
+    }
+
+    /// True when a stall check may find something: it is on and some name
+    /// waits for ranks.
+    pub fn stall_watch(&self) -> bool {
+        (self.stall.warn.is_some() || self.stall.fail.is_some())
+            && self.sets.values().any(|s| !s.pending.is_empty())
+    }
+
+    /// Names some ranks asked for and others have not, waiting longer than
+    /// the limits at `now`: a warning for each newly past the warning limit,
+    /// and an abort for the whole job once one is past the shutdown limit.
+    pub fn check_stalls(&mut self, now: Instant) -> Stalls {
+        let mut found = Stalls::default();
+        let mut worst: Option<(Duration, String)> = None;
+        for (id, set) in &mut self.sets {
+            for (name, p) in &mut set.pending {
+                let waited = now.saturating_duration_since(p.since);
+                let waiting: Vec<usize> = (0..set.members.len())
+                    .filter(|&i| p.reqs[i].is_some())
+                    .map(|i| set.members[i])
+                    .collect();
+                let missing: Vec<usize> = (0..set.members.len())
+                    .filter(|&i| p.reqs[i].is_none() && !set.joined[i])
+                    .map(|i| set.members[i])
+                    .collect();
+                let Some(kind) = p.reqs.iter().flatten().next().map(|r| r.kind.name()) else {
+                    continue;
+                };
+                let set_txt = if *id == 0 {
+                    String::new()
+                } else {
+                    format!(" in process set {id}")
+                };
+                let what = format!(
+                    "{kind} '{name}'{set_txt} has waited {:.0} s for ranks {missing:?} \
+                     (ranks {waiting:?} submitted it)",
+                    waited.as_secs_f64()
+                );
+                if self.stall.warn.is_some_and(|w| waited >= w) && !p.warned {
+                    p.warned = true;
+                    found.warnings.push(what.clone());
+                }
+                if self.stall.fail.is_some_and(|f| waited >= f)
+                    && !worst.as_ref().is_some_and(|(w, _)| waited <= *w)
+                {
+                    worst = Some((waited, what));
+                }
+            }
+        }
+        if let Some((_, what)) = worst {
+            let limit = self.stall.fail.unwrap_or_default().as_secs();
+            let message = format!(
+                "stalled: {what}; stopping the job after \
+                 PERSEUS_STALL_SHUTDOWN_TIME_SECONDS={limit}"
+            );
+            let all: Vec<usize> = (0..self.shut.len()).collect();
+            found.abort.push((all, Response::Abort { message }));
+        }
+        found
+    }
+
     /// Enables the response cache with room for `capacity` signatures.
     pub fn with_cache(mut self, capacity: usize) -> Coordinator {
         self.cache_capacity = capacity;
@@ -95,6 +177,7 @@ impl Coordinator {
             cache_index: HashMap::new(),
             cache_capacity: 0,
             offline: None,
+            stall: StallLimits::default(),
         }
     }
 
@@ -140,6 +223,8 @@ impl Coordinator {
                 .or_insert_with(|| Pending {
                     seq,
                     reqs: vec![None; n],
+                    since: Instant::now(),
+                    warned: false,
                 });
             p.reqs[idx] = Some(req);
         }

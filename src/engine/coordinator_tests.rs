@@ -264,3 +264,56 @@ fn differing_plans_are_a_mismatch_and_do_not_fuse() {
     let got: Vec<Vec<String>> = out.iter().map(|(_, r)| names(r)).collect();
     assert_eq!(got, vec![vec!["x"], vec!["y"]]);
 }
+
+#[test]
+fn stalls_are_warned_once_then_abort_the_job() {
+    use crate::config::StallLimits;
+    use std::time::{Duration, Instant};
+    let limits = StallLimits {
+        warn: Some(Duration::from_secs(60)),
+        fail: Some(Duration::from_secs(120)),
+    };
+    let mut c = Coordinator::new(3, 1 << 20).with_stall_limits(limits);
+    assert!(!c.stall_watch(), "nothing waits yet");
+    let t0 = Instant::now();
+    assert!(c.submit(0, vec![ar("stuck", &[2])]).is_empty());
+    assert!(c.submit(1, vec![ar("stuck", &[2])]).is_empty());
+    assert!(c.stall_watch());
+    let early = c.check_stalls(t0 + Duration::from_secs(30));
+    assert!(early.warnings.is_empty() && early.abort.is_empty());
+    let late = c.check_stalls(t0 + Duration::from_secs(61));
+    assert_eq!(late.warnings.len(), 1, "{:?}", late.warnings);
+    let w = &late.warnings[0];
+    assert!(
+        w.contains("allreduce 'stuck'") && w.contains("ranks [2]"),
+        "{w}"
+    );
+    assert!(w.contains("ranks [0, 1] submitted"), "{w}");
+    assert!(late.abort.is_empty());
+    let again = c.check_stalls(t0 + Duration::from_secs(90));
+    assert!(again.warnings.is_empty(), "warned once per tensor");
+    let fail = c.check_stalls(t0 + Duration::from_secs(121));
+    assert_eq!(fail.abort.len(), 1);
+    let (to, resp) = &fail.abort[0];
+    assert_eq!(to, &vec![0, 1, 2]);
+    let Response::Abort { message } = resp else {
+        panic!("{resp:?}")
+    };
+    assert!(
+        message.contains("'stuck'") && message.contains("STALL_SHUTDOWN"),
+        "{message}"
+    );
+    // Rank 2 comes after all: nothing waits any more.
+    assert_eq!(c.submit(2, vec![ar("stuck", &[2])]).len(), 1);
+    assert!(!c.stall_watch());
+}
+
+#[test]
+fn stall_check_off_finds_nothing() {
+    let mut c = Coordinator::new(2, 1 << 20);
+    assert!(c.submit(0, vec![ar("x", &[2])]).is_empty());
+    assert!(!c.stall_watch());
+    let t = std::time::Instant::now() + std::time::Duration::from_secs(1_000_000);
+    let found = c.check_stalls(t);
+    assert!(found.warnings.is_empty() && found.abort.is_empty());
+}

@@ -142,7 +142,8 @@ impl Engine {
         let spin = |d: Duration| if oversubscribed { Duration::ZERO } else { d };
         let coord = Coordinator::new(t.size, config.fusion_threshold as usize)
             .with_cache(config.cache_capacity)
-            .with_offline(config.offline_neg);
+            .with_offline(config.offline_neg)
+            .with_stall_limits(config.stall);
         let state = State {
             mesh: if oversubscribed {
                 parts.mesh.without_spin()
@@ -166,6 +167,7 @@ impl Engine {
             mode: Mode::Negotiated,
             parked: Vec::new(),
             waited: HashSet::new(),
+            stall_checked: Instant::now(),
         };
         let thread = std::thread::Builder::new()
             .name("perseus-engine".into())
@@ -449,7 +451,12 @@ struct State {
     parked: Vec<Request>,
     /// Handles callers reported waiting on while running offline.
     waited: HashSet<u64>,
+    /// Rank 0: when the stall check last ran.
+    stall_checked: Instant,
 }
+
+/// How often rank 0 looks for stalled tensors while some wait.
+const STALL_TICK: Duration = Duration::from_secs(1);
 
 impl State {
     fn run(mut self) {
@@ -496,6 +503,7 @@ impl State {
                 self.parked.append(&mut held);
             }
             let answered = self.receive(&mut held);
+            self.check_stalls();
             if self.exit {
                 return;
             }
@@ -528,8 +536,42 @@ impl State {
                 // microseconds to wake.
                 std::thread::yield_now();
             } else {
-                self.uplink.sleep(Some(&self.inbox), None);
+                let tick = self.stall_watch().then_some(STALL_TICK);
+                self.uplink.sleep(Some(&self.inbox), tick);
                 idle_since = None;
+            }
+        }
+    }
+
+    /// Rank 0 with the stall check on and tensors waiting for ranks.
+    fn stall_watch(&self) -> bool {
+        matches!(&self.uplink, Uplink::Coordinator { coord, .. } if coord.stall_watch())
+    }
+
+    /// Rank 0, once per [`STALL_TICK`] while tensors wait: warns about those
+    /// waiting past PERSEUS_STALL_CHECK_TIME_SECONDS, and stops the job when
+    /// one waits past PERSEUS_STALL_SHUTDOWN_TIME_SECONDS.
+    fn check_stalls(&mut self) {
+        if !self.stall_watch() || self.stall_checked.elapsed() < STALL_TICK {
+            return;
+        }
+        self.stall_checked = Instant::now();
+        let Uplink::Coordinator { coord, .. } = &mut self.uplink else {
+            return;
+        };
+        let found = coord.check_stalls(Instant::now());
+        for w in &found.warnings {
+            eprintln!(
+                "[perseus] warning: stall: {w}. Every rank must submit the same collectives; \
+                 a rank may be stuck, slow, or on another code path \
+                 (PERSEUS_STALL_CHECK_TIME_SECONDS)."
+            );
+        }
+        if !found.abort.is_empty() {
+            self.uplink
+                .dispatch(found.abort, &mut self.local, self.timeout);
+            for r in std::mem::take(&mut self.local) {
+                self.execute(r);
             }
         }
     }

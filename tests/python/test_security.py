@@ -56,3 +56,20 @@ def test_a_job_without_secret_is_warned_about(secret):
         assert p.returncode == 0 and "WORKER OK" in out, out
     warned = [out.count("this job is unauthenticated") for out in outs]
     assert warned == ([1, 0] if secret is None else [0, 0]), outs
+
+
+@pytest.mark.timeout(90)
+def test_stalled_tensor_is_warned_about(run_workers):
+    """A rank 3 s late with the check at 1 s: rank 0 names the tensor and the late rank."""
+    out = run_workers(3, "stall.py", "warn", env={"PERSEUS_STALL_CHECK_TIME_SECONDS": "1"})
+    warned = [line for line in out.splitlines() if "stall:" in line]
+    assert len(warned) == 1, out
+    assert "allreduce 'stuck'" in warned[0] and "ranks [2]" in warned[0], warned
+
+
+@pytest.mark.timeout(90)
+def test_stall_shutdown_fails_every_rank(run_workers):
+    """Past PERSEUS_STALL_SHUTDOWN_TIME_SECONDS the job stops with an error on every rank,
+    the late one included, and each rank can still shut down cleanly."""
+    run_workers(3, "stall.py", "fail", env={"PERSEUS_STALL_CHECK_TIME_SECONDS": "1",
+                                            "PERSEUS_STALL_SHUTDOWN_TIME_SECONDS": "2"})
