@@ -4,7 +4,7 @@
 use super::tensor::OwnedTensor;
 use crate::error::{PerseusError, Result};
 use std::collections::HashMap;
-use std::sync::{Condvar, Mutex};
+use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 /// What a finished operation hands back.
@@ -42,9 +42,26 @@ pub struct Handles {
 }
 
 impl Handles {
+    /// The table, even after a panic elsewhere poisoned the lock (its data
+    /// stays consistent: every change is one assignment).
+    fn table(&self) -> MutexGuard<'_, Table> {
+        self.table.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Finishes every pending handle with `err` (the engine thread died).
+    pub fn fail_pending(&self, err: &PerseusError) {
+        let mut g = self.table();
+        for s in g.slots.values_mut() {
+            if matches!(s, Slot::Pending) {
+                *s = Slot::Done(Err(err.clone()));
+            }
+        }
+        self.changed.notify_all();
+    }
+
     /// A new pending handle.
     pub fn create(&self) -> u64 {
-        let mut g = self.table.lock().unwrap();
+        let mut g = self.table();
         g.last += 1;
         let id = g.last;
         g.slots.insert(id, Slot::Pending);
@@ -53,7 +70,7 @@ impl Handles {
 
     /// Marks `id` finished and wakes waiters.
     pub fn complete(&self, id: u64, result: Result<Output>) {
-        let mut g = self.table.lock().unwrap();
+        let mut g = self.table();
         if let Some(s) = g.slots.get_mut(&id) {
             *s = Slot::Done(result);
         }
@@ -64,10 +81,7 @@ impl Handles {
 
     /// True once `id` finished (or if it is unknown).
     pub fn poll(&self, id: u64) -> bool {
-        !matches!(
-            self.table.lock().unwrap().slots.get(&id),
-            Some(Slot::Pending)
-        )
+        !matches!(self.table().slots.get(&id), Some(Slot::Pending))
     }
 
     /// Blocks until `id` finishes, waking every `tick` to let `interrupted`
@@ -84,15 +98,10 @@ impl Handles {
         // while before parking, since a parked thread on an idle virtual CPU
         // takes tens of microseconds to wake.
         let start = Instant::now();
-        while start.elapsed() < spin
-            && matches!(
-                self.table.lock().unwrap().slots.get(&id),
-                Some(Slot::Pending)
-            )
-        {
+        while start.elapsed() < spin && matches!(self.table().slots.get(&id), Some(Slot::Pending)) {
             std::thread::yield_now();
         }
-        let mut g = self.table.lock().unwrap();
+        let mut g = self.table();
         loop {
             match g.slots.get(&id) {
                 None => {
@@ -106,7 +115,11 @@ impl Handles {
                 },
                 Some(Slot::Pending) => {
                     g.sleepers += 1;
-                    g = self.changed.wait_timeout(g, tick).unwrap().0;
+                    g = self
+                        .changed
+                        .wait_timeout(g, tick)
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .0;
                     g.sleepers -= 1;
                     if let Some(e) = interrupted() {
                         return Err(e);

@@ -56,6 +56,8 @@ enum Event {
     Fatal(String),
     /// A caller waits on this handle (sent only while running offline).
     Waiting(u64),
+    /// Panic on the engine thread (tests of the no-abort guarantee).
+    Panic(String),
 }
 
 struct Shared {
@@ -169,9 +171,15 @@ impl Engine {
             waited: HashSet::new(),
             stall_checked: Instant::now(),
         };
+        let (on_panic, inbox_of_thread) = (shared.clone(), inbox.clone());
         let thread = std::thread::Builder::new()
             .name("perseus-engine".into())
-            .spawn(move || state.run())?;
+            .spawn(move || {
+                let run = std::panic::AssertUnwindSafe(|| state.run());
+                if let Err(p) = std::panic::catch_unwind(run) {
+                    engine_died(&on_panic, &inbox_of_thread, &panic_text(&*p));
+                }
+            })?;
         Ok(Engine {
             _store: store,
             config,
@@ -300,9 +308,10 @@ impl Engine {
             .inbox
             .push(Event::Enqueue(Box::new((req, entry, Instant::now()))));
         if !sent {
-            return Err(PerseusError::Aborted(
-                "the Perseus engine has stopped".into(),
-            ));
+            let fatal = self.shared.fatal.lock().unwrap().clone();
+            return Err(fatal.unwrap_or_else(|| {
+                PerseusError::Aborted("the Perseus engine has stopped".into())
+            }));
         }
         Ok(handle)
     }
@@ -350,6 +359,12 @@ impl Engine {
         )
     }
 
+    /// Makes the engine thread panic with `what`, to test that a panic there
+    /// reaches every caller as an error (see `_core._debug_panic`).
+    pub fn debug_panic(&self, what: &str) {
+        self.inbox.push(Event::Panic(what.to_string()));
+    }
+
     /// Leaves the job in order: every rank's shutdown is negotiated, then the
     /// engine thread ends and the sockets close.
     pub fn shutdown(&self) -> Result<()> {
@@ -369,6 +384,33 @@ impl Engine {
             Err(e) => Err(e),
         }
     }
+}
+
+/// The text of a panic's payload.
+fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
+    p.downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| p.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "(no message)".into())
+}
+
+/// The engine thread panicked: every pending and later operation fails with
+/// an error that says so, instead of waiting for a thread that is gone.
+fn engine_died(shared: &Shared, inbox: &Inbox<Event>, what: &str) {
+    let err = PerseusError::Aborted(format!(
+        "the Perseus engine thread failed ({what}); this is a bug in Perseus, please \
+         report it. Call shutdown() and start again."
+    ));
+    shared
+        .fatal
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .get_or_insert(err.clone());
+    shared.stopping.store(true, Ordering::SeqCst);
+    inbox.close();
+    inbox.take();
+    shared.handles.fail_pending(&err);
+    eprintln!("[perseus] {err}");
 }
 
 fn unregistered(set: u32) -> PerseusError {
@@ -644,6 +686,7 @@ impl State {
             Event::Waiting(h) => {
                 self.waited.insert(h);
             }
+            Event::Panic(what) => panic!("{what}"),
         }
     }
 

@@ -140,6 +140,24 @@ fn config() -> PyResult<BTreeMap<String, String>> {
     Ok(engine()?.config().to_map())
 }
 
+/// For tests of the no-abort guarantee: `where_ = "engine"` makes the engine
+/// thread panic (every pending and later operation then fails with
+/// HorovodInternalError); `"call"` panics inside this call (raised as
+/// pyo3's PanicException).
+#[pyfunction]
+fn _debug_panic(where_: &str) -> PyResult<()> {
+    match where_ {
+        "engine" => {
+            engine()?.debug_panic("a test asked the engine thread to panic");
+            Ok(())
+        }
+        "call" => panic!("a test asked this call to panic"),
+        other => Err(to_py(PerseusError::InvalidArgument(format!(
+            "_debug_panic: where must be 'engine' or 'call', not {other:?}"
+        )))),
+    }
+}
+
 /// Where a PERSEUS_ variable overrides a HOROVOD_ one (said once at init).
 #[pyfunction]
 fn config_notes() -> PyResult<Vec<String>> {
@@ -456,6 +474,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(config, m)?)?;
     m.add_function(wrap_pyfunction!(counters, m)?)?;
     m.add_function(wrap_pyfunction!(config_notes, m)?)?;
+    m.add_function(wrap_pyfunction!(_debug_panic, m)?)?;
     m.add_function(wrap_pyfunction!(set_fusion_threshold, m)?)?;
     m.add_function(wrap_pyfunction!(add_process_set, m)?)?;
     m.add_function(wrap_pyfunction!(remove_process_set, m)?)?;

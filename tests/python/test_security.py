@@ -73,3 +73,11 @@ def test_stall_shutdown_fails_every_rank(run_workers):
     the late one included, and each rank can still shut down cleanly."""
     run_workers(3, "stall.py", "fail", env={"PERSEUS_STALL_CHECK_TIME_SECONDS": "1",
                                             "PERSEUS_STALL_SHUTDOWN_TIME_SECONDS": "2"})
+
+
+@pytest.mark.timeout(90)
+def test_a_panic_in_the_core_is_an_exception(run_workers):
+    """The engine thread's panic reaches its callers as HorovodInternalError; the other
+    rank, whose shutdown then finds rank 0 gone, still leaves cleanly."""
+    out = run_workers(2, "panic.py", env={"GLOO_TIMEOUT_SECONDS": "10"})
+    assert "engine thread failed" in out, out
