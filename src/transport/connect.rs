@@ -12,7 +12,8 @@ use crate::error::{PerseusError, Result};
 use crate::rendezvous::StoreClient;
 use crate::wire::{read_frame, write_frame, Reader, Writer};
 use std::net::{IpAddr, TcpListener, TcpStream, UdpSocket};
-use std::sync::Arc;
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 const HELLO_OK: u16 = 0x201;
@@ -74,12 +75,13 @@ pub fn connect_mesh(cfg: &Config) -> Result<MeshParts> {
         });
     };
     let mut store = StoreClient::connect(host, *port, &cfg.secret, timeout)?;
+    let gen = generation(host, *port, rank);
     let ip = local_addr(cfg, host)?;
     let listener = TcpListener::bind((ip, 0))?;
     let addr = listener.local_addr()?;
     let host = host_key(cfg);
     let entry = format!("{addr} {host} {}", cfg.streams);
-    store.set(&format!("mesh/{rank}"), entry.as_bytes())?;
+    store.set(&mesh_key(rank, gen), entry.as_bytes())?;
     let mut peers = Vec::with_capacity(size);
     for p in 0..size {
         peers.push(if p == rank {
@@ -89,7 +91,7 @@ pub fn connect_mesh(cfg: &Config) -> Result<MeshParts> {
                 streams: cfg.streams,
             }
         } else {
-            published(&mut store, p, timeout)?
+            published(&mut store, p, gen, timeout)?
         });
     }
     if let Some((p, other)) = peers
@@ -183,7 +185,7 @@ pub fn connect_mesh(cfg: &Config) -> Result<MeshParts> {
     let mut shm = None;
     let group: Vec<usize> = (0..size).filter(|&p| hosts[p] == host).collect();
     if cfg.shm && group.len() > 1 {
-        let seg = Arc::new(open_segment(cfg, &mut store, &group, &host)?);
+        let seg = Arc::new(open_segment(cfg, &mut store, &group, &host, gen)?);
         let me = group.iter().position(|&p| p == rank).unwrap();
         for (i, &p) in group.iter().enumerate() {
             if p != rank {
@@ -215,9 +217,35 @@ struct Published {
     streams: usize,
 }
 
-/// Reads `peer`'s published entry ("address host-key streams").
-fn published(store: &mut StoreClient, peer: usize, timeout: Duration) -> Result<Published> {
-    let v = String::from_utf8_lossy(&store.get(&format!("mesh/{peer}"), timeout)?).to_string();
+/// How many times this process connected as `rank` of the job at the
+/// rendezvous `host:port` before: every rank of a job calls init() and
+/// shutdown() together, so the counts agree, and each new connection reads
+/// only entries of its own round (never the addresses of closed listeners).
+fn generation(host: &str, port: u16, rank: usize) -> u64 {
+    static ROUNDS: Mutex<BTreeMap<(String, u16, usize), u64>> = Mutex::new(BTreeMap::new());
+    let mut rounds = ROUNDS.lock().unwrap_or_else(PoisonError::into_inner);
+    let n = rounds.entry((host.to_string(), port, rank)).or_insert(0);
+    *n += 1;
+    *n - 1
+}
+
+/// The key of `rank`'s entry in round `gen` (`mesh/<rank>` in the first,
+/// which the launcher watches to see ranks check in).
+fn mesh_key(rank: usize, gen: u64) -> String {
+    match gen {
+        0 => format!("mesh/{rank}"),
+        g => format!("mesh/{rank}/{g}"),
+    }
+}
+
+/// Reads `peer`'s published entry ("address host-key streams") of round `gen`.
+fn published(
+    store: &mut StoreClient,
+    peer: usize,
+    gen: u64,
+    timeout: Duration,
+) -> Result<Published> {
+    let v = String::from_utf8_lossy(&store.get(&mesh_key(peer, gen), timeout)?).to_string();
     let mut f = v.split(' ');
     let (addr, host, streams) = (f.next(), f.next(), f.next().and_then(|s| s.parse().ok()));
     match (addr, host, streams) {
@@ -261,39 +289,70 @@ fn fnv(s: &str) -> u64 {
 
 /// Creates (the lowest rank of the host) or opens (the others) the host's
 /// segment, and unlinks its file once every local rank has mapped it, so
-/// nothing is left behind even if the job crashes later.
+/// nothing is left behind even if the job crashes later. The file's name
+/// carries its creator's pid: a creator that died before the unlink (a
+/// local rank never came) leaves a file that the next job's leaders on the
+/// host remove.
 fn open_segment(
     cfg: &Config,
     store: &mut StoreClient,
     group: &[usize],
     host: &str,
+    gen: u64,
 ) -> Result<Segment> {
     let (rdv_host, rdv_port) = cfg.rendezvous.clone().unwrap_or_default();
     let id = fnv(&format!(
-        "{}|{rdv_host}|{rdv_port}|{host}|{group:?}",
+        "{}|{rdv_host}|{rdv_port}|{host}|{group:?}|{gen}",
         cfg.secret
     ));
-    let path = format!("/dev/shm/perseus-{id:016x}");
     let rank = cfg.topology.rank;
     let leader = group[0];
     let t = cfg.timeout;
-    let seg = if rank == leader {
-        let _ = std::fs::remove_file(&path);
+    let ready = format!("shm/{id:016x}/ready");
+    if rank != leader {
+        let path = String::from_utf8_lossy(&store.get(&ready, t)?).to_string();
         let seg = Segment::open(&path, group.len(), SHM_RING_BYTES)?;
-        store.set(&format!("shm/{id:016x}/ready"), b"1")?;
-        seg
-    } else {
-        store.get(&format!("shm/{id:016x}/ready"), t)?;
-        Segment::open(&path, group.len(), SHM_RING_BYTES)?
-    };
-    store.set(&format!("shm/{id:016x}/mapped/{rank}"), b"1")?;
-    if rank == leader {
+        store.set(&format!("shm/{id:016x}/mapped/{rank}"), b"1")?;
+        return Ok(seg);
+    }
+    remove_stale_segments();
+    let path = format!("{SHM_DIR}/{SHM_PREFIX}{id:016x}-{}", std::process::id());
+    let seg = Segment::open(&path, group.len(), SHM_RING_BYTES)?;
+    let mapped = (|| {
+        store.set(&ready, path.as_bytes())?;
         for p in &group[1..] {
             store.get(&format!("shm/{id:016x}/mapped/{p}"), t)?;
         }
-        let _ = std::fs::remove_file(&path);
+        Ok(())
+    })();
+    let _ = std::fs::remove_file(&path);
+    mapped.map(|()| seg)
+}
+
+const SHM_DIR: &str = "/dev/shm";
+const SHM_PREFIX: &str = "perseus-";
+
+/// Removes segment files whose creator process no longer exists.
+fn remove_stale_segments() {
+    let Ok(dir) = std::fs::read_dir(SHM_DIR) else {
+        return;
+    };
+    for e in dir.flatten() {
+        let name = e.file_name().to_string_lossy().to_string();
+        let Some(pid) = name
+            .strip_prefix(SHM_PREFIX)
+            .and_then(|rest| rest.rsplit_once('-'))
+            .and_then(|(_, pid)| pid.parse::<libc::pid_t>().ok())
+        else {
+            continue;
+        };
+        // SAFETY: signal 0 only asks whether the process exists.
+        let gone = unsafe { libc::kill(pid, 0) } != 0
+            && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
+        if gone && std::fs::remove_file(e.path()).is_ok() {
+            eprintln!("[perseus] removed {name}, left in {SHM_DIR} by a job that crashed");
+        }
     }
-    Ok(seg)
 }
 
 /// Connects to `addr`, proves the secret with `hello`'s fields, waits for

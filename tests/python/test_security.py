@@ -81,3 +81,31 @@ def test_a_panic_in_the_core_is_an_exception(run_workers):
     rank, whose shutdown then finds rank 0 gone, still leaves cleanly."""
     out = run_workers(2, "panic.py", env={"GLOO_TIMEOUT_SECONDS": "10"})
     assert "engine thread failed" in out, out
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("hosts", [None, "127.0.0.1:1,127.0.0.2:1"])
+def test_init_shutdown_loop_leaks_nothing(run_workers, hosts):
+    """50 rounds of init, allreduce, shutdown, through shared memory and through TCP
+    (with its extra streams): threads, descriptors and segments stay as after round 2."""
+    run_workers(2, "init_loop.py", "50", hosts=hosts, timeout=140)
+
+
+@pytest.mark.timeout(90)
+def test_segments_of_a_crashed_job_are_removed(run_workers):
+    """A segment file whose creator died (a crash before every local rank mapped it) is
+    removed by the next job's leader on the host; a live creator's file is kept."""
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = Path(f"/dev/shm/perseus-00000000deadbeef-{dead.pid}")
+    alive = Path(f"/dev/shm/perseus-00000000feedbeef-{os.getpid()}")
+    for f in (stale, alive):
+        f.write_bytes(b"\\0" * 64)
+    try:
+        out = run_workers(2, "init_loop.py", "2")
+        assert not stale.exists(), "the crashed job's segment is still there"
+        assert alive.exists(), "a live process's segment was removed"
+        assert f"removed {stale.name}" in out, out
+    finally:
+        for f in (stale, alive):
+            f.unlink(missing_ok=True)
