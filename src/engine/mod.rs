@@ -386,6 +386,14 @@ impl Engine {
     }
 }
 
+/// Why a rank's control stream broke, with the host it ran on.
+fn on_host(mesh: &Mesh, rank: usize, why: &str) -> String {
+    match mesh.host_name(rank) {
+        Some(h) => format!("{why}; it ran on host {h}"),
+        None => why.to_string(),
+    }
+}
+
 /// The text of a panic's payload.
 fn panic_text(p: &(dyn std::any::Any + Send)) -> String {
     p.downcast_ref::<&str>()
@@ -640,6 +648,7 @@ impl State {
                     if self.shared.stopping.load(Ordering::SeqCst) {
                         continue;
                     }
+                    let why = on_host(&self.mesh, rank, &why);
                     if let Uplink::Coordinator { coord, .. } = &mut self.uplink {
                         let out = coord.disconnect(rank, &why);
                         self.uplink.dispatch(out, &mut self.local, self.timeout);
@@ -1067,6 +1076,7 @@ fn offline_vote(
                     }
                 }
                 Incoming::Lost(rank, why) => {
+                    let why = on_host(mesh, rank, &why);
                     if let Uplink::Coordinator { coord, .. } = uplink {
                         let out = coord.disconnect(rank, &why);
                         uplink.dispatch(out, local, timeout);

@@ -11,8 +11,8 @@ use crate::config::Config;
 use crate::error::{PerseusError, Result};
 use crate::rendezvous::StoreClient;
 use crate::wire::{read_frame, write_frame, Reader, Writer};
-use std::net::{IpAddr, TcpListener, TcpStream, UdpSocket};
 use std::collections::BTreeMap;
+use std::net::{IpAddr, TcpListener, TcpStream, UdpSocket};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -189,10 +189,15 @@ pub fn connect_mesh(cfg: &Config) -> Result<MeshParts> {
         let me = group.iter().position(|&p| p == rank).unwrap();
         for (i, &p) in group.iter().enumerate() {
             if p != rank {
+                let alive = match std::mem::replace(&mut links[p], Link::None) {
+                    Link::Tcp(s) => Some(s),
+                    _ => None,
+                };
                 links[p] = Link::Shm {
                     seg: seg.clone(),
                     me,
                     peer: i,
+                    alive,
                 };
             }
         }

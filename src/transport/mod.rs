@@ -21,7 +21,7 @@ pub mod shm;
 pub use connect::{connect_mesh, Control, MeshParts};
 pub use progress::{Recv, Send};
 
-use crate::error::Result;
+use crate::error::{PerseusError, Result};
 use shm::Segment;
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -43,6 +43,9 @@ pub enum Link {
         me: usize,
         /// The peer's member index.
         peer: usize,
+        /// The pair's TCP stream, kept open and idle: the kernel closes it
+        /// when the peer dies, however it dies, which a ring cannot show.
+        alive: Option<TcpStream>,
     },
 }
 
@@ -51,7 +54,7 @@ impl Link {
     pub fn write(&self, buf: &[u8]) -> std::io::Result<usize> {
         match self {
             Link::Tcp(s) => (&*s).write(buf),
-            Link::Shm { seg, me, peer } => seg.ring(*me, *peer).write(buf),
+            Link::Shm { seg, me, peer, .. } => seg.ring(*me, *peer).write(buf),
             Link::None => Err(std::io::ErrorKind::NotConnected.into()),
         }
     }
@@ -60,9 +63,31 @@ impl Link {
     pub fn read(&self, buf: &mut [u8]) -> std::io::Result<usize> {
         match self {
             Link::Tcp(s) => (&*s).read(buf),
-            Link::Shm { seg, me, peer } => seg.ring(*peer, *me).read(buf),
+            Link::Shm { seg, me, peer, .. } => seg.ring(*peer, *me).read(buf),
             Link::None => Err(std::io::ErrorKind::NotConnected.into()),
         }
+    }
+
+    /// True when the peer's process has ended: its TCP stream (for a
+    /// shared-memory peer, the idle one kept beside the rings) reached end
+    /// of file or failed. Peeks, so nothing is consumed.
+    pub fn peer_gone(&self) -> bool {
+        let s = match self {
+            Link::Tcp(s) | Link::Shm { alive: Some(s), .. } => s,
+            _ => return false,
+        };
+        let mut b = [0u8; 1];
+        // SAFETY: peeks at most one byte into `b` without blocking.
+        let n = unsafe {
+            libc::recv(
+                std::os::fd::AsRawFd::as_raw_fd(s),
+                b.as_mut_ptr().cast(),
+                1,
+                libc::MSG_PEEK | libc::MSG_DONTWAIT,
+            )
+        };
+        n == 0
+            || (n < 0 && std::io::Error::last_os_error().kind() != std::io::ErrorKind::WouldBlock)
     }
 
     /// True for shared memory.
@@ -89,6 +114,8 @@ pub struct Mesh {
     timeout: Duration,
     spin: Duration,
     host_ids: Vec<usize>,
+    /// Each rank's host name, for error messages.
+    host_names: Vec<String>,
     sent_intra: AtomicU64,
     sent_inter: AtomicU64,
     sent_extra: AtomicU64,
@@ -113,6 +140,7 @@ impl Mesh {
             timeout,
             spin: DEFAULT_SPIN,
             host_ids,
+            host_names: Vec::new(),
             sent_intra: AtomicU64::new(0),
             sent_inter: AtomicU64::new(0),
             sent_extra: AtomicU64::new(0),
@@ -157,7 +185,45 @@ impl Mesh {
             .iter()
             .map(|h| hosts.iter().position(|x| x == h).unwrap_or(0))
             .collect();
+        // Host keys are "name@boot-id".
+        self.host_names = hosts
+            .iter()
+            .map(|h| h.split('@').next().unwrap_or_default().to_string())
+            .collect();
         self
+    }
+
+    /// The name of `rank`'s host, when known.
+    pub fn host_name(&self, rank: usize) -> Option<&str> {
+        self.host_names
+            .get(rank)
+            .map(String::as_str)
+            .filter(|h| !h.is_empty())
+    }
+
+    /// Adds the hosts of the ranks a peer error names.
+    fn name_hosts(&self, e: PerseusError, peers: &[usize]) -> PerseusError {
+        let PerseusError::Peer(mut m) = e else {
+            return e;
+        };
+        let mut listed = Vec::new();
+        for &p in peers {
+            let Some(h) = self.host_name(p) else { continue };
+            let named = format!("rank {p} ");
+            if m.contains(&named) {
+                m = m.replacen(&named, &format!("rank {p} (host {h}) "), 1);
+            } else if !listed.iter().any(|(q, _)| *q == p) {
+                listed.push((p, h));
+            }
+        }
+        if m.contains("waiting for rank(s)") && !listed.is_empty() {
+            let hosts: Vec<String> = listed
+                .iter()
+                .map(|(p, h)| format!("rank {p} on {h}"))
+                .collect();
+            m = format!("{m} [{}]", hosts.join(", "));
+        }
+        PerseusError::Peer(m)
     }
 
     /// An index naming `rank`'s host (ranks on one host share it).
@@ -222,12 +288,20 @@ impl Mesh {
             Some(f) => progress::Limit::Ask(PATIENT_CHECK.min(self.timeout), f),
             None => progress::Limit::Fail(self.timeout),
         };
+        let peers = |s: &[Send<'_>], r: &[Recv<'_>]| -> Vec<usize> {
+            s.iter()
+                .map(Send::peer)
+                .chain(r.iter().map(Recv::peer))
+                .collect()
+        };
         if stream == 0 {
             let shm = self.shm.as_ref().map(|(s, me)| (&**s, *me));
-            progress::run(&self.links, shm, limit, self.spin, sends, recvs)?;
+            progress::run(&self.links, shm, limit, self.spin, sends, recvs)
+                .map_err(|e| self.name_hosts(e, &peers(sends, recvs)))?;
         } else {
             let links = &self.extra[stream - 1];
-            progress::run(links, None, limit, self.spin, sends, recvs)?;
+            progress::run(links, None, limit, self.spin, sends, recvs)
+                .map_err(|e| self.name_hosts(e, &peers(sends, recvs)))?;
             let bytes: usize = sends.iter().map(|s| s.data().len()).sum();
             self.sent_extra.fetch_add(bytes as u64, Ordering::Relaxed);
         }

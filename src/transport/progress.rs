@@ -272,7 +272,7 @@ fn recv_landing(l: &Link, r: &mut Recv<'_>, off: usize, landing: Landing) -> Res
         Landing::Reduce(dtype, _) => (dtype.size(), 1),
         _ => (2, 2),
     };
-    if let Link::Shm { seg, me, peer } = l {
+    if let Link::Shm { seg, me, peer, .. } = l {
         let dst = &mut r.data[off * widen..];
         let ring = seg.ring(*peer, *me);
         return io(
@@ -309,6 +309,8 @@ fn recv_landing(l: &Link, r: &mut Recv<'_>, off: usize, landing: Landing) -> Res
 
 /// Longest sleep on the doorbell before re-checking TCP and the clock.
 const SHM_NAP: Duration = Duration::from_millis(100);
+/// How often a waiting transfer checks that every peer still lives.
+const SCAN_EVERY: Duration = Duration::from_millis(20);
 
 /// When a transfer that makes no progress gives up.
 pub enum Limit<'f> {
@@ -331,6 +333,7 @@ pub fn run(
     recvs: &mut [Recv<'_>],
 ) -> Result<()> {
     let mut last_progress = Instant::now();
+    let mut last_scan = Instant::now();
     let mut fds: Vec<libc::pollfd> = Vec::with_capacity(sends.len() + recvs.len());
     loop {
         // Read the doorbell before trying, so a ring that fills or drains
@@ -374,6 +377,15 @@ pub fn run(
             )));
         }
         let left = timeout - waited;
+        if waited >= spin && last_scan.elapsed() >= SCAN_EVERY {
+            // Waiting: make sure every peer still lives, not only those of
+            // this transfer, so a rank learns of a death from the dead
+            // rank itself rather than from a survivor that left after it.
+            last_scan = Instant::now();
+            if let Some(p) = (0..links.len()).find(|&p| links[p].peer_gone()) {
+                return Err(lost(p, "ended (its connection closed)"));
+            }
+        }
         fds.clear();
         let mut shm_pending = false;
         let pending = sends
