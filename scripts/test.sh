@@ -16,6 +16,8 @@ step "cargo clippy (all targets)"
 cargo clippy --release --all-targets -- -D warnings
 step "cargo test"
 cargo test --release
+step "fuzz (a short run of each target; docs/reliability.md)"
+bash scripts/fuzz.sh
 
 step "torch virtual environment"
 venv=$(bash scripts/setup-venv.sh torch | tail -n 1)

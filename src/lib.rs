@@ -12,6 +12,8 @@ pub mod auth;
 pub mod collective;
 pub mod config;
 pub mod engine;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod plan;
 #[cfg(feature = "python")]
 mod python;

@@ -9,6 +9,8 @@ mod client;
 mod server;
 
 pub use client::StoreClient;
+#[doc(hidden)]
+pub use server::fuzz_request;
 pub use server::StoreServer;
 
 /// Frame kinds of the store protocol.

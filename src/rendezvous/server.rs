@@ -112,7 +112,7 @@ fn serve(mut conn: TcpStream, store: &Store, secret: &str) {
                 return drop_it(&e.to_string());
             }
         };
-        let reply = handle(store, k, payload);
+        let reply = handle(store, k, payload, MAX_WAIT);
         let sent = match reply {
             Ok((rk, body)) => write_frame(&mut conn, rk, &body),
             Err(msg) => write_frame(&mut conn, kind::ERR, msg.as_bytes()),
@@ -123,7 +123,16 @@ fn serve(mut conn: TcpStream, store: &Store, secret: &str) {
     }
 }
 
-fn handle(store: &Store, k: u16, payload: &[u8]) -> std::result::Result<(u16, Vec<u8>), String> {
+/// Longest a GET may wait for its key.
+const MAX_WAIT: Duration = Duration::from_secs(86_400);
+
+/// Answers one request; a GET waits at most `max_wait` for its key.
+fn handle(
+    store: &Store,
+    k: u16,
+    payload: &[u8],
+    max_wait: Duration,
+) -> std::result::Result<(u16, Vec<u8>), String> {
     let mut r = Reader::new(payload);
     match k {
         kind::SET => {
@@ -138,7 +147,7 @@ fn handle(store: &Store, k: u16, payload: &[u8]) -> std::result::Result<(u16, Ve
         }
         kind::GET => {
             let key = r.str().map_err(|e| e.to_string())?;
-            let wait = Duration::from_millis(r.u64().map_err(|e| e.to_string())?);
+            let wait = Duration::from_millis(r.u64().map_err(|e| e.to_string())?).min(max_wait);
             let deadline = Instant::now() + wait;
             let mut map = store.map.lock().unwrap();
             loop {
@@ -156,4 +165,12 @@ fn handle(store: &Store, k: u16, payload: &[u8]) -> std::result::Result<(u16, Ve
         }
         other => Err(format!("unknown request kind {other}")),
     }
+}
+
+/// Fuzzing entry: one request of kind `k` to a fresh store (GETs do not wait).
+#[doc(hidden)]
+pub fn fuzz_request(k: u16, payload: &[u8]) {
+    let store = Store::default();
+    let _ = handle(&store, k, payload, Duration::ZERO);
+    let _ = handle(&store, kind::GET, payload, Duration::ZERO);
 }

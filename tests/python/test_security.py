@@ -109,3 +109,13 @@ def test_segments_of_a_crashed_job_are_removed(run_workers):
     finally:
         for f in (stale, alive):
             f.unlink(missing_ok=True)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.slow
+def test_soak_of_mixed_operations(run_workers):
+    """10,000 operations of random kinds, dtypes, sizes and names on 3 ranks, submitted
+    in a different order on each rank, every result checked."""
+    out = run_workers(3, "soak.py", "10000", timeout=580,
+                      env={"PERSEUS_CHANGE_HVD_ALLGATHER": "1"})  # uneven rows concatenate
+    assert out.count("10000 operations checked") == 3, out
