@@ -201,27 +201,32 @@ impl Mesh {
             .filter(|h| !h.is_empty())
     }
 
-    /// Adds the hosts of the ranks a peer error names.
+    /// Adds the host of every rank a peer error names ("rank N ") and, for
+    /// a timeout, of the ranks waited for.
     fn name_hosts(&self, e: PerseusError, peers: &[usize]) -> PerseusError {
         let PerseusError::Peer(mut m) = e else {
             return e;
         };
-        let mut listed = Vec::new();
-        for &p in peers {
+        for p in 0..self.size() {
             let Some(h) = self.host_name(p) else { continue };
             let named = format!("rank {p} ");
             if m.contains(&named) {
-                m = m.replacen(&named, &format!("rank {p} (host {h}) "), 1);
-            } else if !listed.iter().any(|(q, _)| *q == p) {
-                listed.push((p, h));
+                m = m.replace(&named, &format!("rank {p} (host {h}) "));
             }
         }
-        if m.contains("waiting for rank(s)") && !listed.is_empty() {
-            let hosts: Vec<String> = listed
-                .iter()
-                .map(|(p, h)| format!("rank {p} on {h}"))
-                .collect();
-            m = format!("{m} [{}]", hosts.join(", "));
+        if m.contains("waiting for rank(s)") {
+            let mut listed: Vec<String> = Vec::new();
+            for &p in peers {
+                if let Some(h) = self.host_name(p) {
+                    let s = format!("rank {p} on {h}");
+                    if !listed.contains(&s) {
+                        listed.push(s);
+                    }
+                }
+            }
+            if !listed.is_empty() {
+                m = format!("{m} [{}]", listed.join(", "));
+            }
         }
         PerseusError::Peer(m)
     }

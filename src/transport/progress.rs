@@ -327,6 +327,37 @@ pub enum Limit<'f> {
 pub fn run(
     links: &[Link],
     shm: Option<(&Segment, usize)>,
+    limit: Limit<'_>,
+    spin: Duration,
+    sends: &mut [Send<'_>],
+    recvs: &mut [Recv<'_>],
+) -> Result<()> {
+    run_until_done(links, shm, limit, spin, sends, recvs).map_err(|e| also_gone(links, e))
+}
+
+/// A peer error lists every other peer whose connection has ended too: the
+/// first loss a rank sees may be a survivor that left after its own error,
+/// while the rank that died first is among the others.
+fn also_gone(links: &[Link], e: PerseusError) -> PerseusError {
+    let PerseusError::Peer(msg) = e else {
+        return e;
+    };
+    let others: Vec<String> = (0..links.len())
+        .filter(|&p| links[p].peer_gone() && !msg.contains(&format!("rank {p} ")))
+        .map(|p| format!("rank {p} "))
+        .collect();
+    if others.is_empty() {
+        return PerseusError::Peer(msg);
+    }
+    PerseusError::Peer(format!(
+        "{msg}; the connections of {}have ended too",
+        others.join("and ")
+    ))
+}
+
+fn run_until_done(
+    links: &[Link],
+    shm: Option<(&Segment, usize)>,
     mut limit: Limit<'_>,
     spin: Duration,
     sends: &mut [Send<'_>],

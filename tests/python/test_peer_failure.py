@@ -110,10 +110,8 @@ KILLED = textwrap.dedent(
             hvd.allreduce_(big, name=f"big.{step}")
     except hvd.HorovodInternalError as e:
         print(f"rank {hvd.rank()} error after {time.time() - t0:.1f}s: {e}", flush=True)
-        # A survivor that leaves at once closes its connections while another survivor
-        # may still wait on them, and that one may then name it instead of the victim
-        # (docs/reliability.md); a pause keeps the check about the victim.
-        time.sleep(2)
+        # Survivors leave at once: a rank that sees a survivor's connection end first
+        # still names the victim, whose connection ended before.
         hvd.shutdown()
         print("SHUTDOWN OK", flush=True)
         sys.exit(0)
