@@ -102,6 +102,8 @@ const STABLE_STEPS: usize = 3;
 /// An offer waiting for every rank's acknowledgement.
 struct Offer {
     acked: Vec<bool>,
+    /// Names of the offered step's last group.
+    last: HashSet<String>,
     /// Names answered since the offer (the step in progress).
     skip: Vec<String>,
     /// Something other than a set-0 allreduce was answered meanwhile.
@@ -115,6 +117,9 @@ pub struct Detector {
     cur: Vec<Response>,
     cur_names: HashSet<String>,
     offer: Option<Offer>,
+    /// After a cancelled switch: steps are counted from the group holding
+    /// these names (the last group of the offered step), see `settle`.
+    start_at: Option<HashSet<String>>,
 }
 
 impl Detector {
@@ -126,6 +131,7 @@ impl Detector {
             cur: Vec::new(),
             cur_names: HashSet::new(),
             offer: None,
+            start_at: None,
         }
     }
 
@@ -136,13 +142,18 @@ impl Detector {
     }
 
     /// Looks at the answers about to be sent, in order, and inserts an offer
-    /// right after the one that completes the third equal step. `settled`:
-    /// no rank has joined, so the steps may be trusted.
+    /// right before the one that completes the third equal step. `settled`:
+    /// no rank has joined, so the steps may be trusted. Before, not after:
+    /// a rank cannot begin the next step before that answer, so every rank
+    /// holds its next requests from then on and the switch finds nothing
+    /// half negotiated (after it, a fast rank's next step could already be
+    /// on its way, and the switch would be cancelled at the same point of
+    /// every step).
     pub fn watch(&mut self, out: &mut Outgoing, settled: bool) {
         let mut i = 0;
         while i < out.len() {
             if let Some(offer) = self.observe(&out[i].1, settled) {
-                out.insert(i + 1, ((0..self.size).collect(), offer));
+                out.insert(i, ((0..self.size).collect(), offer));
                 i += 1;
             }
             i += 1;
@@ -165,6 +176,13 @@ impl Detector {
             self.forget();
             return None;
         };
+        if let Some(start) = &self.start_at {
+            if !g.iter().any(|(n, _)| start.contains(n)) {
+                return None;
+            }
+            self.start_at = None;
+            self.forget();
+        }
         if g.iter().any(|(n, _)| self.cur_names.contains(n)) {
             self.done.push_back(step_sig(&self.cur));
             if self.done.len() >= STABLE_STEPS {
@@ -187,8 +205,16 @@ impl Detector {
         }
         let groups = std::mem::take(&mut self.cur);
         self.forget();
+        // The offer goes out ahead of this last group of the step (see
+        // `watch`); the group still closes that step, so the next step's
+        // first pass starts from the schedule's beginning.
         self.offer = Some(Offer {
             acked: vec![false; self.size],
+            last: Sig::of_group(resp)
+                .unwrap_or_default()
+                .into_iter()
+                .map(|(n, _)| n)
+                .collect(),
             skip: Vec::new(),
             spoiled: false,
         });
@@ -211,6 +237,14 @@ impl Detector {
         let offer = self.offer.take()?;
         let distinct = offer.skip.iter().collect::<HashSet<_>>().len() == offer.skip.len();
         let go = quiet && !offer.spoiled && distinct;
+        if !go {
+            // Counted from another group, the steps may begin where ranks
+            // submit a whole step at once: the offer then reaches them with
+            // part of their next step already sent, every time. Count them
+            // next from the group that closed this one's step, which the
+            // ranks cannot have passed when the offer arrives.
+            self.start_at = Some(offer.last);
+        }
         let skip = if go { offer.skip } else { Vec::new() };
         Some(((0..self.size).collect(), Response::Switch { go, skip }))
     }
@@ -344,7 +378,9 @@ mod tests {
         let got = step(&mut c, &["a", "b"]);
         let groups = offer_of(&got).expect("third equal step is offered");
         assert_eq!(groups.len(), 2);
-        assert!(matches!(got.last(), Some(Response::Offline { .. })));
+        // Ahead of the step's last answer, which still closes the step.
+        assert!(matches!(&got[got.len() - 2], Response::Offline { .. }));
+        assert!(matches!(got.last(), Some(Response::Op { names, .. }) if names == &["b"]));
         // The schedule survives the wire.
         let back = decode_responses(&encode_responses(&[Response::Offline {
             groups: groups.clone(),

@@ -43,7 +43,7 @@ def delta(before):
 
 def settled(i, what):
     """Runs steps until the schedule has run one whole step offline."""
-    for k in range(15):
+    for k in range(40):  # under load a few offers may be cancelled first
         before = hvd.counters()
         step(i + k)
         d = delta(before)
