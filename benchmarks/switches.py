@@ -121,6 +121,22 @@ def mib(nbytes):
     return f"{nbytes / 2**20:.2f} MiB"
 
 
+def _against_first(runs, base_label, row_of):
+    """Table rows for runs compared with the run named ``base_label``: ``row_of(res,
+    speedup)`` gives a row's cells after its label; failed runs get dashes and a note."""
+    rows, notes = [], []
+    base = runs.get(base_label)
+    base_ms = None if base is None or harness.failed(base) else base[0]["median"]
+    for label, res in runs.items():
+        if harness.failed(res):
+            rows.append([label, "failed", "-", "-", "-"])
+            notes.append(f"{label}: {res['error']}")
+            continue
+        speedup = harness.fmt(base_ms / res[0]["median"] if base_ms else None, ".2f") + "×"
+        rows.append([label, *row_of(res, speedup)])
+    return rows, notes
+
+
 def sections(result):
     rows, notes = [], []
     runs = result["training"]
@@ -154,38 +170,24 @@ def sections(result):
                     "headers": ["setting", "ms", "bytes between hosts per rank",
                                 "bytes within a host per rank"],
                     "rows": rows, "notes": notes})
-    rows, notes = [], []
-    runs = result.get("streams", {})
-    base = runs.get(STREAMS[0][0])
-    base_ms = None if base is None or harness.failed(base) else base[0]["median"]
-    for label, res in runs.items():
-        if harness.failed(res):
-            rows.append([label, "failed", "-", "-", "-"])
-            notes.append(f"{label}: {res['error']}")
-            continue
+    def streams_row(res, speedup):
         ms, sent = res[0]["median"], res[0]["bytes_inter_host"]
         gbs = result["size"] / ms / 1e9  # busbw = algbw x 2(n-1)/n = algbw at 2 ranks
-        rows.append([label, f"{ms * 1e3:.1f}", f"{gbs:.2f}",
-                     harness.fmt(base_ms / ms if base_ms else None, ".2f") + "×",
-                     f"{res[0]['bytes_extra_streams'] / sent:.0%}" if sent else "-"])
+        return [f"{ms * 1e3:.1f}", f"{gbs:.2f}", speedup,
+                f"{res[0]['bytes_extra_streams'] / sent:.0%}" if sent else "-"]
+
+    rows, notes = _against_first(result.get("streams", {}), STREAMS[0][0], streams_row)
     if rows:
         out.append({"title": f"one allreduce of {harness.human(result['size'])} float32 "
                              f"between two loopback hosts of one rank ({TWO_HOSTS}), TCP",
                     "headers": ["setting", "ms", "busbw GB/s", "speed-up", "bytes on streams 2.."],
                     "rows": rows, "notes": notes})
-    rows, notes = [], []
-    runs = result.get("negotiation", {})
-    base = runs.get(NEGOTIATION[0][0])
-    base_ms = None if base is None or harness.failed(base) else base[0]["median"]
-    for label, res in runs.items():
-        if harness.failed(res):
-            rows.append([label, "failed", "-", "-", "-"])
-            notes.append(f"{label}: {res['error']}")
-            continue
-        r = res[0]
-        rows.append([label, f"{r['median'] * 1e3:.3f}",
-                     harness.fmt(base_ms / r["median"] if base_ms else None, ".2f") + "×",
-                     str(res[-1]["negotiation_messages"]), str(res[-1]["negotiations_skipped"])])
+    def negotiation_row(res, speedup):
+        return [f"{res[0]['median'] * 1e3:.3f}", speedup,
+                str(res[-1]["negotiation_messages"]), str(res[-1]["negotiations_skipped"])]
+
+    rows, notes = _against_first(result.get("negotiation", {}), NEGOTIATION[0][0],
+                                 negotiation_row)
     if rows:
         out.append({"title": "100 async 4 KiB allreduces (small_ops.py async100), 2 ranks, "
                              "one host, per PERSEUS_OFFLINE_NEG",
