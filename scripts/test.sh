@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite: Rust format, lints and tests, then Python lint and tests in the
-# torch virtual environment (made by scripts/setup-venv.sh).
+# torch virtual environment, then the TensorFlow tests in their own (both made by
+# scripts/setup-venv.sh).
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -47,11 +48,24 @@ if ! command -v mpirun >/dev/null; then
     fi
 fi
 
+# pytest's status 5 means it collected nothing: a failure here too.
+run_pytest() {
+    local status=0
+    "$@" || status=$?
+    if [[ $status -eq 5 ]]; then
+        echo "test.sh: pytest collected no tests" >&2
+        status=1
+    fi
+    return "$status"
+}
+
 step "pytest tests/python"
 status=0
-"$python" -m pytest -q tests/python || status=$?
-if [[ $status -eq 5 ]]; then
-    echo "test.sh: pytest collected no tests" >&2
-    exit 1
-fi
+run_pytest "$python" -m pytest -q tests/python || status=$?
+
+step "TensorFlow virtual environment"
+tf_venv=$(bash scripts/setup-venv.sh tensorflow | tail -n 1)
+step "pytest tests/tensorflow"
+PATH="$tf_venv/bin:$PATH" TF_CPP_MIN_LOG_LEVEL=2 \
+    run_pytest "$tf_venv/bin/python" -m pytest -q tests/tensorflow || status=$?
 exit "$status"

@@ -8,6 +8,7 @@ from perseus.common import process_sets as _process_sets
 _NOT_INITIALIZED = "Perseus has not been initialized; use hvd.init()."
 
 _config = None  # the effective configuration, cached by init()
+_generation = 0  # how many times init() started the engine in this process
 
 
 def init(comm=None, process_sets=None):
@@ -19,7 +20,7 @@ def init(comm=None, process_sets=None):
     Calling ``init()`` again while initialized does nothing. Invalid environment
     values raise ``ValueError`` naming the variable.
     """
-    global _config
+    global _config, _generation
     if comm is not None:
         raise NotImplementedError(
             "Perseus does not use MPI: init(comm=...) is not supported; "
@@ -29,6 +30,7 @@ def init(comm=None, process_sets=None):
     sets = _process_sets._normalize(process_sets)
     _core.init([ps.ranks for ps in sets] if sets else None)
     _config = dict(_core.config())
+    _generation += 1
     if _core.rank() == 0:
         for note in _core.config_notes():
             print(f"perseus: {note}", file=sys.stderr, flush=True)
@@ -44,6 +46,12 @@ def shutdown():
     _config = None
     ops._after_shutdown()
     _process_sets._after_shutdown()
+
+
+def generation():
+    """How many times ``init()`` started Perseus in this process: state kept across steps
+    by a front-end belongs to one generation (the configuration may change in between)."""
+    return _generation
 
 
 def is_initialized():

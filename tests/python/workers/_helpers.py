@@ -1,15 +1,18 @@
-"""Assertions shared by the worker scripts (each worker exits non-zero on failure)."""
+"""Assertions shared by the worker scripts (each worker exits non-zero on failure).
+
+``raises`` and ``done`` serve the TensorFlow workers too, so torch is imported only by
+the torch helpers."""
 
 import contextlib
 import sys
-
-import torch
 
 OK_MARK = "WORKER OK"
 
 
 def close(actual, expected, what, rtol=None, atol=None):
     """Assert tensors are equal (or close for floats), with dtype and shape."""
+    import torch
+
     try:
         torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, equal_nan=False)
     except AssertionError as e:
@@ -18,6 +21,8 @@ def close(actual, expected, what, rtol=None, atol=None):
 
 def tol(dtype):
     """(rtol, atol) suited to a dtype's precision."""
+    import torch
+
     if dtype in (torch.float16, torch.bfloat16):
         return 2e-2, 2e-2
     if dtype == torch.float32:

@@ -1,9 +1,6 @@
 """``DistributedOptimizer``: averages gradients across ranks while backward still runs."""
 
 import os
-import socket
-import statistics
-import sys
 import time
 import warnings
 from contextlib import contextmanager
@@ -11,15 +8,14 @@ from contextlib import contextmanager
 import torch
 
 from perseus.common.basics import config as _config
-from perseus.common.basics import local_rank, set_fusion_threshold
+from perseus.common.basics import set_fusion_threshold
+from perseus.common.gradients import check_optimizer_args, perf_check, raise_nonfinite
 from perseus.common.ops import GroupHandle
 from perseus.common.process_sets import global_process_set
 from perseus.torch.horovod.compression import Compression
-from perseus.torch.horovod.functions import allgather_object, broadcast_object
+from perseus.torch.horovod.functions import broadcast_object
 from perseus.torch.horovod.mpi_ops import (
-    Adasum,
     Average,
-    allgather,
     gradient_allreduce_async_,
     size,
     sparse_allreduce_async,
@@ -182,16 +178,8 @@ class _DistributedOptimizer:
         bad = [self._parameter_names.get(p, "?") for p in params
                if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
         mine, self._nonfinite_here = self._nonfinite_here, []
-        if not bad:
-            return
-        found = allgather_object(mine, name="DistributedOptimizer.nancheck",
-                                 process_set=self.process_set)
-        origins = [f"rank {r} ({', '.join(names)})" for r, names in enumerate(found) if names]
-        where = ("it came from " + "; ".join(origins) if origins else
-                 "no rank's own gradient had one: it arose in the sum (overflow)")
-        raise FloatingPointError(
-            f"PERSEUS_ALLREDUCE_NANCHECK: NaN or Inf in the reduced gradient of "
-            f"{', '.join(bad)}; {where}. The optimizer step was not applied.")
+        if bad:
+            raise_nonfinite(bad, mine, "DistributedOptimizer", self.process_set)
 
     def _downsample(self, p, tensor):
         """PERSEUS_DOWNSAMPLE_N_ELEMENTS=N: adds the gradient to this parameter's residual
@@ -241,23 +229,10 @@ class _DistributedOptimizer:
         grad[ctx.offset::ctx.every].copy_(reduced[:ctx.count])
 
     def _perf_check(self):
-        """PERSEUS_PERF_CHECK_N_STEPS=N: every N steps the ranks share their mean compute
-        time per step (from the end of one ``step()`` to the start of the next); a rank
-        slower than 1.5x the median says so on its own host, with the figures."""
-        mine = statistics.fmean(self._compute_times)
-        self._compute_times = []
-        times = allgather(torch.tensor([mine], dtype=torch.float64),
-                          name="DistributedOptimizer.perf_check",
-                          process_set=self.process_set).reshape(-1).tolist()
-        median = statistics.median_low(times)
-        if mine > 1.5 * median and mine - median > 1e-3:
-            host = os.environ.get("PERSEUS_HOSTNAME") or socket.gethostname()
-            print(f"[perseus] PERSEUS_PERF_CHECK_N_STEPS: this rank (host {host}, "
-                  f"local rank {local_rank()}) computed "
-                  f"{mine * 1e3:.1f} ms per step over the last {self._perf_every} steps, "
-                  f"{mine / median:.1f}x the median rank's {median * 1e3:.1f} ms; every rank "
-                  f"waits for it. Check this machine's load, clocks and devices.",
-                  file=sys.stderr, flush=True)
+        """PERSEUS_PERF_CHECK_N_STEPS=N: every N steps compare compute times (from the end
+        of one ``step()`` to the start of the next) across ranks."""
+        times, self._compute_times = self._compute_times, []
+        perf_check(times, self._perf_every, "DistributedOptimizer", self.process_set)
 
     def _allreduce_grad_async(self, p):
         if p.grad is None:
@@ -450,15 +425,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         sparse_as_dense: reduce sparse gradients as dense tensors.
         process_set: the ranks that average gradients together.
     """
-    if op == Adasum:
-        raise NotImplementedError("Adasum is not supported by Perseus yet")
-    if gradient_predivide_factor != 1.0 and op != Average:
-        raise ValueError("gradient_predivide_factor not supported with op != Average")
-    if num_groups != 0:
-        warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be removed.",
-                      DeprecationWarning, stacklevel=2)
-        if groups is None:
-            groups = num_groups
+    check_optimizer_args(op, gradient_predivide_factor, num_groups)
+    if num_groups != 0 and groups is None:
+        groups = num_groups
     if groups is not None:
         if isinstance(groups, list):
             seen = set()

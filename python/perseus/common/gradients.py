@@ -1,0 +1,56 @@
+"""What every front-end's DistributedOptimizer shares, framework-neutral: argument checks,
+the PERSEUS_ALLREDUCE_NANCHECK report and the PERSEUS_PERF_CHECK_N_STEPS comparison."""
+
+import os
+import socket
+import statistics
+import sys
+import warnings
+
+from perseus.common.basics import local_rank
+from perseus.common.objects import allgather_object
+from perseus.common.ops import Adasum, Average
+
+
+def check_optimizer_args(op, gradient_predivide_factor, num_groups, stacklevel=3):
+    """Horovod's checks of a DistributedOptimizer's reduction arguments."""
+    if op == Adasum:
+        raise NotImplementedError("Adasum is not supported by Perseus yet")
+    if gradient_predivide_factor != 1.0 and op != Average:
+        raise ValueError("gradient_predivide_factor not supported with op != Average")
+    if num_groups != 0:
+        warnings.warn("Parameter `num_groups` has been replaced by `groups` and will be removed.",
+                      DeprecationWarning, stacklevel=stacklevel)
+
+
+def raise_nonfinite(bad, own_bad, name, process_set):
+    """PERSEUS_ALLREDUCE_NANCHECK found NaN or Inf in the reduced gradients ``bad`` (names).
+
+    Every rank holds the same reduced gradients, so every rank gets here together; the
+    ranks' own findings (``own_bad``: names whose local gradient was not finite) say
+    where it came from. Raises ``FloatingPointError`` on every rank.
+    """
+    found = allgather_object(own_bad, name=f"{name}.nancheck", process_set=process_set)
+    origins = [f"rank {r} ({', '.join(names)})" for r, names in enumerate(found) if names]
+    where = ("it came from " + "; ".join(origins) if origins else
+             "no rank's own gradient had one: it arose in the sum (overflow)")
+    raise FloatingPointError(
+        f"PERSEUS_ALLREDUCE_NANCHECK: NaN or Inf in the reduced gradient of "
+        f"{', '.join(bad)}; {where}. The update was not applied.")
+
+
+def perf_check(compute_times, every, name, process_set):
+    """PERSEUS_PERF_CHECK_N_STEPS: the ranks share their mean compute time per step over
+    the last ``every`` steps; a rank slower than 1.5x the median says so on its own host,
+    with the figures."""
+    mine = statistics.fmean(compute_times)
+    times = allgather_object(mine, name=f"{name}.perf_check", process_set=process_set)
+    median = statistics.median_low(times)
+    if mine > 1.5 * median and mine - median > 1e-3:
+        host = os.environ.get("PERSEUS_HOSTNAME") or socket.gethostname()
+        print(f"[perseus] PERSEUS_PERF_CHECK_N_STEPS: this rank (host {host}, "
+              f"local rank {local_rank()}) computed "
+              f"{mine * 1e3:.1f} ms per step over the last {every} steps, "
+              f"{mine / median:.1f}x the median rank's {median * 1e3:.1f} ms; every rank "
+              f"waits for it. Check this machine's load, clocks and devices.",
+              file=sys.stderr, flush=True)

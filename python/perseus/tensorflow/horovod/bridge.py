@@ -1,0 +1,86 @@
+"""How TensorFlow tensors reach the core, in eager mode and inside graphs.
+
+Eager tensors cross as DLPack capsules, without copies: the input is exported with
+``tf.experimental.dlpack.to_dlpack``; results the core allocates come back through
+``from_dlpack``; results written in place go into a ``DeepCopy`` of the input, a buffer
+no other tensor shares. Inside a graph (``tf.function``, a ``tf.compat.v1`` session)
+each collective is one ``tf.py_function`` op that runs the same eager code when the
+graph executes; its static shape is set from what the collective guarantees.
+
+Names in graphs: the core matches operations across ranks by name. Inside
+``tf.function`` the py_function ops are stateful, so automatic control dependencies
+run them in program order, and unnamed collectives are named by that order, as in
+eager mode. A ``tf.compat.v1`` graph has no such order (a session runs independent
+ops in any order), so there an unnamed collective is named when the graph is built,
+after its op: the same on every rank that builds the same graph.
+"""
+
+import tensorflow as tf
+
+_to_dlpack = tf.experimental.dlpack.to_dlpack
+_from_dlpack = tf.experimental.dlpack.from_dlpack
+
+SUPPORTED_DTYPES = (tf.uint8, tf.int8, tf.int32, tf.int64, tf.float16, tf.bfloat16,
+                    tf.float32, tf.float64, tf.bool)
+
+def as_tensor(value):
+    """``value`` as a tf.Tensor (variables are read), with its dtype checked."""
+    if isinstance(value, tf.IndexedSlices):
+        raise TypeError("IndexedSlices are reduced through allreduce (allgather of values "
+                        "and indices), not through this collective")
+    t = tf.convert_to_tensor(value)
+    if t.dtype not in SUPPORTED_DTYPES:
+        names = ", ".join(d.name for d in SUPPORTED_DTYPES)
+        raise TypeError(f"Perseus does not support tensors of dtype {t.dtype.name}; "
+                        f"supported dtypes: {names}")
+    return t
+
+
+def _on_cpu(t):
+    device = t.device or ""
+    if ":GPU:" in device.upper():
+        raise ValueError(f"GPU tensors are not supported yet: Perseus handles CPU tensors only "
+                         f"(got a tensor on {device}); place the collective under "
+                         "tf.device('/cpu:0')")
+    return t
+
+
+def export(t):
+    """DLPack capsule of eager tensor ``t`` (read-only use by the core)."""
+    return _to_dlpack(_on_cpu(t))
+
+
+def fresh_copy(t):
+    """A new eager tensor with ``t``'s values in a buffer nobody else holds, and its capsule:
+    the core may write into it."""
+    buf = tf.raw_ops.DeepCopy(x=_on_cpu(t))
+    return buf, _to_dlpack(buf)
+
+
+def imported(capsule):
+    """The eager tensor over a capsule the core allocated."""
+    return _from_dlpack(capsule)
+
+
+def op_name(name, kind):
+    """The name a collective carries: ``name`` if given; in a ``tf.compat.v1`` graph a
+    unique name made from ``kind`` now; otherwise None (named by call order)."""
+    if name is not None or tf.executing_eagerly():
+        return name
+    graph = tf.compat.v1.get_default_graph()
+    if getattr(graph, "_building_function", False):
+        return None
+    return graph.unique_name(kind)
+
+
+def run(fn, inputs, out_dtypes, kind):
+    """``fn(*inputs)`` now when eager; otherwise a py_function op (named after ``kind``)
+    with that body.
+
+    ``fn`` takes and returns eager tensors (a list, one per ``out_dtypes``). Returns
+    the list of outputs (symbolic in a graph, with unknown shapes: callers set them).
+    """
+    if tf.executing_eagerly():
+        return list(fn(*inputs))
+    outs = tf.py_function(fn, list(inputs), list(out_dtypes), name=kind)
+    return list(outs) if isinstance(outs, (list, tuple)) else [outs]

@@ -1,0 +1,188 @@
+"""The reduction of one step's gradients, shared by DistributedGradientTape and both
+DistributedOptimizers, with the PERSEUS_* switches that act on gradients.
+
+All dense gradients of a step go to the core together, from one graph op: one
+py_function call per step, whatever the number of variables. The core fuses them
+into buffers (PERSEUS_ALLREDUCE_FUSION sets the size from the gradients' bytes) and
+sends float32 as PERSEUS_ALLREDUCE_DTYPE says. Here, in the eager body of that op:
+
+- PERSEUS_DOWNSAMPLE_N_ELEMENTS / PERSEUS_GRADIENT_MOMENTUM: each gradient joins its
+  residual and only every N-th element (rotating offset) is sent; the others wait.
+- PERSEUS_ALLREDUCE_NANCHECK: a NaN or Inf in a reduced gradient raises
+  ``FloatingPointError`` naming the variables and the ranks it came from.
+- PERSEUS_PERF_CHECK_N_STEPS: every N steps the ranks compare their compute time
+  between reductions; a rank slower than 1.5x the median says so.
+"""
+
+import time
+
+import numpy as np
+import tensorflow as tf
+
+from perseus.common.basics import config as _config
+from perseus.common.basics import generation, set_fusion_threshold
+from perseus.common.gradients import check_optimizer_args, perf_check, raise_nonfinite
+from perseus.common.ops import Average, Sum, check_op
+from perseus.common.process_sets import process_set_size
+from perseus.tensorflow.horovod import bridge as _bridge
+from perseus.tensorflow.horovod.mpi_ops import _sparse_allreduce, allreduce_now
+
+_FLOATS = (np.float16, np.float32, np.float64)
+
+
+def _var_name(v):
+    return getattr(v, "path", None) or getattr(v, "name", None) or "var"
+
+
+class GradientReducer:
+    """Averages (or sums) a list of gradients across ``process_set``.
+
+    ``prefix`` starts the names the reductions carry; ``variables`` (when known)
+    give each gradient its variable's name, so the names stay the same every step.
+    """
+
+    def __init__(self, prefix, compression, op=Average, gradient_predivide_factor=1.0,
+                 sparse_as_dense=False, process_set=None):
+        from perseus.common.process_sets import global_process_set
+
+        self.prefix = prefix
+        self.compression = compression
+        check_optimizer_args(op, gradient_predivide_factor, 0)
+        self.op = check_op(op)
+        if self.op not in (Average, Sum):
+            raise ValueError("gradients can be reduced with Average or Sum only")
+        self.predivide = float(gradient_predivide_factor)
+        self.sparse_as_dense = sparse_as_dense
+        self.process_set = process_set if process_set is not None else global_process_set
+        cfg = _config()
+        self.generation = generation()
+        self._nancheck = cfg.get("PERSEUS_ALLREDUCE_NANCHECK", "0") == "1"
+        self._downsample_n = int(cfg.get("PERSEUS_DOWNSAMPLE_N_ELEMENTS", "1"))
+        self._momentum = float(cfg.get("PERSEUS_GRADIENT_MOMENTUM", "1"))
+        self._fusion = int(cfg.get("PERSEUS_ALLREDUCE_FUSION") or -1)
+        self._perf_every = int(cfg.get("PERSEUS_PERF_CHECK_N_STEPS", "0"))
+        self._fusion_set = False
+        self._residuals = {}
+        self._updates = 0
+        self._compute_times = []
+        self._last_end = None
+
+    # ------------------------------------------------------------------ graph level
+
+    def reduce(self, grads, variables=None):
+        """Reduced gradients, in the order given; ``None`` stays ``None``."""
+        grads = list(grads)
+        if (process_set_size(self.process_set) == 1 and self._downsample_n <= 1
+                and not self._nancheck and self._perf_every == 0):
+            return grads  # the average over one rank: nothing to send, nothing to check
+        names = [_var_name(v) for v in variables] if variables is not None else [
+            str(i) for i in range(len(grads))]
+        out = list(grads)
+        dense, dense_names, tensors = [], [], []
+        for i, (g, name) in enumerate(zip(grads, names)):
+            if g is None:
+                continue
+            if isinstance(g, tf.IndexedSlices):
+                if not self.sparse_as_dense:
+                    out[i] = _sparse_allreduce(g, f"{self.prefix}.{i}.{name}", self.op,
+                                               self.process_set)
+                    continue
+                g = tf.convert_to_tensor(g)
+            dense.append(i)
+            dense_names.append(f"{self.prefix}.{i}.{name}")
+            tensors.append(_bridge.as_tensor(g))
+        if not dense:
+            return out
+
+        def body(*eager):
+            return self._reduce_eager(list(eager), dense_names)
+
+        reduced = _bridge.run(body, tensors, [t.dtype for t in tensors],
+                              "PerseusGradientReduce")
+        for i, r, t in zip(dense, reduced, tensors):
+            r.set_shape(t.shape)
+            out[i] = r
+        return out
+
+    # ------------------------------------------------------------------ eager body
+
+    def _scale_factors(self):
+        if self.op == Average:
+            # The core divides by the set size after postscale.
+            return 1.0 / self.predivide, self.predivide
+        return 1.0, 1.0
+
+    def _reduce_eager(self, grads, names):
+        entered = time.perf_counter()
+        if self._perf_every > 0 and self._last_end is not None:
+            self._compute_times.append(entered - self._last_end)
+        if self._fusion >= 0 and not self._fusion_set:
+            total = sum(int(np.prod(g.shape)) * g.dtype.size for g in grads)
+            set_fusion_threshold(0 if self._fusion == 0 else -(-total // self._fusion))
+            self._fusion_set = True
+        own_bad = []
+        sends, contexts = [], []
+        for g, name in zip(grads, names):
+            if self._nancheck and g.dtype.is_floating and not _finite(g):
+                own_bad.append(name)
+            sent, sampled = self._downsample(name, g)
+            compressed, ctx = self.compression.compress(sent)
+            sends.append(compressed)
+            contexts.append((ctx, sampled))
+        pre, post = self._scale_factors()
+        outputs = allreduce_now(sends, names, self.op, pre, post, self.process_set,
+                                gradient=True)
+        results = [self._restore(g, out, ctx, sampled)
+                   for g, out, (ctx, sampled) in zip(grads, outputs, contexts)]
+        self._updates += 1
+        if self._nancheck:
+            self._check_finite(results, names, own_bad)
+        if self._perf_every > 0:
+            if len(self._compute_times) >= self._perf_every:
+                times, self._compute_times = self._compute_times, []
+                perf_check(times, self._perf_every, self.prefix, self.process_set)
+            self._last_end = time.perf_counter()
+        return results
+
+    def _downsample(self, name, g):
+        n = self._downsample_n
+        if n <= 1 or g.dtype.as_numpy_dtype not in _FLOATS:
+            return g, None
+        flat = g.numpy().reshape(-1)
+        acc = self._residuals.get(name)
+        if acc is None or acc.shape != flat.shape:
+            acc = flat.copy()
+        else:
+            acc *= self._momentum
+            acc += flat
+        self._residuals[name] = acc
+        offset = self._updates % n
+        picked = acc[offset::n]
+        sent = np.zeros(-(-flat.size // n), dtype=acc.dtype)
+        sent[:picked.size] = picked
+        picked[...] = 0
+        return tf.constant(sent), (offset, picked.size)
+
+    def _restore(self, g, output, ctx, sampled):
+        reduced = self.compression.decompress(output, ctx)
+        if sampled is None:
+            return reduced
+        offset, count = sampled
+        full = np.zeros(int(np.prod(g.shape)), dtype=g.dtype.as_numpy_dtype)
+        full[offset::self._downsample_n] = reduced.numpy()[:count]
+        return tf.constant(full.reshape(g.shape))
+
+    def _check_finite(self, results, names, own_bad):
+        bad = [n for r, n in zip(results, names) if r.dtype.is_floating and not _finite(r)]
+        if bad:
+            raise_nonfinite(bad, own_bad, self.prefix, self.process_set)
+
+
+def _finite(t):
+    return bool(tf.reduce_all(tf.math.is_finite(tf.cast(t, tf.float32)
+                                                if t.dtype == tf.bfloat16 else t)))
+
+
+def set_size_scale(process_set):
+    """1 / the set's size: how Horovod scales the gradients of local (unreduced) sources."""
+    return 1.0 / process_set_size(process_set)

@@ -1,0 +1,437 @@
+"""Collectives on TensorFlow tensors: the ``horovod.tensorflow`` operations of Horovod 0.28.
+
+Every function works in eager mode and inside graphs (see :mod:`.bridge` for how and
+what it costs), and is differentiable as Horovod's ops are: the gradient of an
+allreduce is the same allreduce of the gradient; of an allgather, the averaged
+gradient sliced back to this rank's rows; of a broadcast, the averaged gradient on
+the root and zeros elsewhere; of an alltoall, the reverse alltoall; of a
+reduce-scatter, the gathered gradient.
+"""
+
+import tensorflow as tf
+
+from perseus.common import basics as _basics
+from perseus.common import ops as _ops
+from perseus.common.basics import (  # noqa: F401 - re-exported
+    ccl_built,
+    counters,
+    cross_rank,
+    cross_size,
+    cuda_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
+    init,
+    is_homogeneous,
+    is_initialized,
+    local_rank,
+    local_size,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    rank,
+    rocm_built,
+    shutdown,
+    size,
+)
+from perseus.common.exceptions import (  # noqa: F401 - re-exported
+    HorovodInternalError,
+    HostsUpdatedInterrupt,
+    PerseusInternalError,
+)
+from perseus.common.ops import Adasum, Average, Max, Min, Product, Sum  # noqa: F401
+from perseus.common.process_sets import (  # noqa: F401 - re-exported
+    ProcessSet,
+    add_process_set,
+    global_process_set,
+    remove_process_set,
+)
+from perseus.common.process_sets import process_set_size as _ps_size
+from perseus.common.timeline import start_timeline, stop_timeline  # noqa: F401
+from perseus.tensorflow.horovod import bridge as _bridge
+from perseus.tensorflow.horovod.compression import Compression
+
+
+def _set_rank(process_set):
+    r = process_set.rank() if isinstance(process_set, ProcessSet) else None
+    if r is None or r < 0:
+        raise ValueError(f"this rank is not a member of {process_set}")
+    return r
+
+
+def _rows_shape(shape):
+    """Static shape of a result whose first dimension is only known at run time."""
+    if shape.rank is None:
+        return tf.TensorShape(None)
+    return tf.TensorShape([None]).concatenate(shape[1:]) if shape.rank else tf.TensorShape([None])
+
+
+# --------------------------------------------------------------------------- eager bodies
+# Each takes eager tensors, submits to the core and waits; ``run`` calls it directly
+# (eager) or from a py_function (graphs).
+
+def allreduce_now(tensors, names, op, prescale_factor, postscale_factor, process_set,
+                  gradient=False):
+    """Reduce each eager tensor of ``tensors`` (submitted together); returns the results."""
+    handles = []
+    for t, name in zip(tensors, names):
+        buf, cap = _bridge.fresh_copy(t)
+        handles.append(_ops.allreduce_async(
+            cap, cap, name=name, op=op, prescale_factor=prescale_factor,
+            postscale_factor=postscale_factor, process_set=process_set, keep=buf,
+            finish=lambda _h, b=buf: b, gradient=gradient))
+    return _ops.GroupHandle(handles).wait()
+
+
+def _allgather_now(tensors, names, stack, process_set):
+    handles = []
+    for t, name in zip(tensors, names):
+        src = tf.reshape(t, [1]) if not stack and t.shape.rank == 0 else t
+        if stack:
+            src = tf.expand_dims(src, 0)
+        handles.append(_ops.allgather_async(
+            _bridge.export(src), name=name, stack=stack, process_set=process_set, keep=src,
+            finish=lambda h: _bridge.imported(h.output())))
+    return _ops.GroupHandle(handles).wait()
+
+
+def _group_names(name, n):
+    return [None] * n if name is None else [f"{name}.{i}" for i in range(n)]
+
+
+# --------------------------------------------------------------------------- allreduce
+
+def _reduce_grad(op, prescale_factor, postscale_factor, process_set):
+    def grad(*dys):
+        if op not in (Average, Sum):
+            raise NotImplementedError(
+                f"the gradient of an allreduce exists for Sum and Average only, not "
+                f"{_ops._OP_NAMES.get(op, op)}")
+        return _grouped_allreduce_raw(list(dys), None, op, prescale_factor, postscale_factor,
+                                      process_set)
+    return grad
+
+
+def _grouped_allreduce_raw(tensors, name, op, prescale_factor, postscale_factor, process_set,
+                           gradient=False):
+    """Differentiable reduction of dense tensors, submitted as one group."""
+    tensors = [_bridge.as_tensor(t) for t in tensors]
+    if not tensors:
+        return []
+    name = _bridge.op_name(name, "PerseusAllreduce")
+    names = _group_names(name, len(tensors)) if len(tensors) > 1 else [name]
+
+    @tf.custom_gradient
+    def reduce(*xs):
+        def body(*eager):
+            return allreduce_now(eager, names, op, prescale_factor, postscale_factor,
+                                 process_set, gradient)
+        outs = _bridge.run(body, xs, [x.dtype for x in xs], "PerseusAllreduce")
+        for out, x in zip(outs, xs):
+            out.set_shape(x.shape)
+        return outs, _reduce_grad(op, prescale_factor, postscale_factor, process_set)
+
+    return list(reduce(*tensors))
+
+
+def _sparse_allreduce(slices, name, op, process_set):
+    """IndexedSlices: every rank's values and indices gathered (Horovod's way)."""
+    if op not in (Average, Sum):
+        raise NotImplementedError("IndexedSlices can be reduced with Sum and Average only")
+    base = name or None
+    values = _allgather_concat(slices.values, base and f"{base}.values", process_set)
+    indices = _allgather_concat(slices.indices, base and f"{base}.indices", process_set)
+    if op == Average:
+        values = values / tf.cast(_ps_size(process_set), values.dtype)
+    return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
+
+
+def allreduce(tensor, average=None, device_dense="", device_sparse="",
+              compression=Compression.none, op=None, prescale_factor=1.0, postscale_factor=1.0,
+              name=None, process_set=global_process_set, ignore_name_scope=False):
+    """Average (or reduce with ``op``) ``tensor`` over the ranks of ``process_set``.
+
+    Returns a new tensor (eager or symbolic, as the input). ``tf.IndexedSlices`` are
+    reduced by gathering every rank's values and indices. ``compression`` applies on
+    the wire; ``prescale_factor``/``postscale_factor`` multiply before/after the sum.
+    ``name`` keys the operation across ranks (default: the call order, the same on
+    every rank). ``device_*`` and ``ignore_name_scope`` are accepted for compatibility.
+    """
+    op = _ops.check_op(_ops.resolve_op(op, average))
+    if isinstance(tensor, tf.IndexedSlices):
+        return _sparse_allreduce(tensor, name, op, process_set)
+    compressed, ctx = compression.compress(_bridge.as_tensor(tensor))
+    reduced = _grouped_allreduce_raw([compressed], name, op, prescale_factor, postscale_factor,
+                                     process_set)[0]
+    return compression.decompress(reduced, ctx)
+
+
+def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
+                      compression=Compression.none, op=None, prescale_factor=1.0,
+                      postscale_factor=1.0, process_set=global_process_set,
+                      ignore_name_scope=False, name=None):
+    """Reduce a list of tensors as one group (one graph op); returns the list of results."""
+    op = _ops.check_op(_ops.resolve_op(op, average))
+    tensors = list(tensors)
+    dense = [i for i, t in enumerate(tensors) if not isinstance(t, tf.IndexedSlices)]
+    results = list(tensors)
+    for i, t in enumerate(tensors):
+        if isinstance(t, tf.IndexedSlices):
+            results[i] = _sparse_allreduce(t, name and f"{name}.{i}", op, process_set)
+    compressed, ctxs = [], []
+    for i in dense:
+        c, ctx = compression.compress(_bridge.as_tensor(tensors[i]))
+        compressed.append(c)
+        ctxs.append(ctx)
+    reduced = _grouped_allreduce_raw(compressed, name, op, prescale_factor, postscale_factor,
+                                     process_set)
+    for i, r, ctx in zip(dense, reduced, ctxs):
+        results[i] = compression.decompress(r, ctx)
+    return results
+
+
+# --------------------------------------------------------------------------- allgather
+
+def _allgather_concat(tensor, name, process_set):
+    """Horovod's allgather (concatenate along dim 0) whatever PERSEUS_CHANGE_HVD_ALLGATHER."""
+    return _allgather(tensor, name, process_set, stack=False)
+
+
+def _allgather(tensor, name, process_set, stack):
+    t = _bridge.as_tensor(tensor)
+    set_size = _ps_size(process_set)
+    name = _bridge.op_name(name, "PerseusAllgather")
+
+    @tf.custom_gradient
+    def gather(x):
+        def body(e):
+            return _allgather_now([e], [name], stack, process_set)
+        out = _bridge.run(body, [x], [x.dtype], "PerseusAllgather")[0]
+        if stack:
+            out.set_shape(tf.TensorShape([set_size]).concatenate(x.shape))
+        else:
+            out.set_shape(_rows_shape(x.shape) if x.shape.rank else tf.TensorShape([set_size]))
+
+        def grad(dy):
+            reduced = _grouped_allreduce_raw([dy], None, Average, 1.0, 1.0, process_set)[0]
+            r = _set_rank(process_set)
+            if stack:
+                return reduced[r]
+            rows = tf.shape(x)[:1] if x.shape.rank else tf.constant([1])
+            counts = _allgather_concat(tf.cast(rows, tf.int64), None, process_set)
+            offset = tf.reduce_sum(counts[:r])
+            part = tf.slice(reduced, tf.concat([[offset], tf.zeros_like(tf.shape(reduced)[1:],
+                                                                         tf.int64)], 0),
+                            tf.concat([tf.cast(rows, tf.int64),
+                                       tf.cast(tf.shape(reduced)[1:], tf.int64)], 0))
+            return tf.reshape(part, tf.shape(x))
+        return out, grad
+
+    return gather(t)
+
+
+def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_process_set):
+    """Gather ``tensor`` from every rank of the set.
+
+    With ``PERSEUS_CHANGE_HVD_ALLGATHER=0`` (the default) every rank sends the same
+    shape and the result stacks them: ``[set size, *tensor.shape]``. With ``=1`` the
+    tensors are concatenated along dimension 0, as Horovod does, so their first
+    dimensions may differ. Differentiable.
+    """
+    return _allgather(tensor, name, process_set, stack=_basics.allgather_stacks())
+
+
+def grouped_allgather(tensors, name=None, ignore_name_scope=False,
+                      process_set=global_process_set):
+    """Gather each tensor of a list; returns the list of results."""
+    return [allgather(t, n, process_set=process_set)
+            for t, n in zip(tensors, _group_names(name, len(tensors)))]
+
+
+# --------------------------------------------------------------------------- broadcast
+
+def _broadcast_now(tensors, root_rank, names, process_set):
+    handles = []
+    for t, name in zip(tensors, names):
+        buf, cap = _bridge.fresh_copy(t)
+        handles.append(_ops.broadcast_async(cap, root_rank=root_rank, name=name,
+                                            process_set=process_set, keep=buf,
+                                            finish=lambda _h, b=buf: b))
+    return _ops.GroupHandle(handles).wait()
+
+
+def broadcast(tensor, root_rank, name=None, ignore_name_scope=False,
+              process_set=global_process_set):
+    """Return ``root_rank``'s value of ``tensor`` on every rank (counted within the set).
+
+    Differentiable: the root receives the averaged gradient, the others zeros.
+    """
+    t = _bridge.as_tensor(tensor)
+    root_rank = int(root_rank)
+    name = _bridge.op_name(name, "PerseusBroadcast")
+
+    @tf.custom_gradient
+    def bcast(x):
+        def body(e):
+            return _broadcast_now([e], root_rank, [name], process_set)
+        out = _bridge.run(body, [x], [x.dtype], "PerseusBroadcast")[0]
+        out.set_shape(x.shape)
+
+        def grad(dy):
+            reduced = _grouped_allreduce_raw([dy], None, Average, 1.0, 1.0, process_set)[0]
+            return reduced if _set_rank(process_set) == root_rank else reduced * 0
+        return out, grad
+
+    return bcast(t)
+
+
+def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
+    """Overwrite each variable with ``root_rank``'s value; returns the variables (eager)
+    or the grouped assign op (graph)."""
+    variables = list(variables)
+    values = [tf.convert_to_tensor(v) for v in variables]
+    names = _group_names(_bridge.op_name(name, "PerseusBroadcastVariables"), len(values))
+    outs = _bridge.run(lambda *e: _broadcast_now(e, int(root_rank), names, process_set),
+                       values, [v.dtype for v in values], "PerseusBroadcastVariables")
+    for o, v in zip(outs, values):
+        o.set_shape(v.shape)
+    assigns = [v.assign(o) for v, o in zip(variables, outs)]
+    if tf.executing_eagerly():
+        return variables
+    return tf.group(*assigns)
+
+
+# --------------------------------------------------------------------------- alltoall
+
+def alltoall(tensor, splits=None, name=None, ignore_name_scope=False,
+             process_set=global_process_set):
+    """Send ``splits[i]`` rows (dim 0) of ``tensor`` to rank i of the set, in order;
+    returns ``(received rows, received_splits)`` as Horovod 0.28 does.
+
+    Without ``splits`` dim 0 is split equally. Differentiable in the tensor.
+    """
+    t = _bridge.as_tensor(tensor)
+    set_size = _ps_size(process_set)
+    name = _bridge.op_name(name, "PerseusAlltoall")
+    if splits is None:
+        splits_t = None
+    else:
+        splits_t = tf.cast(tf.convert_to_tensor(splits), tf.int32)
+
+    def body(e, *s):
+        sp = [int(v) for v in s[0].numpy().reshape(-1)] if s else None
+        h = _ops.alltoall_async(_bridge.export(e), splits=sp, name=name,
+                                process_set=process_set, keep=e,
+                                finish=lambda h: (_bridge.imported(h.output()),
+                                                  tf.constant(h.recv_splits(), tf.int32)))
+        return h.wait()
+
+    @tf.custom_gradient
+    def exchange(x):
+        inputs = [x] if splits_t is None else [x, splits_t]
+        out, received = _bridge.run(body, inputs, [x.dtype, tf.int32], "PerseusAlltoall")
+        out.set_shape(_rows_shape(x.shape))
+        received.set_shape([set_size])
+
+        def grad(dy, _dsplits=None):
+            back, _ = alltoall(dy, received, process_set=process_set)
+            return back
+        return (out, received), grad
+
+    out, received = exchange(t)
+    return out, tf.stop_gradient(received)
+
+
+# --------------------------------------------------------------------------- reducescatter
+
+def reducescatter(tensor, device_dense="", compression=Compression.none, op=Average, name=None,
+                  process_set=global_process_set, ignore_name_scope=False, prescale_factor=1.0,
+                  postscale_factor=1.0):
+    """Reduce ``tensor`` over the set and return this rank's block of dim-0 rows.
+
+    Dim 0 is split as evenly as possible, the first ``d0 % size`` ranks getting one
+    more row. Differentiable for Sum and Average.
+    """
+    op = _ops.check_op(op)
+    compressed, ctx = compression.compress(_bridge.as_tensor(tensor))
+    name = _bridge.op_name(name, "PerseusReducescatter")
+
+    @tf.custom_gradient
+    def scatter(x):
+        def body(e):
+            h = _ops.reducescatter_async(
+                _bridge.export(e), name=name, op=op, prescale_factor=prescale_factor,
+                postscale_factor=postscale_factor, process_set=process_set, keep=e,
+                finish=lambda h: _bridge.imported(h.output()))
+            return [h.wait()]
+        out = _bridge.run(body, [x], [x.dtype], "PerseusReducescatter")[0]
+        out.set_shape(_rows_shape(x.shape))
+
+        def grad(dy):
+            if op not in (Average, Sum):
+                raise NotImplementedError("reducescatter gradients exist for Sum and Average only")
+            g = _allgather_concat(dy, None, process_set)
+            scale = prescale_factor * postscale_factor
+            if op == Average:
+                scale /= _ps_size(process_set)
+            return g * tf.cast(scale, g.dtype) if scale != 1.0 else g
+        return out, grad
+
+    return compression.decompress(scatter(compressed), ctx)
+
+
+def grouped_reducescatter(tensors, device_dense="", compression=Compression.none, op=Average,
+                          name=None, process_set=global_process_set, ignore_name_scope=False,
+                          prescale_factor=1.0, postscale_factor=1.0):
+    """Reduce-scatter each tensor of a list; returns the list of this rank's blocks."""
+    return [reducescatter(t, compression=compression, op=op, name=n, process_set=process_set,
+                          prescale_factor=prescale_factor, postscale_factor=postscale_factor)
+            for t, n in zip(tensors, _group_names(name, len(tensors)))]
+
+
+# --------------------------------------------------------------------------- join, barrier
+
+def join(process_set=global_process_set):
+    """Declare that this rank has no more data; returns the rank that joined last.
+
+    Until every rank joined, this rank contributes zeros to the others' allreduces.
+    """
+    out = _bridge.run(lambda: [tf.constant(_ops.join(process_set), tf.int32)], [], [tf.int32],
+                      "PerseusJoin")[0]
+    out.set_shape([])
+    return out
+
+
+def barrier(process_set=global_process_set):
+    """Block until every rank of the set reached the barrier (a no-output op in graphs)."""
+    if tf.executing_eagerly():
+        _ops.barrier(process_set)
+        return None
+
+    def body():
+        _ops.barrier(process_set)
+        return [tf.constant(0, tf.int32)]
+    return _bridge.run(body, [], [tf.int32], "PerseusBarrier")[0].op
+
+
+# --------------------------------------------------------------------------- topology as tensors
+
+def size_op(process_set_id=0, name=None):
+    """The number of ranks (of a process set), as an int32 tensor."""
+    return tf.constant(_ps_size(process_set_id), tf.int32, name=name)
+
+
+def rank_op(name=None):
+    """This rank, as an int32 tensor."""
+    return tf.constant(rank(), tf.int32, name=name)
+
+
+def local_size_op(name=None):
+    """Ranks on this host, as an int32 tensor."""
+    return tf.constant(local_size(), tf.int32, name=name)
+
+
+def local_rank_op(name=None):
+    """This rank's index on its host, as an int32 tensor."""
+    return tf.constant(local_rank(), tf.int32, name=name)

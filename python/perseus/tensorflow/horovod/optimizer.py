@@ -1,0 +1,251 @@
+"""``DistributedOptimizer`` and ``DistributedGradientTape``: gradients averaged across ranks
+before they are applied."""
+
+import tensorflow as tf
+
+from perseus.common.basics import config as _config
+from perseus.common.basics import generation
+from perseus.common.gradients import check_optimizer_args
+from perseus.common.ops import Average
+from perseus.common.process_sets import global_process_set
+from perseus.tensorflow.horovod.compression import Compression
+from perseus.tensorflow.horovod.gradients import GradientReducer, set_size_scale
+
+_LegacyOptimizer = tf.compat.v1.train.Optimizer
+
+
+def _check_common(op, gradient_predivide_factor, num_groups, groups):
+    check_optimizer_args(op, gradient_predivide_factor, num_groups, stacklevel=4)
+    if groups is not None and not isinstance(groups, list) and (
+            isinstance(groups, bool) or not isinstance(groups, int) or groups < 0):
+        raise ValueError("groups should be a non-negative integer or a list of lists of "
+                         "tf.Variable.")
+
+
+def passes_per_step(backward_passes_per_step, average_aggregated_gradients):
+    """The effective (passes, average) pair: PERSEUS_ACCUMULATE_N_STEPS=N, when the caller
+    left backward_passes_per_step at 1, accumulates N passes and averages them."""
+    passes = int(backward_passes_per_step)
+    if passes < 1:
+        raise ValueError(f"backward_passes_per_step must be >= 1, got {passes}")
+    env = int(_config().get("PERSEUS_ACCUMULATE_N_STEPS", "1"))
+    if passes == 1 and env > 1:
+        return env, True
+    return passes, bool(average_aggregated_gradients)
+
+
+class LocalAggregation:
+    """Gradients summed locally over ``passes`` calls; every ``passes``-th call reduces
+    them (averaged over the passes when ``average``) and applies. Works eagerly and in
+    graphs (``tf.cond`` on a step counter, the same on every rank)."""
+
+    def __init__(self, passes, average):
+        self.passes, self.average = passes, average
+        self._acc = None
+        self._counter = None
+        self._is_step = None
+
+    def _build(self, grads):
+        with tf.init_scope():
+            self._counter = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                        name="perseus_backward_passes")
+            self._acc = [None if g is None else
+                         tf.Variable(tf.zeros(g.shape, g.dtype), trainable=False,
+                                     name="perseus_aggregated_gradient")
+                         for g in grads]
+
+    def reduce(self, grads, reduce_fn):
+        """Add ``grads`` to the accumulators; on an update call return ``reduce_fn`` of the
+        aggregate (other calls return the running aggregate, which is not applied)."""
+        grads = [None if g is None else tf.convert_to_tensor(g) for g in grads]
+        if self._acc is None:
+            self._build(grads)
+        adds = [a.assign_add(g) for a, g in zip(self._acc, grads) if a is not None]
+        with tf.control_dependencies(adds):
+            count = self._counter.assign_add(1)
+        scale = 1.0 / self.passes if self.average else 1.0
+
+        def aggregate():
+            return [None if a is None else a.read_value() * tf.cast(scale, a.dtype)
+                    for a in self._acc]
+
+        if tf.executing_eagerly():
+            self._is_step = int(count) % self.passes == 0
+            return reduce_fn(aggregate()) if self._is_step else aggregate()
+        self._is_step = tf.equal(count % self.passes, 0)
+        present = [i for i, a in enumerate(self._acc) if a is not None]
+
+        def reduced():
+            vals = reduce_fn(aggregate())
+            return [vals[i] for i in present]
+
+        def running():
+            vals = aggregate()
+            return [vals[i] for i in present]
+
+        picked = tf.cond(self._is_step, reduced, running)
+        out = [None] * len(grads)
+        for i, v in zip(present, picked):
+            out[i] = v
+        return out
+
+    def apply(self, apply_fn):
+        """Run ``apply_fn`` (and clear the accumulators) on update calls only."""
+        def do():
+            with tf.control_dependencies([apply_fn()]):
+                return tf.group(*[a.assign(tf.zeros_like(a)) for a in self._acc
+                                  if a is not None])
+
+        if tf.executing_eagerly():
+            if self._is_step:
+                do()
+            return None
+        return tf.cond(self._is_step, do, tf.no_op)
+
+
+class _DistributedLegacyOptimizer(_LegacyOptimizer):
+    """A ``tf.compat.v1.train.Optimizer`` whose ``compute_gradients`` averages across ranks."""
+
+    def __init__(self, optimizer, name, use_locking, reducer, aggregation):
+        name = name or f"Distributed{type(optimizer).__name__}"
+        super().__init__(name=name, use_locking=use_locking)
+        self._optimizer = optimizer
+        self._reducer = reducer
+        self._aggregation = aggregation
+
+    def compute_gradients(self, *args, **kwargs):
+        """The wrapped optimizer's gradients, averaged over the ranks."""
+        pairs = self._optimizer.compute_gradients(*args, **kwargs)
+        grads, variables = [g for g, _ in pairs], [v for _, v in pairs]
+        if self._aggregation is None:
+            reduced = self._reducer.reduce(grads, variables)
+        else:
+            reduced = self._aggregation.reduce(
+                grads, lambda gs: self._reducer.reduce(gs, variables))
+        return list(zip(reduced, variables))
+
+    def apply_gradients(self, *args, **kwargs):
+        """The wrapped optimizer's update (every ``backward_passes_per_step``-th call)."""
+        if self._aggregation is None:
+            return self._optimizer.apply_gradients(*args, **kwargs)
+        return self._aggregation.apply(lambda: self._optimizer.apply_gradients(*args, **kwargs))
+
+    def get_slot(self, *args, **kwargs):
+        """The wrapped optimizer's slot."""
+        return self._optimizer.get_slot(*args, **kwargs)
+
+    def get_slot_names(self, *args, **kwargs):
+        """The wrapped optimizer's slot names."""
+        return self._optimizer.get_slot_names(*args, **kwargs)
+
+    def variables(self, *args, **kwargs):
+        """The wrapped optimizer's variables."""
+        return self._optimizer.variables(*args, **kwargs)
+
+
+def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="",
+                         device_sparse="", compression=Compression.none, sparse_as_dense=False,
+                         backward_passes_per_step=1, op=Average, gradient_predivide_factor=1.0,
+                         average_aggregated_gradients=False, num_groups=0, groups=None,
+                         process_set=global_process_set, scale_local_gradients=True):
+    """Wrap an optimizer so that gradients are averaged over the ranks before each update.
+
+    ``optimizer`` is a ``tf.compat.v1.train.Optimizer`` (its ``compute_gradients``
+    averages; ``minimize`` works unchanged) or a Keras optimizer (see
+    :func:`perseus.tensorflow.keras.DistributedOptimizer`).
+
+    Arguments:
+        compression: ``Compression.none`` or ``Compression.fp16`` on the wire.
+        sparse_as_dense: reduce ``IndexedSlices`` gradients as dense tensors.
+        backward_passes_per_step: gradients of that many calls are summed locally
+            (averaged with ``average_aggregated_gradients``) and reduced once.
+            ``PERSEUS_ACCUMULATE_N_STEPS`` sets it (averaging) when left at 1.
+        op: ``Average`` (default) or ``Sum``.
+        gradient_predivide_factor: with ``Average``, divide by this factor before the
+            sum and by ``size / factor`` after it.
+        num_groups, groups: accepted for compatibility: every gradient of a step is
+            submitted together and the core fuses them.
+        process_set: the ranks that average gradients together.
+        device_dense, device_sparse, use_locking, scale_local_gradients: as Horovod.
+    """
+    _check_common(op, gradient_predivide_factor, num_groups, groups)
+    if not isinstance(optimizer, _LegacyOptimizer):
+        from perseus.tensorflow import keras as _keras
+
+        return _keras.DistributedOptimizer(
+            optimizer, name=name, compression=compression, sparse_as_dense=sparse_as_dense,
+            gradient_predivide_factor=gradient_predivide_factor, op=op,
+            backward_passes_per_step=backward_passes_per_step,
+            average_aggregated_gradients=average_aggregated_gradients, groups=groups,
+            process_set=process_set, scale_local_gradients=scale_local_gradients)
+    reducer = GradientReducer("DistributedOptimizer", compression, op, gradient_predivide_factor,
+                              sparse_as_dense, process_set)
+    passes, average = passes_per_step(backward_passes_per_step, average_aggregated_gradients)
+    aggregation = LocalAggregation(passes, average) if passes > 1 else None
+    return _DistributedLegacyOptimizer(optimizer, name, use_locking, reducer, aggregation)
+
+
+class _DistributedGradientTape(tf.GradientTape):
+    """Mixed into the tape's class by :func:`DistributedGradientTape`."""
+
+    def gradient(self, target, sources, output_gradients=None,
+                 unconnected_gradients=tf.UnconnectedGradients.NONE):
+        """The tape's gradients, averaged over the ranks (local sources only scaled)."""
+        grads = super().gradient(target, sources, output_gradients, unconnected_gradients)
+        flat_sources = tf.nest.flatten(sources)
+        flat_grads = tf.nest.flatten(grads)
+        local = self._perseus_local
+        shared = [i for i, s in enumerate(flat_sources) if id(s) not in local]
+        reduced = self._perseus_reducer.reduce([flat_grads[i] for i in shared],
+                                               [flat_sources[i] for i in shared])
+        out = list(flat_grads)
+        for i, r in zip(shared, reduced):
+            out[i] = r
+        if self._perseus_scale_local and local:
+            scale = set_size_scale(self._perseus_reducer.process_set)
+            for i, s in enumerate(flat_sources):
+                if id(s) in local and out[i] is not None:
+                    out[i] = out[i] * scale
+        return tf.nest.pack_sequence_as(grads, out)
+
+    def register_local_source(self, source):
+        """Exclude ``source`` (a variable) from the reduction: its gradient stays local."""
+        self._perseus_local.add(id(source))
+
+
+# Tapes are made anew every step: the state the switches keep across steps (down-sampling
+# residuals, the step count, compute times) lives in one reducer per configuration.
+_tape_reducers = {}
+
+
+def _tape_reducer(compression, op, predivide, sparse_as_dense, process_set):
+    key = (compression, op, float(predivide), bool(sparse_as_dense), id(process_set))
+    reducer = _tape_reducers.get(key)
+    if reducer is None or reducer.generation != generation():
+        reducer = GradientReducer("DistributedGradientTape", compression, op, predivide,
+                                  sparse_as_dense, process_set)
+        _tape_reducers[key] = reducer
+    return reducer
+
+
+def DistributedGradientTape(gradtape, device_dense="", device_sparse="",
+                            compression=Compression.none, sparse_as_dense=False, op=Average,
+                            gradient_predivide_factor=1.0, num_groups=0, groups=None,
+                            process_set=global_process_set, scale_local_gradients=True):
+    """Wrap a ``tf.GradientTape`` so that ``gradient()`` averages over the ranks.
+
+    Use it after recording (``tape = hvd.DistributedGradientTape(tape)``) or as the
+    context manager itself. Arguments as :func:`DistributedOptimizer`;
+    ``register_local_source(var)`` keeps a variable's gradient local (scaled by
+    1/size when ``scale_local_gradients``).
+    """
+    _check_common(op, gradient_predivide_factor, num_groups, groups)
+    base = type(gradtape)
+    cls = type(base.__name__, (_DistributedGradientTape, base), {"__module__": __name__})
+    tape = cls.__new__(cls)
+    tape.__dict__.update(gradtape.__dict__)
+    tape._perseus_reducer = _tape_reducer(compression, op, gradient_predivide_factor,
+                                          sparse_as_dense, process_set)
+    tape._perseus_local = set()
+    tape._perseus_scale_local = scale_local_gradients
+    return tape

@@ -1,0 +1,145 @@
+"""Keras callbacks of Horovod 0.28 (``hvd.callbacks`` / ``hvd.keras.callbacks``)."""
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from perseus.common.ops import Average
+from perseus.tensorflow.horovod import allreduce, broadcast_variables, size
+
+__all__ = ["BroadcastGlobalVariablesCallback", "LearningRateScheduleCallback",
+           "LearningRateWarmupCallback", "MetricAverageCallback"]
+
+
+class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
+    """Overwrites the model's and the optimizer's variables with ``root_rank``'s before
+    the first step, so that every rank starts from the same state (also after loading a
+    checkpoint on the root only). ``device`` is accepted for compatibility."""
+
+    def __init__(self, root_rank, device=""):
+        super().__init__()
+        self.root_rank = root_rank
+        self.device = device
+        self.broadcast_done = False
+
+    def _broadcast(self):
+        variables = list(self.model.variables)
+        opt = getattr(self.model, "optimizer", None)
+        if opt is not None and getattr(opt, "built", False):
+            variables += list(opt.variables)
+        broadcast_variables(variables, self.root_rank)
+        self.broadcast_done = True
+
+    def on_train_begin(self, logs=None):
+        """Broadcast, when fit has built the model already (Keras 3 does before this)."""
+        if not self.broadcast_done and self.model.built:
+            self._broadcast()
+
+    def on_train_batch_end(self, batch, logs=None):
+        """Broadcast after the first batch when the model was only built by it."""
+        if not self.broadcast_done:
+            self._broadcast()
+
+
+class MetricAverageCallback(keras.callbacks.Callback):
+    """Replaces each epoch's metrics (loss, accuracy, validation metrics) by their average
+    over the ranks. Put it before callbacks that read them (checkpoints, schedules)."""
+
+    def __init__(self, device=""):
+        super().__init__()
+        self.device = device
+
+    def on_epoch_end(self, epoch, logs=None):
+        """Average every numeric entry of ``logs`` over the ranks."""
+        if not logs:
+            return
+        keys = sorted(k for k, v in logs.items() if np.ndim(v) == 0 and
+                      isinstance(np.asarray(v).item(), (int, float)))
+        if not keys:
+            return
+        values = tf.constant([float(logs[k]) for k in keys], tf.float64)
+        averaged = allreduce(values, op=Average, name="MetricAverageCallback").numpy()
+        for k, v in zip(keys, averaged):
+            logs[k] = float(v)
+
+
+class LearningRateScheduleCallback(keras.callbacks.Callback):
+    """Sets the optimizer's learning rate to ``initial_lr * multiplier(epoch)`` for epochs
+    in ``[start_epoch, end_epoch)``.
+
+    ``multiplier`` is a number or a function of the epoch. With ``staircase`` the rate
+    changes at epoch starts; otherwise at every batch, with fractional epochs
+    (``steps_per_epoch`` defaults to what ``fit`` reports). ``momentum_correction`` is
+    accepted for compatibility: Keras 3 compiles an optimizer's momentum into the
+    training step as a constant, so it cannot be corrected per batch.
+    """
+
+    def __init__(self, initial_lr, multiplier, start_epoch=0, end_epoch=None, staircase=True,
+                 momentum_correction=True, steps_per_epoch=None):
+        super().__init__()
+        self.initial_lr = float(initial_lr)
+        self.multiplier = multiplier if callable(multiplier) else (lambda _e: multiplier)
+        self.start_epoch = start_epoch
+        self.end_epoch = end_epoch
+        self.staircase = staircase
+        self.momentum_correction = momentum_correction
+        self.steps_per_epoch = steps_per_epoch
+        self.current_epoch = None
+
+    def _in_range(self, epoch):
+        return epoch >= self.start_epoch and (self.end_epoch is None or epoch < self.end_epoch)
+
+    def _set_lr(self, epoch):
+        self.model.optimizer.learning_rate = self.initial_lr * float(self.multiplier(epoch))
+
+    def _steps(self):
+        steps = self.steps_per_epoch or (self.params or {}).get("steps")
+        if not steps:
+            raise ValueError("LearningRateScheduleCallback with staircase=False needs "
+                             "steps_per_epoch (fit did not report the steps)")
+        return steps
+
+    def on_epoch_begin(self, epoch, logs=None):
+        """Staircase: the epoch's rate."""
+        self.current_epoch = epoch
+        if self.staircase and self._in_range(epoch):
+            self._set_lr(epoch)
+
+    def on_train_batch_begin(self, batch, logs=None):
+        """Smooth schedules: the rate at this fraction of the epoch."""
+        if self.staircase or self.current_epoch is None or not self._in_range(self.current_epoch):
+            return
+        self._set_lr(self.current_epoch + batch / self._steps())
+
+    def on_epoch_end(self, epoch, logs=None):
+        """Report the rate as ``lr`` in the logs."""
+        if logs is not None:
+            logs["lr"] = float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate))
+
+
+class LearningRateWarmupCallback(LearningRateScheduleCallback):
+    """Goyal et al.'s warmup: the rate grows from ``initial_lr / size`` to ``initial_lr``
+    over ``warmup_epochs`` epochs, batch by batch, where ``initial_lr`` is the rate
+    already scaled by the number of ranks."""
+
+    def __init__(self, initial_lr, warmup_epochs=5, momentum_correction=True,
+                 steps_per_epoch=None, verbose=0):
+        n = size()
+
+        def multiplier(epoch):
+            return 1.0 / n * (epoch * (n - 1) / warmup_epochs + 1)
+
+        super().__init__(initial_lr, multiplier, start_epoch=0, end_epoch=warmup_epochs,
+                         staircase=False, momentum_correction=momentum_correction,
+                         steps_per_epoch=steps_per_epoch)
+        self.warmup_epochs = warmup_epochs
+        self.verbose = verbose
+
+    def on_epoch_end(self, epoch, logs=None):
+        """At the end of the warmup, set exactly ``initial_lr`` (and say so if verbose)."""
+        if epoch == self.warmup_epochs - 1:
+            self.model.optimizer.learning_rate = self.initial_lr
+            if self.verbose:
+                print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to "
+                      f"{self.initial_lr:g}.")
+        super().on_epoch_end(epoch, logs)

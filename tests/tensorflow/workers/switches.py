@@ -1,0 +1,99 @@
+"""The PERSEUS_* switches act on TensorFlow gradient reductions as on torch's: each is set
+before a fresh init() of this process, and its effect checked."""
+
+import os
+
+import _tfhelpers  # noqa: F401 - quiets TensorFlow's logging first
+import keras
+import numpy as np
+import perseus.tensorflow.horovod as hvd
+import tensorflow as tf
+from _tfhelpers import close, done, raises
+
+SWITCHES = ("PERSEUS_ALLREDUCE_NANCHECK", "PERSEUS_DOWNSAMPLE_N_ELEMENTS",
+            "PERSEUS_ALLREDUCE_DTYPE", "PERSEUS_ACCUMULATE_N_STEPS", "PERSEUS_ALLREDUCE_FUSION")
+
+
+def start(**env):
+    for key in SWITCHES:
+        os.environ.pop(key, None)
+    os.environ.update({k: str(v) for k, v in env.items()})
+    hvd.init()
+    return hvd.rank(), hvd.size()
+
+
+def tape_grads(w, c, graph=False):
+    def run():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(w * c)
+        return hvd.DistributedGradientTape(tape).gradient(loss, [w])[0]
+    return tf.function(run)() if graph else run()
+
+
+def nancheck():
+    r, _ = start(PERSEUS_ALLREDUCE_NANCHECK=1)
+    w = tf.Variable(tf.ones(4), name="w_nan")
+    bad = tf.constant([1.0, np.nan, 1.0, 1.0]) if r == 1 else tf.ones(4)
+    with raises(FloatingPointError, "PERSEUS_ALLREDUCE_NANCHECK", "w_nan", "rank 1",
+                what="NaN from rank 1"):
+        tape_grads(w, bad)
+    with raises(tf.errors.OpError, "PERSEUS_ALLREDUCE_NANCHECK", "rank 1",
+                what="NaN from rank 1 in tf.function"):
+        tape_grads(w, bad, graph=True)
+    close(tape_grads(w, tf.ones(4)), np.ones(4), "finite gradients pass")
+    hvd.shutdown()
+
+
+def downsample():
+    r, n = start(PERSEUS_DOWNSAMPLE_N_ELEMENTS=2)
+    w = tf.Variable(tf.zeros(4))
+    c = tf.fill([4], float(r + 1))
+    mean = (n + 1) / 2
+    # Step 0 sends elements 0 and 2; step 1 elements 1 and 3, with their residual.
+    close(tape_grads(w, c), [mean, 0, mean, 0], "down-sampled step 0")
+    close(tape_grads(w, c), [0, 2 * mean, 0, 2 * mean], "down-sampled step 1")
+    hvd.shutdown()
+
+
+def wire_dtype():
+    sent = {}
+    for dtype in (1, 0):
+        start(PERSEUS_ALLREDUCE_DTYPE=dtype)
+        w = tf.Variable(tf.zeros(65536))
+        before = hvd.counters()["bytes_intra_host"]
+        g = tape_grads(w, tf.fill([65536], 0.1))
+        close(g, np.full(65536, 0.1), f"gradient with PERSEUS_ALLREDUCE_DTYPE={dtype}", 1e-3,
+              1e-3)
+        sent[dtype] = hvd.counters()["bytes_intra_host"] - before
+        hvd.shutdown()
+    assert sent[0] <= 0.55 * sent[1], f"float16 links should halve the bytes: {sent}"
+
+
+def accumulate_and_fusion():
+    r, n = start(PERSEUS_ACCUMULATE_N_STEPS=2, PERSEUS_ALLREDUCE_FUSION=2)
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(1.0))
+    assert opt.gradient_accumulation_steps == 2, opt.gradient_accumulation_steps
+    ws = [tf.Variable(tf.zeros(1024)) for _ in range(4)]
+    # Two calls: the first only accumulates, the second applies the mean of both, averaged
+    # over the ranks: -(1 + 2) / 2 * mean(r + 1).
+    for k in (1, 2):
+        grads = [tf.fill([1024], float(k * (r + 1))) for _ in ws]
+        opt.apply_gradients(zip(grads, ws))
+        want = 0.0 if k == 1 else -1.5 * (n + 1) / 2
+        close(ws[0], np.full(1024, want), f"PERSEUS_ACCUMULATE_N_STEPS call {k}")
+    fused = hvd.counters()["fused_bytes_max"]
+    assert 0 < fused <= 2 * 4096, f"PERSEUS_ALLREDUCE_FUSION=2: largest buffer {fused} bytes"
+    hvd.shutdown()
+    return r
+
+
+def main():
+    nancheck()
+    downsample()
+    wire_dtype()
+    r = accumulate_and_fusion()
+    done(r)
+
+
+if __name__ == "__main__":
+    main()
