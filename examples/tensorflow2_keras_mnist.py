@@ -2,7 +2,7 @@
 
     perseusrun -np 2 python examples/tensorflow2_keras_mnist.py --epochs 3
 
-A small CNN on the synthetic MNIST-like set of tf_synthetic_mnist.py. Each rank takes
+A small CNN on the synthetic MNIST-like set of synthetic_mnist.py. Each rank takes
 its shard of the training set; DistributedOptimizer averages the gradients; the
 callbacks broadcast rank 0's initial state, average the epoch metrics over the ranks
 and warm the learning rate up to lr x size. Only rank 0 writes checkpoints and prints.
@@ -18,7 +18,7 @@ import perseus.tensorflow.horovod as hvd
 import tensorflow as tf
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import tf_synthetic_mnist
+import synthetic_mnist
 
 
 def main():
@@ -31,9 +31,9 @@ def main():
     a = p.parse_args()
 
     hvd.init()
-    patterns = tf_synthetic_mnist.class_patterns()
-    x, y = tf_synthetic_mnist.load(a.train_size, seed=1, patterns=patterns)
-    x_test, y_test = tf_synthetic_mnist.load(1000, seed=2, patterns=patterns)
+    patterns = synthetic_mnist.class_patterns()
+    x, y = synthetic_mnist.load(a.train_size, seed=1, patterns=patterns)
+    x_test, y_test = synthetic_mnist.load(1000, seed=2, patterns=patterns)
     # Each rank its own shard.
     x, y = x[hvd.rank()::hvd.size()], y[hvd.rank()::hvd.size()]
 

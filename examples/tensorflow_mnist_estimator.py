@@ -18,11 +18,11 @@ import perseus.tensorflow.horovod as hvd
 import tensorflow as tf
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import tf_synthetic_mnist
+import synthetic_mnist
 
 
 def input_fn(batch_size):
-    x, y = tf_synthetic_mnist.load(4000, seed=1)
+    x, y = synthetic_mnist.load(4000, seed=1)
     ds = tf.data.Dataset.from_tensor_slices((x.reshape(-1, 784), y))
     # shard() before shuffle() and repeat(), as the seed's guide says.
     ds = ds.shard(hvd.size(), hvd.rank()).shuffle(1000, seed=hvd.rank()).repeat()
@@ -30,8 +30,8 @@ def input_fn(batch_size):
 
 
 def model_fn(features, labels, lr):
-    hidden = tf_synthetic_mnist.dense_v1(features, 128, "hidden", tf.nn.relu)
-    logits = tf_synthetic_mnist.dense_v1(hidden, 10, "logits")
+    hidden = synthetic_mnist.dense_v1(features, 128, "hidden", tf.nn.relu)
+    logits = synthetic_mnist.dense_v1(hidden, 10, "logits")
     loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=labels,
                                                                          logits=logits))
     opt = hvd.DistributedOptimizer(tf.compat.v1.train.AdamOptimizer(lr * hvd.size()))

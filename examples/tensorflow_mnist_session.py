@@ -5,7 +5,7 @@
 A softmax-regression-plus-hidden-layer model built as a graph with placeholders; the
 DistributedOptimizer averages the gradients inside the graph (one op per step) and
 ``hvd.broadcast_global_variables(0)`` gives every rank rank 0's initial weights.
-Data: the synthetic MNIST-like set of tf_synthetic_mnist.py, a shard per rank.
+Data: the synthetic MNIST-like set of synthetic_mnist.py, a shard per rank.
 """
 
 import argparse
@@ -16,7 +16,7 @@ import perseus.tensorflow.horovod as hvd
 import tensorflow as tf
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import tf_synthetic_mnist
+import synthetic_mnist
 
 
 def main():
@@ -27,17 +27,17 @@ def main():
     a = p.parse_args()
 
     hvd.init()
-    patterns = tf_synthetic_mnist.class_patterns()
-    x, y = tf_synthetic_mnist.load(4000, seed=1, patterns=patterns)
+    patterns = synthetic_mnist.class_patterns()
+    x, y = synthetic_mnist.load(4000, seed=1, patterns=patterns)
     x, y = x[hvd.rank()::hvd.size()].reshape(-1, 784), y[hvd.rank()::hvd.size()]
-    x_test, y_test = tf_synthetic_mnist.load(1000, seed=2, patterns=patterns)
+    x_test, y_test = synthetic_mnist.load(1000, seed=2, patterns=patterns)
 
     graph = tf.Graph()
     with graph.as_default():
         images = tf.compat.v1.placeholder(tf.float32, [None, 784])
         labels = tf.compat.v1.placeholder(tf.int64, [None])
-        hidden = tf_synthetic_mnist.dense_v1(images, 128, "hidden", tf.nn.relu)
-        logits = tf_synthetic_mnist.dense_v1(hidden, 10, "logits")
+        hidden = synthetic_mnist.dense_v1(images, 128, "hidden", tf.nn.relu)
+        logits = synthetic_mnist.dense_v1(hidden, 10, "logits")
         loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
             labels=labels, logits=logits))
         accuracy = tf.reduce_mean(tf.cast(tf.equal(tf.argmax(logits, 1), labels), tf.float32))

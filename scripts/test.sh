@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite: Rust format, lints and tests, then Python lint and tests in the
-# torch virtual environment, then the TensorFlow tests in their own (both made by
-# scripts/setup-venv.sh).
+# torch virtual environment, then the TensorFlow and the MXNet tests, each in its own
+# (all made by scripts/setup-venv.sh).
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -68,4 +68,9 @@ tf_venv=$(bash scripts/setup-venv.sh tensorflow | tail -n 1)
 step "pytest tests/tensorflow"
 PATH="$tf_venv/bin:$PATH" TF_CPP_MIN_LOG_LEVEL=2 \
     run_pytest "$tf_venv/bin/python" -m pytest -q tests/tensorflow || status=$?
+
+step "MXNet virtual environment"
+mx_venv=$(bash scripts/setup-venv.sh mxnet | tail -n 1)
+step "pytest tests/mxnet"
+PATH="$mx_venv/bin:$PATH" run_pytest "$mx_venv/bin/python" -m pytest -q tests/mxnet || status=$?
 exit "$status"

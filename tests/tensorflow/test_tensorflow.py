@@ -1,50 +1,44 @@
 """perseus.tensorflow.horovod and perseus.tensorflow.keras on 2 and 3 ranks (workers/)."""
 
-from pathlib import Path
-
 import pytest
-from conftest import _launch
 
 
 @pytest.mark.parametrize("n", [2, 3])
-def test_collectives_values_and_gradients(run_tf, n):
+def test_collectives_values_and_gradients(run_framework, n):
     """Every op's values for every dtype and its gradient, eager and in tf.function;
     process sets, join, barrier; then the concatenating allgather after a re-init."""
-    run_tf(n, "collectives.py")
+    run_framework(n, "collectives.py")
 
 
-def test_collectives_between_hosts(run_tf):
+def test_collectives_between_hosts(run_framework):
     """The same over TCP between two loopback "hosts"."""
-    run_tf(2, "collectives.py", hosts="127.0.0.1:1,127.0.0.2:1")
+    run_framework(2, "collectives.py", hosts="127.0.0.1:1,127.0.0.2:1")
 
 
 @pytest.mark.parametrize("n", [2, 3])
-def test_training_equals_one_process(run_tf, n):
+def test_training_equals_one_process(run_framework, n):
     """Tape, Keras and tf.compat.v1 optimizers (and accumulated passes) give every rank the
     weights of one process trained on the whole batch."""
-    run_tf(n, "training.py")
+    run_framework(n, "training.py")
 
 
-def test_keras_fit_callbacks_load_model_and_hooks(run_tf, tmp_path):
+def test_keras_fit_callbacks_load_model_and_hooks(run_framework, tmp_path):
     """fit with the broadcast, metric-average, warmup and schedule callbacks; load_model;
     MonitoredTrainingSession with BroadcastGlobalVariablesHook."""
-    run_tf(2, "keras_fit.py", tmp_path)
+    run_framework(2, "keras_fit.py", tmp_path)
     assert (tmp_path / "model.keras").exists()
     assert any((tmp_path / "ckpt").glob("checkpoint")), "rank 0's checkpoint was not written"
 
 
-def test_errors(run_tf):
+def test_errors(run_framework):
     """Use before init, bad dtypes and arguments, and cross-rank mismatches on every rank."""
-    run_tf(2, "errors.py")
+    run_framework(2, "errors.py")
 
 
-def test_switches_apply_to_tf_gradients(run_tf):
+def test_switches_apply_to_tf_gradients(run_framework):
     """PERSEUS_ALLREDUCE_NANCHECK, DOWNSAMPLE_N_ELEMENTS, ALLREDUCE_DTYPE,
     ACCUMULATE_N_STEPS and ALLREDUCE_FUSION on TensorFlow gradient reductions."""
-    run_tf(2, "switches.py")
-
-
-EXAMPLES = Path(__file__).parents[2] / "examples"
+    run_framework(2, "switches.py")
 
 
 @pytest.mark.parametrize("script, args, expect", [
@@ -54,8 +48,6 @@ EXAMPLES = Path(__file__).parents[2] / "examples"
     ("tensorflow2_synthetic_benchmark.py", ["--num-iters", "1", "--num-batches-per-iter", "2",
                                             "--num-warmup-batches", "1"], "RESULT"),
 ])
-def test_examples_run(script, args, expect):
+def test_examples_run(run_example, script, args, expect):
     """Each TensorFlow example trains on 2 ranks through the launcher and reports."""
-    rc, out, err = _launch.launch(2, EXAMPLES / script, *args, timeout=240)
-    assert rc == 0, f"{script} exited with {rc}\n{out}\n{err}"
-    assert expect in out, f"{script} did not report {expect!r}\n{out}\n{err}"
+    run_example(script, *args, expect=expect)

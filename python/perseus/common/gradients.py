@@ -16,6 +16,8 @@ def check_optimizer_args(op, gradient_predivide_factor, num_groups, stacklevel=3
     """Horovod's checks of a DistributedOptimizer's reduction arguments."""
     if op == Adasum:
         raise NotImplementedError("Adasum is not supported by Perseus yet")
+    if not gradient_predivide_factor > 0:
+        raise ValueError(f"gradient_predivide_factor must be > 0, got {gradient_predivide_factor}")
     if gradient_predivide_factor != 1.0 and op != Average:
         raise ValueError("gradient_predivide_factor not supported with op != Average")
     if num_groups != 0:

@@ -49,3 +49,31 @@ def done(rank):
     """Report success (the test counts these marks)."""
     print(f"{OK_MARK} rank {rank}", flush=True)
     sys.stdout.flush()
+
+
+def close_array(actual, expected, what, rtol=1e-6, atol=1e-6):
+    """Assert values (anything numpy can take, or with ``.numpy()``/``.asnumpy()``) are
+    equal within tolerance, shapes included: the TensorFlow and MXNet workers' check."""
+    import numpy as np
+
+    def arr(x):
+        for method in ("numpy", "asnumpy"):
+            if hasattr(x, method):
+                return np.asarray(getattr(x, method)())
+        return np.asarray(x)
+
+    a, e = arr(actual), arr(expected)
+    if a.shape != e.shape:
+        raise AssertionError(f"{what}: shape {a.shape} != expected {e.shape}\n{a}\n{e}")
+    np.testing.assert_allclose(a.astype(np.float64), e.astype(np.float64), rtol=rtol,
+                               atol=atol, err_msg=what)
+
+
+def regression_batch(n, rows):
+    """The whole batch of a data-parallel equivalence test: ``rows`` samples per rank of
+    ``n``, 5 features and a linear target (numpy float32, the same on every rank)."""
+    import numpy as np
+
+    rng = np.random.RandomState(0)
+    x = rng.randn(rows * n, 5).astype(np.float32)
+    return x, (x @ rng.randn(5, 1) + 0.1).astype(np.float32)

@@ -5,20 +5,12 @@ Every rank ends with the same weights as the reference each rank computes alone.
 
 import _tfhelpers  # noqa: F401 - quiets TensorFlow's logging first
 import keras
-import numpy as np
 import perseus.tensorflow.horovod as hvd
 import tensorflow as tf
-from _tfhelpers import close, done
+from _tfhelpers import close, done, regression_batch
 
 ROWS = 4  # per rank
 STEPS = 3
-
-
-def data(n):
-    rng = np.random.RandomState(0)
-    x = rng.randn(ROWS * n, 5).astype(np.float32)
-    y = (x @ rng.randn(5, 1) + 0.1).astype(np.float32)
-    return x, y
 
 
 def shard(a, r):
@@ -189,7 +181,7 @@ def legacy_optimizer(r, n, x, y):
 def main():
     hvd.init()
     r, n = hvd.rank(), hvd.size()
-    x, y = data(n)
+    x, y = regression_batch(n, ROWS)
     want = reference(x, y)
     tape_training(r, n, x, y, want)
     keras_optimizer(r, n, x, y, want)

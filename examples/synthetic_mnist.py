@@ -1,4 +1,4 @@
-"""A synthetic MNIST-like data set for the TensorFlow examples, made with numpy from a seed
+"""A synthetic MNIST-like data set for the TensorFlow and MXNet examples, made with numpy from a seed
 (nothing is downloaded): 28x28 images drawn from ten fixed class patterns (random
 strokes), shifted by a few pixels and covered in noise."""
 

@@ -1,0 +1,66 @@
+"""Perseus for MXNet (seed 003 §4.6, §4.7): ``import perseus.mxnet as hvd``.
+
+Two ways in, as Horovod and AIACC users know them:
+
+- the Horovod API (``horovod.mxnet`` of Horovod 0.28): ``hvd.init()``,
+  ``hvd.broadcast_parameters(net.collect_params())``, ``hvd.DistributedTrainer(params,
+  opt)`` (gluon) or ``hvd.DistributedOptimizer(opt)`` (Module API), and the collectives;
+- the Perseus KVStore: ``kv = perseus.mxnet.create("dist_sync_perseus")`` passed where
+  MXNet takes a kvstore (``mod.fit(kvstore=kv)``, ``gluon.Trainer(..., kvstore=kv)``),
+  with ``kv.local_rank``, ``init(key, value, param_only=False)`` and
+  ``push(key, value, op=PerseusOp.Sum / Max / Min)``.
+
+``PerseusSyncBatchNorm(comm_scope=0 or 1)`` normalizes with the batch statistics of the
+host's ranks or of every rank.
+"""
+
+from perseus.mxnet.compression import Compression
+from perseus.mxnet.functions import allgather_object, broadcast_object, broadcast_parameters
+from perseus.mxnet.kvstore import PerseusKVStore, PerseusOp, create
+from perseus.mxnet.mpi_ops import (
+    Adasum,
+    Average,
+    HorovodInternalError,
+    Max,
+    Min,
+    ProcessSet,
+    Product,
+    Sum,
+    add_process_set,
+    allgather,
+    allreduce,
+    allreduce_,
+    alltoall,
+    barrier,
+    broadcast,
+    broadcast_,
+    cross_rank,
+    cross_size,
+    global_process_set,
+    grouped_allgather,
+    grouped_allreduce,
+    grouped_allreduce_,
+    init,
+    is_initialized,
+    join,
+    local_rank,
+    local_size,
+    rank,
+    reducescatter,
+    remove_process_set,
+    shutdown,
+    size,
+)
+from perseus.mxnet.sync_batch_norm import PerseusSyncBatchNorm
+from perseus.mxnet.trainer import DistributedOptimizer, DistributedTrainer
+
+__all__ = [
+    "Adasum", "Average", "Compression", "DistributedOptimizer", "DistributedTrainer",
+    "HorovodInternalError", "Max", "Min", "PerseusKVStore", "PerseusOp", "PerseusSyncBatchNorm",
+    "ProcessSet", "Product", "Sum", "add_process_set", "allgather", "allgather_object",
+    "allreduce", "allreduce_", "alltoall", "barrier", "broadcast", "broadcast_",
+    "broadcast_object", "broadcast_parameters", "create", "cross_rank", "cross_size",
+    "global_process_set", "grouped_allgather", "grouped_allreduce", "grouped_allreduce_",
+    "init", "is_initialized", "join", "local_rank", "local_size", "rank", "reducescatter",
+    "remove_process_set", "shutdown", "size",
+]

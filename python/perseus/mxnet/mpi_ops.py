@@ -1,0 +1,239 @@
+"""Collectives on MXNet NDArrays: the ``horovod.mxnet`` operations of Horovod 0.28.
+
+NDArrays cross as DLPack capsules, with MXNet's asynchronous engine respected: inputs
+are exported with ``to_dlpack_for_read`` (which waits for pending writes), buffers the
+core writes with ``to_dlpack_for_write`` (which waits for pending reads and writes), and
+results the core allocates come back through ``mx.nd.from_dlpack``. Every call returns
+once the collective is done, so what follows in the engine sees the result.
+"""
+
+import mxnet as mx
+import numpy as np
+
+from perseus.common import basics as _basics
+from perseus.common import ops as _ops
+from perseus.common.basics import (  # noqa: F401 - re-exported
+    cross_rank,
+    cross_size,
+    init,
+    is_initialized,
+    local_rank,
+    local_size,
+    rank,
+    shutdown,
+    size,
+)
+from perseus.common.exceptions import HorovodInternalError  # noqa: F401 - re-exported
+from perseus.common.ops import Adasum, Average, Max, Min, Product, Sum  # noqa: F401
+from perseus.common.process_sets import (  # noqa: F401 - re-exported
+    ProcessSet,
+    add_process_set,
+    global_process_set,
+    remove_process_set,
+)
+
+_SUPPORTED_DTYPES = (np.uint8, np.int8, np.int32, np.int64, np.float16, np.float32, np.float64,
+                     np.bool_)
+
+
+def _check(tensor):
+    if not isinstance(tensor, mx.nd.NDArray):
+        raise TypeError(f"expected an mxnet NDArray, got {type(tensor).__name__}")
+    if tensor.stype != "default":
+        raise ValueError(f"{tensor.stype} NDArrays are not supported; use dense arrays")
+    try:
+        dtype = np.dtype(tensor.dtype)
+    except TypeError:  # MXNet's own types (bfloat16) are not numpy's
+        dtype = None
+    if dtype is None or dtype.type not in _SUPPORTED_DTYPES:
+        names = ", ".join(np.dtype(d).name for d in _SUPPORTED_DTYPES)
+        shown = dtype.name if dtype is not None else str(tensor.dtype)
+        raise TypeError(f"Perseus does not support NDArrays of dtype {shown}; "
+                        f"supported dtypes: {names}")
+    if tensor.context.device_type != "cpu":
+        raise ValueError(f"GPU NDArrays are not supported yet: Perseus handles CPU arrays only "
+                         f"(got one on {tensor.context})")
+    return tensor
+
+
+def _default_layout_copy(tensor):
+    """A copy of ``tensor`` in MXNet's default layout (through numpy): arrays that oneDNN
+    (MKLDNN) keeps in its own blocked layout, such as convolution weights after a forward
+    pass, cannot be exported through DLPack."""
+    return mx.nd.array(tensor.asnumpy(), ctx=tensor.context, dtype=tensor.dtype)
+
+
+def _readable(tensor):
+    """``(array, capsule)`` for the core to read ``tensor``."""
+    try:
+        return tensor, tensor.to_dlpack_for_read()
+    except mx.base.MXNetError:
+        copy = _default_layout_copy(tensor)
+        return copy, copy.to_dlpack_for_read()
+
+
+def _writable(tensor):
+    """``(buffer, capsule, finish)`` for the core to write ``tensor``'s new value:
+    ``finish()`` (after the core is done) puts it in ``tensor`` and returns ``tensor``."""
+    try:
+        return tensor, tensor.to_dlpack_for_write(), lambda: tensor
+    except mx.base.MXNetError:
+        copy = _default_layout_copy(tensor)
+
+        def finish():
+            tensor[:] = copy
+            return tensor
+        return copy, copy.to_dlpack_for_write(), finish
+
+
+def _imported(handle):
+    return mx.nd.from_dlpack(handle.output())
+
+
+def _group_names(name, n):
+    return [None] * n if name is None else [f"{name}.{i}" for i in range(n)]
+
+
+# --------------------------------------------------------------------------- allreduce
+
+def _allreduce_into(tensor, output, name, op, prescale_factor, postscale_factor, process_set,
+                    gradient=False):
+    """Start reducing ``tensor`` into ``output`` (the same array: in place)."""
+    _check(tensor)
+    if output is tensor:
+        src, cap, done = _writable(tensor)
+        inp = cap
+    else:
+        src, inp = _readable(tensor)
+        _, cap, done = _writable(output)
+    return _ops.allreduce_async(inp, cap, name=name, op=op, prescale_factor=prescale_factor,
+                                postscale_factor=postscale_factor, process_set=process_set,
+                                keep=(tensor, output, src), finish=lambda _h: done(),
+                                gradient=gradient)
+
+
+def allreduce(tensor, average=None, name=None, priority=0, prescale_factor=1.0,
+              postscale_factor=1.0, process_set=global_process_set, op=None):
+    """Average (or reduce with ``op``) ``tensor`` over the set; returns a new NDArray.
+
+    ``priority`` is accepted for compatibility. ``name`` keys the operation across
+    ranks (default: the call order, the same on every rank).
+    """
+    op = _ops.resolve_op(op, average)
+    output = mx.nd.empty(_check(tensor).shape, ctx=tensor.context, dtype=tensor.dtype)
+    return _allreduce_into(tensor, output, name, op, prescale_factor, postscale_factor,
+                           process_set).wait()
+
+
+def allreduce_(tensor, average=None, name=None, priority=0, prescale_factor=1.0,
+               postscale_factor=1.0, process_set=global_process_set, op=None):
+    """Like :func:`allreduce`, writing the result into ``tensor``; returns it."""
+    op = _ops.resolve_op(op, average)
+    return _allreduce_into(tensor, tensor, name, op, prescale_factor, postscale_factor,
+                           process_set).wait()
+
+
+def grouped_allreduce(tensors, average=None, name=None, priority=0, prescale_factor=1.0,
+                      postscale_factor=1.0, process_set=global_process_set, op=None):
+    """Reduce a list of NDArrays as one group; returns the list of new arrays."""
+    op = _ops.resolve_op(op, average)
+    outs = [mx.nd.empty(_check(t).shape, ctx=t.context, dtype=t.dtype) for t in tensors]
+    return _ops.GroupHandle([
+        _allreduce_into(t, o, n, op, prescale_factor, postscale_factor, process_set)
+        for t, o, n in zip(tensors, outs, _group_names(name, len(tensors)))]).wait()
+
+
+def grouped_allreduce_(tensors, average=None, name=None, priority=0, prescale_factor=1.0,
+                       postscale_factor=1.0, process_set=global_process_set, op=None,
+                       gradient=False):
+    """Reduce a list of NDArrays in place as one group; returns the list."""
+    op = _ops.resolve_op(op, average)
+    return _ops.GroupHandle([
+        _allreduce_into(t, t, n, op, prescale_factor, postscale_factor, process_set, gradient)
+        for t, n in zip(tensors, _group_names(name, len(tensors)))]).wait()
+
+
+# --------------------------------------------------------------------------- allgather
+
+def _allgather(tensor, name, process_set, stack):
+    _check(tensor)
+    src = tensor.reshape((1,)) if not stack and tensor.ndim == 0 else tensor
+    if stack:
+        src = src.expand_dims(0)
+    src, cap = _readable(src)
+    return _ops.allgather_async(cap, name=name, stack=stack, process_set=process_set,
+                                keep=(tensor, src), finish=_imported)
+
+
+def allgather(tensor, name=None, priority=0, process_set=global_process_set):
+    """Gather ``tensor`` from every rank of the set.
+
+    ``PERSEUS_CHANGE_HVD_ALLGATHER=0`` (the default): equal shapes, stacked into
+    ``[set size, *shape]``. ``=1``: concatenated along dim 0, as Horovod does.
+    """
+    return _allgather(tensor, name, process_set, _basics.allgather_stacks()).wait()
+
+
+def grouped_allgather(tensors, name=None, priority=0, process_set=global_process_set):
+    """Gather each NDArray of a list; returns the list of results."""
+    stack = _basics.allgather_stacks()
+    return _ops.GroupHandle([_allgather(t, n, process_set, stack)
+                             for t, n in zip(tensors, _group_names(name, len(tensors)))]).wait()
+
+
+# --------------------------------------------------------------------------- broadcast
+
+def _broadcast_into(buf, root_rank, name, process_set, keep):
+    target, cap, done = _writable(buf)
+    return _ops.broadcast_async(cap, root_rank=root_rank, name=name, process_set=process_set,
+                                keep=(keep, buf, target), finish=lambda _h: done())
+
+
+def broadcast(tensor, root_rank, name=None, priority=0, process_set=global_process_set):
+    """``root_rank``'s value of ``tensor`` (counted within the set), as a new NDArray."""
+    out = _check(tensor).copy()
+    return _broadcast_into(out, root_rank, name, process_set, tensor).wait()
+
+
+def broadcast_(tensor, root_rank, name=None, priority=0, process_set=global_process_set):
+    """Overwrite ``tensor`` with ``root_rank``'s value; returns it."""
+    return _broadcast_into(_check(tensor), root_rank, name, process_set, None).wait()
+
+
+# --------------------------------------------------------------------------- alltoall, reducescatter
+
+def alltoall(tensor, splits=None, name=None, priority=0, process_set=global_process_set):
+    """Send ``splits[i]`` rows (dim 0) of ``tensor`` to rank i of the set; returns
+    ``(received rows, received_splits)`` (an int32 NDArray), as the other front-ends."""
+    _check(tensor)
+    if splits is not None:
+        splits = [int(s) for s in (splits.asnumpy() if isinstance(splits, mx.nd.NDArray)
+                                   else splits)]
+
+    def finish(h):
+        return _imported(h), mx.nd.array(h.recv_splits(), dtype=np.int32)
+
+    src, cap = _readable(tensor)
+    return _ops.alltoall_async(cap, splits=splits, name=name, process_set=process_set,
+                               keep=(tensor, src), finish=finish).wait()
+
+
+def reducescatter(tensor, op=Average, name=None, priority=0, process_set=global_process_set,
+                  prescale_factor=1.0, postscale_factor=1.0):
+    """Reduce ``tensor`` over the set; returns this rank's block of dim-0 rows (the first
+    ``d0 % size`` ranks get one more)."""
+    src, cap = _readable(_check(tensor))
+    return _ops.reducescatter_async(
+        cap, name=name, op=op, prescale_factor=prescale_factor,
+        postscale_factor=postscale_factor, process_set=process_set, keep=(tensor, src),
+        finish=_imported).wait()
+
+
+def join():
+    """Declare that this rank has no more data; returns the rank that joined last."""
+    return _ops.join()
+
+
+def barrier(process_set=global_process_set):
+    """Block until every rank of the set reached the barrier."""
+    _ops.barrier(process_set)

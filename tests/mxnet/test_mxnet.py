@@ -1,0 +1,41 @@
+"""perseus.mxnet: the Horovod API, the Perseus KVStore and PerseusSyncBatchNorm on 2 and 3
+ranks (workers/), in the MXNet virtual environment."""
+
+import pytest
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_collectives(run_framework, n):
+    """Every op's values for every dtype, in place and not, broadcast_parameters (also
+    deferred), process sets, join; then the concatenating allgather after a re-init."""
+    run_framework(n, "collectives.py")
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_training_equals_one_process(run_framework, n):
+    """DistributedTrainer, DistributedOptimizer (Module API) and the KVStore (gluon and
+    Module) give every rank the weights of one process on the whole batch; the KVStore's
+    push with Max and Min, param_only keys and its errors."""
+    run_framework(n, "training.py")
+
+
+def test_sync_batch_norm_scopes(run_framework):
+    """comm_scope=1 (every rank) and comm_scope=0 (ranks 0 and 1 share a host, rank 2 is
+    alone) against a reference on the gathered batch: outputs, gradients, running stats."""
+    run_framework(3, "sync_batch_norm.py", hosts="127.0.0.1:2,127.0.0.2:1")
+
+
+def test_errors(run_framework):
+    """Use before init, bad arrays and arguments, and cross-rank mismatches on every rank."""
+    run_framework(2, "errors.py")
+
+
+@pytest.mark.parametrize("script, expect", [
+    ("mxnet_mnist.py", "final accuracy"),
+    ("mxnet_kvstore_module.py", "final accuracy"),
+])
+def test_examples_run(run_example, script, expect):
+    """Both MXNet examples train on 2 ranks through the launcher and report."""
+    out = run_example(script, "--epochs", "1", expect=expect)
+    accuracy = float(out.rsplit(expect, 1)[1].split()[0])
+    assert accuracy > 0.5, f"{script} did not learn: accuracy {accuracy}\n{out}"
