@@ -17,6 +17,8 @@ step "cargo clippy (all targets)"
 cargo clippy --release --all-targets -- -D warnings
 step "cargo test"
 cargo test --release
+step "cargo test (cuda feature: the GPU path's discovery and kernels, docs/gpu.md)"
+cargo test --release --features cuda --lib gpu::
 step "fuzz (a short run of each target; docs/reliability.md)"
 bash scripts/fuzz.sh
 
@@ -27,8 +29,8 @@ python="$venv/bin/python"
 export PYTHONPATH="$root/python${PYTHONPATH:+:$PYTHONPATH}"
 export PATH="$venv/bin:$PATH"
 
-step "cargo clippy (python feature)"
-PYO3_PYTHON="$python" cargo clippy --release --features python -- -D warnings
+step "cargo clippy (python and cuda features, as the wheel is built)"
+PYO3_PYTHON="$python" cargo clippy --release --features python,cuda -- -D warnings
 
 lint=()
 for dir in python tests examples benchmarks; do

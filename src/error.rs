@@ -40,6 +40,10 @@ pub enum PerseusError {
     /// The engine stopped (shutdown or an earlier fatal failure).
     #[error("{0}")]
     Aborted(String),
+    /// A GPU library (CUDA driver, NVRTC, NCCL) is missing or unusable, or the build has
+    /// no GPU support; the message names what was searched.
+    #[error("{0}")]
+    GpuUnavailable(String),
 }
 
 /// Result alias used throughout the core.

@@ -14,6 +14,8 @@ pub mod config;
 pub mod engine;
 #[doc(hidden)]
 pub mod fuzzing;
+#[cfg(feature = "cuda")]
+pub mod gpu;
 pub mod plan;
 #[cfg(feature = "python")]
 mod python;

@@ -12,6 +12,13 @@ create_exception!(
     "A collective failed on this rank: ranks disagreed about it, a peer died or timed out."
 );
 
+create_exception!(
+    _core,
+    GpuUnavailableError,
+    PyRuntimeError,
+    "A GPU library (CUDA driver, NVRTC or NCCL) is missing or unusable; the message says where it was looked for."
+);
+
 /// Maps a core error to its Python exception.
 pub fn to_py(e: PerseusError) -> PyErr {
     let msg = e.to_string();
@@ -25,5 +32,6 @@ pub fn to_py(e: PerseusError) -> PyErr {
         | PerseusError::Protocol(_)
         | PerseusError::Io(_)
         | PerseusError::Aborted(_) => HorovodInternalError::new_err(msg),
+        PerseusError::GpuUnavailable(_) => GpuUnavailableError::new_err(msg),
     }
 }

@@ -10,8 +10,9 @@ use crate::dtype::ReduceOp;
 use crate::engine::{Engine, OpKind, Output, Request};
 use crate::error::PerseusError;
 use crate::rendezvous::StoreServer;
-use errors::{to_py, HorovodInternalError};
+use errors::{to_py, GpuUnavailableError, HorovodInternalError};
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 
@@ -447,6 +448,80 @@ impl RendezvousServer {
     }
 }
 
+/// The GPU libraries (CUDA driver, NVRTC, NCCL): for each, a dict with `name`, `files`
+/// (the names looked for), `path` and `version` (None when missing) and `missing` (why,
+/// with every place searched). `dirs` are searched first.
+#[pyfunction]
+fn gpu_libraries<'py>(
+    py: Python<'py>,
+    dirs: Vec<std::path::PathBuf>,
+) -> PyResult<Vec<Bound<'py, PyDict>>> {
+    let mut out = Vec::new();
+    #[cfg(feature = "cuda")]
+    for lib in crate::gpu::libs::CudaLib::ALL {
+        let probe = crate::gpu::libs::probe(lib, &dirs);
+        let d = PyDict::new(py);
+        d.set_item("name", lib.label())?;
+        d.set_item("files", lib.file_names().to_vec())?;
+        d.set_item(
+            "path",
+            probe.loaded.as_ref().map(|l| l.path.display().to_string()),
+        )?;
+        d.set_item("version", probe.loaded.as_ref().map(|l| l.version.clone()))?;
+        d.set_item(
+            "missing",
+            probe.loaded.is_none().then(|| probe.missing_message()),
+        )?;
+        out.push(d);
+    }
+    #[cfg(not(feature = "cuda"))]
+    for name in ["CUDA driver", "NVRTC", "NCCL"] {
+        let _ = &dirs;
+        let d = PyDict::new(py);
+        d.set_item("name", name)?;
+        d.set_item("files", Vec::<String>::new())?;
+        d.set_item("path", py.None())?;
+        d.set_item("version", py.None())?;
+        d.set_item(
+            "missing",
+            "this build of Perseus has no GPU support (the cuda feature)",
+        )?;
+        out.push(d);
+    }
+    Ok(out)
+}
+
+/// Compiles every device kernel source with NVRTC: a dict per source with `source`,
+/// `kernels` and `ptx_bytes`. Raises GpuUnavailableError when NVRTC is missing.
+#[pyfunction]
+fn gpu_compile_kernels<'py>(
+    py: Python<'py>,
+    dirs: Vec<std::path::PathBuf>,
+) -> PyResult<Vec<Bound<'py, PyDict>>> {
+    #[cfg(feature = "cuda")]
+    {
+        let compiled = py
+            .detach(|| crate::gpu::kernels::compile_all(&dirs))
+            .map_err(to_py)?;
+        let mut out = Vec::new();
+        for c in compiled {
+            let d = PyDict::new(py);
+            d.set_item("source", c.name)?;
+            d.set_item("kernels", c.kernels)?;
+            d.set_item("ptx_bytes", c.ptx_bytes)?;
+            out.push(d);
+        }
+        Ok(out)
+    }
+    #[cfg(not(feature = "cuda"))]
+    {
+        let _ = (py, dirs);
+        Err(to_py(PerseusError::GpuUnavailable(
+            "this build of Perseus has no GPU support (the cuda feature)".into(),
+        )))
+    }
+}
+
 /// The extension module.
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -461,6 +536,12 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("OP_MAX", 4)?;
     m.add("OP_PRODUCT", 5)?;
     m.add("GLOBAL_PROCESS_SET", 0)?;
+    m.add(
+        "GpuUnavailableError",
+        m.py().get_type::<GpuUnavailableError>(),
+    )?;
+    m.add_function(wrap_pyfunction!(gpu_libraries, m)?)?;
+    m.add_function(wrap_pyfunction!(gpu_compile_kernels, m)?)?;
     m.add_class::<RendezvousServer>()?;
     m.add_function(wrap_pyfunction!(init, m)?)?;
     m.add_function(wrap_pyfunction!(shutdown, m)?)?;

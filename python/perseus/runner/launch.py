@@ -275,21 +275,18 @@ def check_build(out=sys.stdout):
         core = True
     except ImportError:
         core = False
-    cuda = False
-    if frameworks["PyTorch"]:
-        import torch
-
-        cuda = bool(torch.cuda.is_available())
-    else:
-        import ctypes.util
-
-        cuda = ctypes.util.find_library("cuda") is not None
     lines = [f"Perseus v{perseus.__version__}:", "", "Available Frameworks:"]
     lines += [f"    {mark(ok)} {name}" for name, ok in frameworks.items()]
     lines += ["", "Available Backends:",
               f"    {mark(core)} Gloo (Perseus core over TCP and shared memory)",
               f"    {mark(shutil.which('mpirun') is not None)} MPI (mpirun)",
-              "", f"CUDA: {'found' if cuda else 'not found'}"]
+              "", "GPU libraries (loaded at run time, docs/gpu.md):"]
+    if core:
+        from perseus.common import gpu
+
+        lines += gpu.report_lines()
+    else:
+        lines.append("    [ ] (the Perseus core did not import)")
     print("\n".join(lines), file=out)
     return 0
 

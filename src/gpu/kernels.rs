@@ -1,0 +1,289 @@
+//! The device kernels, as CUDA C sources that NVRTC compiles at run time.
+//!
+//! The sources use no CUDA header (no toolkit needs to be installed): float16 conversions
+//! are PTX `cvt` instructions, bfloat16 ones are bit operations. Each kernel takes the
+//! element count and walks its range with a grid-stride loop. [`compile_all`] compiles
+//! every source through NVRTC, which is what CI checks on machines without a GPU.
+
+use std::path::PathBuf;
+
+use crate::error::{PerseusError, Result};
+use crate::gpu::libs::{probe, CudaLib};
+
+/// Helpers every source starts with: conversions and the grid-stride loop.
+const PRELUDE: &str = r#"
+typedef unsigned long long u64;
+#define FOR_EACH(i, n) for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < (n); \
+                            i += (u64)blockDim.x * gridDim.x)
+__device__ __forceinline__ unsigned short f32_to_f16(float f) {
+    unsigned short h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h;
+}
+__device__ __forceinline__ float f16_to_f32(unsigned short h) {
+    float f; asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h)); return f;
+}
+__device__ __forceinline__ unsigned short f32_to_bf16(float f) {
+    unsigned int u = __float_as_uint(f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (unsigned short)((u >> 16) | 0x40u);  // NaN
+    u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
+    return (unsigned short)(u >> 16);
+}
+__device__ __forceinline__ float bf16_to_f32(unsigned short b) {
+    return __uint_as_float(((unsigned int)b) << 16);
+}
+__device__ __forceinline__ float combine(float a, float b, int op) {
+    switch (op) { case 0: return a + b; case 1: return fminf(a, b);
+                  case 2: return fmaxf(a, b); default: return a * b; }
+}
+"#;
+
+/// Every kernel source: (name, body after the prelude).
+pub const SOURCES: &[(&str, &str)] = &[
+    (
+        "cast",
+        r#"
+// float32 -> float16 / bfloat16 with the gradient scale (PERSEUS_ALLREDUCE_DTYPE,
+// PERSEUS_ALLREDUCE_GRADIENT_SCALE), and back with its inverse.
+extern "C" __global__ void f32_to_f16_scaled(const float* x, unsigned short* y, float scale, u64 n) {
+    FOR_EACH(i, n) y[i] = f32_to_f16(x[i] * scale);
+}
+extern "C" __global__ void f16_to_f32_scaled(const unsigned short* x, float* y, float inv, u64 n) {
+    FOR_EACH(i, n) y[i] = f16_to_f32(x[i]) * inv;
+}
+extern "C" __global__ void f32_to_bf16_scaled(const float* x, unsigned short* y, float scale, u64 n) {
+    FOR_EACH(i, n) y[i] = f32_to_bf16(x[i] * scale);
+}
+extern "C" __global__ void bf16_to_f32_scaled(const unsigned short* x, float* y, float inv, u64 n) {
+    FOR_EACH(i, n) y[i] = bf16_to_f32(x[i]) * inv;
+}
+"#,
+    ),
+    (
+        "reduce",
+        r#"
+// dst = dst (op) src; op 0 sum, 1 min, 2 max, 3 product. Average is a sum then a scale.
+extern "C" __global__ void reduce_f32(float* dst, const float* src, int op, u64 n) {
+    FOR_EACH(i, n) dst[i] = combine(dst[i], src[i], op);
+}
+extern "C" __global__ void reduce_f64(double* dst, const double* src, int op, u64 n) {
+    FOR_EACH(i, n) {
+        double a = dst[i], b = src[i];
+        dst[i] = op == 0 ? a + b : op == 1 ? fmin(a, b) : op == 2 ? fmax(a, b) : a * b;
+    }
+}
+extern "C" __global__ void reduce_f16(unsigned short* dst, const unsigned short* src, int op, u64 n) {
+    FOR_EACH(i, n) dst[i] = f32_to_f16(combine(f16_to_f32(dst[i]), f16_to_f32(src[i]), op));
+}
+extern "C" __global__ void reduce_bf16(unsigned short* dst, const unsigned short* src, int op, u64 n) {
+    FOR_EACH(i, n) dst[i] = f32_to_bf16(combine(bf16_to_f32(dst[i]), bf16_to_f32(src[i]), op));
+}
+"#,
+    ),
+    (
+        "scale",
+        r#"
+// Prescale and postscale (and the 1/n of Average).
+extern "C" __global__ void scale_f32(float* x, float s, u64 n) { FOR_EACH(i, n) x[i] *= s; }
+extern "C" __global__ void scale_f64(double* x, double s, u64 n) { FOR_EACH(i, n) x[i] *= s; }
+extern "C" __global__ void scale_f16(unsigned short* x, float s, u64 n) {
+    FOR_EACH(i, n) x[i] = f32_to_f16(f16_to_f32(x[i]) * s);
+}
+extern "C" __global__ void scale_bf16(unsigned short* x, float s, u64 n) {
+    FOR_EACH(i, n) x[i] = f32_to_bf16(bf16_to_f32(x[i]) * s);
+}
+"#,
+    ),
+    (
+        "nancheck",
+        r#"
+// PERSEUS_ALLREDUCE_NANCHECK: *flag becomes 1 when any element is NaN or infinite.
+extern "C" __global__ void nonfinite_f32(const float* x, int* flag, u64 n) {
+    FOR_EACH(i, n) if (!isfinite(x[i])) { atomicOr(flag, 1); return; }
+}
+extern "C" __global__ void nonfinite_f16(const unsigned short* x, int* flag, u64 n) {
+    FOR_EACH(i, n) if ((x[i] & 0x7c00u) == 0x7c00u) { atomicOr(flag, 1); return; }
+}
+"#,
+    ),
+    (
+        "dgc",
+        r#"
+// Deep gradient compression: the top-k threshold is found by bisection on the count of
+// elements at or above it; then the elements above it are gathered (index, value) and
+// cleared from the residual.
+extern "C" __global__ void count_at_least(const float* x, float threshold, u64* count, u64 n) {
+    u64 mine = 0;
+    FOR_EACH(i, n) mine += fabsf(x[i]) >= threshold;
+    if (mine) atomicAdd(count, mine);
+}
+extern "C" __global__ void select_at_least(float* x, float threshold, unsigned int* indices,
+                                           float* values, u64* taken, u64 capacity, u64 n) {
+    FOR_EACH(i, n) {
+        float v = x[i];
+        if (fabsf(v) >= threshold) {
+            u64 slot = atomicAdd(taken, 1ull);
+            if (slot < capacity) { indices[slot] = (unsigned int)i; values[slot] = v; x[i] = 0.0f; }
+        }
+    }
+}
+"#,
+    ),
+    (
+        "optimizers",
+        r#"
+// Fused optimizer updates on float32 weights.
+extern "C" __global__ void sgd(float* w, const float* g, float* mom, float lr, float momentum,
+                               float weight_decay, int nesterov, u64 n) {
+    FOR_EACH(i, n) {
+        float d = g[i] + weight_decay * w[i];
+        if (momentum != 0.0f) {
+            float m = momentum * mom[i] + d;
+            mom[i] = m;
+            d = nesterov ? d + momentum * m : m;
+        }
+        w[i] -= lr * d;
+    }
+}
+// Adam (decoupled = 0: L2 added to the gradient) and AdamW (decoupled = 1).
+// bias1 = 1 - beta1^t, bias2 = 1 - beta2^t.
+extern "C" __global__ void adam(float* w, const float* g, float* m, float* v, float lr,
+                                float beta1, float beta2, float eps, float weight_decay,
+                                int decoupled, float bias1, float bias2, u64 n) {
+    FOR_EACH(i, n) {
+        float gi = decoupled ? g[i] : g[i] + weight_decay * w[i];
+        float mi = beta1 * m[i] + (1.0f - beta1) * gi;
+        float vi = beta2 * v[i] + (1.0f - beta2) * gi * gi;
+        m[i] = mi; v[i] = vi;
+        float step = (mi / bias1) / (sqrtf(vi / bias2) + eps);
+        if (decoupled) step += weight_decay * w[i];
+        w[i] -= lr * step;
+    }
+}
+// LAMB, in two launches: the Adam-like direction into u with the squared norms of w and
+// u accumulated in norms[0], norms[1]; then the step scaled by the trust ratio.
+extern "C" __global__ void lamb_direction(const float* w, const float* g, float* m, float* v,
+                                          float* u, float* norms, float beta1, float beta2,
+                                          float eps, float weight_decay, float bias1,
+                                          float bias2, u64 n) {
+    float ww = 0.0f, uu = 0.0f;
+    FOR_EACH(i, n) {
+        float mi = beta1 * m[i] + (1.0f - beta1) * g[i];
+        float vi = beta2 * v[i] + (1.0f - beta2) * g[i] * g[i];
+        m[i] = mi; v[i] = vi;
+        float ui = (mi / bias1) / (sqrtf(vi / bias2) + eps) + weight_decay * w[i];
+        u[i] = ui;
+        ww += w[i] * w[i]; uu += ui * ui;
+    }
+    atomicAdd(&norms[0], ww); atomicAdd(&norms[1], uu);
+}
+extern "C" __global__ void lamb_apply(float* w, const float* u, const float* norms, float lr,
+                                      u64 n) {
+    float wn = sqrtf(norms[0]), un = sqrtf(norms[1]);
+    float trust = (wn > 0.0f && un > 0.0f) ? wn / un : 1.0f;
+    FOR_EACH(i, n) w[i] -= lr * trust * u[i];
+}
+"#,
+    ),
+];
+
+/// The full text NVRTC compiles for source `name`.
+pub fn source(name: &str) -> Option<String> {
+    SOURCES
+        .iter()
+        .find(|(n, _)| *n == name)
+        .map(|(_, body)| format!("{PRELUDE}{body}"))
+}
+
+/// One compiled source.
+#[derive(Debug, Clone)]
+pub struct Compiled {
+    /// The source's name.
+    pub name: &'static str,
+    /// The `extern "C"` kernels it defines.
+    pub kernels: Vec<String>,
+    /// The size of the PTX NVRTC produced, in bytes.
+    pub ptx_bytes: usize,
+}
+
+/// The kernels a source defines (its `extern "C" __global__` functions).
+fn kernel_names(body: &str) -> Vec<String> {
+    body.split("__global__ void ")
+        .skip(1)
+        .filter_map(|rest| rest.split('(').next())
+        .map(|s| s.trim().to_string())
+        .collect()
+}
+
+/// Compiles every source with NVRTC (found in `dirs` first, see [`probe`]), for the
+/// oldest architecture CUDA 12 and 13 both support. A missing NVRTC is a
+/// [`PerseusError::GpuUnavailable`] naming where it was looked for; a source that does
+/// not compile is one with NVRTC's log.
+pub fn compile_all(dirs: &[PathBuf]) -> Result<Vec<Compiled>> {
+    let nvrtc = probe(CudaLib::Nvrtc, dirs);
+    if nvrtc.loaded.is_none() {
+        return Err(PerseusError::GpuUnavailable(nvrtc.missing_message()));
+    }
+    let mut out = Vec::new();
+    for (name, body) in SOURCES {
+        let src = format!("{PRELUDE}{body}");
+        let opts = cudarc::nvrtc::CompileOptions {
+            arch: Some("compute_75"),
+            name: Some(format!("{name}.cu")),
+            ..Default::default()
+        };
+        // cudarc finds NVRTC by its SONAME, already loaded by `probe` above. It panics
+        // where it cannot; keep any such panic from crossing into Python.
+        let compiled =
+            std::panic::catch_unwind(|| cudarc::nvrtc::compile_ptx_with_opts(&src, opts)).map_err(
+                |_| {
+                    PerseusError::GpuUnavailable(format!(
+                        "NVRTC was loaded from {} but could not be used",
+                        nvrtc
+                            .loaded
+                            .as_ref()
+                            .map(|l| l.path.display().to_string())
+                            .unwrap_or_default()
+                    ))
+                },
+            )?;
+        let ptx = compiled.map_err(|e| {
+            PerseusError::InvalidArgument(format!("kernel source {name} does not compile: {e:?}"))
+        })?;
+        out.push(Compiled {
+            name,
+            kernels: kernel_names(body),
+            ptx_bytes: ptx.to_src().len(),
+        });
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_source_names_its_kernels() {
+        let all: Vec<String> = SOURCES.iter().flat_map(|(_, b)| kernel_names(b)).collect();
+        for k in [
+            "f32_to_f16_scaled",
+            "bf16_to_f32_scaled",
+            "reduce_f32",
+            "reduce_bf16",
+            "scale_f16",
+            "nonfinite_f32",
+            "count_at_least",
+            "select_at_least",
+            "sgd",
+            "adam",
+            "lamb_direction",
+            "lamb_apply",
+        ] {
+            assert!(
+                all.iter().any(|n| n == k),
+                "kernel {k} missing from {all:?}"
+            );
+        }
+        assert!(source("cast").unwrap().starts_with(PRELUDE));
+        assert!(source("nothing").is_none());
+    }
+}

@@ -1,0 +1,266 @@
+//! Finding and loading CUDA's libraries at run time.
+//!
+//! Each library is looked for under the names its releases really carry, first in the
+//! directories the caller gives (the Python side passes the `nvidia/*/lib` folders of
+//! the installed nvidia-* wheels), then in `LD_LIBRARY_PATH`, `CUDA_HOME`/`CUDA_PATH`
+//! and the system's usual places, and last by bare name through the dynamic loader.
+//! A library, once loaded, stays loaded for the life of the process: later loads by
+//! its SONAME (as cudarc does) find it whatever directory it came from.
+
+use std::collections::HashMap;
+use std::ffi::c_int;
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, OnceLock};
+
+use libloading::Library;
+
+/// One of the libraries the GPU path uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum CudaLib {
+    /// The CUDA driver (`libcuda.so.1`), installed with the GPU driver.
+    Driver,
+    /// The run-time compiler of the kernels (`libnvrtc.so.13` or `.12`).
+    Nvrtc,
+    /// NCCL (`libnccl.so.2`), the transport between GPUs.
+    Nccl,
+}
+
+impl CudaLib {
+    /// Every library, in report order.
+    pub const ALL: [CudaLib; 3] = [CudaLib::Driver, CudaLib::Nvrtc, CudaLib::Nccl];
+
+    /// The name reports use.
+    pub fn label(self) -> &'static str {
+        match self {
+            CudaLib::Driver => "CUDA driver",
+            CudaLib::Nvrtc => "NVRTC",
+            CudaLib::Nccl => "NCCL",
+        }
+    }
+
+    /// The file names to look for, most wanted first.
+    pub fn file_names(self) -> &'static [&'static str] {
+        match self {
+            CudaLib::Driver => &["libcuda.so.1", "libcuda.so"],
+            CudaLib::Nvrtc => &["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"],
+            CudaLib::Nccl => &["libnccl.so.2", "libnccl.so"],
+        }
+    }
+}
+
+/// A library that was found and loaded.
+#[derive(Debug, Clone)]
+pub struct Loaded {
+    /// The file it was loaded from (the bare name when the dynamic loader found it).
+    pub path: PathBuf,
+    /// Its version, as the library reports it ("13.2", "2.28.7").
+    pub version: String,
+}
+
+/// What a search for one library found.
+#[derive(Debug, Clone)]
+pub struct Probe {
+    /// The library.
+    pub lib: CudaLib,
+    /// Where it was loaded from, or None.
+    pub loaded: Option<Loaded>,
+    /// Every place tried, in order (for the error message when it is missing).
+    pub searched: Vec<String>,
+    /// The loader's last complaint, when a file existed but would not load.
+    pub error: Option<String>,
+}
+
+impl Probe {
+    /// The sentence an error gives when the library is missing.
+    pub fn missing_message(&self) -> String {
+        let mut msg = format!(
+            "{} ({}) was not found; searched: {}",
+            self.lib.label(),
+            self.lib.file_names().join(" or "),
+            self.searched.join(", ")
+        );
+        if let Some(e) = &self.error {
+            msg.push_str(&format!("; the last load failed with: {e}"));
+        }
+        msg
+    }
+}
+
+fn loaded() -> &'static Mutex<HashMap<CudaLib, (Loaded, Library)>> {
+    static LOADED: OnceLock<Mutex<HashMap<CudaLib, (Loaded, Library)>>> = OnceLock::new();
+    LOADED.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+/// The directories searched after the caller's, in order.
+pub fn default_dirs() -> Vec<PathBuf> {
+    let mut dirs = Vec::new();
+    if let Some(paths) = std::env::var_os("LD_LIBRARY_PATH") {
+        dirs.extend(std::env::split_paths(&paths).filter(|p| !p.as_os_str().is_empty()));
+    }
+    for var in ["CUDA_HOME", "CUDA_PATH"] {
+        if let Some(root) = std::env::var_os(var) {
+            dirs.push(Path::new(&root).join("lib64"));
+            dirs.push(Path::new(&root).join("lib"));
+        }
+    }
+    for d in [
+        "/usr/local/cuda/lib64",
+        "/usr/lib/x86_64-linux-gnu",
+        "/usr/lib/aarch64-linux-gnu",
+        "/usr/lib64",
+        "/usr/lib/wsl/lib",
+    ] {
+        dirs.push(PathBuf::from(d));
+    }
+    dirs
+}
+
+/// Finds and loads `lib` (once per process), searching `dirs` first.
+pub fn probe(lib: CudaLib, dirs: &[PathBuf]) -> Probe {
+    let mut table = loaded().lock().unwrap_or_else(|p| p.into_inner());
+    let mut probe = Probe {
+        lib,
+        loaded: None,
+        searched: Vec::new(),
+        error: None,
+    };
+    if let Some((found, _)) = table.get(&lib) {
+        probe.loaded = Some(found.clone());
+        return probe;
+    }
+    let mut candidates: Vec<PathBuf> = Vec::new();
+    for dir in dirs.iter().cloned().chain(default_dirs()) {
+        for name in lib.file_names() {
+            candidates.push(dir.join(name));
+        }
+    }
+    // Last, the bare names: the dynamic loader's own search (ld.so.cache, RPATH).
+    candidates.extend(lib.file_names().iter().map(PathBuf::from));
+    for path in candidates {
+        let bare = path.parent().map_or(true, |p| p.as_os_str().is_empty());
+        if !bare && !path.is_file() {
+            continue;
+        }
+        probe.searched.push(path.display().to_string());
+        // SAFETY: loading runs the library's initializers; CUDA's libraries are made to
+        // be loaded this way (it is how the CUDA runtime itself finds them).
+        match unsafe { Library::new(&path) } {
+            Ok(library) => match version(lib, &library) {
+                Ok(version) => {
+                    let found = Loaded { path, version };
+                    probe.loaded = Some(found.clone());
+                    table.insert(lib, (found, library));
+                    return probe;
+                }
+                Err(e) => probe.error = Some(e),
+            },
+            Err(e) => probe.error = Some(e.to_string()),
+        }
+    }
+    if probe.searched.is_empty() {
+        probe.searched.push("(no candidate file exists)".into());
+    }
+    probe.searched = summarize(dirs, lib, probe.searched);
+    probe
+}
+
+/// The searched list as directories plus the bare names, readable in one line.
+fn summarize(dirs: &[PathBuf], lib: CudaLib, tried: Vec<String>) -> Vec<String> {
+    let mut out: Vec<String> = dirs
+        .iter()
+        .cloned()
+        .chain(default_dirs())
+        .map(|d| d.display().to_string())
+        .collect();
+    out.push(format!(
+        "the dynamic loader's path for {}",
+        lib.file_names().join(", ")
+    ));
+    for t in tried {
+        if !out.iter().any(|o| t.starts_with(o.as_str())) && !t.starts_with("lib") {
+            out.push(t);
+        }
+    }
+    out
+}
+
+/// Asks a loaded library its version (the call needs no GPU).
+fn version(lib: CudaLib, library: &Library) -> Result<String, String> {
+    // SAFETY: each symbol is looked up with the signature CUDA documents for it, and
+    // each call only writes the integers it is given.
+    unsafe {
+        match lib {
+            CudaLib::Driver => {
+                let f: libloading::Symbol<unsafe extern "C" fn(*mut c_int) -> c_int> = library
+                    .get(b"cuDriverGetVersion\0")
+                    .map_err(|e| e.to_string())?;
+                let mut v: c_int = 0;
+                match f(&mut v) {
+                    0 => Ok(format!("{}.{}", v / 1000, (v % 1000) / 10)),
+                    code => Err(format!("cuDriverGetVersion failed with CUDA error {code}")),
+                }
+            }
+            CudaLib::Nvrtc => {
+                let f: libloading::Symbol<unsafe extern "C" fn(*mut c_int, *mut c_int) -> c_int> =
+                    library.get(b"nvrtcVersion\0").map_err(|e| e.to_string())?;
+                let (mut major, mut minor): (c_int, c_int) = (0, 0);
+                match f(&mut major, &mut minor) {
+                    0 => Ok(format!("{major}.{minor}")),
+                    code => Err(format!("nvrtcVersion failed with NVRTC error {code}")),
+                }
+            }
+            CudaLib::Nccl => {
+                let f: libloading::Symbol<unsafe extern "C" fn(*mut c_int) -> c_int> = library
+                    .get(b"ncclGetVersion\0")
+                    .map_err(|e| e.to_string())?;
+                let mut v: c_int = 0;
+                match f(&mut v) {
+                    0 => Ok(nccl_version(v)),
+                    code => Err(format!("ncclGetVersion failed with NCCL error {code}")),
+                }
+            }
+        }
+    }
+}
+
+/// NCCL's version code as text: 2.18 and later code `major*10000 + minor*100 + patch`,
+/// earlier releases `major*1000 + minor*100 + patch`.
+pub fn nccl_version(code: i32) -> String {
+    if code >= 10000 {
+        format!("{}.{}.{}", code / 10000, (code % 10000) / 100, code % 100)
+    } else {
+        format!("{}.{}.{}", code / 1000, (code % 1000) / 100, code % 100)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nccl_version_codes_of_both_eras() {
+        assert_eq!(nccl_version(22807), "2.28.7");
+        assert_eq!(nccl_version(2708), "2.7.8");
+    }
+
+    #[test]
+    fn a_missing_library_names_what_was_searched() {
+        let dir = std::env::temp_dir().join("perseus-no-cuda-here");
+        let p = probe(CudaLib::Nccl, std::slice::from_ref(&dir));
+        if p.loaded.is_none() {
+            let msg = p.missing_message();
+            assert!(
+                msg.contains("NCCL (libnccl.so.2 or libnccl.so) was not found"),
+                "{msg}"
+            );
+            assert!(msg.contains("perseus-no-cuda-here"), "{msg}");
+        }
+    }
+
+    #[test]
+    fn the_real_file_names_come_first() {
+        assert_eq!(CudaLib::Nccl.file_names()[0], "libnccl.so.2");
+        assert_eq!(CudaLib::Nvrtc.file_names()[0], "libnvrtc.so.13");
+        assert_eq!(CudaLib::Driver.file_names()[0], "libcuda.so.1");
+    }
+}
