@@ -76,10 +76,10 @@ def test_stall_shutdown_fails_every_rank(run_workers):
 
 
 @pytest.mark.timeout(90)
-def test_a_panic_in_the_core_is_an_exception(run_workers):
+def test_a_panic_in_the_core_is_an_exception(run_workers, tmp_path):
     """The engine thread's panic reaches its callers as HorovodInternalError; the other
     rank, whose shutdown then finds rank 0 gone, still leaves cleanly."""
-    out = run_workers(2, "panic.py", env={"GLOO_TIMEOUT_SECONDS": "10"})
+    out = run_workers(2, "panic.py", tmp_path, env={"GLOO_TIMEOUT_SECONDS": "10"})
     assert "engine thread failed" in out, out
 
 

@@ -2,8 +2,14 @@
 engine thread panics while an operation is pending; it and later operations fail with
 HorovodInternalError, and shutdown() returns. A panic inside a call raises there.
 
-Usage: panic.py (2 ranks)
+Usage: panic.py DIR (2 ranks; rank 0 leaves DIR/rank0-checked once it has seen the errors,
+and rank 1 waits for it before shutting down, so that its shutdown cannot reach rank 0
+first and fail the pending operation for another reason)
 """
+
+import os
+import sys
+import time
 
 import perseus.torch.horovod as hvd
 import torch
@@ -12,6 +18,7 @@ from perseus import _core
 
 
 def main():
+    marker = os.path.join(sys.argv[1], "rank0-checked")
     hvd.init()
     r = hvd.rank()
     assert hvd.allreduce(torch.ones(2), op=hvd.Sum).tolist() == [2.0, 2.0]
@@ -30,6 +37,12 @@ def main():
             hvd.synchronize(h)
         with raises(hvd.HorovodInternalError, "engine thread failed", what="a later one"):
             hvd.allreduce(torch.ones(2), name="later")
+        open(marker, "w").close()
+    else:
+        deadline = time.monotonic() + 60
+        while not os.path.exists(marker):
+            assert time.monotonic() < deadline, "rank 0 never reported its checks"
+            time.sleep(0.05)
     hvd.shutdown()
     done(r)
 
