@@ -44,6 +44,9 @@ pub enum PerseusError {
     /// no GPU support; the message names what was searched.
     #[error("{0}")]
     GpuUnavailable(String),
+    /// A call into the GPU's driver failed (a copy, a kernel launch, a stream wait).
+    #[error("CUDA error: {0}")]
+    Device(String),
 }
 
 /// Result alias used throughout the core.

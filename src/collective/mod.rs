@@ -15,7 +15,7 @@ mod ring;
 mod stripe;
 
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 
 pub use alltoall::alltoallv;
 pub use barrier::barrier;

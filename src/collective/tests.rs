@@ -12,7 +12,7 @@ use std::time::Duration;
 
 /// A rank of an in-memory group: on each stream, a channel to and from
 /// every other rank.
-struct ThreadComm {
+pub(crate) struct ThreadComm {
     rank: usize,
     streams: Vec<Links>,
     /// Host of every rank.
@@ -141,7 +141,7 @@ impl Comm for Stream<'_> {
 }
 
 /// Runs `f(comm)` on `n` threads and returns their results in rank order.
-fn run<T: std::marker::Send + 'static>(
+pub(crate) fn run<T: std::marker::Send + 'static>(
     n: usize,
     f: impl Fn(&ThreadComm) -> T + std::marker::Send + Sync + 'static,
 ) -> Vec<T> {

@@ -18,6 +18,7 @@ mod handles;
 mod inbox;
 pub mod message;
 mod offline;
+pub mod staged;
 pub mod tensor;
 
 pub use exec::Entry;
@@ -899,7 +900,12 @@ impl State {
                     taken.into_iter().map(Option::unzip).unzip();
                 let tracing = self.shared.timeline.active();
                 self.bufs.phases = tracing.then(Vec::new);
-                let outcome = exec::run_op(&comm, &resp, &entries, &mut self.bufs);
+                let outcome = if staged::needs_staging(&entries) {
+                    let resolve = staged::device_memory;
+                    staged::run_staged(&comm, &resp, &entries, &mut self.bufs, &resolve)
+                } else {
+                    exec::run_op(&comm, &resp, &entries, &mut self.bufs)
+                };
                 drop(comm);
                 let end = Instant::now();
                 let phases = self.bufs.phases.take().unwrap_or_default();

@@ -200,8 +200,8 @@ pub struct Compiled {
     pub name: &'static str,
     /// The `extern "C"` kernels it defines.
     pub kernels: Vec<String>,
-    /// The size of the PTX NVRTC produced, in bytes.
-    pub ptx_bytes: usize,
+    /// The size of the PTX or CUBIN NVRTC produced, in bytes.
+    pub bytes: usize,
 }
 
 /// The kernels a source defines (its `extern "C" __global__` functions).
@@ -213,45 +213,107 @@ fn kernel_names(body: &str) -> Vec<String> {
         .collect()
 }
 
-/// Compiles every source with NVRTC (found in `dirs` first, see [`probe`]), for the
-/// oldest architecture CUDA 12 and 13 both support. A missing NVRTC is a
-/// [`PerseusError::GpuUnavailable`] naming where it was looked for; a source that does
-/// not compile is one with NVRTC's log.
-pub fn compile_all(dirs: &[PathBuf]) -> Result<Vec<Compiled>> {
+/// Compiles source `name` with NVRTC (found in `dirs` first, see [`probe`]) for
+/// virtual architecture `arch` ("compute_75") and returns its PTX. A missing NVRTC is
+/// a [`PerseusError::GpuUnavailable`] naming where it was looked for; a source that does
+/// not compile is an error with NVRTC's log.
+pub fn ptx(name: &str, arch: &'static str, dirs: &[PathBuf]) -> Result<String> {
     let nvrtc = probe(CudaLib::Nvrtc, dirs);
-    if nvrtc.loaded.is_none() {
+    let Some(loaded) = &nvrtc.loaded else {
         return Err(PerseusError::GpuUnavailable(nvrtc.missing_message()));
-    }
+    };
+    let src = source(name)
+        .ok_or_else(|| PerseusError::InvalidArgument(format!("no kernel source {name}")))?;
+    let opts = cudarc::nvrtc::CompileOptions {
+        arch: Some(arch),
+        name: Some(format!("{name}.cu")),
+        ..Default::default()
+    };
+    // cudarc finds NVRTC by its SONAME, already loaded by `probe` above. It panics
+    // where it cannot; keep any such panic from crossing into Python.
+    let compiled = std::panic::catch_unwind(|| cudarc::nvrtc::compile_ptx_with_opts(&src, opts))
+        .map_err(|_| {
+            PerseusError::GpuUnavailable(format!(
+                "NVRTC was loaded from {} but could not be used",
+                loaded.path.display()
+            ))
+        })?;
+    let ptx = compiled.map_err(|e| {
+        PerseusError::InvalidArgument(format!("kernel source {name} does not compile: {e:?}"))
+    })?;
+    Ok(ptx.to_src())
+}
+
+/// Compiles source `name` with NVRTC into a CUBIN for the real architecture `sm_{sm}`
+/// (90 for an H100). A device loads a CUBIN of its own architecture directly, whatever
+/// driver it has, where PTX from a newer NVRTC than the driver would be refused. Errors
+/// as for [`ptx`].
+pub fn cubin(name: &str, sm: u32, dirs: &[PathBuf]) -> Result<Vec<u8>> {
+    use cudarc::nvrtc::{result as nvrtc, sys};
+    use std::ffi::CString;
+    let lib = probe(CudaLib::Nvrtc, dirs);
+    let Some(loaded) = &lib.loaded else {
+        return Err(PerseusError::GpuUnavailable(lib.missing_message()));
+    };
+    let src = source(name)
+        .ok_or_else(|| PerseusError::InvalidArgument(format!("no kernel source {name}")))?;
+    let src = CString::new(src).expect("kernel sources hold no NUL");
+    let file = CString::new(format!("{name}.cu")).expect("no NUL");
+    let fail =
+        |what: String| PerseusError::InvalidArgument(format!("kernel source {name}: {what}"));
+    let run = || -> Result<Vec<u8>> {
+        let prog = nvrtc::create_program(&src, Some(&file)).map_err(|e| fail(format!("{e:?}")))?;
+        // SAFETY: `prog` is live until destroyed below; the sizes NVRTC reports bound
+        // the buffers it writes.
+        unsafe {
+            let compiled = nvrtc::compile_program(prog, &[format!("--gpu-architecture=sm_{sm}")]);
+            let out = match compiled {
+                Err(e) => {
+                    let log = nvrtc::get_program_log(prog).unwrap_or_default();
+                    let log: Vec<u8> = log.iter().map(|&c| c as u8).collect();
+                    Err(fail(format!(
+                        "{e:?}: {}",
+                        String::from_utf8_lossy(&log).trim_end_matches('\0')
+                    )))
+                }
+                Ok(()) => {
+                    let mut size = 0usize;
+                    sys::nvrtcGetCUBINSize(prog, &mut size)
+                        .result()
+                        .map_err(|e| fail(format!("{e:?}")))?;
+                    let mut bin = vec![0u8; size];
+                    sys::nvrtcGetCUBIN(prog, bin.as_mut_ptr().cast())
+                        .result()
+                        .map_err(|e| fail(format!("{e:?}")))?;
+                    Ok(bin)
+                }
+            };
+            let _ = nvrtc::destroy_program(prog);
+            out
+        }
+    };
+    std::panic::catch_unwind(run).map_err(|_| {
+        PerseusError::GpuUnavailable(format!(
+            "NVRTC was loaded from {} but could not be used",
+            loaded.path.display()
+        ))
+    })?
+}
+
+/// Compiles every source with NVRTC: to PTX for the oldest architecture CUDA 12 and 13
+/// both support, or (`sm`) to CUBINs for one real architecture, as a device loads them.
+/// Errors as for [`ptx`].
+pub fn compile_all(dirs: &[PathBuf], sm: Option<u32>) -> Result<Vec<Compiled>> {
     let mut out = Vec::new();
     for (name, body) in SOURCES {
-        let src = format!("{PRELUDE}{body}");
-        let opts = cudarc::nvrtc::CompileOptions {
-            arch: Some("compute_75"),
-            name: Some(format!("{name}.cu")),
-            ..Default::default()
+        let bytes = match sm {
+            None => ptx(name, "compute_75", dirs)?.len(),
+            Some(sm) => cubin(name, sm, dirs)?.len(),
         };
-        // cudarc finds NVRTC by its SONAME, already loaded by `probe` above. It panics
-        // where it cannot; keep any such panic from crossing into Python.
-        let compiled =
-            std::panic::catch_unwind(|| cudarc::nvrtc::compile_ptx_with_opts(&src, opts)).map_err(
-                |_| {
-                    PerseusError::GpuUnavailable(format!(
-                        "NVRTC was loaded from {} but could not be used",
-                        nvrtc
-                            .loaded
-                            .as_ref()
-                            .map(|l| l.path.display().to_string())
-                            .unwrap_or_default()
-                    ))
-                },
-            )?;
-        let ptx = compiled.map_err(|e| {
-            PerseusError::InvalidArgument(format!("kernel source {name} does not compile: {e:?}"))
-        })?;
         out.push(Compiled {
             name,
             kernels: kernel_names(body),
-            ptx_bytes: ptx.to_src().len(),
+            bytes,
         });
     }
     Ok(out)

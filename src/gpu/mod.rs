@@ -8,3 +8,5 @@
 
 pub mod kernels;
 pub mod libs;
+pub mod nccl;
+pub mod runtime;

@@ -31,7 +31,8 @@ pub fn to_py(e: PerseusError) -> PyErr {
         | PerseusError::Peer(_)
         | PerseusError::Protocol(_)
         | PerseusError::Io(_)
-        | PerseusError::Aborted(_) => HorovodInternalError::new_err(msg),
+        | PerseusError::Aborted(_)
+        | PerseusError::Device(_) => HorovodInternalError::new_err(msg),
         PerseusError::GpuUnavailable(_) => GpuUnavailableError::new_err(msg),
     }
 }

@@ -61,11 +61,13 @@ fn submit(
     let e = engine()?;
     let input = inp.map(dlpack::view).transpose().map_err(to_py)?;
     let output = out.map(dlpack::view).transpose().map_err(to_py)?;
+    #[cfg(not(feature = "cuda"))]
     for v in input.iter().chain(output.iter()) {
-        if v.device != crate::engine::Device::Cpu {
-            return Err(to_py(PerseusError::InvalidArgument(
-                "CUDA tensors are not supported yet; move the tensor to the CPU".into(),
-            )));
+        if let crate::engine::Device::Cuda(i) = v.device {
+            return Err(to_py(PerseusError::GpuUnavailable(format!(
+                "a tensor on cuda:{i} reached a build of Perseus without GPU support (the \
+                 cuda feature); move it to the CPU"
+            ))));
         }
     }
     if let (Some(i), Some(o)) = (&input, &output) {
@@ -491,31 +493,76 @@ fn gpu_libraries<'py>(
     Ok(out)
 }
 
-/// Compiles every device kernel source with NVRTC: a dict per source with `source`,
-/// `kernels` and `ptx_bytes`. Raises GpuUnavailableError when NVRTC is missing.
+/// Sets the directories searched first for CUDA's libraries (the nvidia-* wheels').
 #[pyfunction]
+fn gpu_search_dirs(dirs: Vec<std::path::PathBuf>) {
+    #[cfg(feature = "cuda")]
+    crate::gpu::runtime::set_search_dirs(dirs);
+    #[cfg(not(feature = "cuda"))]
+    let _ = dirs;
+}
+
+/// Runs `$call` on device `$ordinal` without the GIL in builds with the GPU path;
+/// elsewhere raises GpuUnavailableError (the call is not even compiled there).
+macro_rules! on_device {
+    ($py:expr, $ordinal:expr, $call:path) => {{
+        #[cfg(feature = "cuda")]
+        {
+            $py.detach(|| $call($ordinal)).map_err(to_py)
+        }
+        #[cfg(not(feature = "cuda"))]
+        {
+            let _ = $py;
+            Err(to_py(PerseusError::GpuUnavailable(format!(
+                "cuda:{}: this build of Perseus has no GPU support (the cuda feature)",
+                $ordinal
+            ))))
+        }
+    }};
+}
+
+/// Perseus's CUDA stream on device `ordinal` (opening the device the first time), as
+/// the integer `__dlpack__(stream=...)` takes. Raises GpuUnavailableError without CUDA.
+#[pyfunction]
+fn gpu_stream(py: Python<'_>, ordinal: i32) -> PyResult<u64> {
+    on_device!(py, ordinal, crate::gpu::runtime::stream_of)
+}
+
+/// The one-rank NCCL round trip on device `ordinal` (docs/gpu.md); returns what was
+/// checked. Raises GpuUnavailableError without CUDA or NCCL.
+#[pyfunction]
+fn gpu_nccl_round_trip(py: Python<'_>, ordinal: i32) -> PyResult<String> {
+    on_device!(py, ordinal, crate::gpu::runtime::nccl_round_trip)
+}
+
+/// Compiles every device kernel source with NVRTC, to PTX or, with `sm` (90 for an
+/// H100), to CUBINs for that architecture: a dict per source with `source`, `kernels`
+/// and `bytes`. Raises GpuUnavailableError when NVRTC is missing.
+#[pyfunction]
+#[pyo3(signature = (dirs, sm=None))]
 fn gpu_compile_kernels<'py>(
     py: Python<'py>,
     dirs: Vec<std::path::PathBuf>,
+    sm: Option<u32>,
 ) -> PyResult<Vec<Bound<'py, PyDict>>> {
     #[cfg(feature = "cuda")]
     {
         let compiled = py
-            .detach(|| crate::gpu::kernels::compile_all(&dirs))
+            .detach(|| crate::gpu::kernels::compile_all(&dirs, sm))
             .map_err(to_py)?;
         let mut out = Vec::new();
         for c in compiled {
             let d = PyDict::new(py);
             d.set_item("source", c.name)?;
             d.set_item("kernels", c.kernels)?;
-            d.set_item("ptx_bytes", c.ptx_bytes)?;
+            d.set_item("bytes", c.bytes)?;
             out.push(d);
         }
         Ok(out)
     }
     #[cfg(not(feature = "cuda"))]
     {
-        let _ = (py, dirs);
+        let _ = (py, dirs, sm);
         Err(to_py(PerseusError::GpuUnavailable(
             "this build of Perseus has no GPU support (the cuda feature)".into(),
         )))
@@ -542,6 +589,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     )?;
     m.add_function(wrap_pyfunction!(gpu_libraries, m)?)?;
     m.add_function(wrap_pyfunction!(gpu_compile_kernels, m)?)?;
+    m.add("GPU_BUILT", cfg!(feature = "cuda"))?;
+    m.add_function(wrap_pyfunction!(gpu_search_dirs, m)?)?;
+    m.add_function(wrap_pyfunction!(gpu_stream, m)?)?;
+    m.add_function(wrap_pyfunction!(gpu_nccl_round_trip, m)?)?;
     m.add_class::<RendezvousServer>()?;
     m.add_function(wrap_pyfunction!(init, m)?)?;
     m.add_function(wrap_pyfunction!(shutdown, m)?)?;

@@ -33,8 +33,10 @@ def test_invalid_env_value_fails_init(run_workers, variable, value):
 @pytest.mark.timeout(30)
 def test_facade_without_init():
     from perseus import common
+    from perseus.common import gpu
 
-    assert common.gloo_built() and not common.mpi_built() and not common.cuda_built()
+    assert common.gloo_built() and not common.mpi_built()
+    assert common.cuda_built() == gpu.built()
     assert not common.is_initialized()
     with pytest.raises(ValueError, match="not been initialized"):
         common.rank()

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from perseus.common import gpu
 
 PKG_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(gpu.__file__))))
@@ -44,7 +45,17 @@ def test_every_kernel_source_compiles_with_nvrtc():
     for k in ("f32_to_f16_scaled", "f32_to_bf16_scaled", "reduce_f16", "scale_f32",
               "nonfinite_f32", "count_at_least", "sgd", "adam", "lamb_direction", "lamb_apply"):
         assert k in kernels, (k, kernels)
-    assert all(c["ptx_bytes"] > 100 for c in compiled), compiled
+    assert all(c["bytes"] > 100 for c in compiled), compiled
+
+
+@pytest.mark.parametrize("sm", [75, 80, 90])
+def test_every_kernel_source_compiles_to_a_cubin_per_architecture(sm):
+    """A device loads a CUBIN of its own architecture (no PTX JIT, whatever its driver)."""
+    if not wheel_has("libnvrtc.so*"):
+        pytest.skip("no nvidia NVRTC wheel in this environment")
+    compiled = gpu.compile_kernels(sm=sm)
+    assert len(compiled) == 6
+    assert all(c["bytes"] > 1000 for c in compiled), compiled
 
 
 def run_core(code):
@@ -69,6 +80,54 @@ def test_a_missing_library_is_a_clear_python_error():
     assert "ERROR NVRTC (libnvrtc.so.13 or libnvrtc.so.12 or libnvrtc.so) was not found" \
         in out.stdout, out.stdout
     assert "/nonexistent" in out.stdout, out.stdout
+
+
+def test_opening_a_device_without_the_driver_is_a_clear_error():
+    probe = run_core("from perseus import _core; "
+                     "print(_core.gpu_libraries([])[0]['path'])")
+    assert probe.returncode == 0, probe.stderr
+    if probe.stdout.strip() != "None":
+        pytest.skip("a CUDA driver is installed here")
+    out = run_core("from perseus.common import gpu\n"
+                   "assert gpu.built()\n"
+                   "for call in (lambda: gpu.stream(0),\n"
+                   "             lambda: gpu._core.gpu_nccl_round_trip(0)):\n"
+                   "    try:\n"
+                   "        call()\n"
+                   "    except gpu.GpuUnavailableError as e:\n"
+                   "        print('ERROR', e)\n")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.count("ERROR CUDA driver (libcuda.so.1 or libcuda.so) was not found; "
+                            "searched:") == 2, out.stdout
+
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
+GPU_JOB = {"PERSEUS_CHANGE_HVD_ALLGATHER": "1"}
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("n", [2, 3])
+def test_ranks_sharing_one_gpu_through_the_host_staged_path(run_workers, n):
+    run_workers(n, "gpu_staged.py", env=dict(GPU_JOB, CUDA_VISIBLE_DEVICES="0"))
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_float16_cast_on_the_device_overflow_and_nan_check(run_workers):
+    run_workers(2, "gpu_staged.py", "half",
+                env=dict(GPU_JOB, CUDA_VISIBLE_DEVICES="0", PERSEUS_ALLREDUCE_DTYPE="0",
+                         PERSEUS_ALLREDUCE_NANCHECK="1"))
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_one_rank_nccl_communicator_round_trip():
+    if not wheel_has("libnccl.so*"):
+        pytest.skip("no nvidia NCCL wheel in this environment")
+    gpu._core.gpu_search_dirs(gpu.library_dirs())
+    report = gpu._core.gpu_nccl_round_trip(0)
+    assert "came back unchanged" in report, report
 
 
 def test_check_build_lists_the_gpu_libraries():

@@ -177,8 +177,8 @@ def ccl_built():
 
 
 def cuda_built():
-    """False: this build handles CPU tensors only."""
-    return False
+    """True when this build reduces CUDA tensors (the GPU path, docs/gpu.md)."""
+    return bool(_core.GPU_BUILT)
 
 
 def rocm_built():

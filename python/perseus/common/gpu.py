@@ -32,10 +32,30 @@ def libraries():
     return _core.gpu_libraries(library_dirs())
 
 
-def compile_kernels():
-    """Compile every device kernel source with NVRTC; a dict per source (``source``,
-    ``kernels``, ``ptx_bytes``). Raises :class:`GpuUnavailableError` without NVRTC."""
-    return _core.gpu_compile_kernels(library_dirs())
+def compile_kernels(sm=None):
+    """Compile every device kernel source with NVRTC, to PTX or, with ``sm`` (90 for an
+    H100), to CUBINs for that architecture; a dict per source (``source``, ``kernels``,
+    ``bytes``). Raises :class:`GpuUnavailableError` without NVRTC."""
+    return _core.gpu_compile_kernels(library_dirs(), sm)
+
+
+def built():
+    """True when this build of Perseus has the GPU path (the ``cuda`` cargo feature)."""
+    return bool(_core.GPU_BUILT)
+
+
+_streams = {}
+
+
+def stream(device):
+    """Perseus's CUDA stream on device ``device`` (an ordinal), as an integer for
+    ``__dlpack__(stream=...)``. The device is opened the first time; raises
+    :class:`GpuUnavailableError` without the CUDA driver."""
+    s = _streams.get(device)
+    if s is None:
+        _core.gpu_search_dirs(library_dirs())
+        s = _streams[device] = _core.gpu_stream(device)
+    return s
 
 
 def report_lines():

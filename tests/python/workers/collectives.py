@@ -9,6 +9,7 @@ import warnings
 import perseus.torch.horovod as hvd
 import torch
 from _helpers import close, done, raises, tol
+from perseus.common import gpu
 from perseus.common.process_sets import process_sets
 
 MODE = os.environ.get("PERSEUS_CHANGE_HVD_ALLGATHER", "0")
@@ -394,7 +395,8 @@ def main():
     assert n == n_env and hvd.is_initialized()
     assert 0 <= hvd.local_rank() < hvd.local_size() and 0 <= hvd.cross_rank() < hvd.cross_size()
     assert hvd.gloo_built() and hvd.gloo_enabled() and not hvd.mpi_built()
-    assert not (hvd.mpi_enabled() or hvd.nccl_built() or hvd.cuda_built() or hvd.rocm_built()
+    assert hvd.cuda_built() == gpu.built()
+    assert not (hvd.mpi_enabled() or hvd.nccl_built() or hvd.rocm_built()
                 or hvd.ddl_built() or hvd.ccl_built() or hvd.mpi_threads_supported())
     set_b = process_sets()[2]
     check_allreduce(r, n)

@@ -34,7 +34,7 @@ def bad_arguments(r, n):
                 fn(bad, *args)
     with raises(TypeError, what="not a tensor"):
         hvd.allreduce([1.0, 2.0])
-    with raises(ValueError, "not supported yet", what="tensor on another device"):
+    with raises(ValueError, "Perseus handles CPU and CUDA tensors", what="tensor on another device"):
         hvd.allreduce(torch.zeros(2, device="meta"))
     with raises(NotImplementedError, "Adasum is not supported by Perseus yet", what="Adasum"):
         hvd.allreduce(torch.ones(2), op=hvd.Adasum)

@@ -17,7 +17,6 @@ from perseus.common.basics import (  # noqa: F401 - re-exported
     counters,
     cross_rank,
     cross_size,
-    cuda_built,
     ddl_built,
     gloo_built,
     gloo_enabled,
@@ -35,6 +34,12 @@ from perseus.common.basics import (  # noqa: F401 - re-exported
     shutdown,
     size,
 )
+
+
+def cuda_built():
+    """False: Perseus reduces CUDA tensors of PyTorch only; TensorFlow's GPU tensors are
+    refused (docs/gpu.md)."""
+    return False
 from perseus.common.exceptions import (  # noqa: F401 - re-exported
     HorovodInternalError,
     HostsUpdatedInterrupt,

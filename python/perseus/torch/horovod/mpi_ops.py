@@ -1,13 +1,16 @@
 """Collectives on PyTorch tensors: the ``horovod.torch`` operations of Horovod 0.28.
 
-Tensors reach the core as DLPack capsules of contiguous CPU memory; the handles
-of :mod:`perseus.common.ops` keep them alive until the operation completes.
+Tensors reach the core as DLPack capsules of contiguous memory; the handles of
+:mod:`perseus.common.ops` keep them alive until the operation completes. CUDA tensors
+are exported on Perseus's stream of their device (docs/gpu.md): torch makes that
+stream wait for the work queued so far on the current stream.
 """
 
 import torch
 from torch.utils.dlpack import to_dlpack as _to_dlpack
 
 from perseus.common import basics as _basics
+from perseus.common import gpu as _gpu
 from perseus.common import ops as _ops
 from perseus.common.basics import (  # noqa: F401 - re-exported
     ccl_built,
@@ -63,12 +66,26 @@ def _check_tensor(tensor):
         names = ", ".join(str(d).replace("torch.", "") for d in _SUPPORTED_DTYPES)
         raise TypeError(f"Perseus does not support tensors of dtype {tensor.dtype}; "
                         f"supported dtypes: {names}")
-    if not tensor.is_cpu:
-        raise ValueError(f"CUDA tensors are not supported yet: Perseus handles CPU tensors only "
-                         f"(got a tensor on {tensor.device})")
+    if tensor.is_cuda:
+        if not _gpu.built():
+            raise _gpu.GpuUnavailableError(
+                f"a tensor on {tensor.device} reached a build of Perseus without GPU support "
+                "(the cuda feature); move it to the CPU")
+    elif not tensor.is_cpu:
+        raise ValueError(f"tensors on {tensor.device} are not supported: Perseus handles CPU "
+                         "and CUDA tensors")
     if tensor.layout != torch.strided:
         raise ValueError(f"{tensor.layout} tensors are not supported here; sparse gradients go "
                          "through sparse_allreduce_async or DistributedOptimizer")
+
+
+def _capsule(t):
+    """The DLPack capsule of contiguous ``t``; a CUDA tensor's is made on Perseus's stream
+    of its device, which then waits for the work torch queued on the current stream."""
+    if t.is_cpu:
+        return _to_dlpack(t)
+    with torch.cuda.device(t.device):
+        return t.__dlpack__(stream=_gpu.stream(t.device.index))
 
 
 def _export(tensor):
@@ -76,14 +93,14 @@ def _export(tensor):
     t = tensor.detach()
     if not t.is_contiguous():
         t = t.contiguous()
-    return t, _to_dlpack(t)
+    return t, _capsule(t)
 
 
 def _in_place(tensor):
     """Buffer, capsule and finish callback for an operation writing into ``tensor``."""
     if tensor.is_contiguous():
         buf = tensor.detach()
-        return buf, _to_dlpack(buf), lambda _h: tensor
+        return buf, _capsule(buf), lambda _h: tensor
 
     buf = tensor.detach().contiguous()
 
@@ -92,15 +109,22 @@ def _in_place(tensor):
             tensor.copy_(buf)
         return tensor
 
-    return buf, _to_dlpack(buf), finish
+    return buf, _capsule(buf), finish
 
 
 def _output(handle):
-    """The tensor the core allocated for ``handle``."""
+    """The tensor the core allocated for ``handle`` (in host memory)."""
     capsule = handle.output()
     if capsule is None:
         raise HorovodInternalError("the core returned no output tensor")
     return torch.from_dlpack(capsule)
+
+
+def _output_on(like):
+    """A finish callback giving the core's output on ``like``'s device."""
+    if like.is_cpu:
+        return _output
+    return lambda h: _output(h).to(like.device)
 
 
 # --------------------------------------------------------------------------- allreduce
@@ -113,7 +137,7 @@ def _allreduce_async(tensor, output, name, op, prescale_factor, postscale_factor
         out_cap, keep = cap, (tensor, buf)
     else:
         buf, cap = _export(tensor)
-        out_cap = _to_dlpack(output)
+        out_cap = _capsule(output)
         keep = (tensor, buf, output)
 
         def finish(_h):
@@ -287,7 +311,7 @@ def _allgather_concat_async(tensor, name, process_set):
     src = tensor.reshape(1) if tensor.dim() == 0 else tensor
     buf, cap = _export(src)
     return _ops.allgather_async(cap, name=name, stack=False, process_set=process_set,
-                                keep=(tensor, buf), finish=_output)
+                                keep=(tensor, buf), finish=_output_on(tensor))
 
 
 def allgather_async(tensor, name=None, process_set=global_process_set):
@@ -303,7 +327,7 @@ def allgather_async(tensor, name=None, process_set=global_process_set):
         return _allgather_concat_async(tensor, name, process_set)
     buf, cap = _export(tensor.unsqueeze(0))
     return _ops.allgather_async(cap, name=name, stack=True, process_set=process_set,
-                                keep=(tensor, buf), finish=_output)
+                                keep=(tensor, buf), finish=_output_on(tensor))
 
 
 class _Allgather(torch.autograd.Function):
@@ -357,7 +381,7 @@ def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set
     """
     _check_tensor(tensor)
     out = tensor.detach().clone(memory_format=torch.contiguous_format)
-    return _ops.broadcast_async(_to_dlpack(out), root_rank=root_rank, name=name,
+    return _ops.broadcast_async(_capsule(out), root_rank=root_rank, name=name,
                                 process_set=process_set, keep=(tensor, out),
                                 finish=lambda _h: out)
 
@@ -413,7 +437,7 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
     buf, cap = _export(tensor)
 
     def finish(h):
-        out = _output(h)
+        out = _output_on(tensor)(h)
         return out, torch.tensor(h.recv_splits(), dtype=splits_dtype)
 
     return _ops.alltoall_async(cap, splits=splits, name=name, process_set=process_set,
@@ -458,7 +482,7 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=global_proces
     buf, cap = _export(tensor)
     return _ops.reducescatter_async(cap, name=name, op=op, prescale_factor=prescale_factor,
                                     postscale_factor=postscale_factor, process_set=process_set,
-                                    keep=(tensor, buf), finish=_output)
+                                    keep=(tensor, buf), finish=_output_on(tensor))
 
 
 class _Reducescatter(torch.autograd.Function):

@@ -79,7 +79,7 @@ class _SyncBatchNormFunction(Function):
             m2 = ((xf - _view(mean, x.dim())) ** 2).sum(dims)
         else:
             mean = m2 = xf.new_zeros(channels)
-        local = torch.cat([torch.tensor([float(count)], dtype=torch.float64),
+        local = torch.cat([torch.tensor([float(count)], dtype=torch.float64, device=x.device),
                            mean.double(), m2.double()]).unsqueeze(0)
         stats = synchronize(_allgather_concat_async(local, "sync_batch_norm.stats",
                                                     global_process_set))

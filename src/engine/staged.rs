@@ -1,0 +1,459 @@
+//! The host-staged path: tensors in device memory (a GPU's) reduced through the CPU
+//! transports. Each device tensor is copied to host memory, the response runs on the
+//! host copies exactly as it would on CPU tensors, and the results go back.
+//!
+//! A float32 gradient allreduce travelling as float16 (`PERSEUS_ALLREDUCE_DTYPE`) is
+//! compressed on the device: only the float16 bytes cross to the host and back, and
+//! the device casts them back with the inverse gradient scale and the postscale. A
+//! float16 sum that overflows is redone exactly from the device inputs, as on the CPU.
+//!
+//! The device side is a [`DeviceMemory`]: the CUDA one lives in `crate::gpu`, and the
+//! tests below use host memory in its place, which is how CI checks this logic
+//! without a GPU.
+
+use std::sync::Arc;
+
+use super::exec::{run_op, Buffers, Entry, Outcome};
+use super::message::{OpKind, Response};
+use super::tensor::{Device, TensorView};
+use crate::dtype::{DataType, ReduceOp};
+use crate::error::{PerseusError, Result};
+use crate::kernels::{first_nonfinite, from_half, to_half, AlignedBuf};
+use crate::plan::Encoding;
+
+/// How values change on their way between device and host.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Cast {
+    /// The bytes as they are.
+    Exact,
+    /// float32 on the device, float16 on the host. Values are multiplied by the
+    /// factor on the device: before the cast down, after the cast up.
+    Half(f32),
+}
+
+/// Memory the engine reaches only through copies, such as a GPU's. Copies are queued
+/// in order on one stream of the device and complete by [`DeviceMemory::finish`].
+pub trait DeviceMemory: Send + Sync {
+    /// Queues a copy of device memory at `src` into `dst`. With [`Cast::Half`], `src`
+    /// holds `dst.len() / 2` float32 values.
+    ///
+    /// # Safety
+    /// `src` must be device memory of this device, alive and holding the bytes read,
+    /// and `dst` must stay alive and unmoved until [`DeviceMemory::finish`] returns.
+    unsafe fn download(&self, src: *const u8, dst: &mut [u8], cast: Cast) -> Result<()>;
+
+    /// Queues a copy of `src` into device memory at `dst`. With [`Cast::Half`], `dst`
+    /// receives `src.len() / 2` float32 values.
+    ///
+    /// # Safety
+    /// As for [`DeviceMemory::download`], with `dst` writable and `src` alive until
+    /// [`DeviceMemory::finish`] returns.
+    unsafe fn upload(&self, src: &[u8], dst: *mut u8, cast: Cast) -> Result<()>;
+
+    /// Waits until every copy queued so far has completed.
+    fn finish(&self) -> Result<()>;
+}
+
+/// Finds the device memory behind a device (the CUDA device of that ordinal).
+pub type Resolver<'a> = &'a dyn Fn(Device) -> Result<Arc<dyn DeviceMemory>>;
+
+/// True when a response touches device memory on this rank.
+pub fn needs_staging(entries: &[Option<Entry>]) -> bool {
+    entries.iter().flatten().any(|e| {
+        e.input
+            .iter()
+            .chain(e.output.iter())
+            .any(|v| v.device != Device::Cpu)
+    })
+}
+
+/// The devices a response uses, each once, with their memory.
+struct Devices<'a> {
+    resolve: Resolver<'a>,
+    open: Vec<(Device, Arc<dyn DeviceMemory>)>,
+}
+
+impl Devices<'_> {
+    fn get(&mut self, d: Device) -> Result<Arc<dyn DeviceMemory>> {
+        if let Some((_, m)) = self.open.iter().find(|(k, _)| *k == d) {
+            return Ok(m.clone());
+        }
+        let m = (self.resolve)(d)?;
+        self.open.push((d, m.clone()));
+        Ok(m)
+    }
+
+    fn finish(&self) -> Result<()> {
+        self.open.iter().try_for_each(|(_, m)| m.finish())
+    }
+}
+
+fn elems(shape: &[i64]) -> usize {
+    shape.iter().product::<i64>().max(0) as usize
+}
+
+/// A host view of `buf` with the dtype and shape of `like`.
+fn host_view(buf: &mut AlignedBuf, dtype: DataType, shape: &[i64]) -> TensorView {
+    TensorView {
+        ptr: buf.as_mut_ptr(),
+        nbytes: buf.len(),
+        dtype,
+        shape: shape.to_vec(),
+        device: Device::Cpu,
+    }
+}
+
+fn copy_view(v: &TensorView) -> TensorView {
+    TensorView {
+        ptr: v.ptr,
+        nbytes: v.nbytes,
+        dtype: v.dtype,
+        shape: v.shape.clone(),
+        device: v.device,
+    }
+}
+
+/// Runs a data-moving response whose tensors are (partly) in device memory.
+pub fn run_staged(
+    comm: &dyn crate::collective::Comm,
+    resp: &Response,
+    entries: &[Option<Entry>],
+    bufs: &mut Buffers,
+    resolve: Resolver<'_>,
+) -> Outcome {
+    let Response::Op {
+        kind,
+        dtype,
+        op,
+        plan,
+        ..
+    } = resp
+    else {
+        unreachable!("run_staged takes Op responses");
+    };
+    let mut devices = Devices {
+        resolve,
+        open: Vec::new(),
+    };
+    let on_device_half = *kind == OpKind::Allreduce
+        && *dtype == DataType::F32
+        && matches!(op, ReduceOp::Sum | ReduceOp::Average)
+        && plan.encoding == Encoding::Half
+        && comm.size() > 1;
+    if on_device_half {
+        half(comm, resp, entries, bufs, &mut devices)
+    } else {
+        exact(comm, resp, entries, bufs, &mut devices, &[]).0
+    }
+}
+
+/// Every result failed with `e`.
+fn failed(entries: &[Option<Entry>], e: PerseusError) -> Outcome {
+    Outcome {
+        results: entries.iter().map(|_| Err(e.clone())).collect(),
+        resent: None,
+    }
+}
+
+/// Replaces every successful result with `e` (a device copy failed on this rank after
+/// its peers were served).
+fn fail_ok(mut out: Outcome, e: Option<PerseusError>) -> Outcome {
+    if let Some(e) = e {
+        for r in &mut out.results {
+            if r.is_ok() {
+                *r = Err(e.clone());
+            }
+        }
+    }
+    out
+}
+
+/// The response on host copies of the tensors, bytes as they are. Returns the outcome
+/// and whether the outputs at positions `check` are all finite.
+fn exact(
+    comm: &dyn crate::collective::Comm,
+    resp: &Response,
+    entries: &[Option<Entry>],
+    bufs: &mut Buffers,
+    devices: &mut Devices<'_>,
+    check: &[usize],
+) -> (Outcome, bool) {
+    let Response::Op { kind, root, .. } = resp else {
+        unreachable!("exact takes Op responses");
+    };
+    // A broadcast's non-root ranks need not copy what they will overwrite.
+    let needs_input = *kind != OpKind::Broadcast || *root as usize == comm.rank();
+    let mut staging: Vec<AlignedBuf> = Vec::new();
+    let mut host: Vec<Option<Entry>> = Vec::with_capacity(entries.len());
+    // The first device failure; this rank still takes part in the collective, with
+    // zeros, so that its peers are not left waiting, and reports the failure after.
+    let mut error: Option<PerseusError> = None;
+    for e in entries {
+        let Some(e) = e else {
+            host.push(None);
+            continue;
+        };
+        let mut stage = |v: &TensorView, download: bool| -> TensorView {
+            if v.device == Device::Cpu {
+                return copy_view(v);
+            }
+            let mut buf = AlignedBuf::zeroed(v.nbytes);
+            if download && error.is_none() {
+                let copied = devices.get(v.device).and_then(|m| {
+                    // SAFETY: the front-end keeps the tensor alive until completion;
+                    // `buf` is kept in `staging` until after `finish`.
+                    unsafe { m.download(v.ptr, buf.as_mut_slice(), Cast::Exact) }
+                });
+                if let Err(err) = copied {
+                    error = Some(err);
+                }
+            }
+            let view = host_view(&mut buf, v.dtype, &v.shape);
+            staging.push(buf);
+            view
+        };
+        let input = e.input.as_ref().map(|v| stage(v, true));
+        let output = match (&e.input, &e.output, &input) {
+            // Written in place: the output is the input's host copy.
+            (Some(i), Some(o), Some(hi)) if i.ptr == o.ptr => Some(copy_view(hi)),
+            (_, Some(o), _) => Some(stage(o, needs_input && e.input.is_none())),
+            (_, None, _) => None,
+        };
+        host.push(Some(Entry {
+            handle: e.handle,
+            input,
+            output,
+        }));
+    }
+    if let Err(err) = devices.finish() {
+        error.get_or_insert(err);
+    }
+    if error.is_some() {
+        // Zeros, not half-copied bytes, go to the peers.
+        for b in &mut staging {
+            b.as_mut_slice().fill(0);
+        }
+    }
+    let out = run_op(comm, resp, &host, bufs);
+    let finite = check.iter().all(|&i| {
+        host[i]
+            .as_ref()
+            .and_then(|e| e.output.as_ref())
+            // SAFETY: the host copies are alive (in `staging`) or framework memory.
+            .map_or(true, |o| {
+                first_nonfinite(unsafe { o.bytes() }, o.dtype).is_none()
+            })
+    });
+    if error.is_none() {
+        for ((e, h), r) in entries.iter().zip(&host).zip(&out.results) {
+            let (Some(e), Some(h)) = (e, h) else { continue };
+            let (Some(o), Some(ho)) = (&e.output, &h.output) else {
+                continue;
+            };
+            if o.device == Device::Cpu || r.is_err() {
+                continue;
+            }
+            let copied = devices.get(o.device).and_then(|m| {
+                // SAFETY: as above; the host copy stays alive until `finish`.
+                unsafe { m.upload(ho.bytes(), o.ptr, Cast::Exact) }
+            });
+            if let Err(err) = copied {
+                error = Some(err);
+                break;
+            }
+        }
+        if let Err(err) = devices.finish() {
+            error.get_or_insert(err);
+        }
+    }
+    drop(staging);
+    (fail_ok(out, error), finite)
+}
+
+/// A float32 Sum or Average allreduce with float16 on the wire, cast on the device.
+fn half(
+    comm: &dyn crate::collective::Comm,
+    resp: &Response,
+    entries: &[Option<Entry>],
+    bufs: &mut Buffers,
+    devices: &mut Devices<'_>,
+) -> Outcome {
+    let Response::Op {
+        shapes,
+        op,
+        prescale,
+        postscale,
+        plan,
+        ..
+    } = resp
+    else {
+        unreachable!("half takes Op responses");
+    };
+    let gscale = plan.scale;
+    let post = if *op == ReduceOp::Average {
+        postscale / comm.size() as f64
+    } else {
+        *postscale
+    };
+    // One float16 image per tensor; a joined rank's are zeros, and every rank checks
+    // every sum, so that all agree on a resend.
+    let mut images: Vec<AlignedBuf> = shapes
+        .iter()
+        .map(|s| AlignedBuf::zeroed(elems(s) * 2))
+        .collect();
+    let mut error: Option<PerseusError> = None;
+    for (e, img) in entries.iter().zip(images.iter_mut()) {
+        let Some(input) = e.as_ref().and_then(|e| e.input.as_ref()) else {
+            continue;
+        };
+        if input.device == Device::Cpu {
+            // SAFETY: the front-end keeps the tensor alive until completion.
+            to_half(
+                img.as_mut_slice(),
+                unsafe { input.bytes() },
+                prescale * gscale,
+            );
+            continue;
+        }
+        let copied = devices.get(input.device).and_then(|m| {
+            // SAFETY: as in `exact`; the image lives until after `finish`.
+            unsafe {
+                m.download(
+                    input.ptr,
+                    img.as_mut_slice(),
+                    Cast::Half((prescale * gscale) as f32),
+                )
+            }
+        });
+        if let Err(err) = copied {
+            error = Some(err);
+            break;
+        }
+    }
+    if let Err(err) = devices.finish() {
+        error.get_or_insert(err);
+    }
+    if let Some(err) = &error {
+        for img in &mut images {
+            img.as_mut_slice().fill(0);
+        }
+        // Serve the peers, then fail here.
+        let host = image_entries(&mut images, shapes);
+        let out = run_op(comm, &half_response(resp), &host, bufs);
+        return fail_ok(out, Some(err.clone()));
+    }
+    let host = image_entries(&mut images, shapes);
+    let out = run_op(comm, &half_response(resp), &host, bufs);
+    if out.results.iter().any(|r| r.is_err()) {
+        let e = out.results.iter().find_map(|r| r.as_ref().err().cloned());
+        return failed(entries, e.expect("an error"));
+    }
+    let bad: Vec<usize> = images
+        .iter()
+        .enumerate()
+        .filter(|(_, img)| first_nonfinite(img.as_slice(), DataType::F16).is_some())
+        .map(|(i, _)| i)
+        .collect();
+    if !bad.is_empty() {
+        let mut exact_resp = resp.clone();
+        if let Response::Op { plan, .. } = &mut exact_resp {
+            *plan = plan.exact();
+        }
+        let (out, finite) = exact(comm, &exact_resp, entries, bufs, devices, &bad);
+        return Outcome {
+            results: out.results,
+            resent: Some((bad, finite)),
+        };
+    }
+    for (e, img) in entries.iter().zip(&images) {
+        let Some(o) = e.as_ref().and_then(|e| e.output.as_ref()) else {
+            continue;
+        };
+        if o.device == Device::Cpu {
+            // SAFETY: the front-end keeps the tensor alive until completion, and only
+            // the engine thread writes it until then.
+            from_half(unsafe { o.bytes_mut() }, img.as_slice(), post / gscale);
+            continue;
+        }
+        let copied = devices.get(o.device).and_then(|m| {
+            // SAFETY: as above; the image lives until after `finish`.
+            unsafe { m.upload(img.as_slice(), o.ptr, Cast::Half((post / gscale) as f32)) }
+        });
+        if let Err(err) = copied {
+            error = Some(err);
+            break;
+        }
+    }
+    if let Err(err) = devices.finish() {
+        error.get_or_insert(err);
+    }
+    drop(images);
+    fail_ok(
+        Outcome {
+            results: entries.iter().map(|_| Ok(Default::default())).collect(),
+            resent: None,
+        },
+        error,
+    )
+}
+
+/// Host entries over the float16 images, each written in place.
+fn image_entries(images: &mut [AlignedBuf], shapes: &[Vec<i64>]) -> Vec<Option<Entry>> {
+    images
+        .iter_mut()
+        .zip(shapes)
+        .map(|(img, s)| {
+            let v = host_view(img, DataType::F16, s);
+            Some(Entry {
+                handle: 0,
+                input: Some(copy_view(&v)),
+                output: Some(v),
+            })
+        })
+        .collect()
+}
+
+/// The response the float16 images run: a float16 sum, unscaled and exact (the device
+/// applies the scales), with every other field as negotiated.
+fn half_response(resp: &Response) -> Response {
+    let mut r = resp.clone();
+    if let Response::Op {
+        dtype,
+        op,
+        prescale,
+        postscale,
+        plan,
+        ..
+    } = &mut r
+    {
+        *dtype = DataType::F16;
+        *op = ReduceOp::Sum;
+        *prescale = 1.0;
+        *postscale = 1.0;
+        *plan = plan.exact();
+    }
+    r
+}
+
+/// The device memory of `d`: a CUDA device through `crate::gpu` in builds with the
+/// `cuda` feature.
+pub fn device_memory(d: Device) -> Result<Arc<dyn DeviceMemory>> {
+    match d {
+        Device::Cpu => Err(PerseusError::InvalidArgument(
+            "host memory needs no staging".into(),
+        )),
+        #[cfg(feature = "cuda")]
+        Device::Cuda(ordinal) => {
+            crate::gpu::runtime::CudaDevice::get(ordinal).map(|m| m as Arc<dyn DeviceMemory>)
+        }
+        #[cfg(not(feature = "cuda"))]
+        Device::Cuda(ordinal) => Err(PerseusError::GpuUnavailable(format!(
+            "a tensor on cuda:{ordinal} reached a build of Perseus without GPU support (the \
+             cuda feature)"
+        ))),
+    }
+}
+
+#[cfg(test)]
+#[path = "staged_tests.rs"]
+mod tests;

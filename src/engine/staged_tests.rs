@@ -1,0 +1,356 @@
+//! The host-staged path with host memory standing in for a GPU's: ranks as threads,
+//! tensors marked as device tensors, every copy counted.
+
+use super::*;
+use crate::collective::tests::run;
+use crate::collective::Comm;
+use crate::plan::{Mode, Plan};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// Host memory posing as device memory; `fail` makes every download fail.
+#[derive(Default)]
+struct HostMemory {
+    down: AtomicUsize,
+    up: AtomicUsize,
+    fail: bool,
+}
+
+impl DeviceMemory for HostMemory {
+    unsafe fn download(&self, src: *const u8, dst: &mut [u8], cast: Cast) -> Result<()> {
+        if self.fail {
+            return Err(PerseusError::Device("simulated copy failure".into()));
+        }
+        self.down.fetch_add(dst.len(), Ordering::Relaxed);
+        match cast {
+            Cast::Exact => dst.copy_from_slice(std::slice::from_raw_parts(src, dst.len())),
+            Cast::Half(f) => to_half(
+                dst,
+                std::slice::from_raw_parts(src, dst.len() * 2),
+                f as f64,
+            ),
+        }
+        Ok(())
+    }
+
+    unsafe fn upload(&self, src: &[u8], dst: *mut u8, cast: Cast) -> Result<()> {
+        self.up.fetch_add(src.len(), Ordering::Relaxed);
+        match cast {
+            Cast::Exact => std::slice::from_raw_parts_mut(dst, src.len()).copy_from_slice(src),
+            Cast::Half(f) => from_half(
+                std::slice::from_raw_parts_mut(dst, src.len() * 2),
+                src,
+                f as f64,
+            ),
+        }
+        Ok(())
+    }
+
+    fn finish(&self) -> Result<()> {
+        Ok(())
+    }
+}
+
+fn view(v: &mut [f32], device: Device) -> TensorView {
+    TensorView {
+        ptr: v.as_mut_ptr().cast(),
+        nbytes: v.len() * 4,
+        dtype: DataType::F32,
+        shape: vec![v.len() as i64],
+        device,
+    }
+}
+
+const GPU: Device = Device::Cuda(0);
+
+fn response(kind: OpKind, shapes: Vec<Vec<i64>>, op: ReduceOp, plan: Plan) -> Response {
+    Response::Op {
+        kind,
+        process_set: 0,
+        names: (0..shapes.len()).map(|i| format!("t{i}")).collect(),
+        shapes,
+        dtype: DataType::F32,
+        op,
+        root: 0,
+        prescale: 1.0,
+        postscale: 1.0,
+        sizes: vec![],
+        plan,
+    }
+}
+
+fn half_plan(scale: f64) -> Plan {
+    Plan {
+        encoding: Encoding::Half,
+        scale,
+        mode: Mode::Flat,
+    }
+}
+
+/// Runs `resp` with `entries` through the staged path over `mem`.
+fn staged(
+    comm: &dyn crate::collective::Comm,
+    resp: &Response,
+    entries: &[Option<Entry>],
+    mem: &Arc<HostMemory>,
+) -> Outcome {
+    let m = mem.clone();
+    let resolve = move |_d: Device| Ok(m.clone() as Arc<dyn DeviceMemory>);
+    run_staged(comm, resp, entries, &mut Buffers::default(), &resolve)
+}
+
+#[test]
+fn exact_allreduce_of_device_and_host_tensors_fused_on_three_ranks() {
+    let out = run(3, |c| {
+        let r = c.rank() as f32;
+        // In place on the device, out of place on the device, in place on the host.
+        let mut a: Vec<f32> = (0..5).map(|i| r * 10.0 + i as f32).collect();
+        let mut b_in: Vec<f32> = (0..3).map(|i| r - i as f32).collect();
+        let mut b_out = vec![0f32; 3];
+        let mut h: Vec<f32> = (0..4).map(|i| r * i as f32).collect();
+        let entries = vec![
+            Some(Entry {
+                handle: 1,
+                input: Some(view(&mut a, GPU)),
+                output: Some(view(&mut a, GPU)),
+            }),
+            Some(Entry {
+                handle: 2,
+                input: Some(view(&mut b_in, GPU)),
+                output: Some(view(&mut b_out, GPU)),
+            }),
+            Some(Entry {
+                handle: 3,
+                input: Some(view(&mut h, Device::Cpu)),
+                output: Some(view(&mut h, Device::Cpu)),
+            }),
+        ];
+        assert!(needs_staging(&entries));
+        let mem = Arc::new(HostMemory::default());
+        let resp = response(
+            OpKind::Allreduce,
+            vec![vec![5], vec![3], vec![4]],
+            ReduceOp::Sum,
+            Plan::default(),
+        );
+        let o = staged(c, &resp, &entries, &mem);
+        assert!(o.results.iter().all(|r| r.is_ok()));
+        assert!(o.resent.is_none());
+        drop(entries);
+        let moved = (
+            mem.down.load(Ordering::Relaxed),
+            mem.up.load(Ordering::Relaxed),
+        );
+        (a, b_out, h, moved)
+    });
+    for (a, b, h, moved) in out {
+        let want_a: Vec<f32> = (0..5).map(|i| 30.0 + 3.0 * i as f32).collect();
+        let want_b: Vec<f32> = (0..3).map(|i| 3.0 - 3.0 * i as f32).collect();
+        let want_h: Vec<f32> = (0..4).map(|i| 3.0 * i as f32).collect();
+        assert_eq!((a, b, h), (want_a, want_b, want_h));
+        // Only the device tensors crossed, each once each way (b's output is not read).
+        assert_eq!(moved, ((5 + 3) * 4, (5 + 3) * 4));
+    }
+}
+
+#[test]
+fn float16_wire_moves_only_the_float16_bytes_and_averages_with_the_scale() {
+    for n in [2usize, 3] {
+        let out = run(n, |c| {
+            let r = c.rank() as f32;
+            let mut g: Vec<f32> = (0..1001).map(|i| 0.5 * (i % 7) as f32 + r).collect();
+            let entries = vec![Some(Entry {
+                handle: 1,
+                input: Some(view(&mut g, GPU)),
+                output: Some(view(&mut g, GPU)),
+            })];
+            let mem = Arc::new(HostMemory::default());
+            let resp = response(
+                OpKind::Allreduce,
+                vec![vec![1001]],
+                ReduceOp::Average,
+                half_plan(4.0),
+            );
+            let o = staged(c, &resp, &entries, &mem);
+            assert!(o.results.iter().all(|r| r.is_ok()));
+            assert!(o.resent.is_none());
+            drop(entries);
+            (
+                g,
+                mem.down.load(Ordering::Relaxed),
+                mem.up.load(Ordering::Relaxed),
+            )
+        });
+        let mean_rank = (n - 1) as f32 / 2.0;
+        for (g, down, up) in out {
+            let want: Vec<f32> = (0..1001)
+                .map(|i| 0.5 * (i % 7) as f32 + mean_rank)
+                .collect();
+            assert_eq!(g, want, "{n} ranks");
+            assert_eq!((down, up), (1001 * 2, 1001 * 2), "float16 bytes only");
+        }
+    }
+}
+
+#[test]
+fn a_float16_overflow_is_resent_exactly_from_the_device_inputs() {
+    let out = run(2, |c| {
+        let mut big = vec![40_000f32; 9];
+        let mut small = vec![1.5f32; 4];
+        let entries = vec![
+            Some(Entry {
+                handle: 1,
+                input: Some(view(&mut small, GPU)),
+                output: Some(view(&mut small, GPU)),
+            }),
+            Some(Entry {
+                handle: 2,
+                input: Some(view(&mut big, GPU)),
+                output: Some(view(&mut big, GPU)),
+            }),
+        ];
+        let mem = Arc::new(HostMemory::default());
+        let resp = response(
+            OpKind::Allreduce,
+            vec![vec![4], vec![9]],
+            ReduceOp::Sum,
+            half_plan(1.0),
+        );
+        let o = staged(c, &resp, &entries, &mem);
+        assert!(o.results.iter().all(|r| r.is_ok()));
+        drop(entries);
+        (big, small, o.resent)
+    });
+    for (big, small, resent) in out {
+        assert_eq!(big, vec![80_000f32; 9]);
+        assert_eq!(small, vec![3f32; 4]);
+        // Tensor 1 overflowed; its exact sum is finite, so the scale was to blame.
+        assert_eq!(resent, Some((vec![1], true)));
+    }
+}
+
+#[test]
+fn a_joined_rank_contributes_zeros_to_a_float16_allreduce() {
+    let out = run(2, |c| {
+        let mut g = vec![2.5f32; 6];
+        let entries = if c.rank() == 0 {
+            vec![Some(Entry {
+                handle: 1,
+                input: Some(view(&mut g, GPU)),
+                output: Some(view(&mut g, GPU)),
+            })]
+        } else {
+            vec![None]
+        };
+        let mem = Arc::new(HostMemory::default());
+        let resp = response(
+            OpKind::Allreduce,
+            vec![vec![6]],
+            ReduceOp::Sum,
+            half_plan(8.0),
+        );
+        let o = staged(c, &resp, &entries, &mem);
+        assert!(o.results.iter().all(|r| r.is_ok()));
+        drop(entries);
+        g
+    });
+    assert_eq!(out[0], vec![2.5f32; 6]);
+    assert_eq!(out[1], vec![2.5f32; 6], "untouched on the joined rank");
+}
+
+#[test]
+fn broadcast_copies_down_only_on_the_root() {
+    let out = run(3, |c| {
+        let mut t: Vec<f32> = (0..7).map(|i| (c.rank() * 100 + i) as f32).collect();
+        let entries = vec![Some(Entry {
+            handle: 1,
+            input: None,
+            output: Some(view(&mut t, GPU)),
+        })];
+        let mem = Arc::new(HostMemory::default());
+        let mut resp = response(
+            OpKind::Broadcast,
+            vec![vec![7]],
+            ReduceOp::Sum,
+            Plan::default(),
+        );
+        if let Response::Op { root, .. } = &mut resp {
+            *root = 1;
+        }
+        let o = staged(c, &resp, &entries, &mem);
+        assert!(o.results[0].is_ok());
+        drop(entries);
+        (t, mem.down.load(Ordering::Relaxed))
+    });
+    let want: Vec<f32> = (0..7).map(|i| (100 + i) as f32).collect();
+    for (rank, (t, down)) in out.into_iter().enumerate() {
+        assert_eq!(t, want);
+        assert_eq!(down, if rank == 1 { 28 } else { 0 });
+    }
+}
+
+#[test]
+fn allgather_of_device_tensors_of_different_lengths() {
+    let out = run(3, |c| {
+        let r = c.rank();
+        let mut t: Vec<f32> = (0..2 * (r + 1)).map(|i| (r * 10 + i) as f32).collect();
+        let entries = vec![Some(Entry {
+            handle: 1,
+            input: Some(TensorView {
+                shape: vec![r as i64 + 1, 2],
+                ..view(&mut t, GPU)
+            }),
+            output: None,
+        })];
+        let mem = Arc::new(HostMemory::default());
+        let mut resp = response(
+            OpKind::Allgather,
+            vec![vec![r as i64 + 1, 2]],
+            ReduceOp::Sum,
+            Plan::default(),
+        );
+        if let Response::Op { sizes, .. } = &mut resp {
+            *sizes = vec![1, 2, 3];
+        }
+        let mut o = staged(c, &resp, &entries, &mem);
+        let got = o.results.remove(0).expect("allgather");
+        let t = got.tensor.expect("output tensor");
+        assert_eq!(t.shape, vec![6, 2]);
+        t.buf
+            .as_slice()
+            .chunks(4)
+            .map(|b| f32::from_ne_bytes(b.try_into().unwrap()))
+            .collect::<Vec<f32>>()
+    });
+    let want: Vec<f32> = [0., 1., 10., 11., 12., 13., 20., 21., 22., 23., 24., 25.].to_vec();
+    for got in out {
+        assert_eq!(got, want);
+    }
+}
+
+#[test]
+fn a_failed_device_copy_fails_that_rank_and_does_not_stall_its_peers() {
+    for plan in [Plan::default(), half_plan(1.0)] {
+        let out = run(2, move |c| {
+            let mut g = vec![1.0f32 + c.rank() as f32; 5];
+            let entries = vec![Some(Entry {
+                handle: 1,
+                input: Some(view(&mut g, GPU)),
+                output: Some(view(&mut g, GPU)),
+            })];
+            let mem = Arc::new(HostMemory {
+                fail: c.rank() == 1,
+                ..Default::default()
+            });
+            let resp = response(OpKind::Allreduce, vec![vec![5]], ReduceOp::Sum, plan);
+            let o = staged(c, &resp, &entries, &mem);
+            drop(entries);
+            (o.results[0].as_ref().err().map(|e| e.to_string()), g)
+        });
+        // Rank 0 completed with rank 1's zeros; rank 1 says why it failed.
+        assert_eq!(out[0], (None, vec![1.0; 5]));
+        assert_eq!(
+            out[1].0.as_deref(),
+            Some("CUDA error: simulated copy failure")
+        );
+    }
+}

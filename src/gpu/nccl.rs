@@ -1,0 +1,231 @@
+//! NCCL, loaded at run time from the file its wheels ship (`libnccl.so.2`, which
+//! cudarc's own loader does not look for): the few calls Perseus makes, and a
+//! communicator on one device's Perseus stream.
+//!
+//! The engine does not carry tensors over NCCL yet (docs/gpu.md); this is the binding
+//! and the one-rank round trip the GPU tests run.
+
+use std::ffi::{c_char, c_int, c_void, CStr};
+use std::path::PathBuf;
+
+use libloading::Library;
+
+use crate::dtype::{DataType, ReduceOp};
+use crate::error::{PerseusError, Result};
+use crate::gpu::libs::{probe, CudaLib};
+
+/// Bytes of an `ncclUniqueId`.
+pub const UNIQUE_ID_BYTES: usize = 128;
+
+/// What ranks share to form one communicator (rank 0 makes it, the others receive it).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub struct UniqueId(pub [u8; UNIQUE_ID_BYTES]);
+
+type Comm = *mut c_void;
+type GetUniqueId = unsafe extern "C" fn(*mut UniqueId) -> c_int;
+type CommInitRank = unsafe extern "C" fn(*mut Comm, c_int, UniqueId, c_int) -> c_int;
+type AllReduce = unsafe extern "C" fn(
+    *const c_void,
+    *mut c_void,
+    usize,
+    c_int,
+    c_int,
+    Comm,
+    *mut c_void,
+) -> c_int;
+type CommDestroy = unsafe extern "C" fn(Comm) -> c_int;
+type GetErrorString = unsafe extern "C" fn(c_int) -> *const c_char;
+
+/// The NCCL functions Perseus calls.
+pub struct Nccl {
+    _lib: Library,
+    get_unique_id: GetUniqueId,
+    comm_init_rank: CommInitRank,
+    all_reduce: AllReduce,
+    comm_destroy: CommDestroy,
+    error_string: GetErrorString,
+    /// The file it was loaded from, and its version.
+    pub path: PathBuf,
+    /// Its version ("2.30.7").
+    pub version: String,
+}
+
+impl Nccl {
+    /// Loads NCCL (searching `dirs` first). A missing library is
+    /// [`PerseusError::GpuUnavailable`] naming where it was looked for.
+    pub fn load(dirs: &[PathBuf]) -> Result<Nccl> {
+        let p = probe(CudaLib::Nccl, dirs);
+        let Some(found) = p.loaded else {
+            return Err(PerseusError::GpuUnavailable(p.missing_message()));
+        };
+        let missing = |e: libloading::Error| {
+            PerseusError::GpuUnavailable(format!(
+                "NCCL at {} lacks a function Perseus needs: {e}",
+                found.path.display()
+            ))
+        };
+        // SAFETY: the library is already loaded (by `probe`), so this only takes another
+        // reference; each symbol is read with the signature nccl.h declares for it.
+        unsafe {
+            let lib = Library::new(&found.path).map_err(missing)?;
+            let get_unique_id = *lib
+                .get::<GetUniqueId>(b"ncclGetUniqueId\0")
+                .map_err(missing)?;
+            let comm_init_rank = *lib
+                .get::<CommInitRank>(b"ncclCommInitRank\0")
+                .map_err(missing)?;
+            let all_reduce = *lib.get::<AllReduce>(b"ncclAllReduce\0").map_err(missing)?;
+            let comm_destroy = *lib
+                .get::<CommDestroy>(b"ncclCommDestroy\0")
+                .map_err(missing)?;
+            let error_string = *lib
+                .get::<GetErrorString>(b"ncclGetErrorString\0")
+                .map_err(missing)?;
+            Ok(Nccl {
+                _lib: lib,
+                get_unique_id,
+                comm_init_rank,
+                all_reduce,
+                comm_destroy,
+                error_string,
+                path: found.path,
+                version: found.version,
+            })
+        }
+    }
+
+    fn check(&self, call: &str, code: c_int) -> Result<()> {
+        if code == 0 {
+            return Ok(());
+        }
+        // SAFETY: ncclGetErrorString returns a static string for any code.
+        let why = unsafe { CStr::from_ptr((self.error_string)(code)) }.to_string_lossy();
+        Err(PerseusError::Device(format!(
+            "{call} failed with NCCL error {code}: {why}"
+        )))
+    }
+
+    /// A new id for a communicator.
+    pub fn unique_id(&self) -> Result<UniqueId> {
+        let mut id = UniqueId([0; UNIQUE_ID_BYTES]);
+        // SAFETY: `id` is an ncclUniqueId-sized buffer.
+        let code = unsafe { (self.get_unique_id)(&mut id) };
+        self.check("ncclGetUniqueId", code)?;
+        Ok(id)
+    }
+
+    /// Joins the communicator `id` as `rank` of `size`, on the device whose context is
+    /// current on this thread (every rank of the group calls this together).
+    pub fn communicator(
+        &self,
+        id: &UniqueId,
+        size: usize,
+        rank: usize,
+    ) -> Result<Communicator<'_>> {
+        let mut comm: Comm = std::ptr::null_mut();
+        // SAFETY: `comm` receives the handle; `id` is passed by value as nccl.h says.
+        let code = unsafe { (self.comm_init_rank)(&mut comm, size as c_int, *id, rank as c_int) };
+        self.check("ncclCommInitRank", code)?;
+        Ok(Communicator { nccl: self, comm })
+    }
+}
+
+/// NCCL's code for an element type.
+pub fn data_type(d: DataType) -> Result<c_int> {
+    Ok(match d {
+        DataType::I8 | DataType::Bool => 0,
+        DataType::U8 => 1,
+        DataType::I32 => 2,
+        DataType::I64 => 4,
+        DataType::F16 => 6,
+        DataType::F32 => 7,
+        DataType::F64 => 8,
+        DataType::BF16 => 9,
+    })
+}
+
+/// NCCL's code for a reduction (Average is `ncclAvg`, NCCL 2.10 and later).
+pub fn red_op(op: ReduceOp) -> Result<c_int> {
+    Ok(match op {
+        ReduceOp::Sum => 0,
+        ReduceOp::Product => 1,
+        ReduceOp::Max => 2,
+        ReduceOp::Min => 3,
+        ReduceOp::Average => 4,
+        ReduceOp::Adasum => {
+            return Err(PerseusError::InvalidArgument(
+                "NCCL has no Adasum reduction".into(),
+            ))
+        }
+    })
+}
+
+/// One NCCL communicator; destroyed when dropped.
+pub struct Communicator<'a> {
+    nccl: &'a Nccl,
+    comm: Comm,
+}
+
+impl Communicator<'_> {
+    /// Queues an allreduce of `count` elements from device memory `send` into `recv`
+    /// (may be equal) on `stream`.
+    ///
+    /// # Safety
+    /// Both pointers must be device memory of the communicator's device holding
+    /// `count` elements, alive until the stream has run the operation.
+    pub unsafe fn allreduce(
+        &self,
+        send: u64,
+        recv: u64,
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+        stream: u64,
+    ) -> Result<()> {
+        let code = (self.nccl.all_reduce)(
+            send as *const c_void,
+            recv as *mut c_void,
+            count,
+            data_type(dtype)?,
+            red_op(op)?,
+            self.comm,
+            stream as *mut c_void,
+        );
+        self.nccl.check("ncclAllReduce", code)
+    }
+}
+
+impl Drop for Communicator<'_> {
+    fn drop(&mut self) {
+        // SAFETY: the handle came from ncclCommInitRank and is destroyed once.
+        unsafe { (self.nccl.comm_destroy)(self.comm) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codes_follow_nccl_h() {
+        assert_eq!(data_type(DataType::F32).unwrap(), 7);
+        assert_eq!(data_type(DataType::BF16).unwrap(), 9);
+        assert_eq!(red_op(ReduceOp::Average).unwrap(), 4);
+        assert_eq!(red_op(ReduceOp::Min).unwrap(), 3);
+        assert!(red_op(ReduceOp::Adasum).is_err());
+        assert_eq!(std::mem::size_of::<UniqueId>(), 128);
+    }
+
+    #[test]
+    fn a_missing_nccl_is_a_clear_error() {
+        let dir = std::env::temp_dir().join("perseus-no-nccl-here");
+        if let Err(e) = Nccl::load(std::slice::from_ref(&dir)) {
+            let msg = e.to_string();
+            assert!(
+                msg.contains("NCCL (libnccl.so.2 or libnccl.so) was not found"),
+                "{msg}"
+            );
+        }
+    }
+}

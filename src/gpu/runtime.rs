@@ -1,0 +1,353 @@
+//! CUDA devices as the engine uses them: the primary context of each device (the one
+//! PyTorch uses), one non-blocking stream of Perseus's own, the kernels compiled once
+//! per device, and the copies of the host-staged path ([`DeviceMemory`]).
+//!
+//! Ordering with the framework: the front-end exports a tensor with
+//! `__dlpack__(stream=<this device's stream>)`, so the framework records an event on
+//! its current stream and makes this stream wait for it (DLPack's stream protocol).
+//! The engine then queues its copies and casts on this stream and waits for this
+//! stream alone before completing a handle; no device-wide synchronisation.
+
+use std::collections::HashMap;
+use std::ffi::{c_void, CString};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use cudarc::driver::{result, sys};
+
+use crate::engine::staged::{Cast, DeviceMemory};
+use crate::error::{PerseusError, Result};
+use crate::gpu::kernels;
+use crate::gpu::libs::{probe, CudaLib};
+
+/// Directories searched first for CUDA's libraries (the nvidia-* wheels' folders,
+/// which the Python side passes at `init`).
+static SEARCH_DIRS: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
+
+/// Every device opened so far, by ordinal.
+static DEVICES: Mutex<Vec<(i32, Arc<CudaDevice>)>> = Mutex::new(Vec::new());
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// Sets the directories searched first for CUDA's libraries.
+pub fn set_search_dirs(dirs: Vec<PathBuf>) {
+    *lock(&SEARCH_DIRS) = dirs;
+}
+
+/// The directories searched first for CUDA's libraries.
+pub fn search_dirs() -> Vec<PathBuf> {
+    lock(&SEARCH_DIRS).clone()
+}
+
+/// A failed driver call as an error naming the call.
+fn driver(call: &'static str) -> impl Fn(result::DriverError) -> PerseusError {
+    move |e| {
+        let why = e
+            .error_string()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|_| format!("{:?}", e.0));
+        PerseusError::Device(format!("{call} failed: {why}"))
+    }
+}
+
+/// Threads per block of every launch; blocks are capped, the kernels loop.
+const BLOCK: u32 = 256;
+const MAX_BLOCKS: u64 = 8192;
+
+/// What the engine thread and the front-ends share about one device.
+#[derive(Default)]
+struct State {
+    /// Loaded modules, by kernel source.
+    modules: HashMap<&'static str, sys::CUmodule>,
+    /// Kernels, by name.
+    functions: HashMap<&'static str, sys::CUfunction>,
+    /// Device scratch for float16 images (stream-ordered; grows, never shrinks).
+    scratch: sys::CUdeviceptr,
+    scratch_len: usize,
+}
+
+/// One CUDA device.
+pub struct CudaDevice {
+    ordinal: i32,
+    ctx: sys::CUcontext,
+    stream: sys::CUstream,
+    /// Compute capability as `major * 10 + minor` (90 for an H100).
+    sm: u32,
+    state: Mutex<State>,
+}
+
+// SAFETY: the handles are plain driver handles, valid on any thread once the context
+// is made current there (`bind`); the mutable state is behind a mutex.
+unsafe impl Send for CudaDevice {}
+unsafe impl Sync for CudaDevice {}
+
+impl CudaDevice {
+    /// Device `ordinal`, opened once per process. Errors: no CUDA driver
+    /// ([`PerseusError::GpuUnavailable`], naming where it was looked for), no such
+    /// device, or a failing driver.
+    pub fn get(ordinal: i32) -> Result<Arc<CudaDevice>> {
+        let mut open = lock(&DEVICES);
+        if let Some((_, d)) = open.iter().find(|(o, _)| *o == ordinal) {
+            return Ok(d.clone());
+        }
+        let lib = probe(CudaLib::Driver, &search_dirs());
+        let Some(loaded) = lib.loaded.clone() else {
+            return Err(PerseusError::GpuUnavailable(lib.missing_message()));
+        };
+        // cudarc panics where a symbol is missing (a driver older than CUDA 12).
+        let d = std::panic::catch_unwind(|| Self::open(ordinal)).map_err(|_| {
+            PerseusError::GpuUnavailable(format!(
+                "the CUDA driver {} at {} lacks a function Perseus needs",
+                loaded.version,
+                loaded.path.display()
+            ))
+        })??;
+        let d = Arc::new(d);
+        open.push((ordinal, d.clone()));
+        Ok(d)
+    }
+
+    fn open(ordinal: i32) -> Result<CudaDevice> {
+        result::init().map_err(driver("cuInit"))?;
+        let count = result::device::get_count().map_err(driver("cuDeviceGetCount"))?;
+        if ordinal < 0 || ordinal >= count {
+            return Err(PerseusError::InvalidArgument(format!(
+                "cuda:{ordinal} does not exist: this machine has {count} CUDA device(s)"
+            )));
+        }
+        let dev = result::device::get(ordinal).map_err(driver("cuDeviceGet"))?;
+        use sys::CUdevice_attribute::*;
+        // SAFETY: `dev` came from cuDeviceGet; the primary context is retained for the
+        // life of the process, as PyTorch does.
+        unsafe {
+            let major =
+                result::device::get_attribute(dev, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)
+                    .map_err(driver("cuDeviceGetAttribute"))?;
+            let minor =
+                result::device::get_attribute(dev, CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)
+                    .map_err(driver("cuDeviceGetAttribute"))?;
+            let ctx =
+                result::primary_ctx::retain(dev).map_err(driver("cuDevicePrimaryCtxRetain"))?;
+            result::ctx::set_current(ctx).map_err(driver("cuCtxSetCurrent"))?;
+            let stream = result::stream::create(result::stream::StreamKind::NonBlocking)
+                .map_err(driver("cuStreamCreate"))?;
+            Ok(CudaDevice {
+                ordinal,
+                ctx,
+                stream,
+                sm: (major * 10 + minor) as u32,
+                state: Mutex::new(State::default()),
+            })
+        }
+    }
+
+    /// The device's ordinal.
+    pub fn ordinal(&self) -> i32 {
+        self.ordinal
+    }
+
+    /// The compute capability as `major * 10 + minor`.
+    pub fn sm(&self) -> u32 {
+        self.sm
+    }
+
+    /// Perseus's stream on this device, as the integer DLPack's `stream=` takes.
+    pub fn stream_handle(&self) -> u64 {
+        self.stream as u64
+    }
+
+    /// Makes this device's context current on the calling thread.
+    fn bind(&self) -> Result<()> {
+        // SAFETY: the context is retained for the life of the process.
+        unsafe { result::ctx::set_current(self.ctx) }.map_err(driver("cuCtxSetCurrent"))
+    }
+
+    /// Kernel `name` of source `source`, compiled (to a CUBIN for this device's
+    /// architecture) and loaded the first time it is asked for.
+    fn function(
+        &self,
+        st: &mut State,
+        source: &'static str,
+        name: &'static str,
+    ) -> Result<sys::CUfunction> {
+        if let Some(f) = st.functions.get(name) {
+            return Ok(*f);
+        }
+        let module = match st.modules.get(source) {
+            Some(m) => *m,
+            None => {
+                let bin = kernels::cubin(source, self.sm, &search_dirs())?;
+                // SAFETY: `bin` is a CUBIN NVRTC made for this device's architecture.
+                let m = unsafe { result::module::load_data(bin.as_ptr() as *const c_void) }
+                    .map_err(driver("cuModuleLoadData"))?;
+                st.modules.insert(source, m);
+                m
+            }
+        };
+        let c = CString::new(name).expect("kernel names hold no NUL");
+        // SAFETY: `module` is loaded and never unloaded.
+        let f = unsafe { result::module::get_function(module, c) }
+            .map_err(driver("cuModuleGetFunction"))?;
+        st.functions.insert(name, f);
+        Ok(f)
+    }
+
+    /// Device scratch of at least `bytes`, ordered on this device's stream.
+    fn scratch(&self, st: &mut State, bytes: usize) -> Result<sys::CUdeviceptr> {
+        if bytes > st.scratch_len {
+            // SAFETY: the old scratch was allocated on this stream; work queued on it
+            // before the free completes first.
+            unsafe {
+                if st.scratch_len > 0 {
+                    result::free_async(st.scratch, self.stream)
+                        .map_err(driver("cuMemFreeAsync"))?;
+                    st.scratch_len = 0;
+                }
+                let want = bytes.next_power_of_two().max(1 << 20);
+                st.scratch =
+                    result::malloc_async(self.stream, want).map_err(driver("cuMemAllocAsync"))?;
+                st.scratch_len = want;
+            }
+        }
+        Ok(st.scratch)
+    }
+
+    /// Launches an elementwise cast kernel `(src, dst, factor, n)` on this stream.
+    fn cast(&self, f: sys::CUfunction, src: u64, dst: u64, factor: f32, n: u64) -> Result<()> {
+        if n == 0 {
+            return Ok(());
+        }
+        let blocks = n.div_ceil(BLOCK as u64).min(MAX_BLOCKS) as u32;
+        let (mut src, mut dst, mut factor, mut n) = (src, dst, factor, n);
+        let mut params: [*mut c_void; 4] = [
+            (&mut src as *mut u64).cast(),
+            (&mut dst as *mut u64).cast(),
+            (&mut factor as *mut f32).cast(),
+            (&mut n as *mut u64).cast(),
+        ];
+        // SAFETY: the kernel's parameters are (pointer, pointer, float, u64), as given;
+        // the caller vouches for the memory.
+        unsafe {
+            result::launch_kernel(
+                f,
+                (blocks, 1, 1),
+                (BLOCK, 1, 1),
+                0,
+                self.stream,
+                &mut params,
+            )
+        }
+        .map_err(driver("cuLaunchKernel"))
+    }
+}
+
+impl DeviceMemory for CudaDevice {
+    unsafe fn download(&self, src: *const u8, dst: &mut [u8], cast: Cast) -> Result<()> {
+        if dst.is_empty() {
+            return Ok(());
+        }
+        self.bind()?;
+        match cast {
+            Cast::Exact => result::memcpy_dtoh_async(dst, src as u64, self.stream)
+                .map_err(driver("cuMemcpyDtoHAsync")),
+            Cast::Half(factor) => {
+                let mut st = lock(&self.state);
+                let f = self.function(&mut st, "cast", "f32_to_f16_scaled")?;
+                let image = self.scratch(&mut st, dst.len())?;
+                self.cast(f, src as u64, image, factor, (dst.len() / 2) as u64)?;
+                result::memcpy_dtoh_async(dst, image, self.stream)
+                    .map_err(driver("cuMemcpyDtoHAsync"))
+            }
+        }
+    }
+
+    unsafe fn upload(&self, src: &[u8], dst: *mut u8, cast: Cast) -> Result<()> {
+        if src.is_empty() {
+            return Ok(());
+        }
+        self.bind()?;
+        match cast {
+            Cast::Exact => result::memcpy_htod_async(dst as u64, src, self.stream)
+                .map_err(driver("cuMemcpyHtoDAsync")),
+            Cast::Half(factor) => {
+                let mut st = lock(&self.state);
+                let f = self.function(&mut st, "cast", "f16_to_f32_scaled")?;
+                let image = self.scratch(&mut st, src.len())?;
+                result::memcpy_htod_async(image, src, self.stream)
+                    .map_err(driver("cuMemcpyHtoDAsync"))?;
+                self.cast(f, image, dst as u64, factor, (src.len() / 2) as u64)
+            }
+        }
+    }
+
+    fn finish(&self) -> Result<()> {
+        self.bind()?;
+        // SAFETY: the stream lives for the life of the process.
+        unsafe { result::stream::synchronize(self.stream) }.map_err(driver("cuStreamSynchronize"))
+    }
+}
+
+/// Opens device `ordinal` and returns its stream handle (for DLPack's `stream=`).
+pub fn stream_of(ordinal: i32) -> Result<u64> {
+    CudaDevice::get(ordinal).map(|d| d.stream_handle())
+}
+
+/// The one-rank NCCL round trip the GPU tests run: a communicator of this process
+/// alone on device `ordinal`, an allreduce of values uploaded to the device, and the
+/// values read back and compared. Returns what was checked.
+pub fn nccl_round_trip(ordinal: i32) -> Result<String> {
+    let dev = CudaDevice::get(ordinal)?;
+    dev.bind()?;
+    let nccl = crate::gpu::nccl::Nccl::load(&search_dirs())?;
+    let id = nccl.unique_id()?;
+    let comm = nccl.communicator(&id, 1, 0)?;
+    let values: Vec<f32> = (0..4099).map(|i| i as f32 * 0.5 - 7.0).collect();
+    let mut back = vec![0f32; values.len()];
+    let bytes = values.len() * 4;
+    // SAFETY: the device buffer is allocated, used and freed on this device's stream,
+    // which is synchronised before the host buffers are read or dropped.
+    unsafe {
+        let buf = result::malloc_async(dev.stream, bytes).map_err(driver("cuMemAllocAsync"))?;
+        let run = (|| {
+            result::memcpy_htod_async(buf, &values, dev.stream)
+                .map_err(driver("cuMemcpyHtoDAsync"))?;
+            for op in [crate::dtype::ReduceOp::Sum, crate::dtype::ReduceOp::Average] {
+                comm.allreduce(
+                    buf,
+                    buf,
+                    values.len(),
+                    crate::dtype::DataType::F32,
+                    op,
+                    dev.stream_handle(),
+                )?;
+            }
+            result::memcpy_dtoh_async(&mut back, buf, dev.stream)
+                .map_err(driver("cuMemcpyDtoHAsync"))
+        })();
+        let _ = result::free_async(buf, dev.stream);
+        let synced = result::stream::synchronize(dev.stream).map_err(driver("cuStreamSynchronize"));
+        run?;
+        synced?;
+    }
+    if back != values {
+        let at = back
+            .iter()
+            .zip(&values)
+            .position(|(a, b)| a != b)
+            .unwrap_or(0);
+        return Err(PerseusError::Device(format!(
+            "the NCCL round trip changed element {at}: {} became {}",
+            values[at], back[at]
+        )));
+    }
+    Ok(format!(
+        "NCCL {} ({}) on cuda:{ordinal} (sm_{}): {} float32 values through a one-rank \
+         communicator (Sum, Average) came back unchanged",
+        nccl.version,
+        nccl.path.display(),
+        dev.sm,
+        values.len()
+    ))
+}
