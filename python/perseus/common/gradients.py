@@ -25,6 +25,36 @@ def check_optimizer_args(op, gradient_predivide_factor, num_groups, stacklevel=3
                       DeprecationWarning, stacklevel=stacklevel)
 
 
+class Switches:
+    """The PERSEUS_* gradient switches every front-end's DistributedOptimizer honours
+    (docs/environment.md), read once from the engine's configuration ``cfg``."""
+
+    def __init__(self, cfg):
+        self.accumulate = int(cfg.get("PERSEUS_ACCUMULATE_N_STEPS", "1"))
+        self.nancheck = cfg.get("PERSEUS_ALLREDUCE_NANCHECK", "0") == "1"
+        self.downsample_n = int(cfg.get("PERSEUS_DOWNSAMPLE_N_ELEMENTS", "1"))
+        self.momentum = float(cfg.get("PERSEUS_GRADIENT_MOMENTUM", "1"))
+        self.perf_every = int(cfg.get("PERSEUS_PERF_CHECK_N_STEPS", "0"))
+        self.fusion = int(cfg.get("PERSEUS_ALLREDUCE_FUSION") or -1)  # -1: unset
+
+    def fusion_threshold(self, gradient_bytes):
+        """PERSEUS_ALLREDUCE_FUSION=N: the fusion threshold that cuts ``gradient_bytes``
+        of gradients into N buffers (0: no fusion); None when the variable is unset."""
+        if self.fusion < 0:
+            return None
+        return 0 if self.fusion == 0 else -(-gradient_bytes // self.fusion)
+
+
+def scale_factors(op, gradient_predivide_factor, local=1.0):
+    """(prescale, postscale) of a gradient allreduce. ``local`` multiplies the gradient
+    first (1/N for N accumulated steps). An Average splits its division: by
+    ``gradient_predivide_factor`` before the sum, the rest after it (the core divides
+    by the set size after the postscale, which undoes the predivision)."""
+    if op == Average:
+        return local / gradient_predivide_factor, gradient_predivide_factor
+    return local, 1.0
+
+
 def raise_nonfinite(bad, own_bad, name, process_set):
     """PERSEUS_ALLREDUCE_NANCHECK found NaN or Inf in the reduced gradients ``bad`` (names).
 

@@ -7,7 +7,11 @@ is installed, so lambdas and local classes work too).
 import pickle
 
 from perseus.common import ops
-from perseus.common.process_sets import global_process_set, process_set_id, process_set_size
+from perseus.common.process_sets import (
+    global_process_set,
+    process_set_size,
+    set_rank,
+)
 
 try:
     import cloudpickle as _pickler
@@ -59,15 +63,6 @@ def _allgather(array, name, process_set):
     return h.wait()
 
 
-def _set_rank(process_set):
-    from perseus import _core
-
-    pid = process_set_id(process_set)
-    ranks = (process_set.ranks if getattr(process_set, "ranks", None)
-             else list(_core.process_set_ranks(pid)))
-    return ranks.index(_core.rank()) if _core.rank() in ranks else -1
-
-
 def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
     """Send ``obj`` from ``root_rank`` (counted within the set) to every rank; return it.
 
@@ -76,7 +71,7 @@ def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set
     """
     np = _np()
     name = name or "broadcast_object"
-    if _set_rank(process_set) == root_rank:
+    if set_rank(process_set) == root_rank:
         data = np.frombuffer(bytearray(dumps(obj)), dtype=np.uint8)
         _broadcast(np.array([data.size], dtype=np.int64), root_rank, name + ".sz", process_set)
         _broadcast(data, root_rank, name + ".t", process_set)

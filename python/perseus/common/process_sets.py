@@ -125,6 +125,18 @@ def process_set_size(process_set):
     return len(_core.process_set_ranks(process_set_id(process_set)))
 
 
+def set_rank(process_set):
+    """This rank's index within ``process_set`` (a ProcessSet or an id); ``ValueError``
+    when it is not a member."""
+    pid = process_set_id(process_set)
+    ranks = (process_set.ranks if isinstance(process_set, ProcessSet) and process_set.ranks
+             else list(_core.process_set_ranks(pid)))
+    me = _core.rank()
+    if me not in ranks:
+        raise ValueError(f"this rank is not a member of {process_set}")
+    return ranks.index(me)
+
+
 def add_process_set(process_set):
     """Register a new process set on every rank (a collective: all ranks must call it).
 

@@ -21,7 +21,13 @@ import tensorflow as tf
 
 from perseus.common.basics import config as _config
 from perseus.common.basics import generation, set_fusion_threshold
-from perseus.common.gradients import check_optimizer_args, perf_check, raise_nonfinite
+from perseus.common.gradients import (
+    Switches,
+    check_optimizer_args,
+    perf_check,
+    raise_nonfinite,
+    scale_factors,
+)
 from perseus.common.ops import Average, Sum, check_op
 from perseus.common.process_sets import process_set_size
 from perseus.tensorflow.horovod import bridge as _bridge
@@ -54,13 +60,12 @@ class GradientReducer:
         self.predivide = float(gradient_predivide_factor)
         self.sparse_as_dense = sparse_as_dense
         self.process_set = process_set if process_set is not None else global_process_set
-        cfg = _config()
         self.generation = generation()
-        self._nancheck = cfg.get("PERSEUS_ALLREDUCE_NANCHECK", "0") == "1"
-        self._downsample_n = int(cfg.get("PERSEUS_DOWNSAMPLE_N_ELEMENTS", "1"))
-        self._momentum = float(cfg.get("PERSEUS_GRADIENT_MOMENTUM", "1"))
-        self._fusion = int(cfg.get("PERSEUS_ALLREDUCE_FUSION") or -1)
-        self._perf_every = int(cfg.get("PERSEUS_PERF_CHECK_N_STEPS", "0"))
+        self._switches = Switches(_config())
+        self._nancheck = self._switches.nancheck
+        self._downsample_n = self._switches.downsample_n
+        self._momentum = self._switches.momentum
+        self._perf_every = self._switches.perf_every
         self._fusion_set = False
         self._residuals = {}
         self._updates = 0
@@ -107,18 +112,15 @@ class GradientReducer:
     # ------------------------------------------------------------------ eager body
 
     def _scale_factors(self):
-        if self.op == Average:
-            # The core divides by the set size after postscale.
-            return 1.0 / self.predivide, self.predivide
-        return 1.0, 1.0
+        return scale_factors(self.op, self.predivide)
 
     def _reduce_eager(self, grads, names):
         entered = time.perf_counter()
         if self._perf_every > 0 and self._last_end is not None:
             self._compute_times.append(entered - self._last_end)
-        if self._fusion >= 0 and not self._fusion_set:
+        if self._switches.fusion >= 0 and not self._fusion_set:
             total = sum(int(np.prod(g.shape)) * g.dtype.size for g in grads)
-            set_fusion_threshold(0 if self._fusion == 0 else -(-total // self._fusion))
+            set_fusion_threshold(self._switches.fusion_threshold(total))
             self._fusion_set = True
         own_bad = []
         sends, contexts = [], []

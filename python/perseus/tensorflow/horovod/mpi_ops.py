@@ -53,16 +53,10 @@ from perseus.common.process_sets import (  # noqa: F401 - re-exported
     remove_process_set,
 )
 from perseus.common.process_sets import process_set_size as _ps_size
+from perseus.common.process_sets import set_rank as _set_rank
 from perseus.common.timeline import start_timeline, stop_timeline  # noqa: F401
 from perseus.tensorflow.horovod import bridge as _bridge
 from perseus.tensorflow.horovod.compression import Compression
-
-
-def _set_rank(process_set):
-    r = process_set.rank() if isinstance(process_set, ProcessSet) else None
-    if r is None or r < 0:
-        raise ValueError(f"this rank is not a member of {process_set}")
-    return r
 
 
 def _rows_shape(shape):

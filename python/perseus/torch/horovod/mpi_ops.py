@@ -48,6 +48,7 @@ from perseus.common.process_sets import (  # noqa: F401 - re-exported
     remove_process_set,
 )
 from perseus.common.process_sets import process_set_size as _ps_size
+from perseus.common.process_sets import set_rank as _set_rank
 from perseus.common.timeline import start_timeline, stop_timeline  # noqa: F401
 from perseus.torch.horovod.compression import Compression
 
@@ -271,13 +272,6 @@ def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_facto
     """Allreduce a list of tensors in place as one group; returns the list."""
     return synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
                                                 postscale_factor, process_set))
-
-
-def _set_rank(process_set):
-    r = process_set.rank() if isinstance(process_set, ProcessSet) else None
-    if r is None or r < 0:
-        raise ValueError(f"this rank is not a member of {process_set}")
-    return r
 
 
 def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):

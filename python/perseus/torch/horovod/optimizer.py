@@ -9,7 +9,13 @@ import torch
 
 from perseus.common.basics import config as _config
 from perseus.common.basics import set_fusion_threshold
-from perseus.common.gradients import check_optimizer_args, perf_check, raise_nonfinite
+from perseus.common.gradients import (
+    Switches,
+    check_optimizer_args,
+    perf_check,
+    raise_nonfinite,
+    scale_factors,
+)
 from perseus.common.ops import GroupHandle
 from perseus.common.process_sets import global_process_set
 from perseus.torch.horovod.compression import Compression
@@ -69,28 +75,27 @@ class _DistributedOptimizer:
                              f"were not named. Python object ids: {', '.join(map(str, unnamed))}")
 
         self._parameter_names = {v: k for k, v in named_parameters}
-        cfg = _config()
+        switches = Switches(_config())
         # PERSEUS_ACCUMULATE_N_STEPS: step() applies every N-th call (see step()).
-        self._accumulate = int(cfg.get("PERSEUS_ACCUMULATE_N_STEPS", "1"))
+        self._accumulate = switches.accumulate
         self._accumulated = 0
         # PERSEUS_ALLREDUCE_NANCHECK: reduced gradients are checked (see _check_finite()).
-        self._nancheck = cfg.get("PERSEUS_ALLREDUCE_NANCHECK", "0") == "1"
+        self._nancheck = switches.nancheck
         self._nonfinite_here = []
         # PERSEUS_DOWNSAMPLE_N_ELEMENTS / PERSEUS_GRADIENT_MOMENTUM: see _downsample().
-        self._downsample_n = int(cfg.get("PERSEUS_DOWNSAMPLE_N_ELEMENTS", "1"))
-        self._residual_momentum = float(cfg.get("PERSEUS_GRADIENT_MOMENTUM", "1"))
+        self._downsample_n = switches.downsample_n
+        self._residual_momentum = switches.momentum
         self._residuals = {}
         self._updates = 0
         # PERSEUS_PERF_CHECK_N_STEPS: see _perf_check().
-        self._perf_every = int(cfg.get("PERSEUS_PERF_CHECK_N_STEPS", "0"))
+        self._perf_every = switches.perf_every
         self._compute_times = []
         self._last_step_end = None
         # PERSEUS_ALLREDUCE_FUSION=N: fused buffers of 1/N of the gradient bytes.
-        fusion = int(cfg.get("PERSEUS_ALLREDUCE_FUSION") or -1)  # -1: unset, automatic
-        if fusion >= 0:
+        if switches.fusion >= 0:
             total = sum(p.numel() * p.element_size() for group in self.param_groups
                         for p in group["params"] if p.requires_grad)
-            set_fusion_threshold(0 if fusion == 0 else -(-total // fusion))
+            set_fusion_threshold(switches.fusion_threshold(total))
         self.backward_passes_per_step = backward_passes_per_step
         self._allreduce_delay = {v: self._passes_per_update() for _, v in named_parameters}
         self.op = op
@@ -161,11 +166,7 @@ class _DistributedOptimizer:
     def _scale_factors(self):
         # With PERSEUS_ACCUMULATE_N_STEPS=N the gradient holds the sum of N steps: send
         # their average.
-        local = 1.0 / self._accumulate
-        if self.op == Average:
-            # Split the average: the core divides by the set size after postscale.
-            return local / self.gradient_predivide_factor, self.gradient_predivide_factor
-        return local, 1.0
+        return scale_factors(self.op, self.gradient_predivide_factor, 1.0 / self._accumulate)
 
     def _note_nonfinite(self, name, tensor):
         """Remember (for the NaN check) that this rank's own gradient was not finite."""
