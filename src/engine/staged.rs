@@ -92,7 +92,7 @@ fn elems(shape: &[i64]) -> usize {
     shape.iter().product::<i64>().max(0) as usize
 }
 
-/// A host view of `buf` with the dtype and shape of `like`.
+/// A host view of `buf` holding a tensor of `dtype` and `shape`.
 fn host_view(buf: &mut AlignedBuf, dtype: DataType, shape: &[i64]) -> TensorView {
     TensorView {
         ptr: buf.as_mut_ptr(),
@@ -100,16 +100,6 @@ fn host_view(buf: &mut AlignedBuf, dtype: DataType, shape: &[i64]) -> TensorView
         dtype,
         shape: shape.to_vec(),
         device: Device::Cpu,
-    }
-}
-
-fn copy_view(v: &TensorView) -> TensorView {
-    TensorView {
-        ptr: v.ptr,
-        nbytes: v.nbytes,
-        dtype: v.dtype,
-        shape: v.shape.clone(),
-        device: v.device,
     }
 }
 
@@ -144,14 +134,6 @@ pub fn run_staged(
         half(comm, resp, entries, bufs, &mut devices)
     } else {
         exact(comm, resp, entries, bufs, &mut devices, &[]).0
-    }
-}
-
-/// Every result failed with `e`.
-fn failed(entries: &[Option<Entry>], e: PerseusError) -> Outcome {
-    Outcome {
-        results: entries.iter().map(|_| Err(e.clone())).collect(),
-        resent: None,
     }
 }
 
@@ -195,7 +177,7 @@ fn exact(
         };
         let mut stage = |v: &TensorView, download: bool| -> TensorView {
             if v.device == Device::Cpu {
-                return copy_view(v);
+                return v.clone();
             }
             let mut buf = AlignedBuf::zeroed(v.nbytes);
             if download && error.is_none() {
@@ -215,7 +197,7 @@ fn exact(
         let input = e.input.as_ref().map(|v| stage(v, true));
         let output = match (&e.input, &e.output, &input) {
             // Written in place: the output is the input's host copy.
-            (Some(i), Some(o), Some(hi)) if i.ptr == o.ptr => Some(copy_view(hi)),
+            (Some(i), Some(o), Some(hi)) if i.ptr == o.ptr => Some(hi.clone()),
             (_, Some(o), _) => Some(stage(o, needs_input && e.input.is_none())),
             (_, None, _) => None,
         };
@@ -333,20 +315,16 @@ fn half(
     if let Err(err) = devices.finish() {
         error.get_or_insert(err);
     }
-    if let Some(err) = &error {
+    if error.is_some() {
+        // Zeros go to the peers; this rank fails after serving them.
         for img in &mut images {
             img.as_mut_slice().fill(0);
         }
-        // Serve the peers, then fail here.
-        let host = image_entries(&mut images, shapes);
-        let out = run_op(comm, &half_response(resp), &host, bufs);
-        return fail_ok(out, Some(err.clone()));
     }
     let host = image_entries(&mut images, shapes);
     let out = run_op(comm, &half_response(resp), &host, bufs);
-    if out.results.iter().any(|r| r.is_err()) {
-        let e = out.results.iter().find_map(|r| r.as_ref().err().cloned());
-        return failed(entries, e.expect("an error"));
+    if error.is_some() || out.results.iter().any(|r| r.is_err()) {
+        return fail_ok(out, error);
     }
     let bad: Vec<usize> = images
         .iter()
@@ -406,7 +384,7 @@ fn image_entries(images: &mut [AlignedBuf], shapes: &[Vec<i64>]) -> Vec<Option<E
             let v = host_view(img, DataType::F16, s);
             Some(Entry {
                 handle: 0,
-                input: Some(copy_view(&v)),
+                input: Some(v.clone()),
                 output: Some(v),
             })
         })

@@ -15,7 +15,7 @@ pub enum Device {
 
 /// Contiguous tensor memory owned by a framework. The front-end keeps the
 /// framework tensor alive until the operation completes.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct TensorView {
     /// First byte.
     pub ptr: *mut u8,

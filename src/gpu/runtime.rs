@@ -70,7 +70,6 @@ struct State {
 
 /// One CUDA device.
 pub struct CudaDevice {
-    ordinal: i32,
     ctx: sys::CUcontext,
     stream: sys::CUstream,
     /// Compute capability as `major * 10 + minor` (90 for an H100).
@@ -134,18 +133,12 @@ impl CudaDevice {
             let stream = result::stream::create(result::stream::StreamKind::NonBlocking)
                 .map_err(driver("cuStreamCreate"))?;
             Ok(CudaDevice {
-                ordinal,
                 ctx,
                 stream,
                 sm: (major * 10 + minor) as u32,
                 state: Mutex::new(State::default()),
             })
         }
-    }
-
-    /// The device's ordinal.
-    pub fn ordinal(&self) -> i32 {
-        self.ordinal
     }
 
     /// The compute capability as `major * 10 + minor`.
