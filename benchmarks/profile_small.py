@@ -31,6 +31,7 @@ def main():
         hvd.allreduce_(t, op=hvd.Sum, name="p")
         walls.append(time.perf_counter() - t0)
     hvd.stop_timeline()
+    path = path if r == 0 else f"{path}.{r}"  # rank r > 0 writes PATH.r
     with open(path) as f:
         events = json.load(f)
     os.unlink(path)

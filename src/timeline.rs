@@ -38,10 +38,11 @@ impl Timeline {
         }
     }
 
-    /// Starts writing to `path` (truncating it), closing any earlier file.
+    /// Starts writing to [`rank_path`]`(path)` (truncating it), closing any
+    /// earlier file.
     pub fn start(&self, path: &str) -> std::io::Result<()> {
         self.stop();
-        let mut out = BufWriter::new(File::create(path)?);
+        let mut out = BufWriter::new(File::create(rank_path(path, self.rank))?);
         out.write_all(b"[\n")?;
         *self.open.lock().unwrap() = Some(Open {
             out,
@@ -84,8 +85,50 @@ impl Timeline {
     }
 }
 
+/// The file rank `rank` writes for the timeline `path`: rank 0 writes `path`
+/// itself (as Horovod's coordinator does), rank `r` writes `path.r`, so
+/// ranks given the same path (PERSEUS_TIMELINE reaches every rank) do not
+/// write one file at once.
+pub fn rank_path(path: &str, rank: usize) -> String {
+    if rank == 0 {
+        path.to_string()
+    } else {
+        format!("{path}.{rank}")
+    }
+}
+
 impl Drop for Timeline {
     fn drop(&mut self) {
         self.stop();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ranks_given_one_path_write_files_of_their_own() {
+        let path = std::env::temp_dir().join(format!("perseus-tl-{}.json", std::process::id()));
+        let path = path.to_str().unwrap();
+        let lines: Vec<Timeline> = (0..3).map(Timeline::new).collect();
+        let t = Instant::now();
+        for (r, tl) in lines.iter().enumerate() {
+            tl.start(path).unwrap();
+            tl.span(&format!("t{r}"), "ALLREDUCE", t, t, "");
+        }
+        lines.iter().for_each(Timeline::stop);
+        for r in 0..3 {
+            let file = rank_path(path, r);
+            let text = std::fs::read_to_string(&file).unwrap();
+            assert!(text.starts_with("[\n") && text.ends_with("\n]\n"), "{text}");
+            assert!(
+                text.contains(&format!("\"pid\":{r},\"tid\":\"t{r}\"")),
+                "{text}"
+            );
+            assert_eq!(text.matches("\"name\"").count(), 1, "{text}");
+            std::fs::remove_file(file).unwrap();
+        }
+        assert_eq!(rank_path(path, 2), format!("{path}.2"));
     }
 }

@@ -103,6 +103,15 @@ fn allreduce_fused_and_ring_over_tcp_and_shm() {
                 .iter()
                 .enumerate()
                 .all(|(i, x)| *x == n as f32 * (i % 10) as f32 + off));
+            // An Average: the ring divides the chunk each rank owns as it
+            // lands, on sockets (in pieces) and in shared memory alike.
+            let mut avg: Vec<f32> = (0..300_001).map(|i| (i % 10) as f32 + r as f32).collect();
+            allreduce(e, "avg", &mut avg, ReduceOp::Average).unwrap();
+            let f = (1.0 / n as f64) as f32;
+            assert!(avg
+                .iter()
+                .enumerate()
+                .all(|(i, x)| *x == (n as f32 * (i % 10) as f32 + off) * f));
             // Many small tensors in flight at once: fused by the coordinator.
             let mut small: Vec<Vec<f32>> = (0..40).map(|i| vec![(i + r) as f32; 3]).collect();
             let hs: Vec<u64> = small

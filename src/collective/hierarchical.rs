@@ -61,10 +61,10 @@ pub fn allreduce_hierarchical(
     if half_between_hosts && dtype == DataType::F32 {
         half.resize(shard.len() / 2);
         to_half(half.as_mut_slice(), shard, 1.0);
-        allreduce(&cross, half.as_mut_slice(), DataType::F16, op, scratch)?;
+        allreduce(&cross, half.as_mut_slice(), DataType::F16, op, 1.0, scratch)?;
         from_half(shard, half.as_slice(), 1.0);
     } else {
-        allreduce(&cross, shard, dtype, op, scratch)?;
+        allreduce(&cross, shard, dtype, op, 1.0, scratch)?;
     }
     allgather_ranges(&intra, buf, &parts)
 }

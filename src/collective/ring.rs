@@ -10,24 +10,30 @@
 use super::{partition, split2, striped, Comm};
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::Result;
-use crate::kernels::{reduce_into, round_through_half, to_half, AlignedBuf};
+use crate::kernels::{reduce_into, round_through_half, scale, to_half, AlignedBuf};
 use crate::transport::{Recv, Send};
 use std::ops::Range;
 
 /// Buffers up to this size use the direct exchange instead of the ring.
 const DIRECT_MAX: usize = 64 << 10;
 
-/// Reduces `buf` across the group in place. Every rank ends with identical
-/// bytes. A large buffer between hosts is striped over the streams.
+/// Reduces `buf` across the group in place, then multiplies every element
+/// by `factor` (1: none; an Average's division, a postscale). Every rank
+/// ends with identical bytes. The ring folds the multiplication into its
+/// last reduction step, so each rank scales only the chunk it owns, while it
+/// is in cache, and the allgather spreads the scaled bytes: no extra pass
+/// over the buffer, and the same bytes as reducing and then scaling. A
+/// large buffer between hosts is striped over the streams.
 pub fn allreduce(
     comm: &dyn Comm,
     buf: &mut [u8],
     dtype: DataType,
     op: ReduceOp,
+    factor: f64,
     scratch: &mut AlignedBuf,
 ) -> Result<()> {
     striped(comm, buf, dtype.size(), scratch, |c, b, s| {
-        allreduce_one(c, b, dtype, op, s)
+        allreduce_one(c, b, dtype, op, factor, s)
     })
 }
 
@@ -37,17 +43,19 @@ fn allreduce_one(
     buf: &mut [u8],
     dtype: DataType,
     op: ReduceOp,
+    factor: f64,
     scratch: &mut AlignedBuf,
 ) -> Result<()> {
     let n = comm.size();
-    if n == 1 || buf.is_empty() {
+    if n == 1 || buf.len() <= DIRECT_MAX {
+        if n > 1 && !buf.is_empty() {
+            allreduce_direct(comm, buf, dtype, op, scratch)?;
+        }
+        scale(buf, dtype, factor);
         return Ok(());
     }
-    if buf.len() <= DIRECT_MAX {
-        return allreduce_direct(comm, buf, dtype, op, scratch);
-    }
     let parts = byte_parts(buf.len(), dtype.size(), n);
-    reduce_scatter_ranges(comm, buf, &parts, dtype, op)?;
+    reduce_scatter_scaled(comm, buf, &parts, dtype, op, factor)?;
     allgather_ranges(comm, buf, &parts)
 }
 
@@ -225,14 +233,28 @@ pub(super) fn reduce_scatter_ranges(
     dtype: DataType,
     op: ReduceOp,
 ) -> Result<()> {
+    reduce_scatter_scaled(comm, buf, parts, dtype, op, 1.0)
+}
+
+/// The ring reduce-scatter; the last step, which completes this rank's own
+/// chunk, multiplies each reduced segment by `factor` as it lands.
+fn reduce_scatter_scaled(
+    comm: &dyn Comm,
+    buf: &mut [u8],
+    parts: &[Range<usize>],
+    dtype: DataType,
+    op: ReduceOp,
+    factor: f64,
+) -> Result<()> {
     let (n, r) = (comm.size(), comm.rank());
     let (right, left) = ((r + 1) % n, (r + n - 1) % n);
     for s in 0..n - 1 {
         let sc = (r + 2 * n - s - 1) % n;
         let rc = (r + 2 * n - s - 2) % n;
+        let f = if s == n - 2 { factor } else { 1.0 };
         let (out, dst) = split2(buf, parts[sc].clone(), parts[rc].clone());
         let mut sends = [Send::new(right, out)];
-        let mut recvs = [Recv::reducing(left, dst, dtype, op)];
+        let mut recvs = [Recv::reducing_scaled(left, dst, dtype, op, f)];
         comm.transfer(&mut sends, &mut recvs)?;
     }
     Ok(())

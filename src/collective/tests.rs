@@ -149,7 +149,7 @@ pub(crate) fn run<T: std::marker::Send + 'static>(
 }
 
 /// Like [`run`], with rank `r` on host `hosts[r]`.
-fn run_on<T: std::marker::Send + 'static>(
+pub(crate) fn run_on<T: std::marker::Send + 'static>(
     hosts: &[usize],
     f: impl Fn(&ThreadComm) -> T + std::marker::Send + Sync + 'static,
 ) -> Vec<T> {
@@ -180,6 +180,12 @@ fn run_streams<T: std::marker::Send + 'static>(
     handles.into_iter().map(|h| h.join().unwrap()).collect()
 }
 
+/// A float32 Sum allreduce of `buf`, unscaled.
+fn sum_f32(c: &dyn Comm, buf: &mut [u8]) -> crate::error::Result<()> {
+    let mut scratch = AlignedBuf::default();
+    allreduce(c, buf, DataType::F32, ReduceOp::Sum, 1.0, &mut scratch)
+}
+
 fn f32s(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_ne_bytes()).collect()
 }
@@ -201,15 +207,7 @@ fn allreduce_sum_matches_reference() {
                     .map(|i| ((i * 7 + c.rank()) % 13) as f32)
                     .collect();
                 let mut b = AlignedBuf::from_slice(&f32s(&v));
-                let mut scratch = AlignedBuf::default();
-                allreduce(
-                    c,
-                    b.as_mut_slice(),
-                    DataType::F32,
-                    ReduceOp::Sum,
-                    &mut scratch,
-                )
-                .unwrap();
+                sum_f32(c, b.as_mut_slice()).unwrap();
                 to_f32s(b.as_slice())
             });
             let want: Vec<f32> = (0..count)
@@ -217,6 +215,44 @@ fn allreduce_sum_matches_reference() {
                 .collect();
             for (r, got) in out.iter().enumerate() {
                 assert_eq!(got, &want, "n={n} count={count} rank={r}");
+            }
+        }
+    }
+}
+
+#[test]
+fn scaled_allreduce_gives_the_bytes_of_reducing_then_scaling() {
+    // Direct exchange, ring, odd element counts; floats and truncated ints.
+    for n in [1, 2, 3, 4] {
+        for count in [5usize, 17_000, 70_001] {
+            for dtype in [DataType::F32, DataType::F64, DataType::I32] {
+                let out = run(n, move |c| {
+                    let bytes: Vec<u8> = (0..count)
+                        .flat_map(|i| {
+                            let x = ((i * 13 + c.rank() * 5) % 101) as f64 * 0.37 - 17.0;
+                            match dtype {
+                                DataType::F32 => (x as f32).to_ne_bytes().to_vec(),
+                                DataType::F64 => x.to_ne_bytes().to_vec(),
+                                _ => (x as i32).to_ne_bytes().to_vec(),
+                            }
+                        })
+                        .collect();
+                    let factor = 1.0 / 3.0;
+                    let mut a = AlignedBuf::from_slice(&bytes);
+                    let mut b = AlignedBuf::from_slice(&bytes);
+                    let mut s = AlignedBuf::default();
+                    allreduce(c, a.as_mut_slice(), dtype, ReduceOp::Sum, 1.0, &mut s).unwrap();
+                    crate::kernels::scale(a.as_mut_slice(), dtype, factor);
+                    allreduce(c, b.as_mut_slice(), dtype, ReduceOp::Sum, factor, &mut s).unwrap();
+                    (a.as_slice().to_vec(), b.as_slice().to_vec())
+                });
+                for (r, (a, b)) in out.iter().enumerate() {
+                    assert!(a == b, "n={n} count={count} {dtype:?} rank {r}");
+                    assert!(
+                        a == &out[0].0,
+                        "n={n} count={count} {dtype:?} rank {r} differs"
+                    );
+                }
             }
         }
     }
@@ -234,7 +270,7 @@ fn allreduce_min_max_product_on_ints() {
                     let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_ne_bytes()).collect();
                     let mut b = AlignedBuf::from_slice(&bytes);
                     let mut s = AlignedBuf::default();
-                    allreduce(c, b.as_mut_slice(), DataType::I32, op, &mut s).unwrap();
+                    allreduce(c, b.as_mut_slice(), DataType::I32, op, 1.0, &mut s).unwrap();
                     b.as_slice().to_vec()
                 });
                 let want: Vec<u8> = (0..count)
@@ -468,7 +504,7 @@ fn half_between_hosts_is_identical_everywhere_and_halves_inter_host_bytes() {
                             &mut s,
                         ),
                         (false, true) => allreduce_half_links(c, buf, ReduceOp::Sum, false, &mut s),
-                        (false, false) => allreduce(c, buf, DataType::F32, ReduceOp::Sum, &mut s),
+                        (false, false) => sum_f32(c, buf),
                     }
                     .unwrap();
                     (b.as_slice().to_vec(), c.inter.load(Ordering::Relaxed))
@@ -509,7 +545,7 @@ fn half_links_everywhere_halve_every_byte_and_agree() {
                 if half {
                     allreduce_half_links(c, b.as_mut_slice(), ReduceOp::Sum, true, &mut s)
                 } else {
-                    allreduce(c, b.as_mut_slice(), DataType::F32, ReduceOp::Sum, &mut s)
+                    sum_f32(c, b.as_mut_slice())
                 }
                 .unwrap();
                 (to_f32s(b.as_slice()), c.sent.load(Ordering::Relaxed))
@@ -571,8 +607,7 @@ fn striped_allreduce_uses_every_stream_and_is_exact() {
     let count = 1_050_001;
     let out = run_streams(&[0, 1, 2], 3, true, move |c| {
         let mut b = AlignedBuf::from_slice(&f32s(&grad(count, c.rank())));
-        let mut s = AlignedBuf::default();
-        allreduce(c, b.as_mut_slice(), DataType::F32, ReduceOp::Sum, &mut s).unwrap();
+        sum_f32(c, b.as_mut_slice()).unwrap();
         let per: Vec<usize> = c
             .per_stream
             .iter()

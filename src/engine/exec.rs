@@ -10,6 +10,7 @@ use crate::dtype::{DataType, ReduceOp};
 use crate::error::{PerseusError, Result};
 use crate::kernels::{clock, copy_scaled, first_nonfinite, from_half, scale, to_half, AlignedBuf};
 use crate::plan::{Encoding, Mode, Plan};
+use std::ops::Range;
 use std::time::Instant;
 
 /// A local operation waiting for its response.
@@ -169,6 +170,11 @@ pub fn run_op(
 /// with float16 links.
 const IMAGE_MAX: usize = 128 << 10;
 
+/// Bytes from which a tensor of a fused allreduce is reduced in its own
+/// memory rather than copied into the fusion buffer and back: beyond this,
+/// the two copies cost more than the ring's extra steps.
+const IN_PLACE_MIN: usize = 1 << 20;
+
 /// One (possibly fused) allreduce on this rank.
 struct Allreduce<'a> {
     comm: &'a dyn Comm,
@@ -264,11 +270,14 @@ impl Allreduce<'_> {
         Some(bad)
     }
 
+    /// Reduces `buf` and multiplies the result by `factor`: within the
+    /// ring's last step when the ring runs, after the hierarchy otherwise.
     fn reduce(
         &self,
         buf: &mut [u8],
         dtype: DataType,
         hier: bool,
+        factor: f64,
         bufs: &mut Buffers,
     ) -> Result<()> {
         bufs.transfer(|bufs| {
@@ -282,17 +291,32 @@ impl Allreduce<'_> {
                     false,
                     &mut half,
                     &mut bufs.scratch,
-                )
+                )?;
+                scale(buf, dtype, factor);
+                Ok(())
             } else {
-                collective::allreduce(self.comm, buf, dtype, self.op, &mut bufs.scratch)
+                collective::allreduce(self.comm, buf, dtype, self.op, factor, &mut bufs.scratch)
             }
         })
     }
 
-    /// Copies the inputs times `factor` (zeros for a joined rank) into `fused`.
-    fn fuse_into(&self, fused: &mut [u8], factor: f64) {
-        for (i, (o, &l)) in self.offsets().iter().zip(&self.sizes).enumerate() {
-            let dst = &mut fused[*o..o + l];
+    /// The tensors `which`, laid end to end: (tensor, its byte range in the fused buffer).
+    fn layout(&self, which: &[usize]) -> Vec<(usize, Range<usize>)> {
+        let mut off = 0;
+        which
+            .iter()
+            .map(|&i| {
+                off += self.sizes[i];
+                (i, off - self.sizes[i]..off)
+            })
+            .collect()
+    }
+
+    /// Copies the inputs `which` times `factor` (zeros for a joined rank)
+    /// into `fused`, end to end.
+    fn fuse_into(&self, fused: &mut [u8], factor: f64, which: &[usize]) {
+        for (i, range) in self.layout(which) {
+            let dst = &mut fused[range];
             match self.input(i) {
                 Some(src) => copy_scaled(dst, src, self.dtype, factor),
                 None => dst.fill(0),
@@ -300,51 +324,82 @@ impl Allreduce<'_> {
         }
     }
 
-    /// Copies `fused` times `factor` out to the outputs.
-    fn scatter_from(&self, fused: &[u8], factor: f64) {
-        for (i, (o, &l)) in self.offsets().iter().zip(&self.sizes).enumerate() {
+    /// Copies `fused` times `factor` out to the outputs `which`.
+    fn scatter_from(&self, fused: &[u8], factor: f64, which: &[usize]) {
+        for (i, range) in self.layout(which) {
             if let Some(out) = self.output(i) {
                 // SAFETY: the front-end keeps the tensor alive until completion,
                 // and only the engine thread writes it until then.
                 let out = unsafe { out.bytes_mut() };
-                copy_scaled(out, &fused[*o..o + l], self.dtype, factor);
+                copy_scaled(out, &fused[range], self.dtype, factor);
             }
         }
     }
 
-    /// The exact reduction, in the output's own memory for a lone tensor.
+    /// Every tensor's index.
+    fn all(&self) -> Vec<usize> {
+        (0..self.sizes.len()).collect()
+    }
+
+    /// The exact reduction. A lone tensor, and every tensor of at least
+    /// [`IN_PLACE_MIN`] bytes, is reduced in its output's own memory, one
+    /// ring each; the rest are fused. Every rank splits them alike, since the
+    /// split depends on the sizes alone.
     fn exact(&self, hier: bool, bufs: &mut Buffers) -> Result<()> {
-        if let [Some(Entry {
-            input: Some(i),
-            output: Some(o),
-            ..
-        })] = self.entries
-        {
-            // SAFETY: the front-end keeps both tensors alive until completion.
-            let out = unsafe { o.bytes_mut() };
-            if i.ptr != o.ptr {
-                out.copy_from_slice(unsafe { i.bytes() });
-            }
-            scale(out, self.dtype, self.pre);
-            self.reduce(out, self.dtype, hier, bufs)?;
-            let t = Instant::now();
-            scale(out, self.dtype, self.post);
-            bufs.mark("COMPLETE", t);
+        let lone = self.sizes.len() == 1;
+        let (alone, fused): (Vec<usize>, Vec<usize>) =
+            (0..self.sizes.len()).partition(|&i| lone || self.sizes[i] >= IN_PLACE_MIN);
+        for i in alone {
+            self.in_place(i, hier, bufs)?;
+        }
+        if fused.is_empty() {
             return Ok(());
         }
         let mut fusion = std::mem::take(&mut bufs.fusion);
-        fusion.resize(self.sizes.iter().sum());
-        let fused = fusion.as_mut_slice();
+        fusion.resize(fused.iter().map(|&i| self.sizes[i]).sum());
+        let buf = fusion.as_mut_slice();
         let t = Instant::now();
-        self.fuse_into(fused, self.pre);
+        self.fuse_into(buf, self.pre, &fused);
         bufs.mark("FUSE", t);
-        let r = self.reduce(fused, self.dtype, hier, bufs);
+        let r = self.reduce(buf, self.dtype, hier, 1.0, bufs);
         if r.is_ok() {
             let t = Instant::now();
-            self.scatter_from(fused, self.post);
+            self.scatter_from(buf, self.post, &fused);
             bufs.mark("COMPLETE", t);
         }
         bufs.fusion = fusion;
+        r
+    }
+
+    /// Tensor `i` reduced in its output (zeros in the fusion buffer where
+    /// this rank has none): the input copied there first when it is
+    /// elsewhere, the postscale folded into the ring.
+    fn in_place(&self, i: usize, hier: bool, bufs: &mut Buffers) -> Result<()> {
+        let mut zeros = AlignedBuf::default();
+        let out: &mut [u8] = match self.output(i) {
+            // SAFETY: the front-end keeps the tensor alive until completion,
+            // and only the engine thread writes it until then.
+            Some(o) => unsafe { o.bytes_mut() },
+            None => {
+                zeros = std::mem::take(&mut bufs.fusion);
+                zeros.resize(self.sizes[i]);
+                zeros.as_mut_slice()
+            }
+        };
+        match self.input(i) {
+            Some(src) if src.as_ptr() != out.as_ptr() => {
+                copy_scaled(out, src, self.dtype, self.pre)
+            }
+            Some(_) => scale(out, self.dtype, self.pre),
+            None => out.fill(0),
+        }
+        let r = self.reduce(out, self.dtype, hier, self.post, bufs);
+        // Nothing is left to copy or scale: an empty COMPLETE keeps every
+        // allreduce's rows alike on the timeline.
+        bufs.mark("COMPLETE", Instant::now());
+        if !zeros.is_empty() {
+            bufs.fusion = zeros;
+        }
         r
     }
 
@@ -363,7 +418,7 @@ impl Allreduce<'_> {
             }
         }
         bufs.mark("COMPRESS", t);
-        let r = self.reduce(h, DataType::F16, hier, bufs);
+        let r = self.reduce(h, DataType::F16, hier, 1.0, bufs);
         let t = Instant::now();
         let r = r.map(|_| {
             let bad = self.nonfinite(h, DataType::F16);
@@ -397,7 +452,7 @@ impl Allreduce<'_> {
         fusion.resize(self.sizes.iter().sum());
         let fused = fusion.as_mut_slice();
         let t = Instant::now();
-        self.fuse_into(fused, self.pre * gscale);
+        self.fuse_into(fused, self.pre * gscale, &self.all());
         bufs.mark("FUSE", t);
         let r = bufs.transfer(|bufs| {
             if hier {
@@ -424,7 +479,7 @@ impl Allreduce<'_> {
         let r = r.map(|_| {
             let bad = self.nonfinite(fused, self.dtype);
             if bad.is_none() {
-                self.scatter_from(fused, self.post / gscale);
+                self.scatter_from(fused, self.post / gscale, &self.all());
             }
             bad
         });
@@ -550,3 +605,7 @@ fn reducescatter(
         value: 0,
     })
 }
+
+#[cfg(test)]
+#[path = "exec_tests.rs"]
+mod tests;

@@ -14,19 +14,31 @@ use errors::{to_py, GpuUnavailableError, HorovodInternalError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use std::collections::{BTreeMap, HashMap};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, Once};
 
 static ENGINE: Mutex<Option<Arc<Engine>>> = Mutex::new(None);
 static OUTPUTS: Mutex<Option<HashMap<u64, Output>>> = Mutex::new(None);
 
-/// The process that called `init()`: a forked child (a DataLoader worker)
-/// has no engine thread and must not use the parent's sockets.
-static OWNER_PID: Mutex<u32> = Mutex::new(0);
+/// Set in a child forked after `init()` (a DataLoader worker): it has no
+/// engine thread and must not use the parent's sockets. A flag set by a
+/// pthread_atfork(3) handler, because comparing process ids would cost
+/// every call a getpid(2).
+static FORKED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn mark_forked() {
+    FORKED.store(true, Ordering::Relaxed);
+}
+
+/// True in the process that called `init()`, false in a child forked after it.
+fn in_owner() -> bool {
+    !FORKED.load(Ordering::Relaxed)
+}
 
 fn engine() -> PyResult<Arc<Engine>> {
     let e = ENGINE.lock().unwrap().clone();
     let e = e.ok_or_else(|| to_py(PerseusError::NotInitialized))?;
-    if *OWNER_PID.lock().unwrap() != std::process::id() {
+    if !in_owner() {
         return Err(to_py(PerseusError::InvalidArgument(
             "Perseus was initialized in a parent process; a forked child (e.g. a DataLoader \
              worker) cannot run collectives"
@@ -98,7 +110,12 @@ fn init(py: Python<'_>, process_sets: Option<Vec<Vec<i64>>>) -> PyResult<()> {
     }
     let cfg = Config::from_env().map_err(to_py)?;
     let e = Arc::new(py.detach(|| Engine::start(cfg)).map_err(to_py)?);
-    *OWNER_PID.lock().unwrap() = std::process::id();
+    static AT_FORK: Once = Once::new();
+    // SAFETY: registers a handler that only stores to an atomic, which is
+    // async-signal-safe as a fork child handler must be.
+    AT_FORK.call_once(|| unsafe {
+        libc::pthread_atfork(None, None, Some(mark_forked));
+    });
     *ENGINE.lock().unwrap() = Some(e);
     for ranks in process_sets.unwrap_or_default() {
         add_process_set(py, ranks)?;
@@ -109,7 +126,7 @@ fn init(py: Python<'_>, process_sets: Option<Vec<Vec<i64>>>) -> PyResult<()> {
 /// Leaves the job (negotiated with every rank) and stops the engine.
 #[pyfunction]
 fn shutdown(py: Python<'_>) -> PyResult<()> {
-    if *OWNER_PID.lock().unwrap() != std::process::id() {
+    if !in_owner() {
         return Ok(());
     }
     let e = ENGINE.lock().unwrap().take();
@@ -123,7 +140,7 @@ fn shutdown(py: Python<'_>) -> PyResult<()> {
 /// True between `init()` and `shutdown()`, in the process that called `init()`.
 #[pyfunction]
 fn is_initialized() -> bool {
-    ENGINE.lock().unwrap().is_some() && *OWNER_PID.lock().unwrap() == std::process::id()
+    ENGINE.lock().unwrap().is_some() && in_owner()
 }
 
 macro_rules! topo_fn {

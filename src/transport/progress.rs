@@ -9,7 +9,7 @@ use super::shm::Segment;
 use super::Link;
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::{PerseusError, Result};
-use crate::kernels::{from_half, reduce_half_into, reduce_into, AlignedBuf};
+use crate::kernels::{from_half, reduce_half_into, reduce_into, scale, AlignedBuf};
 use crate::wire::{header, parse_header, HEADER};
 use std::io::ErrorKind;
 use std::os::fd::AsRawFd;
@@ -69,8 +69,9 @@ impl<'a> Send<'a> {
 enum Landing {
     /// Copies it into `data`.
     Copy,
-    /// Reduces it into `data` (same element type).
-    Reduce(DataType, ReduceOp),
+    /// Reduces it into `data` (same element type), then scales what it
+    /// reduced by the factor (1: left as is) while it is still in cache.
+    Reduce(DataType, ReduceOp, f64),
     /// The payload is float16 for the float32 `data` (half as many bytes):
     /// widened and reduced into it, or (`None`) widened and stored.
     Widen(Option<ReduceOp>),
@@ -101,8 +102,19 @@ impl<'a> Recv<'a> {
     }
     /// A message from rank `peer` reduced into `data` (`data[i] = op(data[i], msg[i])`).
     pub fn reducing(peer: usize, data: &'a mut [u8], dtype: DataType, op: ReduceOp) -> Self {
+        Self::reducing_scaled(peer, data, dtype, op, 1.0)
+    }
+    /// [`Recv::reducing`], then every reduced element multiplied by `factor`
+    /// (the last step of a reduce-scatter folds an Average's division in).
+    pub fn reducing_scaled(
+        peer: usize,
+        data: &'a mut [u8],
+        dtype: DataType,
+        op: ReduceOp,
+        factor: f64,
+    ) -> Self {
         Recv {
-            landing: Landing::Reduce(dtype, op),
+            landing: Landing::Reduce(dtype, op, factor),
             ..Recv::new(peer, data)
         }
     }
@@ -156,7 +168,10 @@ impl<'a> Recv<'a> {
 fn land(landing: Landing, dst: &mut [u8], src: &[u8]) {
     match landing {
         Landing::Copy => dst.copy_from_slice(src),
-        Landing::Reduce(dtype, op) => reduce_into(dst, src, dtype, op),
+        Landing::Reduce(dtype, op, factor) => {
+            reduce_into(dst, src, dtype, op);
+            scale(dst, dtype, factor);
+        }
         Landing::Widen(Some(op)) => reduce_half_into(dst, src, op),
         Landing::Widen(None) => from_half(dst, src, 1.0),
     }
@@ -269,7 +284,7 @@ fn check_header(r: &Recv<'_>) -> Result<()> {
 fn recv_landing(l: &Link, r: &mut Recv<'_>, off: usize, landing: Landing) -> Result<Option<usize>> {
     // Payload bytes per element, and data bytes per payload byte.
     let (es, widen) = match landing {
-        Landing::Reduce(dtype, _) => (dtype.size(), 1),
+        Landing::Reduce(dtype, ..) => (dtype.size(), 1),
         _ => (2, 2),
     };
     if let Link::Shm { seg, me, peer, .. } = l {

@@ -9,6 +9,8 @@ from perseus.common.basics import check_initialized
 def start_timeline(file_path, mark_cycles=False):
     """Start writing the timeline to ``file_path`` (replacing a running one).
 
+    Rank 0 writes ``file_path``; rank r > 0 writes ``file_path`` + ``".r"``.
+
     ``mark_cycles`` also marks each engine cycle. ``PERSEUS_TIMELINE`` (or
     ``HOROVOD_TIMELINE``) starts one at ``init()`` instead.
     """

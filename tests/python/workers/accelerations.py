@@ -19,7 +19,7 @@ import time
 import perseus.torch.horovod as hvd
 import torch
 import torch.nn.functional as F
-from _helpers import close, done, raises
+from _helpers import close, done, raises, timeline_file
 from perseus.common import basics
 from torch import nn
 
@@ -200,6 +200,7 @@ def check_dtype(r, n):
     hvd.start_timeline(path)
     got, want, d = gradient_step(r, n)
     hvd.stop_timeline()
+    path = timeline_file(path, r)
     with open(path) as f:
         phases = {e["name"] for e in json.load(f) if e["tid"] == "w"}
     os.remove(path)

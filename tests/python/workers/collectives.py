@@ -8,7 +8,7 @@ import warnings
 
 import perseus.torch.horovod as hvd
 import torch
-from _helpers import close, done, raises, tol
+from _helpers import close, done, raises, timeline_file, tol
 from perseus.common import gpu
 from perseus.common.process_sets import process_sets
 
@@ -291,6 +291,7 @@ def check_timeline(r, n):
     for h in [hvd.allreduce_async_(t, name=f"timeline.f{k}") for k, t in enumerate(pair)]:
         hvd.synchronize(h)
     hvd.stop_timeline()
+    path = timeline_file(path, r)
     assert os.path.exists(path) and os.path.getsize(path) > 0, "no timeline written"
     with open(path) as f:
         events = json.load(f)

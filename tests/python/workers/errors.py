@@ -1,6 +1,8 @@
 """Error cases: use before init, bad arguments, and requests that disagree across ranks
 (every rank must get HorovodInternalError naming the tensor, and the job must go on)."""
 
+import os
+
 import perseus.torch.horovod as hvd
 import torch
 from _helpers import close, done, raises
@@ -101,6 +103,26 @@ def duplicate_names(r, n):
     close(hvd.synchronize(h2), torch.full((2,), float(n)), "first dup2 still completes")
 
 
+def forked_child(n):
+    """A child forked after init (a DataLoader worker) is refused collectives, told why,
+    and the parent's job goes on."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            if not hvd.is_initialized():
+                try:
+                    hvd.allreduce(torch.ones(2), name="in.child")
+                except ValueError as e:
+                    code = 0 if "forked child" in str(e) else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, f"forked child exited with {status}"
+    close(hvd.allreduce(torch.ones(2), op=hvd.Sum, name="after.fork"),
+          torch.full((2,), float(n)), "allreduce after a fork")
+
+
 def main():
     before_init()
     hvd.init()
@@ -109,6 +131,7 @@ def main():
     hvd.barrier()
     mismatches(r, n)
     duplicate_names(r, n)
+    forked_child(n)
     # synchronize twice returns the same result; poll after completion is True
     h = hvd.allreduce_async(torch.ones(2), op=hvd.Sum)
     out = hvd.synchronize(h)

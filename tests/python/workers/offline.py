@@ -10,7 +10,7 @@ import time
 import perseus.torch.horovod as hvd
 import torch
 import torch.nn.functional as F
-from _helpers import close, done
+from _helpers import close, done, timeline_file
 from torch import nn
 
 SIZES = {"w": 1000, "b": 10, "c": 5000}
@@ -107,6 +107,7 @@ def main():
     step(i)
     i += 1
     hvd.stop_timeline()
+    path = timeline_file(path, hvd.rank())
     with open(path) as f:
         rows = {(e["tid"], e["name"]) for e in json.load(f)}
     os.remove(path)
