@@ -4,6 +4,8 @@ Each test launches one worker script in tests/python/workers/ that runs many
 checks and exits non-zero on the first failure.
 """
 
+import json
+
 import pytest
 
 pytest.importorskip("torch")
@@ -31,6 +33,19 @@ def test_errors(run_workers, n):
 def test_training(run_workers, n):
     """DistributedOptimizer equals one process on the whole batch; SyncBatchNorm; sparse."""
     run_workers(n, "training.py", timeout=200)
+
+
+@pytest.mark.timeout(120)
+def test_timeline_of_every_rank_is_whole_after_exit_without_shutdown(run_workers, tmp_path):
+    """One PERSEUS_TIMELINE path for all ranks: rank 0 writes it, rank r writes PATH.r,
+    and both files are complete JSON though the script never called shutdown()."""
+    path = tmp_path / "timeline.json"
+    run_workers(2, "timeline_exit.py", env={"PERSEUS_TIMELINE": str(path)})
+    for rank, file in enumerate((path, tmp_path / "timeline.json.1")):
+        events = json.loads(file.read_text())
+        rows = {(e["pid"], e["tid"], e["name"]) for e in events}
+        assert (rank, "at.exit", "ALLREDUCE") in rows, (file, rows)
+        assert {e["pid"] for e in events} == {rank}, file
 
 
 @pytest.mark.timeout(60)

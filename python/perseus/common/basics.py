@@ -1,5 +1,6 @@
 """Lifecycle and topology: ``init``, ``shutdown``, ranks and sizes, build queries."""
 
+import atexit
 import sys
 
 from perseus import _core
@@ -31,10 +32,18 @@ def init(comm=None, process_sets=None):
     _core.init([ps.ranks for ps in sets] if sets else None)
     _config = dict(_core.config())
     _generation += 1
+    if _generation == 1:
+        atexit.register(_close_timeline)
     if _core.rank() == 0:
         for note in _core.config_notes():
             print(f"perseus: {note}", file=sys.stderr, flush=True)
     _process_sets._after_init(sets)
+
+
+def _close_timeline():
+    """At exit without ``shutdown()``: finish the timeline's JSON, so the file opens."""
+    if _core.is_initialized():
+        _core.stop_timeline()
 
 
 def shutdown():

@@ -100,7 +100,7 @@ def _export(tensor):
 def _in_place(tensor):
     """Buffer, capsule and finish callback for an operation writing into ``tensor``."""
     if tensor.is_contiguous():
-        buf = tensor.detach()
+        buf = tensor.detach() if tensor.requires_grad else tensor  # detach costs ~0.5 us
         return buf, _capsule(buf), lambda _h: tensor
 
     buf = tensor.detach().contiguous()
