@@ -239,31 +239,16 @@ impl Allreduce<'_> {
         })
     }
 
-    /// Byte offset of each tensor in the fused buffer.
-    fn offsets(&self) -> Vec<usize> {
-        let mut off = 0;
-        self.sizes
-            .iter()
-            .map(|&l| {
-                let o = off;
-                off += l;
-                o
-            })
-            .collect()
-    }
-
     /// Tensors with a non-finite element in `fused` (a `dtype` image whose
     /// element `k` is byte `k * dtype.size()` of the original layout).
     fn nonfinite(&self, fused: &[u8], dtype: DataType) -> Option<Vec<usize>> {
         first_nonfinite(fused, dtype)?;
         let ratio = self.dtype.size() / dtype.size();
         let bad: Vec<usize> = self
-            .offsets()
-            .iter()
-            .zip(&self.sizes)
-            .enumerate()
-            .filter(|(_, (&o, &l))| {
-                first_nonfinite(&fused[o / ratio..(o + l) / ratio], dtype).is_some()
+            .layout(&self.all())
+            .into_iter()
+            .filter(|(_, b)| {
+                first_nonfinite(&fused[b.start / ratio..b.end / ratio], dtype).is_some()
             })
             .map(|(i, _)| i)
             .collect();
@@ -300,7 +285,8 @@ impl Allreduce<'_> {
         })
     }
 
-    /// The tensors `which`, laid end to end: (tensor, its byte range in the fused buffer).
+    /// The tensors `which`, laid end to end: (tensor, its byte range in the
+    /// fused buffer).
     fn layout(&self, which: &[usize]) -> Vec<(usize, Range<usize>)> {
         let mut off = 0;
         which
@@ -375,16 +361,16 @@ impl Allreduce<'_> {
     /// this rank has none): the input copied there first when it is
     /// elsewhere, the postscale folded into the ring.
     fn in_place(&self, i: usize, hier: bool, bufs: &mut Buffers) -> Result<()> {
-        let mut zeros = AlignedBuf::default();
-        let out: &mut [u8] = match self.output(i) {
+        let mut borrowed = self.output(i).is_none().then(|| {
+            let mut b = std::mem::take(&mut bufs.fusion);
+            b.resize(self.sizes[i]);
+            b
+        });
+        let out: &mut [u8] = match (self.output(i), borrowed.as_mut()) {
             // SAFETY: the front-end keeps the tensor alive until completion,
             // and only the engine thread writes it until then.
-            Some(o) => unsafe { o.bytes_mut() },
-            None => {
-                zeros = std::mem::take(&mut bufs.fusion);
-                zeros.resize(self.sizes[i]);
-                zeros.as_mut_slice()
-            }
+            (Some(o), _) => unsafe { o.bytes_mut() },
+            (None, b) => b.expect("borrowed when there is no output").as_mut_slice(),
         };
         match self.input(i) {
             Some(src) if src.as_ptr() != out.as_ptr() => {
@@ -397,8 +383,8 @@ impl Allreduce<'_> {
         // Nothing is left to copy or scale: an empty COMPLETE keeps every
         // allreduce's rows alike on the timeline.
         bufs.mark("COMPLETE", Instant::now());
-        if !zeros.is_empty() {
-            bufs.fusion = zeros;
+        if let Some(b) = borrowed {
+            bufs.fusion = b;
         }
         r
     }
@@ -410,8 +396,8 @@ impl Allreduce<'_> {
         half.resize(self.sizes.iter().sum::<usize>() / 2);
         let h = half.as_mut_slice();
         let t = Instant::now();
-        for (i, (o, &l)) in self.offsets().iter().zip(&self.sizes).enumerate() {
-            let dst = &mut h[o / 2..(o + l) / 2];
+        for (i, b) in self.layout(&self.all()) {
+            let dst = &mut h[b.start / 2..b.end / 2];
             match self.input(i) {
                 Some(src) => to_half(dst, src, self.pre * gscale),
                 None => dst.fill(0),
@@ -423,11 +409,11 @@ impl Allreduce<'_> {
         let r = r.map(|_| {
             let bad = self.nonfinite(h, DataType::F16);
             if bad.is_none() {
-                for (i, (o, &l)) in self.offsets().iter().zip(&self.sizes).enumerate() {
+                for (i, b) in self.layout(&self.all()) {
                     if let Some(out) = self.output(i) {
                         // SAFETY: as in `scatter_from`.
                         let out = unsafe { out.bytes_mut() };
-                        from_half(out, &h[o / 2..(o + l) / 2], self.post / gscale);
+                        from_half(out, &h[b.start / 2..b.end / 2], self.post / gscale);
                     }
                 }
             }
