@@ -1,8 +1,10 @@
 //! How one allreduce travels: its encoding on the wire
-//! (`PERSEUS_ALLREDUCE_DTYPE`, `PERSEUS_ALLREDUCE_GRADIENT_SCALE`) and its
-//! shape across hosts (`PERSEUS_ALLREDUCE_MODE`). Every rank puts its plan in
-//! its request; the coordinator refuses to pair requests whose plans differ,
-//! so all ranks always run the same algorithm.
+//! (`PERSEUS_ALLREDUCE_DTYPE`, `PERSEUS_ALLREDUCE_GRADIENT_SCALE`), its
+//! shape across hosts (`PERSEUS_ALLREDUCE_MODE`), and whether its tensors are
+//! in device memory. Every rank puts its plan in its request; the coordinator
+//! refuses to pair requests whose encodings or modes differ, so all ranks
+//! always run the same algorithm, and answers `device` only when every rank's
+//! tensor is on a device (then NCCL may carry it, docs/gpu.md).
 
 use crate::error::{PerseusError, Result};
 
@@ -40,6 +42,9 @@ pub struct Plan {
     pub scale: f64,
     /// Flat or hierarchical.
     pub mode: Mode,
+    /// In a request: this rank's tensor is in device (GPU) memory. In a response:
+    /// every rank's is, and none has joined.
+    pub device: bool,
 }
 
 impl Default for Plan {
@@ -48,6 +53,7 @@ impl Default for Plan {
             encoding: Encoding::Exact,
             scale: 1.0,
             mode: Mode::Auto,
+            device: false,
         }
     }
 }
@@ -62,13 +68,21 @@ impl Plan {
         }
     }
 
-    /// Wire codes of the encoding and the mode.
-    pub fn codes(&self) -> (u8, u8) {
-        (self.encoding as u8, self.mode as u8)
+    /// The same plan with `device` cleared: what must agree between ranks.
+    pub fn on_host(self) -> Plan {
+        Plan {
+            device: false,
+            ..self
+        }
+    }
+
+    /// Wire codes of the encoding, the mode and the device flag.
+    pub fn codes(&self) -> (u8, u8, u8) {
+        (self.encoding as u8, self.mode as u8, u8::from(self.device))
     }
 
     /// Rebuilds a plan from its wire form.
-    pub fn from_codes(encoding: u8, scale: f64, mode: u8) -> Result<Plan> {
+    pub fn from_codes(encoding: u8, scale: f64, mode: u8, device: u8) -> Result<Plan> {
         let encoding = match encoding {
             0 => Encoding::Exact,
             1 => Encoding::Half,
@@ -85,10 +99,16 @@ impl Plan {
                 )))
             }
         };
+        let device = match device {
+            0 => false,
+            1 => true,
+            c => return Err(PerseusError::Protocol(format!("unknown device flag {c}"))),
+        };
         Ok(Plan {
             encoding,
             scale,
             mode,
+            device,
         })
     }
 

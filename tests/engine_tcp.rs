@@ -37,6 +37,8 @@ fn config(rank: usize, size: usize, port: u16, shm: bool) -> Config {
         nancheck: false,
         offline_neg: false,
         streams: 1,
+        nccl: perseus::config::NcclUse::Auto,
+        nccl_channels: 1,
         stall: Default::default(),
         downsample_n: 1,
         gradient_momentum: 1.0,

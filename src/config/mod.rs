@@ -138,6 +138,20 @@ pub const PARAMS: &[Param] = &[
               hosts is split across them, each part on its own thread",
     },
     Param {
+        name: "PERSEUS_NCCL_ENABLE",
+        default: "",
+        allowed: "0, 1, or unset (automatic)",
+        doc: "CUDA tensors between ranks that each have their own GPU travel over NCCL; \
+              0: always through host memory; 1: NCCL or an error naming why it cannot",
+    },
+    Param {
+        name: "PERSEUS_NCCL_NETWORK_INTERFACE",
+        default: "",
+        allowed: "a network interface name, or a list as NCCL_SOCKET_IFNAME takes",
+        doc: "the interface NCCL's sockets use between hosts (sets NCCL_SOCKET_IFNAME when \
+              that is unset); unset: NCCL's own choice",
+    },
+    Param {
         name: "PERSEUS_OFFLINE_NEG",
         default: "0",
         allowed: "0 or 1",
@@ -197,6 +211,17 @@ pub struct StallLimits {
     pub fail: Option<Duration>,
 }
 
+/// When CUDA tensors travel over NCCL (PERSEUS_NCCL_ENABLE).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NcclUse {
+    /// Whenever every rank of the set has its own GPU and NCCL loads (unset).
+    Auto,
+    /// Never: always the host-staged path (0).
+    Off,
+    /// Always: device collectives fail, naming why, where NCCL cannot carry them (1).
+    Required,
+}
+
 /// The parsed configuration of one rank.
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -232,6 +257,11 @@ pub struct Config {
     pub offline_neg: bool,
     /// PERSEUS_ALLREDUCE_STREAMS: TCP connections (and threads) per peer pair.
     pub streams: usize,
+    /// PERSEUS_NCCL_ENABLE.
+    pub nccl: NcclUse,
+    /// NCCL communicators per process set: PERSEUS_ALLREDUCE_STREAMS when it is set,
+    /// else 1 (NCCL spreads one communicator over channels of its own).
+    pub nccl_channels: usize,
     /// PERSEUS_STALL_CHECK_TIME_SECONDS and _SHUTDOWN_TIME_SECONDS.
     pub stall: StallLimits,
     /// PERSEUS_DOWNSAMPLE_N_ELEMENTS: send 1/N of the gradient per step (front-ends).
@@ -386,6 +416,7 @@ fn gradient_plan() -> Result<Plan> {
         encoding,
         scale,
         mode,
+        device: false,
     })
 }
 
@@ -473,6 +504,12 @@ impl Config {
             plan: gradient_plan()?,
             offline_neg: int_var("PERSEUS_OFFLINE_NEG", 0, 0, 1)? == 1,
             streams: int_var("PERSEUS_ALLREDUCE_STREAMS", 4, 1, 12)? as usize,
+            nccl: match var("PERSEUS_NCCL_ENABLE") {
+                None => NcclUse::Auto,
+                Some(_) => [NcclUse::Off, NcclUse::Required]
+                    [int_var("PERSEUS_NCCL_ENABLE", 0, 0, 1)? as usize],
+            },
+            nccl_channels: int_var("PERSEUS_ALLREDUCE_STREAMS", 1, 1, 12)? as usize,
             stall: StallLimits {
                 warn: seconds(int_var("PERSEUS_STALL_CHECK_TIME_SECONDS", 60, 0, 86_400)?),
                 fail: seconds(int_var(
@@ -560,6 +597,15 @@ impl Config {
                 u8::from(self.offline_neg).to_string(),
             ),
             ("PERSEUS_ALLREDUCE_STREAMS", self.streams.to_string()),
+            (
+                "PERSEUS_NCCL_ENABLE",
+                match self.nccl {
+                    NcclUse::Auto => "",
+                    NcclUse::Off => "0",
+                    NcclUse::Required => "1",
+                }
+                .to_string(),
+            ),
             (
                 "PERSEUS_STALL_CHECK_TIME_SECONDS",
                 self.stall.warn.map_or(0, |d| d.as_secs()).to_string(),

@@ -7,6 +7,7 @@
 use super::message::{OpKind, Request, Response, WireRequest};
 use super::offline::Detector;
 use crate::config::StallLimits;
+use crate::plan::Plan;
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
 
@@ -460,7 +461,7 @@ fn decide(
                 format!("{}/{}", r.prescale, r.postscale),
             );
         }
-        if kind == OpKind::Allreduce && r.plan != first.plan {
+        if kind == OpKind::Allreduce && r.plan.on_host() != first.plan.on_host() {
             return mismatch(
                 "plans (PERSEUS_ALLREDUCE_DTYPE, _GRADIENT_SCALE, _MODE)",
                 first.plan.describe(),
@@ -507,6 +508,11 @@ fn decide(
         }
     }
     let n = reqs.len() as i64;
+    // Device-direct only when every member sent a device tensor (none joined).
+    let plan = Plan {
+        device: present.len() == reqs.len() && present.iter().all(|(_, r)| r.plan.device),
+        ..first.plan
+    };
     let op = |sizes: Vec<i64>| Response::Op {
         kind,
         process_set: ps,
@@ -518,7 +524,7 @@ fn decide(
         prescale: first.prescale,
         postscale: first.postscale,
         sizes,
-        plan: first.plan,
+        plan,
     };
     let done = |value: i64| Response::Done {
         kind,

@@ -194,6 +194,7 @@ fn messages_round_trip_on_the_wire() {
         encoding: crate::plan::Encoding::HalfBetweenHosts,
         scale: 4.0,
         mode: crate::plan::Mode::Hierarchical,
+        device: true,
     };
     let wire = vec![WireRequest::Full(r), WireRequest::Cached(7)];
     assert_eq!(decode_requests(&encode_requests(&wire)).unwrap(), wire);
@@ -263,6 +264,33 @@ fn differing_plans_are_a_mismatch_and_do_not_fuse() {
     let out = c.submit(1, reqs);
     let got: Vec<Vec<String>> = out.iter().map(|(_, r)| names(r)).collect();
     assert_eq!(got, vec![vec!["x"], vec!["y"]]);
+}
+
+#[test]
+fn device_is_answered_only_when_every_rank_sent_a_device_tensor() {
+    let dev = |name: &str| {
+        let mut r = ar(name, &[4]);
+        r.plan.device = true;
+        r
+    };
+    let device_of = |out: &[(Vec<usize>, Response)]| -> Vec<bool> {
+        out.iter()
+            .map(|(_, r)| match r {
+                Response::Op { plan, .. } => plan.device,
+                other => panic!("expected an op, got {other:?}"),
+            })
+            .collect()
+    };
+    let mut c = Coordinator::new(2, 1 << 20);
+    c.submit(0, vec![dev("a")]);
+    assert_eq!(device_of(&c.submit(1, vec![dev("a")])), vec![true]);
+    // A CPU tensor on one rank is no mismatch: the response runs staged.
+    c.submit(0, vec![dev("b")]);
+    assert_eq!(device_of(&c.submit(1, vec![ar("b", &[4])])), vec![false]);
+    // Device and host tensors are not fused together.
+    c.submit(0, vec![dev("c"), ar("d", &[4])]);
+    let out = c.submit(1, vec![dev("c"), ar("d", &[4])]);
+    assert_eq!(device_of(&out), vec![true, false]);
 }
 
 #[test]

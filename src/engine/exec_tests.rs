@@ -4,16 +4,11 @@
 
 use super::*;
 use crate::collective::tests::{run, run_on};
+use crate::engine::tensor::f32_view;
 use crate::engine::Device;
 
 fn view(v: &mut [f32]) -> TensorView {
-    TensorView {
-        ptr: v.as_mut_ptr().cast(),
-        nbytes: v.len() * 4,
-        dtype: DataType::F32,
-        shape: vec![v.len() as i64],
-        device: Device::Cpu,
-    }
+    f32_view(v, Device::Cpu)
 }
 
 fn response(lens: &[usize], op: ReduceOp, prescale: f64, mode: Mode) -> Response {

@@ -171,13 +171,13 @@ impl Request {
 }
 
 fn encode_plan(w: &mut Writer, p: &Plan) {
-    let (enc, mode) = p.codes();
-    w.u8(enc).f64(p.scale).u8(mode);
+    let (enc, mode, device) = p.codes();
+    w.u8(enc).f64(p.scale).u8(mode).u8(device);
 }
 
 fn decode_plan(r: &mut Reader<'_>) -> Result<Plan> {
-    let (enc, scale, mode) = (r.u8()?, r.f64()?, r.u8()?);
-    Plan::from_codes(enc, scale, mode)
+    let (enc, scale, mode, device) = (r.u8()?, r.f64()?, r.u8()?, r.u8()?);
+    Plan::from_codes(enc, scale, mode, device)
 }
 
 /// The coordinator's decision, sent to every member of the process set.

@@ -13,6 +13,7 @@ mod control;
 pub mod coordinator;
 #[cfg(test)]
 mod coordinator_tests;
+pub mod direct;
 mod exec;
 mod handles;
 mod inbox;
@@ -26,7 +27,7 @@ pub use handles::Output;
 pub use message::{OpKind, Request, Response};
 pub use tensor::{Device, OwnedTensor, TensorView};
 
-use crate::collective::SubComm;
+use crate::collective::{Comm, SubComm};
 use crate::config::Config;
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::{PerseusError, Result};
@@ -89,6 +90,7 @@ struct Counters {
     compression_resends: AtomicU64,
     negotiations_skipped: AtomicU64,
     bytes_extra_streams: AtomicU64,
+    nccl_operations: AtomicU64,
 }
 
 /// A running engine.
@@ -171,6 +173,7 @@ impl Engine {
             parked: Vec::new(),
             waited: HashSet::new(),
             stall_checked: Instant::now(),
+            groups: direct::Groups::new(config.nccl, config.nccl_channels, direct::opener()),
         };
         let (on_panic, inbox_of_thread) = (shared.clone(), inbox.clone());
         let thread = std::thread::Builder::new()
@@ -207,7 +210,8 @@ impl Engine {
     /// resent uncompressed, `negotiations_skipped`: tensors run from an
     /// offline schedule without asking the coordinator, and
     /// `bytes_extra_streams`: payload bytes sent on streams other than the
-    /// first (PERSEUS_ALLREDUCE_STREAMS).
+    /// first (PERSEUS_ALLREDUCE_STREAMS), and `nccl_operations`: collectives
+    /// of CUDA tensors carried by NCCL (the device-direct path).
     pub fn counters(&self) -> BTreeMap<String, u64> {
         let c = &self.shared.counters;
         let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
@@ -223,6 +227,7 @@ impl Engine {
             ("compression_resends", get(&c.compression_resends)),
             ("negotiations_skipped", get(&c.negotiations_skipped)),
             ("bytes_extra_streams", get(&c.bytes_extra_streams)),
+            ("nccl_operations", get(&c.nccl_operations)),
         ]
         .into_iter()
         .map(|(k, v)| (k.to_string(), v))
@@ -504,6 +509,43 @@ struct State {
     waited: HashSet<u64>,
     /// Rank 0: when the stall check last ran.
     stall_checked: Instant,
+    /// Each process set's NCCL group, or why its CUDA tensors are staged.
+    groups: direct::Groups,
+}
+
+/// Runs a response whose tensors are on every rank's device: over NCCL when the
+/// set has a group, else through host memory.
+#[allow(clippy::too_many_arguments)]
+fn run_device(
+    groups: &mut direct::Groups,
+    bufs: &mut exec::Buffers,
+    counters: &Counters,
+    ps: u32,
+    comm: &SubComm<'_>,
+    resp: &Response,
+    entries: &[Option<Entry>],
+) -> exec::Outcome {
+    let device = entries
+        .iter()
+        .flatten()
+        .flat_map(|e| e.input.iter().chain(e.output.iter()))
+        .map(|v| v.device)
+        .find(|d| *d != Device::Cpu)
+        .unwrap_or(Device::Cpu);
+    match groups.get(ps, comm, device) {
+        Ok(Some(group)) => {
+            counters.nccl_operations.fetch_add(1, Ordering::Relaxed);
+            direct::run_direct(&*group, comm.rank(), comm.size(), resp, entries)
+        }
+        Ok(None) => {
+            let resolve = staged::device_memory;
+            staged::run_staged(comm, resp, entries, bufs, &resolve)
+        }
+        Err(e) => exec::Outcome {
+            results: entries.iter().map(|_| Err(e.clone())).collect(),
+            resent: None,
+        },
+    }
 }
 
 /// How often rank 0 looks for stalled tensors while some wait.
@@ -900,7 +942,17 @@ impl State {
                     taken.into_iter().map(Option::unzip).unzip();
                 let tracing = self.shared.timeline.active();
                 self.bufs.phases = tracing.then(Vec::new);
-                let outcome = if staged::needs_staging(&entries) {
+                let outcome = if direct::supports(&resp) {
+                    run_device(
+                        &mut self.groups,
+                        &mut self.bufs,
+                        &self.shared.counters,
+                        ps,
+                        &comm,
+                        &resp,
+                        &entries,
+                    )
+                } else if staged::needs_staging(&entries) {
                     let resolve = staged::device_memory;
                     staged::run_staged(&comm, &resp, &entries, &mut self.bufs, &resolve)
                 } else {
@@ -1008,6 +1060,7 @@ impl State {
                     }
                     OpKind::RemoveProcessSet => {
                         self.shared.sets.lock().unwrap().remove(&(*value as u32));
+                        self.groups.forget(*value as u32);
                     }
                     OpKind::Shutdown => self.exit = true,
                     _ => {}

@@ -50,15 +50,7 @@ impl DeviceMemory for HostMemory {
     }
 }
 
-fn view(v: &mut [f32], device: Device) -> TensorView {
-    TensorView {
-        ptr: v.as_mut_ptr().cast(),
-        nbytes: v.len() * 4,
-        dtype: DataType::F32,
-        shape: vec![v.len() as i64],
-        device,
-    }
-}
+use crate::engine::tensor::f32_view as view;
 
 const GPU: Device = Device::Cuda(0);
 
@@ -83,6 +75,7 @@ fn half_plan(scale: f64) -> Plan {
         encoding: Encoding::Half,
         scale,
         mode: Mode::Flat,
+        device: false,
     }
 }
 

@@ -58,6 +58,18 @@ impl TensorView {
     }
 }
 
+/// A view of float32 values in `v` (tests), marked as living on `device`.
+#[cfg(test)]
+pub(crate) fn f32_view(v: &mut [f32], device: Device) -> TensorView {
+    TensorView {
+        ptr: v.as_mut_ptr().cast(),
+        nbytes: v.len() * 4,
+        dtype: DataType::F32,
+        shape: vec![v.len() as i64],
+        device,
+    }
+}
+
 /// A tensor the engine allocated (allgather, alltoall, reducescatter output).
 pub struct OwnedTensor {
     /// The data.

@@ -6,6 +6,7 @@
 //! Nothing here panics when a library is missing: [`libs`] answers with what it searched,
 //! and callers turn that into [`crate::PerseusError::GpuUnavailable`].
 
+pub mod group;
 pub mod kernels;
 pub mod libs;
 pub mod nccl;

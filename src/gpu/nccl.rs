@@ -1,12 +1,10 @@
 //! NCCL, loaded at run time from the file its wheels ship (`libnccl.so.2`, which
-//! cudarc's own loader does not look for): the few calls Perseus makes, and a
-//! communicator on one device's Perseus stream.
-//!
-//! The engine does not carry tensors over NCCL yet (docs/gpu.md); this is the binding
-//! and the one-rank round trip the GPU tests run.
+//! cudarc's own loader does not look for): the few calls Perseus makes, and its
+//! communicators. `crate::gpu::group` builds the device-direct path on them.
 
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use libloading::Library;
 
@@ -34,6 +32,15 @@ type AllReduce = unsafe extern "C" fn(
     Comm,
     *mut c_void,
 ) -> c_int;
+type Broadcast = unsafe extern "C" fn(
+    *const c_void,
+    *mut c_void,
+    usize,
+    c_int,
+    c_int,
+    Comm,
+    *mut c_void,
+) -> c_int;
 type CommDestroy = unsafe extern "C" fn(Comm) -> c_int;
 type GetErrorString = unsafe extern "C" fn(c_int) -> *const c_char;
 
@@ -43,6 +50,7 @@ pub struct Nccl {
     get_unique_id: GetUniqueId,
     comm_init_rank: CommInitRank,
     all_reduce: AllReduce,
+    broadcast: Broadcast,
     comm_destroy: CommDestroy,
     error_string: GetErrorString,
     /// The file it was loaded from, and its version.
@@ -76,6 +84,7 @@ impl Nccl {
                 .get::<CommInitRank>(b"ncclCommInitRank\0")
                 .map_err(missing)?;
             let all_reduce = *lib.get::<AllReduce>(b"ncclAllReduce\0").map_err(missing)?;
+            let broadcast = *lib.get::<Broadcast>(b"ncclBroadcast\0").map_err(missing)?;
             let comm_destroy = *lib
                 .get::<CommDestroy>(b"ncclCommDestroy\0")
                 .map_err(missing)?;
@@ -87,6 +96,7 @@ impl Nccl {
                 get_unique_id,
                 comm_init_rank,
                 all_reduce,
+                broadcast,
                 comm_destroy,
                 error_string,
                 path: found.path,
@@ -118,16 +128,19 @@ impl Nccl {
     /// Joins the communicator `id` as `rank` of `size`, on the device whose context is
     /// current on this thread (every rank of the group calls this together).
     pub fn communicator(
-        &self,
+        self: &Arc<Self>,
         id: &UniqueId,
         size: usize,
         rank: usize,
-    ) -> Result<Communicator<'_>> {
+    ) -> Result<Communicator> {
         let mut comm: Comm = std::ptr::null_mut();
         // SAFETY: `comm` receives the handle; `id` is passed by value as nccl.h says.
         let code = unsafe { (self.comm_init_rank)(&mut comm, size as c_int, *id, rank as c_int) };
         self.check("ncclCommInitRank", code)?;
-        Ok(Communicator { nccl: self, comm })
+        Ok(Communicator {
+            nccl: self.clone(),
+            comm,
+        })
     }
 }
 
@@ -162,12 +175,17 @@ pub fn red_op(op: ReduceOp) -> Result<c_int> {
 }
 
 /// One NCCL communicator; destroyed when dropped.
-pub struct Communicator<'a> {
-    nccl: &'a Nccl,
+pub struct Communicator {
+    nccl: Arc<Nccl>,
     comm: Comm,
 }
 
-impl Communicator<'_> {
+// SAFETY: a communicator is used by one thread at a time (the engine thread); NCCL
+// allows that thread to differ from the one that created it.
+unsafe impl Send for Communicator {}
+unsafe impl Sync for Communicator {}
+
+impl Communicator {
     /// Queues an allreduce of `count` elements from device memory `send` into `recv`
     /// (may be equal) on `stream`.
     ///
@@ -194,9 +212,28 @@ impl Communicator<'_> {
         );
         self.nccl.check("ncclAllReduce", code)
     }
+
+    /// Queues a broadcast of `bytes` from communicator rank `root`, in place at `buf`,
+    /// on `stream`.
+    ///
+    /// # Safety
+    /// `buf` must be device memory of the communicator's device holding `bytes`, alive
+    /// until the stream has run the operation.
+    pub unsafe fn broadcast(&self, buf: u64, bytes: usize, root: usize, stream: u64) -> Result<()> {
+        let code = (self.nccl.broadcast)(
+            buf as *const c_void,
+            buf as *mut c_void,
+            bytes,
+            data_type(DataType::U8)?,
+            root as c_int,
+            self.comm,
+            stream as *mut c_void,
+        );
+        self.nccl.check("ncclBroadcast", code)
+    }
 }
 
-impl Drop for Communicator<'_> {
+impl Drop for Communicator {
     fn drop(&mut self) {
         // SAFETY: the handle came from ncclCommInitRank and is destroyed once.
         unsafe { (self.nccl.comm_destroy)(self.comm) };

@@ -27,7 +27,7 @@ static SEARCH_DIRS: Mutex<Vec<PathBuf>> = Mutex::new(Vec::new());
 /// Every device opened so far, by ordinal.
 static DEVICES: Mutex<Vec<(i32, Arc<CudaDevice>)>> = Mutex::new(Vec::new());
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
@@ -42,7 +42,7 @@ pub fn search_dirs() -> Vec<PathBuf> {
 }
 
 /// A failed driver call as an error naming the call.
-fn driver(call: &'static str) -> impl Fn(result::DriverError) -> PerseusError {
+pub(crate) fn driver(call: &'static str) -> impl Fn(result::DriverError) -> PerseusError {
     move |e| {
         let why = e
             .error_string()
@@ -71,9 +71,11 @@ struct State {
 /// One CUDA device.
 pub struct CudaDevice {
     ctx: sys::CUcontext,
-    stream: sys::CUstream,
+    pub(crate) stream: sys::CUstream,
     /// Compute capability as `major * 10 + minor` (90 for an H100).
     sm: u32,
+    /// The device's UUID: the same GPU has the same one in every process.
+    pub(crate) uuid: [u8; 16],
     state: Mutex<State>,
 }
 
@@ -132,10 +134,12 @@ impl CudaDevice {
             result::ctx::set_current(ctx).map_err(driver("cuCtxSetCurrent"))?;
             let stream = result::stream::create(result::stream::StreamKind::NonBlocking)
                 .map_err(driver("cuStreamCreate"))?;
+            let uuid = result::device::get_uuid(dev).map_err(driver("cuDeviceGetUuid"))?;
             Ok(CudaDevice {
                 ctx,
                 stream,
                 sm: (major * 10 + minor) as u32,
+                uuid: uuid.bytes.map(|b| b as u8),
                 state: Mutex::new(State::default()),
             })
         }
@@ -152,9 +156,18 @@ impl CudaDevice {
     }
 
     /// Makes this device's context current on the calling thread.
-    fn bind(&self) -> Result<()> {
+    pub(crate) fn bind(&self) -> Result<()> {
         // SAFETY: the context is retained for the life of the process.
         unsafe { result::ctx::set_current(self.ctx) }.map_err(driver("cuCtxSetCurrent"))
+    }
+
+    /// Kernel `name` of source `source` (see [`CudaDevice::function_in`]).
+    pub(crate) fn kernel(
+        &self,
+        source: &'static str,
+        name: &'static str,
+    ) -> Result<sys::CUfunction> {
+        self.function(&mut lock(&self.state), source, name)
     }
 
     /// Kernel `name` of source `source`, compiled (to a CUBIN for this device's
@@ -208,31 +221,43 @@ impl CudaDevice {
     }
 
     /// Launches an elementwise cast kernel `(src, dst, factor, n)` on this stream.
-    fn cast(&self, f: sys::CUfunction, src: u64, dst: u64, factor: f32, n: u64) -> Result<()> {
-        if n == 0 {
-            return Ok(());
-        }
-        let blocks = n.div_ceil(BLOCK as u64).min(MAX_BLOCKS) as u32;
-        let (mut src, mut dst, mut factor, mut n) = (src, dst, factor, n);
+    pub(crate) fn cast(
+        &self,
+        f: sys::CUfunction,
+        src: u64,
+        dst: u64,
+        factor: f32,
+        n: u64,
+    ) -> Result<()> {
+        let (mut src, mut dst, mut factor, mut n2) = (src, dst, factor, n);
         let mut params: [*mut c_void; 4] = [
             (&mut src as *mut u64).cast(),
             (&mut dst as *mut u64).cast(),
             (&mut factor as *mut f32).cast(),
-            (&mut n as *mut u64).cast(),
+            (&mut n2 as *mut u64).cast(),
         ];
         // SAFETY: the kernel's parameters are (pointer, pointer, float, u64), as given;
         // the caller vouches for the memory.
-        unsafe {
-            result::launch_kernel(
-                f,
-                (blocks, 1, 1),
-                (BLOCK, 1, 1),
-                0,
-                self.stream,
-                &mut params,
-            )
+        unsafe { self.launch(f, n, &mut params) }
+    }
+
+    /// Launches kernel `f` over `n` elements on this stream (nothing when `n` is 0).
+    ///
+    /// # Safety
+    /// `params` must point at the kernel's parameters, in order and of its types, and
+    /// the memory they name must be the caller's to use.
+    pub(crate) unsafe fn launch(
+        &self,
+        f: sys::CUfunction,
+        n: u64,
+        params: &mut [*mut c_void],
+    ) -> Result<()> {
+        if n == 0 {
+            return Ok(());
         }
-        .map_err(driver("cuLaunchKernel"))
+        let blocks = n.div_ceil(BLOCK as u64).min(MAX_BLOCKS) as u32;
+        result::launch_kernel(f, (blocks, 1, 1), (BLOCK, 1, 1), 0, self.stream, params)
+            .map_err(driver("cuLaunchKernel"))
     }
 }
 
@@ -293,7 +318,7 @@ pub fn stream_of(ordinal: i32) -> Result<u64> {
 pub fn nccl_round_trip(ordinal: i32) -> Result<String> {
     let dev = CudaDevice::get(ordinal)?;
     dev.bind()?;
-    let nccl = crate::gpu::nccl::Nccl::load(&search_dirs())?;
+    let nccl = Arc::new(crate::gpu::nccl::Nccl::load(&search_dirs())?);
     let id = nccl.unique_id()?;
     let comm = nccl.communicator(&id, 1, 0)?;
     let values: Vec<f32> = (0..4099).map(|i| i as f32 * 0.5 - 7.0).collect();

@@ -94,6 +94,11 @@ fn submit(
         req.dtype = v.dtype;
         req.shape = v.shape.clone();
     }
+    req.plan.device = input
+        .iter()
+        .chain(output.iter())
+        .all(|v| v.device != crate::engine::Device::Cpu)
+        && (input.is_some() || output.is_some());
     e.enqueue(req, input, output).map_err(to_py)
 }
 

@@ -122,6 +122,25 @@ def test_float16_cast_on_the_device_overflow_and_nan_check(run_workers):
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("streams", ["1", "3"])
+def test_a_rank_on_its_own_gpu_goes_over_nccl(run_workers, streams):
+    """One rank on one GPU: allreduce (fused, scaled, split across PERSEUS_ALLREDUCE_STREAMS
+    communicators) and broadcast of CUDA tensors run over NCCL; the counter says so."""
+    if not wheel_has("libnccl.so*"):
+        pytest.skip("no nvidia NCCL wheel in this environment")
+    run_workers(1, "gpu_staged.py",
+                env=dict(GPU_JOB, CUDA_VISIBLE_DEVICES="0", PERSEUS_ALLREDUCE_STREAMS=streams))
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_nccl_required_on_a_shared_gpu_fails_on_every_rank_naming_why(run_workers):
+    run_workers(2, "gpu_staged.py", "required",
+                env=dict(GPU_JOB, CUDA_VISIBLE_DEVICES="0", PERSEUS_NCCL_ENABLE="1"))
+
+
+@pytest.mark.gpu
+@needs_gpu
 def test_one_rank_nccl_communicator_round_trip():
     if not wheel_has("libnccl.so*"):
         pytest.skip("no nvidia NCCL wheel in this environment")

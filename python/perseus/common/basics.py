@@ -1,6 +1,7 @@
 """Lifecycle and topology: ``init``, ``shutdown``, ranks and sizes, build queries."""
 
 import atexit
+import os
 import sys
 
 from perseus import _core
@@ -29,6 +30,10 @@ def init(comm=None, process_sets=None):
     if _core.is_initialized():
         return
     sets = _process_sets._normalize(process_sets)
+    iface = os.environ.get("PERSEUS_NCCL_NETWORK_INTERFACE", "").strip()
+    if iface:
+        # NCCL reads its own variable when a communicator is formed (docs/gpu.md).
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", iface)
     _core.init([ps.ranks for ps in sets] if sets else None)
     _config = dict(_core.config())
     _generation += 1
@@ -90,8 +95,9 @@ def counters():
     ``bytes_inter_host`` (payload bytes sent), ``compression_resends`` (float16
     gradient buffers that overflowed and were reduced again in float32), and
     ``negotiations_skipped`` (tensors run from an offline schedule,
-    PERSEUS_OFFLINE_NEG, without asking the coordinator), and ``bytes_extra_streams``
-    (payload bytes sent on streams other than the first, PERSEUS_ALLREDUCE_STREAMS)."""
+    PERSEUS_OFFLINE_NEG, without asking the coordinator), ``bytes_extra_streams``
+    (payload bytes sent on streams other than the first, PERSEUS_ALLREDUCE_STREAMS),
+    and ``nccl_operations`` (collectives of CUDA tensors NCCL carried, docs/gpu.md)."""
     check_initialized()
     return dict(_core.counters())
 
@@ -171,8 +177,12 @@ def gloo_enabled():
 
 
 def nccl_built():
-    """False: no NCCL support in this build."""
-    return False
+    """True when this build has the GPU path and NCCL can be loaded (docs/gpu.md)."""
+    if not _core.GPU_BUILT:
+        return False
+    from perseus.common import gpu
+
+    return any(lib["name"] == "NCCL" and lib["path"] for lib in gpu.libraries())
 
 
 def ddl_built():

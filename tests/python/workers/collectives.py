@@ -397,7 +397,9 @@ def main():
     assert 0 <= hvd.local_rank() < hvd.local_size() and 0 <= hvd.cross_rank() < hvd.cross_size()
     assert hvd.gloo_built() and hvd.gloo_enabled() and not hvd.mpi_built()
     assert hvd.cuda_built() == gpu.built()
-    assert not (hvd.mpi_enabled() or hvd.nccl_built() or hvd.rocm_built()
+    nccl_found = any(lib["name"] == "NCCL" and lib["path"] for lib in gpu.libraries())
+    assert hvd.nccl_built() == (gpu.built() and nccl_found)
+    assert not (hvd.mpi_enabled() or hvd.rocm_built()
                 or hvd.ddl_built() or hvd.ccl_built() or hvd.mpi_threads_supported())
     set_b = process_sets()[2]
     check_allreduce(r, n)

@@ -1,8 +1,10 @@
-"""CUDA tensors through the host-staged path (docs/gpu.md), on every rank against
-references computed on the CPU. Ranks may share one GPU. Argument ``half``: the job runs
-with PERSEUS_ALLREDUCE_DTYPE=0, so gradient allreduces travel as float16 cast on the
-device."""
+"""CUDA tensors on every rank against references computed on the CPU (docs/gpu.md):
+through the host-staged path when ranks share a GPU, over NCCL when each has its own.
+Argument ``half``: the job runs with PERSEUS_ALLREDUCE_DTYPE=0, so gradient allreduces
+travel as float16 cast on the device. ``required``: ranks share a GPU under
+PERSEUS_NCCL_ENABLE=1, so device collectives fail on every rank, saying why."""
 
+import os
 import sys
 
 import perseus.torch.horovod as hvd
@@ -128,9 +130,26 @@ def check_half():
         opt.step()
 
 
+def check_path():
+    """NCCL carried the device collectives exactly when each rank has its own GPU."""
+    own = torch.cuda.device_count() >= hvd.local_size()
+    expect = own and hvd.nccl_built() and os.environ.get("PERSEUS_NCCL_ENABLE") != "0"
+    used = hvd.counters()["nccl_operations"]
+    assert (used > 0) == expect, (used, expect)
+
+
+if MODE == "required":
+    with raises(RuntimeError, "PERSEUS_NCCL_ENABLE=1", "share one GPU", what="shared GPU"):
+        hvd.allreduce(base(r).to(dev), name="needs.nccl")
+    close(hvd.allreduce(base(r), op=hvd.Sum, name="cpu.still"),
+          sum(base(k) for k in range(n)), "CPU tensors go on")
+    hvd.shutdown()
+    done(r)
+    sys.exit(0)
 check_collectives()
 if MODE == "half":
     check_half()
+check_path()
 with raises(ValueError, "CPU and CUDA", what="meta tensor"):
     hvd.allreduce(torch.zeros(2, device="meta"))
 hvd.shutdown()

@@ -1,0 +1,551 @@
+//! The device-direct path: when every rank's tensors are in its own GPU, allreduce
+//! and broadcast run between the devices (NCCL) and never touch host memory.
+//!
+//! Several tensors of a fused allreduce are packed into one device buffer; the
+//! prescale, the postscale and the 1/n of an Average are kernels on that buffer; a
+//! float32 gradient under `PERSEUS_ALLREDUCE_DTYPE=0` is cast to float16 on the device
+//! and summed as float16, and a sum that overflowed is redone exactly, as on the other
+//! paths. A large buffer is split across the group's channels (one communicator and
+//! stream each, `PERSEUS_ALLREDUCE_STREAMS`).
+//!
+//! Whether a process set takes this path is decided once, by every member together
+//! ([`agree`]), so that all ranks always run the same algorithm: each offers its
+//! device, or says why it cannot, and the path is taken only when all can and no two
+//! ranks of a host share a device.
+//!
+//! The device side is a [`DeviceGroup`]: NCCL's lives in `crate::gpu`, and the tests
+//! use host memory and the CPU ring in its place, which is how CI checks this logic
+//! without a GPU.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use super::exec::{Entry, Outcome};
+use super::message::{OpKind, Response};
+use super::tensor::Device;
+use crate::collective::{allgatherv, partition, Comm};
+use crate::config::NcclUse;
+use crate::dtype::{DataType, ReduceOp};
+use crate::error::{PerseusError, Result};
+use crate::plan::Encoding;
+
+/// Fewest bytes worth a channel of their own when a buffer is split.
+pub const MIN_CHANNEL_BYTES: usize = 1 << 20;
+
+/// Byte alignment of each tensor in the fusion buffer.
+const ALIGN: usize = 256;
+
+/// Collectives among the ranks' devices, and the device work around them. Work is
+/// queued in order and complete once [`DeviceGroup::finish`] returns.
+pub trait DeviceGroup: Send + Sync {
+    /// Independent communicators a buffer may be split across (at least 1).
+    fn channels(&self) -> usize;
+    /// A device buffer of at least `bytes`, reused from call to call.
+    fn fusion(&self, bytes: usize) -> Result<*mut u8>;
+    /// Queues a copy of `bytes` from `src` to `dst`.
+    ///
+    /// # Safety
+    /// For this and every other method taking pointers: they are device memory of
+    /// this group's device, alive and used by no one else until
+    /// [`DeviceGroup::finish`] returns.
+    unsafe fn copy(&self, src: *const u8, dst: *mut u8, bytes: usize) -> Result<()>;
+    /// Queues `x *= factor` on `count` elements of floating `dtype`.
+    ///
+    /// # Safety
+    /// As for [`DeviceGroup::copy`].
+    unsafe fn scale(&self, buf: *mut u8, count: usize, dtype: DataType, factor: f64) -> Result<()>;
+    /// Queues a cast of `count` float32 values at `src`, times `factor`, to float16 at
+    /// `dst`.
+    ///
+    /// # Safety
+    /// As for [`DeviceGroup::copy`].
+    unsafe fn cast_down(
+        &self,
+        src: *const u8,
+        dst: *mut u8,
+        count: usize,
+        factor: f32,
+    ) -> Result<()>;
+    /// Queues a cast of `count` float16 values at `src` to float32 at `dst`, times
+    /// `factor`.
+    ///
+    /// # Safety
+    /// As for [`DeviceGroup::copy`].
+    unsafe fn cast_up(&self, src: *const u8, dst: *mut u8, count: usize, factor: f32)
+        -> Result<()>;
+    /// Whether the `count` values of `dtype` at `buf` are all finite, once the work
+    /// queued so far has run (waits for it).
+    ///
+    /// # Safety
+    /// As for [`DeviceGroup::copy`].
+    unsafe fn all_finite(&self, buf: *const u8, count: usize, dtype: DataType) -> Result<bool>;
+    /// Queues an in-place allreduce of `count` elements on channel `channel`
+    /// (`op` is never Average or Adasum).
+    ///
+    /// # Safety
+    /// As for [`DeviceGroup::copy`].
+    unsafe fn allreduce(
+        &self,
+        channel: usize,
+        buf: *mut u8,
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+    ) -> Result<()>;
+    /// Queues an in-place broadcast of `bytes` from group rank `root`.
+    ///
+    /// # Safety
+    /// As for [`DeviceGroup::copy`].
+    unsafe fn broadcast(&self, buf: *mut u8, bytes: usize, root: usize) -> Result<()>;
+    /// Waits until all queued work has run.
+    fn finish(&self) -> Result<()>;
+}
+
+/// True when a response may run on the device-direct path: every rank's tensors are
+/// on a device and the operation is one the devices do (a function of the response
+/// alone, so every rank answers the same).
+pub fn supports(resp: &Response) -> bool {
+    let Response::Op {
+        kind,
+        dtype,
+        op,
+        prescale,
+        postscale,
+        plan,
+        ..
+    } = resp
+    else {
+        return false;
+    };
+    if !plan.device {
+        return false;
+    }
+    let floating = matches!(
+        dtype,
+        DataType::F16 | DataType::BF16 | DataType::F32 | DataType::F64
+    );
+    match kind {
+        OpKind::Broadcast => true,
+        OpKind::Allreduce => {
+            let scaled = *prescale != 1.0 || *postscale != 1.0 || *op == ReduceOp::Average;
+            *dtype != DataType::Bool && *op != ReduceOp::Adasum && (floating || !scaled)
+        }
+        _ => false,
+    }
+}
+
+fn elems(shape: &[i64]) -> usize {
+    shape.iter().product::<i64>().max(0) as usize
+}
+
+fn aligned(bytes: usize) -> usize {
+    bytes.div_ceil(ALIGN) * ALIGN
+}
+
+/// Where each of consecutive parts of these lengths starts.
+fn starts(lens: impl Iterator<Item = usize>) -> Vec<usize> {
+    lens.scan(0, |at, len| {
+        let here = *at;
+        *at += len;
+        Some(here)
+    })
+    .collect()
+}
+
+/// Runs a response that [`supports`] accepted, every entry present, on `group` (of
+/// `size` ranks, this one `rank`).
+pub fn run_direct(
+    group: &dyn DeviceGroup,
+    rank: usize,
+    size: usize,
+    resp: &Response,
+    entries: &[Option<Entry>],
+) -> Outcome {
+    let Response::Op { kind, root, .. } = resp else {
+        unreachable!("run_direct takes Op responses");
+    };
+    let entries: Vec<&Entry> = entries.iter().flatten().collect();
+    let run = || -> Result<Option<(Vec<usize>, bool)>> {
+        match kind {
+            OpKind::Broadcast => broadcast(group, rank, *root as usize, &entries).map(|_| None),
+            _ => allreduce(group, size, resp, &entries),
+        }
+    };
+    match run() {
+        Ok(resent) => Outcome {
+            results: entries.iter().map(|_| Ok(Default::default())).collect(),
+            resent,
+        },
+        Err(e) => Outcome {
+            results: entries.iter().map(|_| Err(e.clone())).collect(),
+            resent: None,
+        },
+    }
+}
+
+/// The memory an entry is reduced in: its output, or its input when it has none.
+fn target(e: &Entry) -> (*mut u8, usize) {
+    let v = e
+        .output
+        .as_ref()
+        .or(e.input.as_ref())
+        .expect("a data-moving entry has a tensor");
+    (v.ptr, v.nbytes)
+}
+
+/// Queues a copy of an entry's input into its output when they differ.
+unsafe fn input_to_output(group: &dyn DeviceGroup, e: &Entry) -> Result<()> {
+    if let (Some(i), Some(o)) = (&e.input, &e.output) {
+        if i.ptr != o.ptr {
+            group.copy(i.ptr, o.ptr, o.nbytes)?;
+        }
+    }
+    Ok(())
+}
+
+fn broadcast(group: &dyn DeviceGroup, rank: usize, root: usize, entries: &[&Entry]) -> Result<()> {
+    for e in entries {
+        let (buf, bytes) = target(e);
+        // SAFETY: the front-end keeps the tensors alive until completion.
+        unsafe {
+            if rank == root {
+                input_to_output(group, e)?;
+            }
+            group.broadcast(buf, bytes, root)?;
+        }
+    }
+    group.finish()
+}
+
+/// Queues an allreduce of `count` elements at `buf`, split across the channels.
+unsafe fn allreduce_split(
+    group: &dyn DeviceGroup,
+    buf: *mut u8,
+    count: usize,
+    dtype: DataType,
+    op: ReduceOp,
+) -> Result<()> {
+    let parts = group
+        .channels()
+        .min((count * dtype.size()) / MIN_CHANNEL_BYTES)
+        .max(1);
+    for (c, r) in partition(count, parts).into_iter().enumerate() {
+        if !r.is_empty() {
+            let at = buf.add(r.start * dtype.size());
+            group.allreduce(c, at, r.len(), dtype, op)?;
+        }
+    }
+    Ok(())
+}
+
+fn allreduce(
+    group: &dyn DeviceGroup,
+    size: usize,
+    resp: &Response,
+    entries: &[&Entry],
+) -> Result<Option<(Vec<usize>, bool)>> {
+    let Response::Op {
+        dtype, op, plan, ..
+    } = resp
+    else {
+        unreachable!("allreduce takes Op responses");
+    };
+    let half = plan.encoding == Encoding::Half
+        && *dtype == DataType::F32
+        && matches!(op, ReduceOp::Sum | ReduceOp::Average)
+        && size > 1;
+    if !half {
+        exact(group, size, resp, entries)?;
+        return Ok(None);
+    }
+    let bad = compressed(group, size, resp, entries)?;
+    if bad.is_empty() {
+        return Ok(None);
+    }
+    // Every rank saw the same float16 sums, so every rank resends.
+    exact(group, size, resp, entries)?;
+    let mut finite = true;
+    for &i in &bad {
+        let (buf, bytes) = target(entries[i]);
+        // SAFETY: as in `exact`; the sums are complete after `finish`.
+        finite &= unsafe { group.all_finite(buf, bytes / 4, DataType::F32)? };
+    }
+    Ok(Some((bad, finite)))
+}
+
+/// The scales of a reduction: before it, and after it (with Average's 1/n), and the
+/// op the devices run.
+fn factors(resp: &Response, size: usize) -> (f64, f64, ReduceOp) {
+    let Response::Op {
+        op,
+        prescale,
+        postscale,
+        ..
+    } = resp
+    else {
+        unreachable!("factors take Op responses");
+    };
+    match op {
+        ReduceOp::Average => (*prescale, postscale / size as f64, ReduceOp::Sum),
+        op => (*prescale, *postscale, *op),
+    }
+}
+
+/// The exact allreduce: in the tensor's own memory when there is one, else packed in
+/// the fusion buffer.
+fn exact(group: &dyn DeviceGroup, size: usize, resp: &Response, entries: &[&Entry]) -> Result<()> {
+    let Response::Op { dtype, shapes, .. } = resp else {
+        unreachable!("exact takes Op responses");
+    };
+    let dtype = *dtype;
+    let (pre, post, op) = factors(resp, size);
+    // SAFETY: the front-end keeps the tensors alive until completion; the fusion
+    // buffer holds every packed tensor (offsets below its length).
+    unsafe {
+        let (buf, count) = if let [e] = entries {
+            input_to_output(group, e)?;
+            (target(e).0, elems(&shapes[0]))
+        } else {
+            let offsets = starts(entries.iter().map(|e| aligned(target(e).1)));
+            let total =
+                offsets.last().map_or(0, |&o| o) + entries.last().map_or(0, |e| target(e).1);
+            let fusion = group.fusion(total)?;
+            for (e, &off) in entries.iter().zip(&offsets) {
+                let src = e.input.as_ref().or(e.output.as_ref()).expect("a tensor");
+                group.copy(src.ptr, fusion.add(off), src.nbytes)?;
+            }
+            // The gaps are reduced too (they are zeros or stale bytes of this
+            // buffer); reducing the whole span keeps it one call per channel.
+            (fusion, total / dtype.size())
+        };
+        if pre != 1.0 {
+            group.scale(buf, count, dtype, pre)?;
+        }
+        allreduce_split(group, buf, count, dtype, op)?;
+        if post != 1.0 {
+            group.scale(buf, count, dtype, post)?;
+        }
+        if entries.len() > 1 {
+            let mut at = 0;
+            for e in entries {
+                let (dst, bytes) = target(e);
+                group.copy(buf.add(at), dst, bytes)?;
+                at += aligned(bytes);
+            }
+        }
+    }
+    group.finish()
+}
+
+/// The float16 allreduce of float32 gradients, cast on the device. Returns the
+/// positions of the tensors whose float16 sums are not finite (then nothing was
+/// written, and the caller resends exactly).
+fn compressed(
+    group: &dyn DeviceGroup,
+    size: usize,
+    resp: &Response,
+    entries: &[&Entry],
+) -> Result<Vec<usize>> {
+    let Response::Op { shapes, plan, .. } = resp else {
+        unreachable!("compressed takes Op responses");
+    };
+    let (pre, post, _) = factors(resp, size);
+    let counts: Vec<usize> = shapes.iter().map(|s| elems(s)).collect();
+    let total: usize = counts.iter().sum();
+    // SAFETY: as in `exact`; the image holds `total` float16 values.
+    unsafe {
+        let image = group.fusion(total * 2)?;
+        let mut at = 0;
+        for (e, &n) in entries.iter().zip(&counts) {
+            let src = e.input.as_ref().or(e.output.as_ref()).expect("a tensor");
+            group.cast_down(src.ptr, image.add(at * 2), n, (pre * plan.scale) as f32)?;
+            at += n;
+        }
+        allreduce_split(group, image, total, DataType::F16, ReduceOp::Sum)?;
+        let mut bad = Vec::new();
+        let mut at = 0;
+        for (i, &n) in counts.iter().enumerate() {
+            if !group.all_finite(image.add(at * 2), n, DataType::F16)? {
+                bad.push(i);
+            }
+            at += n;
+        }
+        if !bad.is_empty() {
+            return Ok(bad);
+        }
+        let mut at = 0;
+        for (e, &n) in entries.iter().zip(&counts) {
+            let dst = target(e).0;
+            group.cast_up(image.add(at * 2), dst, n, (post / plan.scale) as f32)?;
+            at += n;
+        }
+    }
+    group.finish()?;
+    Ok(Vec::new())
+}
+
+/// Why the direct path is not taken for a process set, or that it is.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Agreement {
+    /// Every rank can, each on its own device.
+    Direct,
+    /// Not taken, and why (the same words on every rank).
+    Staged(String),
+}
+
+/// Decides, with every member of `comm`, whether the set takes the direct path.
+/// `offer` is this rank's device identity (its UUID), or why it cannot take part.
+pub fn agree(comm: &dyn Comm, offer: std::result::Result<[u8; 16], String>) -> Result<Agreement> {
+    let n = comm.size();
+    let mine: Vec<u8> = match &offer {
+        Ok(id) => std::iter::once(1).chain(id.iter().copied()).collect(),
+        Err(why) => std::iter::once(0).chain(why.bytes()).collect(),
+    };
+    // Lengths first, then the offers themselves.
+    let mut lens = vec![0u8; 8 * n];
+    lens[8 * comm.rank()..8 * comm.rank() + 8].copy_from_slice(&(mine.len() as u64).to_le_bytes());
+    allgatherv(comm, &mut lens, &vec![8; n])?;
+    let sizes: Vec<usize> = lens
+        .chunks_exact(8)
+        .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")) as usize)
+        .collect();
+    if sizes.iter().any(|&s| s == 0 || s > 1 << 16) {
+        return Err(PerseusError::Protocol(format!(
+            "a device offer of an impossible length: {sizes:?}"
+        )));
+    }
+    let starts = starts(sizes.iter().copied());
+    let mut all = vec![0u8; sizes.iter().sum()];
+    let me = starts[comm.rank()];
+    all[me..me + mine.len()].copy_from_slice(&mine);
+    allgatherv(comm, &mut all, &sizes)?;
+    let offers: Vec<&[u8]> = starts
+        .iter()
+        .zip(&sizes)
+        .map(|(&s, &l)| &all[s..s + l])
+        .collect();
+    let refused: Vec<String> = offers
+        .iter()
+        .enumerate()
+        .filter(|(_, o)| o[0] == 0)
+        .map(|(r, o)| format!("rank {r}: {}", String::from_utf8_lossy(&o[1..])))
+        .collect();
+    if !refused.is_empty() {
+        return Ok(Agreement::Staged(refused.join("; ")));
+    }
+    for a in 0..n {
+        for b in a + 1..n {
+            if comm.host(a) == comm.host(b) && offers[a] == offers[b] {
+                return Ok(Agreement::Staged(format!(
+                    "ranks {a} and {b} share one GPU (NCCL needs a GPU per rank)"
+                )));
+            }
+        }
+    }
+    Ok(Agreement::Direct)
+}
+
+/// A group formed, or why not.
+pub type Formed = std::result::Result<Arc<dyn DeviceGroup>, String>;
+
+/// How a rank takes part in forming a group: NCCL on CUDA devices in builds with the
+/// `cuda` feature; stand-ins in the tests.
+pub trait Opener: Send {
+    /// This rank's identity of `device` (its UUID), or why it cannot take part.
+    fn offer(&self, device: Device) -> std::result::Result<[u8; 16], String>;
+    /// Forms the group with every member of `comm` (all call it together, after
+    /// [`agree`] answered [`Agreement::Direct`]); `Ok(Err(why))` when it could not be
+    /// formed, the same on every rank.
+    fn open(&self, comm: &dyn Comm, device: Device, channels: usize) -> Result<Formed>;
+}
+
+/// The opener of this build: NCCL's, or one that always says why not.
+pub fn opener() -> Box<dyn Opener> {
+    #[cfg(feature = "cuda")]
+    return Box::new(crate::gpu::group::CudaOpener);
+    #[cfg(not(feature = "cuda"))]
+    return Box::new(NoGpu);
+}
+
+/// The opener of builds without the `cuda` feature.
+#[cfg(not(feature = "cuda"))]
+struct NoGpu;
+
+#[cfg(not(feature = "cuda"))]
+impl Opener for NoGpu {
+    fn offer(&self, _: Device) -> std::result::Result<[u8; 16], String> {
+        Err("this build of Perseus has no GPU support (the cuda feature)".into())
+    }
+    fn open(&self, _: &dyn Comm, _: Device, _: usize) -> Result<Formed> {
+        Ok(Err("this build of Perseus has no GPU support".into()))
+    }
+}
+
+/// Each process set's device group, formed with the set's members the first time
+/// one of its responses may go direct.
+pub struct Groups {
+    use_nccl: NcclUse,
+    channels: usize,
+    opener: Box<dyn Opener>,
+    sets: HashMap<u32, Formed>,
+}
+
+impl Groups {
+    /// No groups yet; `use_nccl` is PERSEUS_NCCL_ENABLE, `channels` the communicators
+    /// per group.
+    pub fn new(use_nccl: NcclUse, channels: usize, opener: Box<dyn Opener>) -> Groups {
+        Groups {
+            use_nccl,
+            channels,
+            opener,
+            sets: HashMap::new(),
+        }
+    }
+
+    /// The group of process set `ps` (every member calls this for the same
+    /// response), `None` when its device tensors go through host memory. Under
+    /// PERSEUS_NCCL_ENABLE=1 that is an error naming why, on every rank.
+    pub fn get(
+        &mut self,
+        ps: u32,
+        comm: &dyn Comm,
+        device: Device,
+    ) -> Result<Option<Arc<dyn DeviceGroup>>> {
+        if !self.sets.contains_key(&ps) {
+            let offer = match self.use_nccl {
+                NcclUse::Off => Err("PERSEUS_NCCL_ENABLE=0".to_string()),
+                _ => self.opener.offer(device),
+            };
+            let formed = match agree(comm, offer)? {
+                Agreement::Direct => self.opener.open(comm, device, self.channels)?,
+                Agreement::Staged(why) => Err(why),
+            };
+            if let Err(why) = &formed {
+                if self.use_nccl == NcclUse::Auto && comm.rank() == 0 {
+                    eprintln!(
+                        "[perseus] note: CUDA tensors of process set {ps} go through host \
+                         memory, not NCCL: {why} (PERSEUS_NCCL_ENABLE=0 says this is meant)"
+                    );
+                }
+            }
+            self.sets.insert(ps, formed);
+        }
+        match (&self.sets[&ps], self.use_nccl) {
+            (Ok(g), _) => Ok(Some(g.clone())),
+            (Err(why), NcclUse::Required) => Err(PerseusError::GpuUnavailable(format!(
+                "PERSEUS_NCCL_ENABLE=1, but NCCL cannot carry the CUDA tensors of process \
+                 set {ps}: {why}"
+            ))),
+            (Err(_), _) => Ok(None),
+        }
+    }
+
+    /// Forgets process set `ps` (removed); its group is released.
+    pub fn forget(&mut self, ps: u32) {
+        self.sets.remove(&ps);
+    }
+}
+
+#[cfg(test)]
+#[path = "direct_tests.rs"]
+mod tests;

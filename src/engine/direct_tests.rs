@@ -1,0 +1,532 @@
+//! The device-direct path with host memory standing in for the GPUs and the CPU ring
+//! for NCCL: ranks as threads, tensors marked as device tensors, every collective
+//! call logged.
+
+use super::*;
+use crate::collective::tests::{run, run_on, ThreadComm};
+use crate::engine::tensor::{f32_view, Device, TensorView};
+use crate::kernels::{first_nonfinite, from_half, scale, to_half, AlignedBuf};
+use crate::plan::Plan;
+use std::sync::Mutex;
+
+/// One rank's "device": host memory, the CPU ring for the collectives.
+struct HostGroup<'a> {
+    comm: &'a ThreadComm,
+    channels: usize,
+    fusion: Mutex<AlignedBuf>,
+    /// (channel, dtype, elements) of every allreduce.
+    calls: Mutex<Vec<(usize, DataType, usize)>>,
+}
+
+impl<'a> HostGroup<'a> {
+    fn new(comm: &'a ThreadComm, channels: usize) -> Self {
+        HostGroup {
+            comm,
+            channels,
+            fusion: Mutex::new(AlignedBuf::zeroed(0)),
+            calls: Mutex::new(Vec::new()),
+        }
+    }
+}
+
+unsafe fn slice<'s>(p: *const u8, n: usize) -> &'s mut [u8] {
+    std::slice::from_raw_parts_mut(p as *mut u8, n)
+}
+
+impl DeviceGroup for HostGroup<'_> {
+    fn channels(&self) -> usize {
+        self.channels
+    }
+    fn fusion(&self, bytes: usize) -> Result<*mut u8> {
+        let mut f = self.fusion.lock().unwrap();
+        if f.len() < bytes {
+            // Stale bytes, as a device buffer would hold.
+            *f = AlignedBuf::zeroed(bytes);
+            f.as_mut_slice().fill(0x7f);
+        }
+        Ok(f.as_mut_ptr())
+    }
+    unsafe fn copy(&self, src: *const u8, dst: *mut u8, bytes: usize) -> Result<()> {
+        std::ptr::copy(src, dst, bytes);
+        Ok(())
+    }
+    unsafe fn scale(&self, buf: *mut u8, n: usize, dtype: DataType, f: f64) -> Result<()> {
+        scale(slice(buf, n * dtype.size()), dtype, f);
+        Ok(())
+    }
+    unsafe fn cast_down(&self, src: *const u8, dst: *mut u8, n: usize, f: f32) -> Result<()> {
+        to_half(slice(dst, n * 2), slice(src, n * 4), f as f64);
+        Ok(())
+    }
+    unsafe fn cast_up(&self, src: *const u8, dst: *mut u8, n: usize, f: f32) -> Result<()> {
+        from_half(slice(dst, n * 4), slice(src, n * 2), f as f64);
+        Ok(())
+    }
+    unsafe fn all_finite(&self, buf: *const u8, n: usize, dtype: DataType) -> Result<bool> {
+        Ok(first_nonfinite(slice(buf, n * dtype.size()), dtype).is_none())
+    }
+    unsafe fn allreduce(
+        &self,
+        channel: usize,
+        buf: *mut u8,
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        assert!(
+            channel < self.channels,
+            "channel {channel} of {}",
+            self.channels
+        );
+        assert!(!matches!(op, ReduceOp::Average | ReduceOp::Adasum));
+        self.calls.lock().unwrap().push((channel, dtype, count));
+        let mut scratch = AlignedBuf::zeroed(0);
+        let b = slice(buf, count * dtype.size());
+        crate::collective::allreduce(self.comm, b, dtype, op, 1.0, &mut scratch)
+    }
+    unsafe fn broadcast(&self, buf: *mut u8, bytes: usize, root: usize) -> Result<()> {
+        crate::collective::broadcast(self.comm, slice(buf, bytes), root)
+    }
+    fn finish(&self) -> Result<()> {
+        Ok(())
+    }
+}
+
+const GPU: Device = Device::Cuda(0);
+
+fn view(v: &mut [f32]) -> TensorView {
+    f32_view(v, GPU)
+}
+
+fn device_plan(encoding: Encoding, scale: f64) -> Plan {
+    Plan {
+        encoding,
+        scale,
+        device: true,
+        ..Plan::default()
+    }
+}
+
+fn response(
+    kind: OpKind,
+    lens: &[usize],
+    op: ReduceOp,
+    pre: f64,
+    post: f64,
+    plan: Plan,
+) -> Response {
+    Response::Op {
+        kind,
+        process_set: 0,
+        names: (0..lens.len()).map(|i| format!("t{i}")).collect(),
+        shapes: lens.iter().map(|&n| vec![n as i64]).collect(),
+        dtype: DataType::F32,
+        op,
+        root: 1,
+        prescale: pre,
+        postscale: post,
+        sizes: vec![],
+        plan,
+    }
+}
+
+/// Rank `r`'s element `i` of tensor `t`: small integers, so every sum is exact.
+fn value(r: usize, t: usize, i: usize) -> f32 {
+    ((r * 7 + t * 3 + i) % 13) as f32 - 6.0
+}
+
+/// Runs an allreduce of tensors of `lens` on every rank; returns each rank's
+/// outputs, inputs (after) and collective calls.
+#[allow(clippy::type_complexity, clippy::too_many_arguments)]
+fn allreduce_on(
+    n: usize,
+    lens: &'static [usize],
+    op: ReduceOp,
+    pre: f64,
+    post: f64,
+    plan: Plan,
+    in_place: bool,
+    channels: usize,
+    big: f32,
+) -> Vec<(
+    Vec<Vec<f32>>,
+    Vec<Vec<f32>>,
+    Outcome,
+    Vec<(usize, DataType, usize)>,
+)> {
+    run(n, move |comm| {
+        let r = comm.rank();
+        let group = HostGroup::new(comm, channels);
+        let mut inputs: Vec<Vec<f32>> = lens
+            .iter()
+            .enumerate()
+            .map(|(t, &len)| {
+                (0..len)
+                    .map(|i| value(r, t, i) * if i == 0 { big } else { 1.0 })
+                    .collect()
+            })
+            .collect();
+        let mut outputs: Vec<Vec<f32>> = lens.iter().map(|&len| vec![-99.0; len]).collect();
+        let entries: Vec<Option<Entry>> = inputs
+            .iter_mut()
+            .zip(outputs.iter_mut())
+            .map(|(i, o)| {
+                let iv = view(i);
+                Some(Entry {
+                    handle: 0,
+                    output: Some(if in_place { iv.clone() } else { view(o) }),
+                    input: Some(iv),
+                })
+            })
+            .collect();
+        let resp = response(OpKind::Allreduce, lens, op, pre, post, plan);
+        assert!(supports(&resp));
+        let out = run_direct(&group, r, n, &resp, &entries);
+        drop(entries);
+        let calls = group.calls.into_inner().unwrap();
+        let results = if in_place { inputs.clone() } else { outputs };
+        (results, inputs, out, calls)
+    })
+}
+
+/// What every rank should hold: `f(values of all ranks)` per element.
+fn expected(n: usize, t: usize, len: usize, big: f32, f: impl Fn(Vec<f64>) -> f64) -> Vec<f32> {
+    (0..len)
+        .map(|i| {
+            let vals = (0..n)
+                .map(|r| value(r, t, i) as f64 * if i == 0 { big as f64 } else { 1.0 })
+                .collect();
+            f(vals) as f32
+        })
+        .collect()
+}
+
+const LENS: &[usize] = &[5, 70_001, 1, 300_000];
+
+#[test]
+fn fused_sums_and_averages_are_exact_in_place_and_out_of_place() {
+    for n in [2, 3] {
+        for in_place in [true, false] {
+            for (op, pre, post) in [
+                (ReduceOp::Sum, 1.0, 1.0),
+                (ReduceOp::Average, 1.0, 1.0),
+                (ReduceOp::Sum, 0.5, 4.0),
+                (ReduceOp::Max, 1.0, 1.0),
+            ] {
+                let plan = device_plan(Encoding::Exact, 1.0);
+                let got = allreduce_on(n, LENS, op, pre, post, plan, in_place, 1, 1.0);
+                for (r, (results, inputs, out, _)) in got.into_iter().enumerate() {
+                    assert!(out.results.iter().all(|x| x.is_ok()));
+                    assert!(out.resent.is_none());
+                    for (t, &len) in LENS.iter().enumerate() {
+                        let want = expected(n, t, len, 1.0, |v| match op {
+                            ReduceOp::Max => v.into_iter().fold(f64::MIN, f64::max),
+                            // The sum, times 1/n in float32, as the scale kernel does.
+                            ReduceOp::Average => {
+                                (v.iter().sum::<f64>() as f32 * (1.0 / n as f64) as f32) as f64
+                            }
+                            _ => v.iter().map(|x| x * pre).sum::<f64>() * post,
+                        });
+                        assert_eq!(results[t], want, "rank {r} tensor {t} {op:?} n={n}");
+                        if !in_place {
+                            let orig: Vec<f32> = (0..len).map(|i| value(r, t, i)).collect();
+                            assert_eq!(inputs[t], orig, "rank {r}: input {t} changed");
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn a_large_buffer_is_split_across_the_channels() {
+    // 300_000 + 70_001 + 6 floats of fused payload (about 1.5 MB): one channel's worth
+    // at 1 MiB each, so 1 part; a single 4 MiB tensor, 4 parts over 3 channels -> 3.
+    let plan = device_plan(Encoding::Exact, 1.0);
+    let got = allreduce_on(2, LENS, ReduceOp::Sum, 1.0, 1.0, plan, true, 3, 1.0);
+    assert_eq!(got[0].3.len(), 1, "{:?}", got[0].3);
+    static BIG: &[usize] = &[1 << 20];
+    let got = allreduce_on(2, BIG, ReduceOp::Sum, 1.0, 1.0, plan, false, 3, 1.0);
+    for (r, (results, _, _, calls)) in got.into_iter().enumerate() {
+        let channels: Vec<usize> = calls.iter().map(|c| c.0).collect();
+        assert_eq!(channels, vec![0, 1, 2], "rank {r}");
+        assert_eq!(calls.iter().map(|c| c.2).sum::<usize>(), 1 << 20);
+        assert_eq!(results[0], expected(2, 0, 1 << 20, 1.0, |v| v.iter().sum()));
+    }
+}
+
+#[test]
+fn float16_gradients_are_summed_as_float16_on_the_device() {
+    let plan = device_plan(Encoding::Half, 4.0);
+    for in_place in [true, false] {
+        let got = allreduce_on(3, LENS, ReduceOp::Average, 1.0, 1.0, plan, in_place, 2, 1.0);
+        for (r, (results, _, out, calls)) in got.into_iter().enumerate() {
+            assert!(out.resent.is_none());
+            assert!(
+                calls.iter().all(|c| c.1 == DataType::F16),
+                "rank {r}: {calls:?}"
+            );
+            for (t, &len) in LENS.iter().enumerate() {
+                // Small integers times 4, summed: exact in float16.
+                let want = expected(3, t, len, 1.0, |v| v.iter().sum::<f64>() / 3.0);
+                let close = results[t]
+                    .iter()
+                    .zip(&want)
+                    .all(|(a, b)| (a - b).abs() <= 1e-3 * b.abs().max(1.0));
+                assert!(close, "rank {r} tensor {t}");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_float16_overflow_is_resent_exactly_on_every_rank() {
+    // Element 0 of each tensor is 30000x: the float16 sums overflow, the exact ones
+    // do not.
+    let plan = device_plan(Encoding::Half, 1.0);
+    static TWO: &[usize] = &[4, 9];
+    let got = allreduce_on(2, TWO, ReduceOp::Sum, 1.0, 1.0, plan, true, 1, 30_000.0);
+    for (r, (results, _, out, calls)) in got.into_iter().enumerate() {
+        let (bad, finite) = out.resent.expect("resent");
+        assert!(finite, "rank {r}");
+        // value(r, t, 0) is nonzero for both tensors on both ranks except where
+        // it is 0; whichever overflowed is named.
+        assert!(!bad.is_empty(), "rank {r}");
+        assert!(
+            calls.iter().any(|c| c.1 == DataType::F32),
+            "rank {r}: {calls:?}"
+        );
+        for (t, &len) in TWO.iter().enumerate() {
+            assert_eq!(
+                results[t],
+                expected(2, t, len, 30_000.0, |v| v.iter().sum()),
+                "rank {r} tensor {t}"
+            );
+        }
+    }
+}
+
+#[test]
+fn broadcast_copies_the_roots_tensor_in_place_and_out_of_place() {
+    for in_place in [true, false] {
+        let got = run(3, move |comm| {
+            let r = comm.rank();
+            let group = HostGroup::new(comm, 2);
+            let mut input: Vec<f32> = (0..1000).map(|i| (r * 1000 + i) as f32).collect();
+            let mut output = vec![0f32; 1000];
+            let iv = view(&mut input);
+            let entry = Entry {
+                handle: 0,
+                output: Some(if in_place {
+                    iv.clone()
+                } else {
+                    view(&mut output)
+                }),
+                input: Some(iv),
+            };
+            let resp = response(
+                OpKind::Broadcast,
+                &[1000],
+                ReduceOp::Sum,
+                1.0,
+                1.0,
+                device_plan(Encoding::Exact, 1.0),
+            );
+            let out = run_direct(&group, r, 3, &resp, &[Some(entry)]);
+            assert!(out.results.iter().all(|x| x.is_ok()));
+            if in_place {
+                input
+            } else {
+                output
+            }
+        });
+        let root: Vec<f32> = (0..1000).map(|i| (1000 + i) as f32).collect();
+        for (r, got) in got.into_iter().enumerate() {
+            assert_eq!(got, root, "rank {r} in place {in_place}");
+        }
+    }
+}
+
+#[test]
+fn only_device_responses_of_device_operations_go_direct() {
+    let dev = device_plan(Encoding::Exact, 1.0);
+    let ar = |op, pre, plan| response(OpKind::Allreduce, &[4], op, pre, 1.0, plan);
+    assert!(supports(&ar(ReduceOp::Sum, 1.0, dev)));
+    assert!(supports(&ar(ReduceOp::Average, 2.0, dev)));
+    assert!(!supports(&ar(ReduceOp::Sum, 1.0, Plan::default())));
+    assert!(!supports(&ar(ReduceOp::Adasum, 1.0, dev)));
+    let mut int_avg = ar(ReduceOp::Average, 1.0, dev);
+    if let Response::Op { dtype, .. } = &mut int_avg {
+        *dtype = DataType::I32;
+    }
+    assert!(
+        !supports(&int_avg),
+        "integer Average needs a scale kernel it lacks"
+    );
+    let mut int_sum = ar(ReduceOp::Sum, 1.0, dev);
+    if let Response::Op { dtype, .. } = &mut int_sum {
+        *dtype = DataType::I64;
+    }
+    assert!(supports(&int_sum));
+    let gather = response(OpKind::Allgather, &[4], ReduceOp::Sum, 1.0, 1.0, dev);
+    assert!(!supports(&gather));
+    let bcast = response(OpKind::Broadcast, &[4], ReduceOp::Sum, 1.0, 1.0, dev);
+    assert!(supports(&bcast));
+}
+
+fn uuid(k: u8) -> [u8; 16] {
+    [k; 16]
+}
+
+#[test]
+fn every_rank_agrees_on_the_path_and_on_why() {
+    // Each rank on its own device: direct.
+    let got = run(3, |c| agree(c, Ok(uuid(c.rank() as u8))).unwrap());
+    assert!(got.iter().all(|a| *a == Agreement::Direct), "{got:?}");
+    // One rank cannot: staged, with its reason, on every rank.
+    let got = run(3, |c| {
+        let offer = if c.rank() == 1 {
+            Err("NCCL (libnccl.so.2) was not found".to_string())
+        } else {
+            Ok(uuid(c.rank() as u8))
+        };
+        agree(c, offer).unwrap()
+    });
+    let want = Agreement::Staged("rank 1: NCCL (libnccl.so.2) was not found".into());
+    assert!(got.iter().all(|a| *a == want), "{got:?}");
+    // Two ranks of one host on one device: staged; on two hosts: direct.
+    let got = run(3, |c| agree(c, Ok(uuid((c.rank() == 2) as u8))).unwrap());
+    let want = Agreement::Staged("ranks 0 and 1 share one GPU (NCCL needs a GPU per rank)".into());
+    assert!(got.iter().all(|a| *a == want), "{got:?}");
+    let got = run_on(&[0, 1], |c| agree(c, Ok(uuid(0))).unwrap());
+    assert!(got.iter().all(|a| *a == Agreement::Direct), "{got:?}");
+}
+
+/// A group that is never used: [`Groups`] only hands it out.
+struct Unused;
+
+impl DeviceGroup for Unused {
+    fn channels(&self) -> usize {
+        1
+    }
+    fn fusion(&self, _: usize) -> Result<*mut u8> {
+        unreachable!()
+    }
+    unsafe fn copy(&self, _: *const u8, _: *mut u8, _: usize) -> Result<()> {
+        unreachable!()
+    }
+    unsafe fn scale(&self, _: *mut u8, _: usize, _: DataType, _: f64) -> Result<()> {
+        unreachable!()
+    }
+    unsafe fn cast_down(&self, _: *const u8, _: *mut u8, _: usize, _: f32) -> Result<()> {
+        unreachable!()
+    }
+    unsafe fn cast_up(&self, _: *const u8, _: *mut u8, _: usize, _: f32) -> Result<()> {
+        unreachable!()
+    }
+    unsafe fn all_finite(&self, _: *const u8, _: usize, _: DataType) -> Result<bool> {
+        unreachable!()
+    }
+    unsafe fn allreduce(
+        &self,
+        _: usize,
+        _: *mut u8,
+        _: usize,
+        _: DataType,
+        _: ReduceOp,
+    ) -> Result<()> {
+        unreachable!()
+    }
+    unsafe fn broadcast(&self, _: *mut u8, _: usize, _: usize) -> Result<()> {
+        unreachable!()
+    }
+    fn finish(&self) -> Result<()> {
+        unreachable!()
+    }
+}
+
+/// Offers `uuid(rank)` unless told why not; counts the groups it opens.
+struct FakeOpener {
+    refuse: Option<String>,
+    opened: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Opener for FakeOpener {
+    fn offer(&self, device: Device) -> std::result::Result<[u8; 16], String> {
+        match (&self.refuse, device) {
+            (Some(why), _) => Err(why.clone()),
+            (None, Device::Cuda(o)) => Ok(uuid(o as u8)),
+            (None, Device::Cpu) => Err("host memory".into()),
+        }
+    }
+    fn open(&self, _: &dyn Comm, _: Device, channels: usize) -> Result<Formed> {
+        assert_eq!(channels, 2);
+        self.opened
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Ok(Ok(Arc::new(Unused)))
+    }
+}
+
+/// Asks for set 0's group twice on 2 ranks; rank 1 refuses with `refuse` and runs
+/// with `its_use`. Returns (first answer, second answer, groups opened) per rank.
+fn ask_twice(
+    refuse: Option<&'static str>,
+    use_nccl: NcclUse,
+    its_use: NcclUse,
+) -> Vec<(Result<bool>, Result<bool>, usize)> {
+    run(2, move |comm| {
+        let r = comm.rank();
+        let opened = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let opener = FakeOpener {
+            refuse: refuse.filter(|_| r == 1).map(String::from),
+            opened: opened.clone(),
+        };
+        let mode = if r == 1 { its_use } else { use_nccl };
+        let mut groups = Groups::new(mode, 2, Box::new(opener));
+        let device = Device::Cuda(r as i32);
+        let first = groups.get(0, comm, device).map(|g| g.is_some());
+        let second = groups.get(0, comm, device).map(|g| g.is_some());
+        (
+            first,
+            second,
+            opened.load(std::sync::atomic::Ordering::SeqCst),
+        )
+    })
+}
+
+#[test]
+fn a_set_forms_its_group_once_or_says_why_not_on_every_rank() {
+    for (r, (a, b, opened)) in ask_twice(None, NcclUse::Auto, NcclUse::Auto)
+        .into_iter()
+        .enumerate()
+    {
+        assert!(a.unwrap() && b.unwrap(), "rank {r}");
+        assert_eq!(opened, 1, "rank {r}: formed once");
+    }
+    // Automatic: a rank without NCCL sends the set through host memory.
+    let got = ask_twice(Some("NCCL was not found"), NcclUse::Auto, NcclUse::Auto);
+    for (r, (a, b, opened)) in got.into_iter().enumerate() {
+        assert!(!a.unwrap() && !b.unwrap(), "rank {r}");
+        assert_eq!(opened, 0);
+    }
+    // Required: the same is an error naming the rank and the cause, on every rank.
+    let got = ask_twice(
+        Some("NCCL was not found"),
+        NcclUse::Required,
+        NcclUse::Required,
+    );
+    for (r, (a, _, _)) in got.into_iter().enumerate() {
+        let msg = a.unwrap_err().to_string();
+        assert!(
+            msg.contains("PERSEUS_NCCL_ENABLE=1") && msg.contains("rank 1: NCCL was not found"),
+            "rank {r}: {msg}"
+        );
+    }
+    // Off on one rank: nobody uses NCCL, and nobody hangs.
+    let got = ask_twice(None, NcclUse::Auto, NcclUse::Off);
+    for (r, (a, _, opened)) in got.into_iter().enumerate() {
+        assert!(!a.unwrap(), "rank {r}");
+        assert_eq!(opened, 0);
+    }
+}

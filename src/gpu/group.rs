@@ -1,0 +1,406 @@
+//! The device-direct path on CUDA ([`DeviceGroup`]): NCCL communicators among the
+//! ranks of a process set, each rank on its own GPU.
+//!
+//! Streams: copies, casts and scales run on the device's Perseus stream (the one the
+//! front-end exports tensors with, so the framework's work is already ordered before
+//! them). Each channel (`PERSEUS_ALLREDUCE_STREAMS`) is one communicator with its own
+//! stream; a collective on it waits for the Perseus stream's work with an event, and
+//! the Perseus stream waits for the channels' events before its next copy, so the
+//! channels of one split buffer run side by side. Nothing waits on the whole device.
+
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{result, sys};
+
+use super::nccl::{Communicator, Nccl, UniqueId, UNIQUE_ID_BYTES};
+use super::runtime::{driver, lock, search_dirs, CudaDevice};
+use crate::collective::{broadcast, Comm};
+use crate::dtype::{DataType, ReduceOp};
+use crate::engine::direct::{agree, Agreement, DeviceGroup, Formed, Opener};
+use crate::engine::Device;
+use crate::error::{PerseusError, Result};
+
+/// One channel: a communicator, its stream, and the event marking its last work.
+struct Channel {
+    comm: Communicator,
+    stream: sys::CUstream,
+    done: sys::CUevent,
+}
+
+/// Stream bookkeeping and buffers, behind the group's mutex.
+struct State {
+    /// Recorded on the Perseus stream; channels wait on it.
+    ready: sys::CUevent,
+    /// `ready` marks all work queued on the Perseus stream so far.
+    ready_fresh: bool,
+    /// Channels with work the Perseus stream has not waited for yet.
+    pending: Vec<usize>,
+    fusion: sys::CUdeviceptr,
+    fusion_len: usize,
+    /// Four bytes for the finiteness flag.
+    flag: sys::CUdeviceptr,
+}
+
+/// The ranks of one process set, each on its own GPU, joined by NCCL.
+pub struct NcclGroup {
+    dev: Arc<CudaDevice>,
+    channels: Vec<Channel>,
+    state: Mutex<State>,
+}
+
+// SAFETY: the raw handles are driver handles, usable from any thread once the
+// device's context is current there (every method binds it); the mutable state is
+// behind the mutex.
+unsafe impl Send for NcclGroup {}
+unsafe impl Sync for NcclGroup {}
+
+/// Forms NCCL groups on CUDA devices.
+pub struct CudaOpener;
+
+impl Opener for CudaOpener {
+    fn offer(&self, device: Device) -> std::result::Result<[u8; 16], String> {
+        let Device::Cuda(ordinal) = device else {
+            return Err("its tensors are in host memory".into());
+        };
+        offer(ordinal)
+    }
+
+    fn open(&self, comm: &dyn Comm, device: Device, channels: usize) -> Result<Formed> {
+        let Device::Cuda(ordinal) = device else {
+            return Ok(Err("its tensors are in host memory".into()));
+        };
+        Ok(open(comm, ordinal, channels)?.map(|g| Arc::new(g) as Arc<dyn DeviceGroup>))
+    }
+}
+
+/// What this rank offers to the set: the UUID of `cuda:ordinal`, or why it cannot use
+/// NCCL (never a panic; a missing library is a reason like any other).
+pub fn offer(ordinal: i32) -> std::result::Result<[u8; 16], String> {
+    let dev = CudaDevice::get(ordinal).map_err(|e| e.to_string())?;
+    Nccl::load(&search_dirs()).map_err(|e| e.to_string())?;
+    Ok(dev.uuid)
+}
+
+/// Joins every member of `comm` in an NCCL group of `channels` communicators on
+/// `cuda:ordinal`, after [`agree`] answered [`Agreement::Direct`]. Returns the group,
+/// or why it could not be formed (the same words on every rank).
+pub fn open(
+    comm: &dyn Comm,
+    ordinal: i32,
+    channels: usize,
+) -> Result<std::result::Result<NcclGroup, String>> {
+    let channels = channels.max(1);
+    let made = (|| -> Result<(Arc<CudaDevice>, Arc<Nccl>)> {
+        let dev = CudaDevice::get(ordinal)?;
+        dev.bind()?;
+        Ok((dev, Arc::new(Nccl::load(&search_dirs())?)))
+    })();
+    // Rank 0 makes the ids and sends them with a status byte; a rank 0 that could not
+    // sends a zero, and the others do not wait in ncclCommInitRank for it.
+    let mut ids = vec![0u8; 1 + channels * UNIQUE_ID_BYTES];
+    let mut made_err = None;
+    if comm.rank() == 0 {
+        let got = made.as_ref().map_err(|e| e.clone()).and_then(|(_, nccl)| {
+            (0..channels)
+                .map(|_| nccl.unique_id())
+                .collect::<Result<Vec<_>>>()
+        });
+        match got {
+            Ok(list) => {
+                ids[0] = 1;
+                for (i, id) in list.iter().enumerate() {
+                    ids[1 + i * UNIQUE_ID_BYTES..1 + (i + 1) * UNIQUE_ID_BYTES]
+                        .copy_from_slice(&id.0);
+                }
+            }
+            Err(e) => made_err = Some(e.to_string()),
+        }
+    }
+    broadcast(comm, &mut ids, 0)?;
+    let formed = if ids[0] == 0 {
+        Err(made_err.unwrap_or_else(|| "rank 0 could not make NCCL's unique ids".into()))
+    } else {
+        made.map_err(|e| e.to_string()).and_then(|(dev, nccl)| {
+            form(&dev, &nccl, &ids[1..], comm.size(), comm.rank(), channels)
+                .map(|chans| (dev, chans))
+                .map_err(|e| e.to_string())
+        })
+    };
+    // Every rank learns whether every rank formed it.
+    let offer = formed.as_ref().map(|(d, _)| d.uuid).map_err(|e| e.clone());
+    match agree(comm, offer)? {
+        Agreement::Direct => {
+            let (dev, channels) = formed.expect("agreed, so formed here");
+            Ok(Ok(NcclGroup::new(dev, channels)?))
+        }
+        Agreement::Staged(why) => Ok(Err(why)),
+    }
+}
+
+/// The channels' communicators and streams.
+fn form(
+    dev: &Arc<CudaDevice>,
+    nccl: &Arc<Nccl>,
+    ids: &[u8],
+    size: usize,
+    rank: usize,
+    channels: usize,
+) -> Result<Vec<Channel>> {
+    dev.bind()?;
+    (0..channels)
+        .map(|c| {
+            let mut id = UniqueId([0; UNIQUE_ID_BYTES]);
+            id.0.copy_from_slice(&ids[c * UNIQUE_ID_BYTES..(c + 1) * UNIQUE_ID_BYTES]);
+            let comm = nccl.communicator(&id, size, rank)?;
+            let stream = result::stream::create(result::stream::StreamKind::NonBlocking)
+                .map_err(driver("cuStreamCreate"))?;
+            let done = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+                .map_err(driver("cuEventCreate"))?;
+            Ok(Channel { comm, stream, done })
+        })
+        .collect()
+}
+
+impl NcclGroup {
+    fn new(dev: Arc<CudaDevice>, channels: Vec<Channel>) -> Result<NcclGroup> {
+        let ready = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+            .map_err(driver("cuEventCreate"))?;
+        // SAFETY: four bytes on the Perseus stream, freed never (one per group).
+        let flag =
+            unsafe { result::malloc_async(dev.stream, 4) }.map_err(driver("cuMemAllocAsync"))?;
+        Ok(NcclGroup {
+            dev,
+            channels,
+            state: Mutex::new(State {
+                ready,
+                ready_fresh: false,
+                pending: Vec::new(),
+                fusion: 0,
+                fusion_len: 0,
+                flag,
+            }),
+        })
+    }
+
+    /// Binds the device and makes the Perseus stream wait for every channel's work;
+    /// returns the state, ready for work on the Perseus stream.
+    fn main(&self) -> Result<std::sync::MutexGuard<'_, State>> {
+        self.dev.bind()?;
+        let mut st = lock(&self.state);
+        for c in std::mem::take(&mut st.pending) {
+            // SAFETY: the stream and the event live as long as the group.
+            unsafe {
+                result::stream::wait_event(
+                    self.dev.stream,
+                    self.channels[c].done,
+                    sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+                )
+            }
+            .map_err(driver("cuStreamWaitEvent"))?;
+        }
+        st.ready_fresh = false;
+        Ok(st)
+    }
+
+    /// Queues cast kernel `name` of `count` values on the Perseus stream.
+    fn cast(
+        &self,
+        name: &'static str,
+        src: *const u8,
+        dst: *mut u8,
+        count: usize,
+        factor: f32,
+    ) -> Result<()> {
+        let _st = self.main()?;
+        let f = self.dev.kernel("cast", name)?;
+        self.dev
+            .cast(f, src as u64, dst as u64, factor, count as u64)
+    }
+
+    /// Queues `call` on channel `c`'s stream, after the Perseus stream's work so far.
+    fn on_channel(&self, c: usize, call: impl FnOnce(&Channel) -> Result<()>) -> Result<()> {
+        self.dev.bind()?;
+        let mut st = lock(&self.state);
+        let ch = &self.channels[c];
+        // SAFETY: the streams and events live as long as the group.
+        unsafe {
+            if !st.ready_fresh {
+                result::event::record(st.ready, self.dev.stream)
+                    .map_err(driver("cuEventRecord"))?;
+                st.ready_fresh = true;
+            }
+            result::stream::wait_event(
+                ch.stream,
+                st.ready,
+                sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+            )
+            .map_err(driver("cuStreamWaitEvent"))?;
+            call(ch)?;
+            result::event::record(ch.done, ch.stream).map_err(driver("cuEventRecord"))?;
+        }
+        if !st.pending.contains(&c) {
+            st.pending.push(c);
+        }
+        Ok(())
+    }
+}
+
+impl DeviceGroup for NcclGroup {
+    fn channels(&self) -> usize {
+        self.channels.len()
+    }
+
+    fn fusion(&self, bytes: usize) -> Result<*mut u8> {
+        let mut st = self.main()?;
+        if bytes > st.fusion_len {
+            // SAFETY: the old buffer's users are all ordered before this point of the
+            // Perseus stream (`main` joined the channels).
+            unsafe {
+                if st.fusion_len > 0 {
+                    result::free_async(st.fusion, self.dev.stream)
+                        .map_err(driver("cuMemFreeAsync"))?;
+                    st.fusion_len = 0;
+                }
+                let want = bytes.next_power_of_two().max(1 << 20);
+                st.fusion = result::malloc_async(self.dev.stream, want)
+                    .map_err(driver("cuMemAllocAsync"))?;
+                st.fusion_len = want;
+            }
+        }
+        Ok(st.fusion as *mut u8)
+    }
+
+    unsafe fn copy(&self, src: *const u8, dst: *mut u8, bytes: usize) -> Result<()> {
+        let _st = self.main()?;
+        if bytes == 0 {
+            return Ok(());
+        }
+        result::memcpy_dtod_async(dst as u64, src as u64, bytes, self.dev.stream)
+            .map_err(driver("cuMemcpyDtoDAsync"))
+    }
+
+    unsafe fn scale(&self, buf: *mut u8, count: usize, dtype: DataType, factor: f64) -> Result<()> {
+        let _st = self.main()?;
+        let name = match dtype {
+            DataType::F32 => "scale_f32",
+            DataType::F64 => "scale_f64",
+            DataType::F16 => "scale_f16",
+            DataType::BF16 => "scale_bf16",
+            other => {
+                return Err(PerseusError::InvalidArgument(format!(
+                    "no device scale for {}",
+                    other.name()
+                )))
+            }
+        };
+        let f = self.dev.kernel("scale", name)?;
+        let mut ptr = buf as u64;
+        let mut n = count as u64;
+        let mut f64s = factor;
+        let mut f32s = factor as f32;
+        let s: *mut c_void = if dtype == DataType::F64 {
+            (&mut f64s as *mut f64).cast()
+        } else {
+            (&mut f32s as *mut f32).cast()
+        };
+        let mut params = [
+            (&mut ptr as *mut u64).cast(),
+            s,
+            (&mut n as *mut u64).cast(),
+        ];
+        self.dev.launch(f, count as u64, &mut params)
+    }
+
+    unsafe fn cast_down(
+        &self,
+        src: *const u8,
+        dst: *mut u8,
+        count: usize,
+        factor: f32,
+    ) -> Result<()> {
+        self.cast("f32_to_f16_scaled", src, dst, count, factor)
+    }
+
+    unsafe fn cast_up(
+        &self,
+        src: *const u8,
+        dst: *mut u8,
+        count: usize,
+        factor: f32,
+    ) -> Result<()> {
+        self.cast("f16_to_f32_scaled", src, dst, count, factor)
+    }
+
+    unsafe fn all_finite(&self, buf: *const u8, count: usize, dtype: DataType) -> Result<bool> {
+        let st = self.main()?;
+        let name = match dtype {
+            DataType::F32 => "nonfinite_f32",
+            DataType::F16 => "nonfinite_f16",
+            _ => return Ok(true),
+        };
+        let f = self.dev.kernel("nancheck", name)?;
+        result::memset_d8_async(st.flag, 0, 4, self.dev.stream)
+            .map_err(driver("cuMemsetD8Async"))?;
+        let (mut ptr, mut flag, mut n) = (buf as u64, st.flag, count as u64);
+        let mut params = [
+            (&mut ptr as *mut u64).cast(),
+            (&mut flag as *mut u64).cast(),
+            (&mut n as *mut u64).cast(),
+        ];
+        self.dev.launch(f, count as u64, &mut params)?;
+        let mut host = [0i32; 1];
+        result::memcpy_dtoh_async(&mut host, st.flag, self.dev.stream)
+            .map_err(driver("cuMemcpyDtoHAsync"))?;
+        result::stream::synchronize(self.dev.stream).map_err(driver("cuStreamSynchronize"))?;
+        Ok(host[0] == 0)
+    }
+
+    unsafe fn allreduce(
+        &self,
+        channel: usize,
+        buf: *mut u8,
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        self.on_channel(channel, |ch| {
+            ch.comm
+                .allreduce(buf as u64, buf as u64, count, dtype, op, ch.stream as u64)
+        })
+    }
+
+    unsafe fn broadcast(&self, buf: *mut u8, bytes: usize, root: usize) -> Result<()> {
+        self.on_channel(0, |ch| {
+            ch.comm.broadcast(buf as u64, bytes, root, ch.stream as u64)
+        })
+    }
+
+    fn finish(&self) -> Result<()> {
+        let _st = self.main()?;
+        // SAFETY: the stream lives for the life of the process.
+        unsafe { result::stream::synchronize(self.dev.stream) }
+            .map_err(driver("cuStreamSynchronize"))
+    }
+}
+
+impl Drop for NcclGroup {
+    fn drop(&mut self) {
+        if self.finish().is_err() {
+            return;
+        }
+        let st = lock(&self.state);
+        // SAFETY: all work is done; each handle is released once.
+        unsafe {
+            if st.fusion_len > 0 {
+                let _ = result::free_async(st.fusion, self.dev.stream);
+            }
+            let _ = result::free_async(st.flag, self.dev.stream);
+            let _ = result::event::destroy(st.ready);
+            for ch in &self.channels {
+                let _ = result::event::destroy(ch.done);
+                let _ = result::stream::destroy(ch.stream);
+            }
+        }
+    }
+}
