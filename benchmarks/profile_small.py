@@ -16,6 +16,7 @@ import time
 
 import perseus.torch.horovod as hvd
 import torch
+from perseus.common.timeline import timeline_file
 
 
 def main():
@@ -31,7 +32,7 @@ def main():
         hvd.allreduce_(t, op=hvd.Sum, name="p")
         walls.append(time.perf_counter() - t0)
     hvd.stop_timeline()
-    path = path if r == 0 else f"{path}.{r}"  # rank r > 0 writes PATH.r
+    path = timeline_file(path)  # rank r > 0 writes PATH.r
     with open(path) as f:
         events = json.load(f)
     os.unlink(path)

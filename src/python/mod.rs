@@ -426,6 +426,13 @@ fn start_timeline(path: &str, mark_cycles: bool) -> PyResult<()> {
         .map_err(|e| to_py(e.into()))
 }
 
+/// The file rank `rank` writes for the timeline `path` (rank 0: `path`, rank r:
+/// `path.r`); needs no engine.
+#[pyfunction]
+fn timeline_path(path: &str, rank: usize) -> String {
+    crate::timeline::rank_path(path, rank)
+}
+
 /// Stops writing the timeline.
 #[pyfunction]
 fn stop_timeline() -> PyResult<()> {
@@ -649,5 +656,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(release, m)?)?;
     m.add_function(wrap_pyfunction!(start_timeline, m)?)?;
     m.add_function(wrap_pyfunction!(stop_timeline, m)?)?;
+    m.add_function(wrap_pyfunction!(timeline_path, m)?)?;
     Ok(())
 }

@@ -20,6 +20,15 @@ def start_timeline(file_path, mark_cycles=False):
     _core.start_timeline(os.fspath(file_path), bool(mark_cycles))
 
 
+def timeline_file(file_path, rank=None):
+    """The file rank ``rank`` (this rank when None) writes for the timeline
+    ``file_path``: rank 0 ``file_path`` itself, rank r ``file_path`` + ``".r"``."""
+    if rank is None:
+        check_initialized()
+        rank = _core.rank()
+    return _core.timeline_path(os.fspath(file_path), int(rank))
+
+
 def stop_timeline():
     """Stop writing the timeline and close its file."""
     check_initialized()

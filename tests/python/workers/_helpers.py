@@ -9,11 +9,6 @@ import sys
 OK_MARK = "WORKER OK"
 
 
-def timeline_file(path, rank):
-    """The file rank ``rank`` writes for the timeline ``path``: rank 0 ``path``, rank r ``path.r``."""
-    return path if rank == 0 else f"{path}.{rank}"
-
-
 def close(actual, expected, what, rtol=None, atol=None):
     """Assert tensors are equal (or close for floats), with dtype and shape."""
     import torch

@@ -19,8 +19,9 @@ import time
 import perseus.torch.horovod as hvd
 import torch
 import torch.nn.functional as F
-from _helpers import close, done, raises, timeline_file
+from _helpers import close, done, raises
 from perseus.common import basics
+from perseus.common.timeline import timeline_file
 from torch import nn
 
 UPDATES, BATCH = 3, 3  # optimizer updates, rows per rank per step

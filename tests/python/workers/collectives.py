@@ -8,9 +8,10 @@ import warnings
 
 import perseus.torch.horovod as hvd
 import torch
-from _helpers import close, done, raises, timeline_file, tol
+from _helpers import close, done, raises, tol
 from perseus.common import gpu
 from perseus.common.process_sets import process_sets
+from perseus.common.timeline import timeline_file
 
 MODE = os.environ.get("PERSEUS_CHANGE_HVD_ALLGATHER", "0")
 INTS = [torch.uint8, torch.int8, torch.int32, torch.int64]

@@ -10,7 +10,8 @@ import time
 import perseus.torch.horovod as hvd
 import torch
 import torch.nn.functional as F
-from _helpers import close, done, timeline_file
+from _helpers import close, done
+from perseus.common.timeline import timeline_file
 from torch import nn
 
 SIZES = {"w": 1000, "b": 10, "c": 5000}
