@@ -27,6 +27,20 @@ pub fn hosts_of(comm: &dyn Comm) -> Vec<Vec<usize>> {
     groups.into_iter().map(|(_, g)| g).collect()
 }
 
+/// This rank's host's ranks, and the ranks with this rank's local index on every
+/// host (one per host, in host order; the group must [`fits`]).
+pub fn host_and_peers(comm: &dyn Comm) -> (Vec<usize>, Vec<usize>) {
+    let hosts = hosts_of(comm);
+    let mine = hosts
+        .iter()
+        .find(|g| g.contains(&comm.rank()))
+        .expect("rank on no host")
+        .clone();
+    let li = mine.iter().position(|&r| r == comm.rank()).unwrap();
+    let peers = hosts.iter().map(|g| g[li]).collect();
+    (mine, peers)
+}
+
 /// True when the hierarchical algorithm applies: several hosts, each with
 /// the same number (at least two) of the group's ranks.
 pub fn fits(hosts: &[Vec<usize>]) -> bool {
@@ -45,14 +59,8 @@ pub fn allreduce_hierarchical(
     half: &mut AlignedBuf,
     scratch: &mut AlignedBuf,
 ) -> Result<()> {
-    let hosts = hosts_of(comm);
-    let mine = hosts
-        .iter()
-        .find(|g| g.contains(&comm.rank()))
-        .expect("rank on no host")
-        .clone();
+    let (mine, leaders) = host_and_peers(comm);
     let li = mine.iter().position(|&r| r == comm.rank()).unwrap();
-    let leaders: Vec<usize> = hosts.iter().map(|g| g[li]).collect();
     let intra = SubComm::new(comm, mine);
     let cross = SubComm::new(comm, leaders);
     let parts = byte_parts(buf.len(), dtype.size(), intra.size());

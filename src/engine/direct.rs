@@ -38,6 +38,10 @@ const ALIGN: usize = 256;
 /// Collectives among the ranks' devices, and the device work around them. Work is
 /// queued in order and complete once [`DeviceGroup::finish`] returns.
 pub trait DeviceGroup: Send + Sync {
+    /// This rank within the group.
+    fn rank(&self) -> usize;
+    /// Ranks in the group.
+    fn size(&self) -> usize;
     /// Independent communicators a buffer may be split across (at least 1).
     fn channels(&self) -> usize;
     /// A device buffer of at least `bytes`, reused from call to call.
@@ -97,6 +101,36 @@ pub trait DeviceGroup: Send + Sync {
     /// # Safety
     /// As for [`DeviceGroup::copy`].
     unsafe fn broadcast(&self, buf: *mut u8, bytes: usize, root: usize) -> Result<()>;
+    /// Queues an in-place reduce-scatter: `buf` holds `size() * chunk` elements, and
+    /// this rank's chunk (at `rank() * chunk`) ends reduced.
+    ///
+    /// # Safety
+    /// As for [`DeviceGroup::copy`].
+    unsafe fn reduce_scatter(
+        &self,
+        buf: *mut u8,
+        chunk: usize,
+        dtype: DataType,
+        op: ReduceOp,
+    ) -> Result<()>;
+    /// Queues an in-place allgather of chunks of `chunk` elements, this rank's at
+    /// `rank() * chunk`.
+    ///
+    /// # Safety
+    /// As for [`DeviceGroup::copy`].
+    unsafe fn allgather(&self, buf: *mut u8, chunk: usize, dtype: DataType) -> Result<()>;
+    /// Copies device memory at `src` into `dst`, once the work queued so far has run
+    /// (waits for it).
+    ///
+    /// # Safety
+    /// As for [`DeviceGroup::copy`].
+    unsafe fn download(&self, src: *const u8, dst: &mut [u8]) -> Result<()>;
+    /// Copies `src` into device memory at `dst`, after the work queued so far; `src`
+    /// must stay alive until [`DeviceGroup::finish`] returns.
+    ///
+    /// # Safety
+    /// As for [`DeviceGroup::copy`].
+    unsafe fn upload(&self, src: &[u8], dst: *mut u8) -> Result<()>;
     /// Waits until all queued work has run.
     fn finish(&self) -> Result<()>;
 }
@@ -152,11 +186,20 @@ fn starts(lens: impl Iterator<Item = usize>) -> Vec<usize> {
     .collect()
 }
 
-/// Runs a response that [`supports`] accepted, every entry present, on `group` (of
-/// `size` ranks, this one `rank`).
+/// Where a response runs.
+#[derive(Clone, Copy)]
+pub enum Route<'a> {
+    /// One group over the whole set.
+    Flat(&'a dyn DeviceGroup),
+    /// A group of this host's ranks, and between hosts the CPU transport among the
+    /// ranks with this rank's local index (allreduce only).
+    Hierarchical(&'a dyn DeviceGroup, &'a dyn Comm),
+}
+
+/// Runs a response that [`supports`] accepted, every entry present, along `route`,
+/// in a set of `size` ranks.
 pub fn run_direct(
-    group: &dyn DeviceGroup,
-    rank: usize,
+    route: Route<'_>,
     size: usize,
     resp: &Response,
     entries: &[Option<Entry>],
@@ -166,9 +209,18 @@ pub fn run_direct(
     };
     let entries: Vec<&Entry> = entries.iter().flatten().collect();
     let run = || -> Result<Option<(Vec<usize>, bool)>> {
-        match kind {
-            OpKind::Broadcast => broadcast(group, rank, *root as usize, &entries).map(|_| None),
-            _ => allreduce(group, size, resp, &entries),
+        match (kind, route) {
+            (OpKind::Broadcast, Route::Flat(group)) => {
+                broadcast(group, *root as usize, &entries).map(|_| None)
+            }
+            (_, Route::Flat(group)) => allreduce(group, size, resp, &entries),
+            (OpKind::Allreduce, Route::Hierarchical(local, cross)) => {
+                hierarchical(local, cross, size, resp, &entries).map(|_| None)
+            }
+            _ => Err(PerseusError::InvalidArgument(format!(
+                "{} has no hierarchical device path",
+                kind.name()
+            ))),
         }
     };
     match run() {
@@ -203,12 +255,12 @@ unsafe fn input_to_output(group: &dyn DeviceGroup, e: &Entry) -> Result<()> {
     Ok(())
 }
 
-fn broadcast(group: &dyn DeviceGroup, rank: usize, root: usize, entries: &[&Entry]) -> Result<()> {
+fn broadcast(group: &dyn DeviceGroup, root: usize, entries: &[&Entry]) -> Result<()> {
     for e in entries {
         let (buf, bytes) = target(e);
         // SAFETY: the front-end keeps the tensors alive until completion.
         unsafe {
-            if rank == root {
+            if group.rank() == root {
                 input_to_output(group, e)?;
             }
             group.broadcast(buf, bytes, root)?;
@@ -291,6 +343,39 @@ fn factors(resp: &Response, size: usize) -> (f64, f64, ReduceOp) {
     }
 }
 
+/// Queues copies of the entries' inputs into the fusion buffer, each at an aligned
+/// offset, with room for `pad(count)` elements; returns the buffer and the elements
+/// its tensors span.
+unsafe fn pack(
+    group: &dyn DeviceGroup,
+    entries: &[&Entry],
+    dtype: DataType,
+    pad: impl Fn(usize) -> usize,
+) -> Result<(*mut u8, usize)> {
+    let offsets = starts(entries.iter().map(|e| aligned(target(e).1)));
+    let span = offsets.last().map_or(0, |&o| o) + entries.last().map_or(0, |e| target(e).1);
+    let count = span / dtype.size();
+    let fusion = group.fusion(pad(count) * dtype.size())?;
+    for (e, &off) in entries.iter().zip(&offsets) {
+        let src = e.input.as_ref().or(e.output.as_ref()).expect("a tensor");
+        group.copy(src.ptr, fusion.add(off), src.nbytes)?;
+    }
+    // The gaps are reduced too (they hold stale bytes of this buffer); reducing the
+    // whole span keeps it one call per channel.
+    Ok((fusion, count))
+}
+
+/// Queues copies of the packed results back to the entries' outputs.
+unsafe fn unpack(group: &dyn DeviceGroup, entries: &[&Entry], fusion: *const u8) -> Result<()> {
+    let mut at = 0;
+    for e in entries {
+        let (dst, bytes) = target(e);
+        group.copy(fusion.add(at), dst, bytes)?;
+        at += aligned(bytes);
+    }
+    Ok(())
+}
+
 /// The exact allreduce: in the tensor's own memory when there is one, else packed in
 /// the fusion buffer.
 fn exact(group: &dyn DeviceGroup, size: usize, resp: &Response, entries: &[&Entry]) -> Result<()> {
@@ -300,23 +385,13 @@ fn exact(group: &dyn DeviceGroup, size: usize, resp: &Response, entries: &[&Entr
     let dtype = *dtype;
     let (pre, post, op) = factors(resp, size);
     // SAFETY: the front-end keeps the tensors alive until completion; the fusion
-    // buffer holds every packed tensor (offsets below its length).
+    // buffer holds every packed tensor.
     unsafe {
         let (buf, count) = if let [e] = entries {
             input_to_output(group, e)?;
             (target(e).0, elems(&shapes[0]))
         } else {
-            let offsets = starts(entries.iter().map(|e| aligned(target(e).1)));
-            let total =
-                offsets.last().map_or(0, |&o| o) + entries.last().map_or(0, |e| target(e).1);
-            let fusion = group.fusion(total)?;
-            for (e, &off) in entries.iter().zip(&offsets) {
-                let src = e.input.as_ref().or(e.output.as_ref()).expect("a tensor");
-                group.copy(src.ptr, fusion.add(off), src.nbytes)?;
-            }
-            // The gaps are reduced too (they are zeros or stale bytes of this
-            // buffer); reducing the whole span keeps it one call per channel.
-            (fusion, total / dtype.size())
+            pack(group, entries, dtype, |c| c)?
         };
         if pre != 1.0 {
             group.scale(buf, count, dtype, pre)?;
@@ -326,15 +401,51 @@ fn exact(group: &dyn DeviceGroup, size: usize, resp: &Response, entries: &[&Entr
             group.scale(buf, count, dtype, post)?;
         }
         if entries.len() > 1 {
-            let mut at = 0;
-            for e in entries {
-                let (dst, bytes) = target(e);
-                group.copy(buf.add(at), dst, bytes)?;
-                at += aligned(bytes);
-            }
+            unpack(group, entries, buf)?;
         }
     }
     group.finish()
+}
+
+/// The hierarchical allreduce: a reduce-scatter among this host's devices leaves
+/// each local rank one chunk of the host's sum; the ranks with the same local index
+/// allreduce their chunk across hosts through host memory (the CPU transport); an
+/// allgather among the host's devices shares the chunks. Exact, whatever the plan's
+/// encoding.
+fn hierarchical(
+    local: &dyn DeviceGroup,
+    cross: &dyn Comm,
+    size: usize,
+    resp: &Response,
+    entries: &[&Entry],
+) -> Result<()> {
+    let Response::Op { dtype, .. } = resp else {
+        unreachable!("hierarchical takes Op responses");
+    };
+    let dtype = *dtype;
+    let (pre, post, op) = factors(resp, size);
+    let l = local.size();
+    // SAFETY: as in `exact`; the buffer holds `l` chunks.
+    unsafe {
+        let (buf, count) = pack(local, entries, dtype, |c| c.div_ceil(l) * l)?;
+        let chunk = count.div_ceil(l);
+        if pre != 1.0 {
+            local.scale(buf, count, dtype, pre)?;
+        }
+        local.reduce_scatter(buf, chunk, dtype, op)?;
+        let mine = buf.add(local.rank() * chunk * dtype.size());
+        let mut host = crate::kernels::AlignedBuf::zeroed(chunk * dtype.size());
+        local.download(mine, host.as_mut_slice())?;
+        let mut scratch = crate::kernels::AlignedBuf::zeroed(0);
+        crate::collective::allreduce(cross, host.as_mut_slice(), dtype, op, 1.0, &mut scratch)?;
+        local.upload(host.as_slice(), mine)?;
+        local.allgather(buf, chunk, dtype)?;
+        if post != 1.0 {
+            local.scale(buf, count, dtype, post)?;
+        }
+        unpack(local, entries, buf)?;
+        local.finish()
+    }
 }
 
 /// The float16 allreduce of float32 gradients, cast on the device. Returns the
@@ -453,10 +564,17 @@ pub type Formed = std::result::Result<Arc<dyn DeviceGroup>, String>;
 pub trait Opener: Send {
     /// This rank's identity of `device` (its UUID), or why it cannot take part.
     fn offer(&self, device: Device) -> std::result::Result<[u8; 16], String>;
-    /// Forms the group with every member of `comm` (all call it together, after
-    /// [`agree`] answered [`Agreement::Direct`]); `Ok(Err(why))` when it could not be
-    /// formed, the same on every rank.
-    fn open(&self, comm: &dyn Comm, device: Device, channels: usize) -> Result<Formed>;
+    /// Forms this rank's group: the ranks `members` of `comm` (every member of
+    /// `comm` calls it together, each with its own group's members, after [`agree`]
+    /// answered [`Agreement::Direct`]); `Ok(Err(why))` when it could not be formed,
+    /// the same on every rank.
+    fn open(
+        &self,
+        comm: &dyn Comm,
+        device: Device,
+        channels: usize,
+        members: &[usize],
+    ) -> Result<Formed>;
 }
 
 /// The opener of this build: NCCL's, or one that always says why not.
@@ -476,18 +594,19 @@ impl Opener for NoGpu {
     fn offer(&self, _: Device) -> std::result::Result<[u8; 16], String> {
         Err("this build of Perseus has no GPU support (the cuda feature)".into())
     }
-    fn open(&self, _: &dyn Comm, _: Device, _: usize) -> Result<Formed> {
+    fn open(&self, _: &dyn Comm, _: Device, _: usize, _: &[usize]) -> Result<Formed> {
         Ok(Err("this build of Perseus has no GPU support".into()))
     }
 }
 
-/// Each process set's device group, formed with the set's members the first time
-/// one of its responses may go direct.
+/// Each process set's device groups, formed with the set's members the first time
+/// one of its responses may go direct: one over the whole set, and one of this
+/// host's ranks for the hierarchical allreduce.
 pub struct Groups {
     use_nccl: NcclUse,
     channels: usize,
     opener: Box<dyn Opener>,
-    sets: HashMap<u32, Formed>,
+    sets: HashMap<(u32, bool), Formed>,
 }
 
 impl Groups {
@@ -503,21 +622,29 @@ impl Groups {
     }
 
     /// The group of process set `ps` (every member calls this for the same
-    /// response), `None` when its device tensors go through host memory. Under
-    /// PERSEUS_NCCL_ENABLE=1 that is an error naming why, on every rank.
+    /// response), of this host's ranks when `local`, `None` when its device tensors
+    /// go through host memory. Under PERSEUS_NCCL_ENABLE=1 that is an error naming
+    /// why, on every rank.
     pub fn get(
         &mut self,
         ps: u32,
         comm: &dyn Comm,
         device: Device,
+        local: bool,
     ) -> Result<Option<Arc<dyn DeviceGroup>>> {
-        if !self.sets.contains_key(&ps) {
+        let key = (ps, local);
+        if !self.sets.contains_key(&key) {
             let offer = match self.use_nccl {
                 NcclUse::Off => Err("PERSEUS_NCCL_ENABLE=0".to_string()),
                 _ => self.opener.offer(device),
             };
+            let members: Vec<usize> = if local {
+                crate::collective::host_and_peers(comm).0
+            } else {
+                (0..comm.size()).collect()
+            };
             let formed = match agree(comm, offer)? {
-                Agreement::Direct => self.opener.open(comm, device, self.channels)?,
+                Agreement::Direct => self.opener.open(comm, device, self.channels, &members)?,
                 Agreement::Staged(why) => Err(why),
             };
             if let Err(why) = &formed {
@@ -528,9 +655,9 @@ impl Groups {
                     );
                 }
             }
-            self.sets.insert(ps, formed);
+            self.sets.insert(key, formed);
         }
-        match (&self.sets[&ps], self.use_nccl) {
+        match (&self.sets[&key], self.use_nccl) {
             (Ok(g), _) => Ok(Some(g.clone())),
             (Err(why), NcclUse::Required) => Err(PerseusError::GpuUnavailable(format!(
                 "PERSEUS_NCCL_ENABLE=1, but NCCL cannot carry the CUDA tensors of process \
@@ -540,9 +667,9 @@ impl Groups {
         }
     }
 
-    /// Forgets process set `ps` (removed); its group is released.
+    /// Forgets process set `ps` (removed); its groups are released.
     pub fn forget(&mut self, ps: u32) {
-        self.sets.remove(&ps);
+        self.sets.retain(|(p, _), _| *p != ps);
     }
 }
 

@@ -3,7 +3,8 @@
 //! call logged.
 
 use super::*;
-use crate::collective::tests::{run, run_on, ThreadComm};
+use crate::collective::tests::{run, run_on};
+use crate::collective::{host_and_peers, hosts_of, SubComm};
 use crate::engine::tensor::{f32_view, Device, TensorView};
 use crate::kernels::{first_nonfinite, from_half, scale, to_half, AlignedBuf};
 use crate::plan::Plan;
@@ -11,7 +12,7 @@ use std::sync::Mutex;
 
 /// One rank's "device": host memory, the CPU ring for the collectives.
 struct HostGroup<'a> {
-    comm: &'a ThreadComm,
+    comm: &'a dyn Comm,
     channels: usize,
     fusion: Mutex<AlignedBuf>,
     /// (channel, dtype, elements) of every allreduce.
@@ -19,7 +20,7 @@ struct HostGroup<'a> {
 }
 
 impl<'a> HostGroup<'a> {
-    fn new(comm: &'a ThreadComm, channels: usize) -> Self {
+    fn new(comm: &'a dyn Comm, channels: usize) -> Self {
         HostGroup {
             comm,
             channels,
@@ -34,6 +35,12 @@ unsafe fn slice<'s>(p: *const u8, n: usize) -> &'s mut [u8] {
 }
 
 impl DeviceGroup for HostGroup<'_> {
+    fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+    fn size(&self) -> usize {
+        self.comm.size()
+    }
     fn channels(&self) -> usize {
         self.channels
     }
@@ -87,6 +94,32 @@ impl DeviceGroup for HostGroup<'_> {
     unsafe fn broadcast(&self, buf: *mut u8, bytes: usize, root: usize) -> Result<()> {
         crate::collective::broadcast(self.comm, slice(buf, bytes), root)
     }
+    unsafe fn reduce_scatter(
+        &self,
+        buf: *mut u8,
+        chunk: usize,
+        dtype: DataType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let n = self.comm.size();
+        let b = slice(buf, n * chunk * dtype.size());
+        let mine = crate::collective::reduce_scatter(self.comm, b, &vec![chunk; n], dtype, op)?;
+        assert_eq!(mine.start, self.comm.rank() * chunk * dtype.size());
+        Ok(())
+    }
+    unsafe fn allgather(&self, buf: *mut u8, chunk: usize, dtype: DataType) -> Result<()> {
+        let n = self.comm.size();
+        let bytes = chunk * dtype.size();
+        allgatherv(self.comm, slice(buf, n * bytes), &vec![bytes; n])
+    }
+    unsafe fn download(&self, src: *const u8, dst: &mut [u8]) -> Result<()> {
+        dst.copy_from_slice(slice(src, dst.len()));
+        Ok(())
+    }
+    unsafe fn upload(&self, src: &[u8], dst: *mut u8) -> Result<()> {
+        slice(dst, src.len()).copy_from_slice(src);
+        Ok(())
+    }
     fn finish(&self) -> Result<()> {
         Ok(())
     }
@@ -135,11 +168,15 @@ fn value(r: usize, t: usize, i: usize) -> f32 {
     ((r * 7 + t * 3 + i) % 13) as f32 - 6.0
 }
 
-/// Runs an allreduce of tensors of `lens` on every rank; returns each rank's
-/// outputs, inputs (after) and collective calls.
+/// Ranks on one host.
+const ONE_HOST: &[usize] = &[0; 8];
+
+/// Runs an allreduce of tensors of `lens` on ranks on `hosts` (hierarchical when
+/// there are several); returns each rank's outputs, inputs (after) and collective
+/// calls.
 #[allow(clippy::type_complexity, clippy::too_many_arguments)]
 fn allreduce_on(
-    n: usize,
+    hosts: &'static [usize],
     lens: &'static [usize],
     op: ReduceOp,
     pre: f64,
@@ -154,9 +191,23 @@ fn allreduce_on(
     Outcome,
     Vec<(usize, DataType, usize)>,
 )> {
-    run(n, move |comm| {
+    let n = hosts.len();
+    run_on(hosts, move |comm| {
         let r = comm.rank();
-        let group = HostGroup::new(comm, channels);
+        let several = hosts_of(comm).len() > 1;
+        let (mine, peers) = host_and_peers(comm);
+        let local = SubComm::new(comm, mine);
+        let cross = SubComm::new(comm, peers);
+        let group = if several {
+            HostGroup::new(&local, channels)
+        } else {
+            HostGroup::new(comm, channels)
+        };
+        let route = if several {
+            Route::Hierarchical(&group, &cross)
+        } else {
+            Route::Flat(&group)
+        };
         let mut inputs: Vec<Vec<f32>> = lens
             .iter()
             .enumerate()
@@ -181,7 +232,7 @@ fn allreduce_on(
             .collect();
         let resp = response(OpKind::Allreduce, lens, op, pre, post, plan);
         assert!(supports(&resp));
-        let out = run_direct(&group, r, n, &resp, &entries);
+        let out = run_direct(route, n, &resp, &entries);
         drop(entries);
         let calls = group.calls.into_inner().unwrap();
         let results = if in_place { inputs.clone() } else { outputs };
@@ -203,35 +254,37 @@ fn expected(n: usize, t: usize, len: usize, big: f32, f: impl Fn(Vec<f64>) -> f6
 
 const LENS: &[usize] = &[5, 70_001, 1, 300_000];
 
-#[test]
-fn fused_sums_and_averages_are_exact_in_place_and_out_of_place() {
-    for n in [2, 3] {
-        for in_place in [true, false] {
-            for (op, pre, post) in [
-                (ReduceOp::Sum, 1.0, 1.0),
-                (ReduceOp::Average, 1.0, 1.0),
-                (ReduceOp::Sum, 0.5, 4.0),
-                (ReduceOp::Max, 1.0, 1.0),
-            ] {
-                let plan = device_plan(Encoding::Exact, 1.0);
-                let got = allreduce_on(n, LENS, op, pre, post, plan, in_place, 1, 1.0);
-                for (r, (results, inputs, out, _)) in got.into_iter().enumerate() {
-                    assert!(out.results.iter().all(|x| x.is_ok()));
-                    assert!(out.resent.is_none());
-                    for (t, &len) in LENS.iter().enumerate() {
-                        let want = expected(n, t, len, 1.0, |v| match op {
-                            ReduceOp::Max => v.into_iter().fold(f64::MIN, f64::max),
-                            // The sum, times 1/n in float32, as the scale kernel does.
-                            ReduceOp::Average => {
-                                (v.iter().sum::<f64>() as f32 * (1.0 / n as f64) as f32) as f64
-                            }
-                            _ => v.iter().map(|x| x * pre).sum::<f64>() * post,
-                        });
-                        assert_eq!(results[t], want, "rank {r} tensor {t} {op:?} n={n}");
-                        if !in_place {
-                            let orig: Vec<f32> = (0..len).map(|i| value(r, t, i)).collect();
-                            assert_eq!(inputs[t], orig, "rank {r}: input {t} changed");
+/// Exact allreduces (Sum, Average, scaled Sum, Max, Min) of `LENS`, in place and
+/// out of place, on ranks on `hosts`: every rank's results, inputs untouched.
+fn check_exact(hosts: &'static [usize]) {
+    let n = hosts.len();
+    for in_place in [true, false] {
+        for (op, pre, post) in [
+            (ReduceOp::Sum, 1.0, 1.0),
+            (ReduceOp::Average, 1.0, 1.0),
+            (ReduceOp::Sum, 0.5, 4.0),
+            (ReduceOp::Max, 1.0, 1.0),
+            (ReduceOp::Min, 1.0, 1.0),
+        ] {
+            let plan = device_plan(Encoding::Exact, 1.0);
+            let got = allreduce_on(hosts, LENS, op, pre, post, plan, in_place, 1, 1.0);
+            for (r, (results, inputs, out, _)) in got.into_iter().enumerate() {
+                assert!(out.results.iter().all(|x| x.is_ok()), "rank {r}");
+                assert!(out.resent.is_none());
+                for (t, &len) in LENS.iter().enumerate() {
+                    let want = expected(n, t, len, 1.0, |v| match op {
+                        ReduceOp::Max => v.into_iter().fold(f64::MIN, f64::max),
+                        ReduceOp::Min => v.into_iter().fold(f64::MAX, f64::min),
+                        // The sum, times 1/n in float32, as the scale kernel does.
+                        ReduceOp::Average => {
+                            (v.iter().sum::<f64>() as f32 * (1.0 / n as f64) as f32) as f64
                         }
+                        _ => v.iter().map(|x| x * pre).sum::<f64>() * post,
+                    });
+                    assert_eq!(results[t], want, "rank {r} tensor {t} {op:?} {hosts:?}");
+                    if !in_place {
+                        let orig: Vec<f32> = (0..len).map(|i| value(r, t, i)).collect();
+                        assert_eq!(inputs[t], orig, "rank {r}: input {t} changed");
                     }
                 }
             }
@@ -240,14 +293,48 @@ fn fused_sums_and_averages_are_exact_in_place_and_out_of_place() {
 }
 
 #[test]
+fn fused_sums_and_averages_are_exact_in_place_and_out_of_place() {
+    for n in [2, 3] {
+        check_exact(&ONE_HOST[..n]);
+    }
+}
+
+#[test]
+fn hierarchical_allreduces_are_exact_over_hosts_and_uneven_chunks() {
+    // 2x2 and 2x3 ranks; the fused span is not a multiple of the local size.
+    check_exact(&[0, 0, 1, 1]);
+    check_exact(&[0, 1, 0, 1, 0, 1]);
+}
+
+#[test]
 fn a_large_buffer_is_split_across_the_channels() {
     // 300_000 + 70_001 + 6 floats of fused payload (about 1.5 MB): one channel's worth
     // at 1 MiB each, so 1 part; a single 4 MiB tensor, 4 parts over 3 channels -> 3.
     let plan = device_plan(Encoding::Exact, 1.0);
-    let got = allreduce_on(2, LENS, ReduceOp::Sum, 1.0, 1.0, plan, true, 3, 1.0);
+    let got = allreduce_on(
+        &ONE_HOST[..2],
+        LENS,
+        ReduceOp::Sum,
+        1.0,
+        1.0,
+        plan,
+        true,
+        3,
+        1.0,
+    );
     assert_eq!(got[0].3.len(), 1, "{:?}", got[0].3);
     static BIG: &[usize] = &[1 << 20];
-    let got = allreduce_on(2, BIG, ReduceOp::Sum, 1.0, 1.0, plan, false, 3, 1.0);
+    let got = allreduce_on(
+        &ONE_HOST[..2],
+        BIG,
+        ReduceOp::Sum,
+        1.0,
+        1.0,
+        plan,
+        false,
+        3,
+        1.0,
+    );
     for (r, (results, _, _, calls)) in got.into_iter().enumerate() {
         let channels: Vec<usize> = calls.iter().map(|c| c.0).collect();
         assert_eq!(channels, vec![0, 1, 2], "rank {r}");
@@ -260,7 +347,17 @@ fn a_large_buffer_is_split_across_the_channels() {
 fn float16_gradients_are_summed_as_float16_on_the_device() {
     let plan = device_plan(Encoding::Half, 4.0);
     for in_place in [true, false] {
-        let got = allreduce_on(3, LENS, ReduceOp::Average, 1.0, 1.0, plan, in_place, 2, 1.0);
+        let got = allreduce_on(
+            &ONE_HOST[..3],
+            LENS,
+            ReduceOp::Average,
+            1.0,
+            1.0,
+            plan,
+            in_place,
+            2,
+            1.0,
+        );
         for (r, (results, _, out, calls)) in got.into_iter().enumerate() {
             assert!(out.resent.is_none());
             assert!(
@@ -286,7 +383,17 @@ fn a_float16_overflow_is_resent_exactly_on_every_rank() {
     // do not.
     let plan = device_plan(Encoding::Half, 1.0);
     static TWO: &[usize] = &[4, 9];
-    let got = allreduce_on(2, TWO, ReduceOp::Sum, 1.0, 1.0, plan, true, 1, 30_000.0);
+    let got = allreduce_on(
+        &ONE_HOST[..2],
+        TWO,
+        ReduceOp::Sum,
+        1.0,
+        1.0,
+        plan,
+        true,
+        1,
+        30_000.0,
+    );
     for (r, (results, _, out, calls)) in got.into_iter().enumerate() {
         let (bad, finite) = out.resent.expect("resent");
         assert!(finite, "rank {r}");
@@ -333,7 +440,7 @@ fn broadcast_copies_the_roots_tensor_in_place_and_out_of_place() {
                 1.0,
                 device_plan(Encoding::Exact, 1.0),
             );
-            let out = run_direct(&group, r, 3, &resp, &[Some(entry)]);
+            let out = run_direct(Route::Flat(&group), 3, &resp, &[Some(entry)]);
             assert!(out.results.iter().all(|x| x.is_ok()));
             if in_place {
                 input
@@ -407,6 +514,12 @@ fn every_rank_agrees_on_the_path_and_on_why() {
 struct Unused;
 
 impl DeviceGroup for Unused {
+    fn rank(&self) -> usize {
+        0
+    }
+    fn size(&self) -> usize {
+        1
+    }
     fn channels(&self) -> usize {
         1
     }
@@ -441,6 +554,18 @@ impl DeviceGroup for Unused {
     unsafe fn broadcast(&self, _: *mut u8, _: usize, _: usize) -> Result<()> {
         unreachable!()
     }
+    unsafe fn reduce_scatter(&self, _: *mut u8, _: usize, _: DataType, _: ReduceOp) -> Result<()> {
+        unreachable!()
+    }
+    unsafe fn allgather(&self, _: *mut u8, _: usize, _: DataType) -> Result<()> {
+        unreachable!()
+    }
+    unsafe fn download(&self, _: *const u8, _: &mut [u8]) -> Result<()> {
+        unreachable!()
+    }
+    unsafe fn upload(&self, _: &[u8], _: *mut u8) -> Result<()> {
+        unreachable!()
+    }
     fn finish(&self) -> Result<()> {
         unreachable!()
     }
@@ -450,6 +575,7 @@ impl DeviceGroup for Unused {
 struct FakeOpener {
     refuse: Option<String>,
     opened: Arc<std::sync::atomic::AtomicUsize>,
+    members: Arc<Mutex<Vec<usize>>>,
 }
 
 impl Opener for FakeOpener {
@@ -460,8 +586,10 @@ impl Opener for FakeOpener {
             (None, Device::Cpu) => Err("host memory".into()),
         }
     }
-    fn open(&self, _: &dyn Comm, _: Device, channels: usize) -> Result<Formed> {
+    fn open(&self, c: &dyn Comm, _: Device, channels: usize, members: &[usize]) -> Result<Formed> {
         assert_eq!(channels, 2);
+        assert!(members.contains(&c.rank()));
+        *self.members.lock().unwrap() = members.to_vec();
         self.opened
             .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         Ok(Ok(Arc::new(Unused)))
@@ -481,12 +609,13 @@ fn ask_twice(
         let opener = FakeOpener {
             refuse: refuse.filter(|_| r == 1).map(String::from),
             opened: opened.clone(),
+            members: Arc::default(),
         };
         let mode = if r == 1 { its_use } else { use_nccl };
         let mut groups = Groups::new(mode, 2, Box::new(opener));
         let device = Device::Cuda(r as i32);
-        let first = groups.get(0, comm, device).map(|g| g.is_some());
-        let second = groups.get(0, comm, device).map(|g| g.is_some());
+        let first = groups.get(0, comm, device, false).map(|g| g.is_some());
+        let second = groups.get(0, comm, device, false).map(|g| g.is_some());
         (
             first,
             second,
@@ -528,5 +657,32 @@ fn a_set_forms_its_group_once_or_says_why_not_on_every_rank() {
     for (r, (a, _, opened)) in got.into_iter().enumerate() {
         assert!(!a.unwrap(), "rank {r}");
         assert_eq!(opened, 0);
+    }
+}
+
+#[test]
+fn a_hierarchical_group_is_formed_among_the_ranks_of_each_host() {
+    // Two hosts of two ranks; each rank's GPU is its local index, so UUIDs repeat
+    // across hosts but not within one.
+    let got = run_on(&[0, 1, 0, 1], |comm| {
+        let members = Arc::new(Mutex::new(Vec::new()));
+        let opener = FakeOpener {
+            refuse: None,
+            opened: Arc::default(),
+            members: members.clone(),
+        };
+        let mut groups = Groups::new(NcclUse::Auto, 2, Box::new(opener));
+        let local_index = comm.rank() / 2;
+        let device = Device::Cuda(local_index as i32);
+        let local = groups.get(0, comm, device, true).unwrap().is_some();
+        let seen = members.lock().unwrap().clone();
+        let flat = groups.get(0, comm, device, false).unwrap().is_some();
+        let all = members.lock().unwrap().clone();
+        (local, seen, flat, all)
+    });
+    for (r, (local, seen, flat, all)) in got.into_iter().enumerate() {
+        assert!(local && flat, "rank {r}");
+        assert_eq!(seen, vec![r % 2, r % 2 + 2], "rank {r}: its host's ranks");
+        assert_eq!(all, vec![0, 1, 2, 3], "rank {r}: the whole set");
     }
 }

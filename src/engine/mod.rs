@@ -532,10 +532,22 @@ fn run_device(
         .map(|v| v.device)
         .find(|d| *d != Device::Cpu)
         .unwrap_or(Device::Cpu);
-    match groups.get(ps, comm, device) {
+    // PERSEUS_ALLREDUCE_MODE=1: NCCL within each host, the CPU transport between.
+    let hierarchical = matches!(
+        resp,
+        Response::Op { kind: OpKind::Allreduce, plan, .. }
+            if plan.mode == crate::plan::Mode::Hierarchical
+    ) && crate::collective::fits(&crate::collective::hosts_of(comm));
+    match groups.get(ps, comm, device, hierarchical) {
         Ok(Some(group)) => {
             counters.nccl_operations.fetch_add(1, Ordering::Relaxed);
-            direct::run_direct(&*group, comm.rank(), comm.size(), resp, entries)
+            if hierarchical {
+                let cross = SubComm::new(comm, crate::collective::host_and_peers(comm).1);
+                let route = direct::Route::Hierarchical(&*group, &cross);
+                direct::run_direct(route, comm.size(), resp, entries)
+            } else {
+                direct::run_direct(direct::Route::Flat(&*group), comm.size(), resp, entries)
+            }
         }
         Ok(None) => {
             let resolve = staged::device_memory;

@@ -15,7 +15,7 @@ use cudarc::driver::{result, sys};
 
 use super::nccl::{Communicator, Nccl, UniqueId, UNIQUE_ID_BYTES};
 use super::runtime::{driver, lock, search_dirs, CudaDevice};
-use crate::collective::{broadcast, Comm};
+use crate::collective::{allgatherv, Comm};
 use crate::dtype::{DataType, ReduceOp};
 use crate::engine::direct::{agree, Agreement, DeviceGroup, Formed, Opener};
 use crate::engine::Device;
@@ -46,6 +46,8 @@ struct State {
 pub struct NcclGroup {
     dev: Arc<CudaDevice>,
     channels: Vec<Channel>,
+    rank: usize,
+    size: usize,
     state: Mutex<State>,
 }
 
@@ -66,11 +68,17 @@ impl Opener for CudaOpener {
         offer(ordinal)
     }
 
-    fn open(&self, comm: &dyn Comm, device: Device, channels: usize) -> Result<Formed> {
+    fn open(
+        &self,
+        comm: &dyn Comm,
+        device: Device,
+        channels: usize,
+        members: &[usize],
+    ) -> Result<Formed> {
         let Device::Cuda(ordinal) = device else {
             return Ok(Err("its tensors are in host memory".into()));
         };
-        Ok(open(comm, ordinal, channels)?.map(|g| Arc::new(g) as Arc<dyn DeviceGroup>))
+        Ok(open(comm, ordinal, channels, members)?.map(|g| Arc::new(g) as Arc<dyn DeviceGroup>))
     }
 }
 
@@ -82,13 +90,15 @@ pub fn offer(ordinal: i32) -> std::result::Result<[u8; 16], String> {
     Ok(dev.uuid)
 }
 
-/// Joins every member of `comm` in an NCCL group of `channels` communicators on
-/// `cuda:ordinal`, after [`agree`] answered [`Agreement::Direct`]. Returns the group,
-/// or why it could not be formed (the same words on every rank).
+/// Forms this rank's NCCL group of `channels` communicators on `cuda:ordinal`: the
+/// ranks `members` of `comm` (every member of `comm` calls this together, each with
+/// its own group's members), after [`agree`] answered [`Agreement::Direct`]. Returns
+/// the group, or why it could not be formed (the same words on every rank).
 pub fn open(
     comm: &dyn Comm,
     ordinal: i32,
     channels: usize,
+    members: &[usize],
 ) -> Result<std::result::Result<NcclGroup, String>> {
     let channels = channels.max(1);
     let made = (|| -> Result<(Arc<CudaDevice>, Arc<Nccl>)> {
@@ -96,43 +106,52 @@ pub fn open(
         dev.bind()?;
         Ok((dev, Arc::new(Nccl::load(&search_dirs())?)))
     })();
-    // Rank 0 makes the ids and sends them with a status byte; a rank 0 that could not
-    // sends a zero, and the others do not wait in ncclCommInitRank for it.
-    let mut ids = vec![0u8; 1 + channels * UNIQUE_ID_BYTES];
-    let mut made_err = None;
-    if comm.rank() == 0 {
-        let got = made.as_ref().map_err(|e| e.clone()).and_then(|(_, nccl)| {
+    // Each group's first member makes its ids; every rank's slot (a status byte, then
+    // the ids) is gathered, and each rank reads its leader's. A leader that could not
+    // make them says so, and its group's ranks do not wait in ncclCommInitRank.
+    let slot = 1 + channels * UNIQUE_ID_BYTES;
+    let mut all = vec![0u8; slot * comm.size()];
+    let me = comm.rank();
+    let leader = members[0];
+    let mut why_not = None;
+    if leader == me {
+        let ids = made.as_ref().map_err(|e| e.clone()).and_then(|(_, nccl)| {
             (0..channels)
                 .map(|_| nccl.unique_id())
                 .collect::<Result<Vec<_>>>()
         });
-        match got {
+        match ids {
             Ok(list) => {
-                ids[0] = 1;
+                all[me * slot] = 1;
                 for (i, id) in list.iter().enumerate() {
-                    ids[1 + i * UNIQUE_ID_BYTES..1 + (i + 1) * UNIQUE_ID_BYTES]
-                        .copy_from_slice(&id.0);
+                    let at = me * slot + 1 + i * UNIQUE_ID_BYTES;
+                    all[at..at + UNIQUE_ID_BYTES].copy_from_slice(&id.0);
                 }
             }
-            Err(e) => made_err = Some(e.to_string()),
+            Err(e) => why_not = Some(e.to_string()),
         }
     }
-    broadcast(comm, &mut ids, 0)?;
+    allgatherv(comm, &mut all, &vec![slot; comm.size()])?;
+    let ids = &all[leader * slot..(leader + 1) * slot];
+    let rank = members
+        .iter()
+        .position(|&m| m == me)
+        .expect("a member of its group");
     let formed = if ids[0] == 0 {
-        Err(made_err.unwrap_or_else(|| "rank 0 could not make NCCL's unique ids".into()))
+        Err(why_not.unwrap_or_else(|| format!("rank {leader} could not make NCCL's unique ids")))
     } else {
         made.map_err(|e| e.to_string()).and_then(|(dev, nccl)| {
-            form(&dev, &nccl, &ids[1..], comm.size(), comm.rank(), channels)
+            form(&dev, &nccl, &ids[1..], members.len(), rank, channels)
                 .map(|chans| (dev, chans))
                 .map_err(|e| e.to_string())
         })
     };
-    // Every rank learns whether every rank formed it.
+    // Every rank learns whether every rank formed its group.
     let offer = formed.as_ref().map(|(d, _)| d.uuid).map_err(|e| e.clone());
     match agree(comm, offer)? {
         Agreement::Direct => {
             let (dev, channels) = formed.expect("agreed, so formed here");
-            Ok(Ok(NcclGroup::new(dev, channels)?))
+            Ok(Ok(NcclGroup::new(dev, channels, rank, members.len())?))
         }
         Agreement::Staged(why) => Ok(Err(why)),
     }
@@ -163,7 +182,12 @@ fn form(
 }
 
 impl NcclGroup {
-    fn new(dev: Arc<CudaDevice>, channels: Vec<Channel>) -> Result<NcclGroup> {
+    fn new(
+        dev: Arc<CudaDevice>,
+        channels: Vec<Channel>,
+        rank: usize,
+        size: usize,
+    ) -> Result<NcclGroup> {
         let ready = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
             .map_err(driver("cuEventCreate"))?;
         // SAFETY: four bytes on the Perseus stream, freed never (one per group).
@@ -172,6 +196,8 @@ impl NcclGroup {
         Ok(NcclGroup {
             dev,
             channels,
+            rank,
+            size,
             state: Mutex::new(State {
                 ready,
                 ready_fresh: false,
@@ -247,6 +273,14 @@ impl NcclGroup {
 }
 
 impl DeviceGroup for NcclGroup {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.size
+    }
+
     fn channels(&self) -> usize {
         self.channels.len()
     }
@@ -374,6 +408,44 @@ impl DeviceGroup for NcclGroup {
         self.on_channel(0, |ch| {
             ch.comm.broadcast(buf as u64, bytes, root, ch.stream as u64)
         })
+    }
+
+    unsafe fn reduce_scatter(
+        &self,
+        buf: *mut u8,
+        chunk: usize,
+        dtype: DataType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        self.on_channel(0, |ch| {
+            ch.comm
+                .reduce_scatter(buf as u64, self.rank, chunk, dtype, op, ch.stream as u64)
+        })
+    }
+
+    unsafe fn allgather(&self, buf: *mut u8, chunk: usize, dtype: DataType) -> Result<()> {
+        self.on_channel(0, |ch| {
+            ch.comm
+                .allgather(buf as u64, self.rank, chunk, dtype, ch.stream as u64)
+        })
+    }
+
+    unsafe fn download(&self, src: *const u8, dst: &mut [u8]) -> Result<()> {
+        let _st = self.main()?;
+        if !dst.is_empty() {
+            result::memcpy_dtoh_async(dst, src as u64, self.dev.stream)
+                .map_err(driver("cuMemcpyDtoHAsync"))?;
+        }
+        result::stream::synchronize(self.dev.stream).map_err(driver("cuStreamSynchronize"))
+    }
+
+    unsafe fn upload(&self, src: &[u8], dst: *mut u8) -> Result<()> {
+        let _st = self.main()?;
+        if src.is_empty() {
+            return Ok(());
+        }
+        result::memcpy_htod_async(dst as u64, src, self.dev.stream)
+            .map_err(driver("cuMemcpyHtoDAsync"))
     }
 
     fn finish(&self) -> Result<()> {

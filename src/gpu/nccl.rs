@@ -41,6 +41,9 @@ type Broadcast = unsafe extern "C" fn(
     Comm,
     *mut c_void,
 ) -> c_int;
+type ReduceScatter = AllReduce;
+type AllGather =
+    unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, Comm, *mut c_void) -> c_int;
 type CommDestroy = unsafe extern "C" fn(Comm) -> c_int;
 type GetErrorString = unsafe extern "C" fn(c_int) -> *const c_char;
 
@@ -51,6 +54,8 @@ pub struct Nccl {
     comm_init_rank: CommInitRank,
     all_reduce: AllReduce,
     broadcast: Broadcast,
+    reduce_scatter: ReduceScatter,
+    all_gather: AllGather,
     comm_destroy: CommDestroy,
     error_string: GetErrorString,
     /// The file it was loaded from, and its version.
@@ -85,6 +90,10 @@ impl Nccl {
                 .map_err(missing)?;
             let all_reduce = *lib.get::<AllReduce>(b"ncclAllReduce\0").map_err(missing)?;
             let broadcast = *lib.get::<Broadcast>(b"ncclBroadcast\0").map_err(missing)?;
+            let reduce_scatter = *lib
+                .get::<ReduceScatter>(b"ncclReduceScatter\0")
+                .map_err(missing)?;
+            let all_gather = *lib.get::<AllGather>(b"ncclAllGather\0").map_err(missing)?;
             let comm_destroy = *lib
                 .get::<CommDestroy>(b"ncclCommDestroy\0")
                 .map_err(missing)?;
@@ -97,6 +106,8 @@ impl Nccl {
                 comm_init_rank,
                 all_reduce,
                 broadcast,
+                reduce_scatter,
+                all_gather,
                 comm_destroy,
                 error_string,
                 path: found.path,
@@ -230,6 +241,60 @@ impl Communicator {
             stream as *mut c_void,
         );
         self.nccl.check("ncclBroadcast", code)
+    }
+}
+
+impl Communicator {
+    /// Queues an in-place reduce-scatter on `stream`: `buf` holds `size * chunk`
+    /// elements and rank `rank`'s chunk, at `rank * chunk`, ends reduced.
+    ///
+    /// # Safety
+    /// As for [`Communicator::allreduce`].
+    pub unsafe fn reduce_scatter(
+        &self,
+        buf: u64,
+        rank: usize,
+        chunk: usize,
+        dtype: DataType,
+        op: ReduceOp,
+        stream: u64,
+    ) -> Result<()> {
+        let mine = buf + (rank * chunk * dtype.size()) as u64;
+        let code = (self.nccl.reduce_scatter)(
+            buf as *const c_void,
+            mine as *mut c_void,
+            chunk,
+            data_type(dtype)?,
+            red_op(op)?,
+            self.comm,
+            stream as *mut c_void,
+        );
+        self.nccl.check("ncclReduceScatter", code)
+    }
+
+    /// Queues an in-place allgather on `stream` of chunks of `chunk` elements, rank
+    /// `rank`'s at `rank * chunk`.
+    ///
+    /// # Safety
+    /// As for [`Communicator::allreduce`].
+    pub unsafe fn allgather(
+        &self,
+        buf: u64,
+        rank: usize,
+        chunk: usize,
+        dtype: DataType,
+        stream: u64,
+    ) -> Result<()> {
+        let mine = buf + (rank * chunk * dtype.size()) as u64;
+        let code = (self.nccl.all_gather)(
+            mine as *const c_void,
+            buf as *mut c_void,
+            chunk,
+            data_type(dtype)?,
+            self.comm,
+            stream as *mut c_void,
+        );
+        self.nccl.check("ncclAllGather", code)
     }
 }
 
