@@ -20,7 +20,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use super::exec::{Entry, Outcome};
+use super::exec::{Buffers, Entry, Outcome};
 use super::message::{OpKind, Response};
 use super::tensor::Device;
 use crate::collective::{allgatherv, partition, Comm};
@@ -197,33 +197,33 @@ pub enum Route<'a> {
 }
 
 /// Runs a response that [`supports`] accepted, every entry present, along `route`,
-/// in a set of `size` ranks.
+/// in a set of `size` ranks; `bufs` holds the host copy of the hierarchical stage
+/// between hosts.
 pub fn run_direct(
     route: Route<'_>,
     size: usize,
     resp: &Response,
     entries: &[Option<Entry>],
+    bufs: &mut Buffers,
 ) -> Outcome {
     let Response::Op { kind, root, .. } = resp else {
         unreachable!("run_direct takes Op responses");
     };
     let entries: Vec<&Entry> = entries.iter().flatten().collect();
-    let run = || -> Result<Option<(Vec<usize>, bool)>> {
-        match (kind, route) {
-            (OpKind::Broadcast, Route::Flat(group)) => {
-                broadcast(group, *root as usize, &entries).map(|_| None)
-            }
-            (_, Route::Flat(group)) => allreduce(group, size, resp, &entries),
-            (OpKind::Allreduce, Route::Hierarchical(local, cross)) => {
-                hierarchical(local, cross, size, resp, &entries).map(|_| None)
-            }
-            _ => Err(PerseusError::InvalidArgument(format!(
-                "{} has no hierarchical device path",
-                kind.name()
-            ))),
+    let result: Result<Option<(Vec<usize>, bool)>> = match (kind, route) {
+        (OpKind::Broadcast, Route::Flat(group)) => {
+            broadcast(group, *root as usize, &entries).map(|_| None)
         }
+        (_, Route::Flat(group)) => allreduce(group, size, resp, &entries),
+        (OpKind::Allreduce, Route::Hierarchical(local, cross)) => {
+            hierarchical(local, cross, size, resp, &entries, bufs).map(|_| None)
+        }
+        _ => Err(PerseusError::InvalidArgument(format!(
+            "{} has no hierarchical device path",
+            kind.name()
+        ))),
     };
-    match run() {
+    match result {
         Ok(resent) => Outcome {
             results: entries.iter().map(|_| Ok(Default::default())).collect(),
             resent,
@@ -418,6 +418,7 @@ fn hierarchical(
     size: usize,
     resp: &Response,
     entries: &[&Entry],
+    bufs: &mut Buffers,
 ) -> Result<()> {
     let Response::Op { dtype, .. } = resp else {
         unreachable!("hierarchical takes Op responses");
@@ -434,11 +435,20 @@ fn hierarchical(
         }
         local.reduce_scatter(buf, chunk, dtype, op)?;
         let mine = buf.add(local.rank() * chunk * dtype.size());
-        let mut host = crate::kernels::AlignedBuf::zeroed(chunk * dtype.size());
+        // The engine's fusion buffer (idle on this path) holds the host copy, reused
+        // from call to call; it must outlive the upload, until `finish`.
+        let host = &mut bufs.fusion;
+        host.resize(chunk * dtype.size());
         local.download(mine, host.as_mut_slice())?;
-        let mut scratch = crate::kernels::AlignedBuf::zeroed(0);
-        crate::collective::allreduce(cross, host.as_mut_slice(), dtype, op, 1.0, &mut scratch)?;
-        local.upload(host.as_slice(), mine)?;
+        crate::collective::allreduce(
+            cross,
+            host.as_mut_slice(),
+            dtype,
+            op,
+            1.0,
+            &mut bufs.scratch,
+        )?;
+        local.upload(bufs.fusion.as_slice(), mine)?;
         local.allgather(buf, chunk, dtype)?;
         if post != 1.0 {
             local.scale(buf, count, dtype, post)?;

@@ -232,7 +232,7 @@ fn allreduce_on(
             .collect();
         let resp = response(OpKind::Allreduce, lens, op, pre, post, plan);
         assert!(supports(&resp));
-        let out = run_direct(route, n, &resp, &entries);
+        let out = run_direct(route, n, &resp, &entries, &mut Buffers::default());
         drop(entries);
         let calls = group.calls.into_inner().unwrap();
         let results = if in_place { inputs.clone() } else { outputs };
@@ -440,7 +440,13 @@ fn broadcast_copies_the_roots_tensor_in_place_and_out_of_place() {
                 1.0,
                 device_plan(Encoding::Exact, 1.0),
             );
-            let out = run_direct(Route::Flat(&group), 3, &resp, &[Some(entry)]);
+            let out = run_direct(
+                Route::Flat(&group),
+                3,
+                &resp,
+                &[Some(entry)],
+                &mut Buffers::default(),
+            );
             assert!(out.results.iter().all(|x| x.is_ok()));
             if in_place {
                 input

@@ -544,9 +544,10 @@ fn run_device(
             if hierarchical {
                 let cross = SubComm::new(comm, crate::collective::host_and_peers(comm).1);
                 let route = direct::Route::Hierarchical(&*group, &cross);
-                direct::run_direct(route, comm.size(), resp, entries)
+                direct::run_direct(route, comm.size(), resp, entries, bufs)
             } else {
-                direct::run_direct(direct::Route::Flat(&*group), comm.size(), resp, entries)
+                let route = direct::Route::Flat(&*group);
+                direct::run_direct(route, comm.size(), resp, entries, bufs)
             }
         }
         Ok(None) => {
