@@ -16,6 +16,7 @@ pub mod engine;
 pub mod fuzzing;
 #[cfg(feature = "cuda")]
 pub mod gpu;
+pub mod optim;
 pub mod plan;
 #[cfg(feature = "python")]
 mod python;

@@ -43,6 +43,7 @@ fn config(rank: usize, size: usize, port: u16, shm: bool) -> Config {
         downsample_n: 1,
         gradient_momentum: 1.0,
         perf_check_n_steps: 0,
+        fused_optimizer: false,
         plan: perseus::plan::Plan::default(),
     }
 }

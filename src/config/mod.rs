@@ -180,6 +180,13 @@ pub const PARAMS: &[Param] = &[
               than the median is reported with its host, local rank and figures",
     },
     Param {
+        name: "PERSEUS_FUSED_OPTIMIZER",
+        default: "0",
+        allowed: "0 or 1",
+        doc: "1: DistributedOptimizer takes the step of a wrapped torch.optim SGD, Adam or \
+              AdamW as one fused pass per parameter in the core (perseus.torch.optim)",
+    },
+    Param {
         name: "PERSEUS_STALL_CHECK_TIME_SECONDS",
         default: "60",
         allowed: "an integer number of seconds from 0 (off) to 86400",
@@ -270,6 +277,8 @@ pub struct Config {
     pub gradient_momentum: f64,
     /// PERSEUS_PERF_CHECK_N_STEPS: compare compute times every N steps (front-ends).
     pub perf_check_n_steps: u64,
+    /// PERSEUS_FUSED_OPTIMIZER: the fused step for wrapped torch optimizers (front-ends).
+    pub fused_optimizer: bool,
     /// PERSEUS_ALLREDUCE_FUSION: 1/N of the gradient bytes per fused buffer
     /// (front-ends set the threshold once they know the gradients); None: automatic.
     pub allreduce_fusion: Option<u32>,
@@ -529,6 +538,7 @@ impl Config {
                 }
             },
             perf_check_n_steps: int_var("PERSEUS_PERF_CHECK_N_STEPS", 0, 0, 1_000_000)?,
+            fused_optimizer: int_var("PERSEUS_FUSED_OPTIMIZER", 0, 0, 1)? == 1,
         })
     }
 
@@ -625,6 +635,10 @@ impl Config {
             (
                 "PERSEUS_PERF_CHECK_N_STEPS",
                 self.perf_check_n_steps.to_string(),
+            ),
+            (
+                "PERSEUS_FUSED_OPTIMIZER",
+                u8::from(self.fused_optimizer).to_string(),
             ),
         ];
         m.extend(flags.into_iter().map(|(k, v)| (k.to_string(), v)));

@@ -130,56 +130,101 @@ extern "C" __global__ void select_at_least(float* x, float threshold, unsigned i
     (
         "optimizers",
         r#"
-// Fused optimizer updates on float32 weights.
+// Fused optimizer updates on float32 tensors (src/optim): one launch per tensor does the
+// whole update, with the arithmetic of torch.optim's single-tensor loops. Scalars that
+// torch computes in double on the host (1 - beta, the bias corrections) arrive computed.
+__device__ __forceinline__ float lerp_to(float a, float b, float w) {
+    return w < 0.5f ? a + w * (b - a) : b - (b - a) * (1.0f - w);
+}
+// Adds each thread's x into *out: a warp sum, then one atomic per warp. Every thread of
+// the block must call it.
+__device__ __forceinline__ void add_block(float x, float* out) {
+    for (int o = 16; o > 0; o >>= 1) x += __shfl_down_sync(0xffffffffu, x, o);
+    if ((threadIdx.x & 31) == 0 && x != 0.0f) atomicAdd(out, x);
+}
+// SGD; mom is null without momentum; keep = 1 - dampening; first: the momentum buffer
+// starts as the gradient.
 extern "C" __global__ void sgd(float* w, const float* g, float* mom, float lr, float momentum,
-                               float weight_decay, int nesterov, u64 n) {
+                               float keep, float weight_decay, int nesterov, int maximize,
+                               int first, u64 n) {
     FOR_EACH(i, n) {
-        float d = g[i] + weight_decay * w[i];
-        if (momentum != 0.0f) {
-            float m = momentum * mom[i] + d;
+        float d = maximize ? -g[i] : g[i];
+        if (weight_decay != 0.0f) d += weight_decay * w[i];
+        if (mom) {
+            float m = first ? d : momentum * mom[i] + keep * d;
             mom[i] = m;
             d = nesterov ? d + momentum * m : m;
         }
         w[i] -= lr * d;
     }
 }
-// Adam (decoupled = 0: L2 added to the gradient) and AdamW (decoupled = 1).
-// bias1 = 1 - beta1^t, bias2 = 1 - beta2^t.
-extern "C" __global__ void adam(float* w, const float* g, float* m, float* v, float lr,
-                                float beta1, float beta2, float eps, float weight_decay,
-                                int decoupled, float bias1, float bias2, u64 n) {
+// Adam (decoupled = 0: weight decay added to the gradient) and AdamW (decoupled = 1: the
+// weight shrinks by decay = 1 - lr * weight_decay first). step_size = lr / (1 - beta1^t),
+// bias2_sqrt = sqrt(1 - beta2^t).
+extern "C" __global__ void adam(float* w, const float* g, float* m, float* v, float beta1c,
+                                float beta2, float beta2c, float eps, float weight_decay,
+                                float decay, int decoupled, int maximize, float step_size,
+                                float bias2_sqrt, u64 n) {
     FOR_EACH(i, n) {
-        float gi = decoupled ? g[i] : g[i] + weight_decay * w[i];
-        float mi = beta1 * m[i] + (1.0f - beta1) * gi;
-        float vi = beta2 * v[i] + (1.0f - beta2) * gi * gi;
+        float gi = maximize ? -g[i] : g[i];
+        float wi = w[i];
+        if (weight_decay != 0.0f) {
+            if (decoupled) wi *= decay;
+            else gi += weight_decay * wi;
+        }
+        float mi = lerp_to(m[i], gi, beta1c);
+        float vi = v[i] * beta2 + beta2c * gi * gi;
         m[i] = mi; v[i] = vi;
-        float step = (mi / bias1) / (sqrtf(vi / bias2) + eps);
-        if (decoupled) step += weight_decay * w[i];
-        w[i] -= lr * step;
+        w[i] = wi - step_size * (mi / (sqrtf(vi) / bias2_sqrt + eps));
     }
 }
-// LAMB, in two launches: the Adam-like direction into u with the squared norms of w and
-// u accumulated in norms[0], norms[1]; then the step scaled by the trust ratio.
-extern "C" __global__ void lamb_direction(const float* w, const float* g, float* m, float* v,
-                                          float* u, float* norms, float beta1, float beta2,
-                                          float eps, float weight_decay, float bias1,
-                                          float bias2, u64 n) {
+// LAMB, three kernels a step: sum_squares adds the squared norm of a gradient into *out
+// (the global gradient norm); lamb_stage1 clips the gradient by that norm, updates the
+// moments and adds the squared norms of the weight and of the update into norms[0..2];
+// lamb_stage2 recomputes the update and applies it, scaled by the trust ratio when adapt.
+__device__ __forceinline__ float lamb_update(float w, float m, float v, float bias1,
+                                             float bias2, float eps, float wd, int adam_w) {
+    float u = (m / bias1) / (sqrtf(v / bias2) + eps);
+    return adam_w ? u + wd * w : u;
+}
+extern "C" __global__ void sum_squares(const float* x, float* out, u64 n) {
+    float s = 0.0f;
+    FOR_EACH(i, n) s += x[i] * x[i];
+    add_block(s, out);
+}
+extern "C" __global__ void lamb_stage1(const float* w, const float* g, float* m, float* v,
+                                       float* norms, const float* grad_sq,
+                                       float max_grad_norm, float beta1, float beta3,
+                                       float beta2, float beta2c, float eps, float wd,
+                                       int adam_w, float bias1, float bias2, u64 n) {
+    float clip = 1.0f;
+    if (grad_sq && max_grad_norm > 0.0f) {
+        float norm = sqrtf(*grad_sq);
+        if (norm > max_grad_norm) clip = norm / max_grad_norm;
+    }
     float ww = 0.0f, uu = 0.0f;
     FOR_EACH(i, n) {
-        float mi = beta1 * m[i] + (1.0f - beta1) * g[i];
-        float vi = beta2 * v[i] + (1.0f - beta2) * g[i] * g[i];
+        float wi = w[i];
+        float gi = g[i] / clip;
+        if (!adam_w) gi += wd * wi;
+        float mi = m[i] * beta1 + beta3 * gi;
+        float vi = v[i] * beta2 + beta2c * gi * gi;
         m[i] = mi; v[i] = vi;
-        float ui = (mi / bias1) / (sqrtf(vi / bias2) + eps) + weight_decay * w[i];
-        u[i] = ui;
-        ww += w[i] * w[i]; uu += ui * ui;
+        float u = lamb_update(wi, mi, vi, bias1, bias2, eps, wd, adam_w);
+        ww += wi * wi; uu += u * u;
     }
-    atomicAdd(&norms[0], ww); atomicAdd(&norms[1], uu);
+    add_block(ww, &norms[0]);
+    add_block(uu, &norms[1]);
 }
-extern "C" __global__ void lamb_apply(float* w, const float* u, const float* norms, float lr,
-                                      u64 n) {
-    float wn = sqrtf(norms[0]), un = sqrtf(norms[1]);
-    float trust = (wn > 0.0f && un > 0.0f) ? wn / un : 1.0f;
-    FOR_EACH(i, n) w[i] -= lr * trust * u[i];
+extern "C" __global__ void lamb_stage2(float* w, const float* m, const float* v,
+                                       const float* norms, float lr, int adapt, float eps,
+                                       float wd, int adam_w, float bias1, float bias2, u64 n) {
+    float ratio = lr;
+    if (adapt) {
+        float wn = sqrtf(norms[0]), un = sqrtf(norms[1]);
+        if (wn > 0.0f && un > 0.0f) ratio = lr * (wn / un);
+    }
+    FOR_EACH(i, n) w[i] -= ratio * lamb_update(w[i], m[i], v[i], bias1, bias2, eps, wd, adam_w);
 }
 "#,
     ),
@@ -337,8 +382,9 @@ mod tests {
             "select_at_least",
             "sgd",
             "adam",
-            "lamb_direction",
-            "lamb_apply",
+            "sum_squares",
+            "lamb_stage1",
+            "lamb_stage2",
         ] {
             assert!(
                 all.iter().any(|n| n == k),

@@ -10,4 +10,5 @@ pub mod group;
 pub mod kernels;
 pub mod libs;
 pub mod nccl;
+pub mod optim;
 pub mod runtime;

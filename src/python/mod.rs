@@ -4,6 +4,7 @@
 
 mod dlpack;
 mod errors;
+mod optim;
 
 use crate::config::Config;
 use crate::dtype::ReduceOp;
@@ -657,5 +658,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(start_timeline, m)?)?;
     m.add_function(wrap_pyfunction!(stop_timeline, m)?)?;
     m.add_function(wrap_pyfunction!(timeline_path, m)?)?;
+    m.add_function(wrap_pyfunction!(optim::optimizer_step, m)?)?;
     Ok(())
 }

@@ -36,6 +36,7 @@ class Switches:
         self.momentum = float(cfg.get("PERSEUS_GRADIENT_MOMENTUM", "1"))
         self.perf_every = int(cfg.get("PERSEUS_PERF_CHECK_N_STEPS", "0"))
         self.fusion = int(cfg.get("PERSEUS_ALLREDUCE_FUSION") or -1)  # -1: unset
+        self.fused_optimizer = cfg.get("PERSEUS_FUSED_OPTIMIZER", "0") == "1"
 
     def fusion_threshold(self, gradient_bytes):
         """PERSEUS_ALLREDUCE_FUSION=N: the fusion threshold that cuts ``gradient_bytes``

@@ -18,6 +18,7 @@ from perseus.common.gradients import (
 )
 from perseus.common.ops import GroupHandle
 from perseus.common.process_sets import global_process_set
+from perseus.torch import optim as _fused
 from perseus.torch.horovod.compression import Compression
 from perseus.torch.horovod.functions import broadcast_object
 from perseus.torch.horovod.mpi_ops import (
@@ -87,6 +88,9 @@ class _DistributedOptimizer:
         self._residual_momentum = switches.momentum
         self._residuals = {}
         self._updates = 0
+        # PERSEUS_FUSED_OPTIMIZER: see _wrapped_step().
+        self._fused_optimizer = switches.fused_optimizer
+        self._fused_refused = None
         # PERSEUS_PERF_CHECK_N_STEPS: see _perf_check().
         self._perf_every = switches.perf_every
         self._compute_times = []
@@ -382,12 +386,33 @@ class _DistributedOptimizer:
                               "optimizer.synchronize() in your code.")
             self.synchronize()
         self._synchronized = False
-        result = super().step(closure)
+        result = self._wrapped_step(closure)
         if timed:
             if len(self._compute_times) >= self._perf_every:
                 self._perf_check()
             self._last_step_end = time.perf_counter()
         return result
+
+    def _wrapped_step(self, closure):
+        """The wrapped optimizer's step. With PERSEUS_FUSED_OPTIMIZER=1 the step of a
+        torch.optim SGD, Adam or AdamW is the core's fused step (perseus.torch.optim);
+        where it cannot be (amsgrad, a float16 parameter, ...) torch's step runs, and
+        the first time the reason is printed."""
+        base_step = super().step
+        if self._fused_optimizer and not isinstance(self, _fused.FusedOptimizer):
+            plan, why = _fused.torch_rule(self, base_step)
+            if plan is not None:
+                loss = None
+                if closure is not None:
+                    with torch.enable_grad():
+                        loss = closure()
+                _fused.run_step(self, plan, torch_state=True)
+                return loss
+            if self._fused_refused != why:
+                self._fused_refused = why
+                warnings.warn(f"PERSEUS_FUSED_OPTIMIZER: {why}, so torch's own step runs",
+                              stacklevel=3)
+        return base_step(closure)
 
     def zero_grad(self, *args, **kwargs):
         """Clear gradients; refused while gradient reductions are in flight. Between the
