@@ -69,25 +69,24 @@ impl Link {
     }
 
     /// True when the peer's process has ended: its TCP stream (for a
-    /// shared-memory peer, the idle one kept beside the rings) reached end
-    /// of file or failed. Peeks, so nothing is consumed.
+    /// shared-memory peer, the idle one kept beside the rings) was closed
+    /// by the peer or failed. Asks `poll(2)` for hang-up rather than reading,
+    /// so nothing is consumed and unread data still in the socket (the last
+    /// frames a dying peer sent) does not hide the close behind it.
     pub fn peer_gone(&self) -> bool {
         let s = match self {
             Link::Tcp(s) | Link::Shm { alive: Some(s), .. } => s,
             _ => return false,
         };
-        let mut b = [0u8; 1];
-        // SAFETY: peeks at most one byte into `b` without blocking.
-        let n = unsafe {
-            libc::recv(
-                std::os::fd::AsRawFd::as_raw_fd(s),
-                b.as_mut_ptr().cast(),
-                1,
-                libc::MSG_PEEK | libc::MSG_DONTWAIT,
-            )
+        let mut pfd = libc::pollfd {
+            fd: std::os::fd::AsRawFd::as_raw_fd(s),
+            events: libc::POLLRDHUP,
+            revents: 0,
         };
-        n == 0
-            || (n < 0 && std::io::Error::last_os_error().kind() != std::io::ErrorKind::WouldBlock)
+        // SAFETY: one valid pollfd, zero timeout: returns at once.
+        let n = unsafe { libc::poll(&mut pfd, 1, 0) };
+        n > 0
+            && pfd.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR | libc::POLLNVAL) != 0
     }
 
     /// True for shared memory.
@@ -339,5 +338,39 @@ impl Channel<'_> {
     /// unless this is stream 0).
     pub fn transfer(&self, sends: &mut [Send<'_>], recvs: &mut [Recv<'_>]) -> Result<()> {
         self.mesh.transfer_with(self.s, sends, recvs, None)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Link;
+    use std::io::Write;
+    use std::net::{TcpListener, TcpStream};
+
+    fn pair() -> (TcpStream, TcpStream) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (b, _) = l.accept().unwrap();
+        (a, b)
+    }
+
+    #[test]
+    fn peer_gone_sees_a_close_behind_unread_data() {
+        let (mine, mut theirs) = pair();
+        let link = Link::Tcp(mine);
+        assert!(!link.peer_gone(), "an open, quiet peer is not gone");
+        theirs.write_all(b"last frame").unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        assert!(
+            !link.peer_gone(),
+            "data waiting from a live peer is not a close"
+        );
+        drop(theirs);
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        assert!(
+            link.peer_gone(),
+            "the close must show with data still unread"
+        );
+        assert!(!Link::None.peer_gone());
     }
 }

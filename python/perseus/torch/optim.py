@@ -199,9 +199,8 @@ def torch_rule(optimizer, step):
 class FusedOptimizer(torch.optim.Optimizer):
     """A torch optimizer whose ``step`` is the core's fused step."""
 
-    _kind = None
-
     def _plan(self):
+        """Per parameter group: ``(kind, hyper-parameters, group)`` for the core."""
         raise NotImplementedError
 
     @torch.no_grad()
