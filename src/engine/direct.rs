@@ -216,7 +216,7 @@ pub fn run_direct(
         }
         (_, Route::Flat(group)) => allreduce(group, size, resp, &entries),
         (OpKind::Allreduce, Route::Hierarchical(local, cross)) => {
-            hierarchical(local, cross, size, resp, &entries, bufs).map(|_| None)
+            hierarchical(local, cross, size, resp, &entries, bufs)
         }
         _ => Err(PerseusError::InvalidArgument(format!(
             "{} has no hierarchical device path",
@@ -296,16 +296,7 @@ fn allreduce(
     resp: &Response,
     entries: &[&Entry],
 ) -> Result<Option<(Vec<usize>, bool)>> {
-    let Response::Op {
-        dtype, op, plan, ..
-    } = resp
-    else {
-        unreachable!("allreduce takes Op responses");
-    };
-    let half = plan.encoding == Encoding::Half
-        && *dtype == DataType::F32
-        && matches!(op, ReduceOp::Sum | ReduceOp::Average)
-        && size > 1;
+    let half = matches!(compressible(resp), Some((Encoding::Half, _))) && size > 1;
     if !half {
         exact(group, size, resp, entries)?;
         return Ok(None);
@@ -316,6 +307,29 @@ fn allreduce(
     }
     // Every rank saw the same float16 sums, so every rank resends.
     exact(group, size, resp, entries)?;
+    resent(group, entries, bad)
+}
+
+/// The plan's encoding and gradient scale, when the response is one float16 could
+/// carry: a float32 Sum or Average.
+fn compressible(resp: &Response) -> Option<(Encoding, f64)> {
+    let Response::Op {
+        dtype, op, plan, ..
+    } = resp
+    else {
+        return None;
+    };
+    let fits = *dtype == DataType::F32 && matches!(op, ReduceOp::Sum | ReduceOp::Average);
+    fits.then_some((plan.encoding, plan.scale))
+}
+
+/// What a caller reports after resending the tensors at `bad` exactly: them, and
+/// whether their exact sums are finite (if so, the scale was to blame).
+fn resent(
+    group: &dyn DeviceGroup,
+    entries: &[&Entry],
+    bad: Vec<usize>,
+) -> Result<Option<(Vec<usize>, bool)>> {
     let mut finite = true;
     for &i in &bad {
         let (buf, bytes) = target(entries[i]);
@@ -410,8 +424,14 @@ fn exact(group: &dyn DeviceGroup, size: usize, resp: &Response, entries: &[&Entr
 /// The hierarchical allreduce: a reduce-scatter among this host's devices leaves
 /// each local rank one chunk of the host's sum; the ranks with the same local index
 /// allreduce their chunk across hosts through host memory (the CPU transport); an
-/// allgather among the host's devices shares the chunks. Exact, whatever the plan's
-/// encoding.
+/// allgather among the host's devices shares the chunks.
+///
+/// Under a float16 plan (`PERSEUS_ALLREDUCE_DTYPE` 0 or 2), a float32 Sum or Average
+/// crosses hosts as float16: each rank casts its chunk on the device (times the
+/// gradient scale), and only the float16 bytes go to host memory and over the wire;
+/// within the host NCCL stays float32. Returns, as [`allreduce`] does, the tensors
+/// whose float16 sums were not finite (redone exactly, from the inputs, on every
+/// rank) and whether their exact sums are.
 fn hierarchical(
     local: &dyn DeviceGroup,
     cross: &dyn Comm,
@@ -419,42 +439,140 @@ fn hierarchical(
     resp: &Response,
     entries: &[&Entry],
     bufs: &mut Buffers,
-) -> Result<()> {
+) -> Result<Option<(Vec<usize>, bool)>> {
+    let half = compressible(resp)
+        .filter(|(encoding, _)| *encoding != Encoding::Exact && cross.size() > 1)
+        .map(|(_, scale)| scale);
+    let bad = hierarchical_pass(local, cross, size, resp, entries, bufs, half)?;
+    if bad.is_empty() {
+        return Ok(None);
+    }
+    // Every rank holds the same sums, so every rank resends.
+    hierarchical_pass(local, cross, size, resp, entries, bufs, None)?;
+    resent(local, entries, bad)
+}
+
+/// One hierarchical allreduce, exact between hosts or (`half`: the gradient scale)
+/// float16 there. Returns the tensors whose float16 sums are not finite; then no
+/// output was written.
+fn hierarchical_pass(
+    local: &dyn DeviceGroup,
+    cross: &dyn Comm,
+    size: usize,
+    resp: &Response,
+    entries: &[&Entry],
+    bufs: &mut Buffers,
+    half: Option<f64>,
+) -> Result<Vec<usize>> {
     let Response::Op { dtype, .. } = resp else {
         unreachable!("hierarchical takes Op responses");
     };
     let dtype = *dtype;
     let (pre, post, op) = factors(resp, size);
     let l = local.size();
-    // SAFETY: as in `exact`; the buffer holds `l` chunks.
+    // Room for `l` chunks and, under float16, one chunk's float16 image after them.
+    let room = |c: usize| {
+        let chunk = c.div_ceil(l);
+        chunk * l + half.map_or(0, |_| chunk.div_ceil(2))
+    };
+    // SAFETY: as in `exact`; the buffer holds `l` chunks and the image.
     unsafe {
-        let (buf, count) = pack(local, entries, dtype, |c| c.div_ceil(l) * l)?;
+        let (buf, count) = pack(local, entries, dtype, room)?;
         let chunk = count.div_ceil(l);
         if pre != 1.0 {
             local.scale(buf, count, dtype, pre)?;
         }
         local.reduce_scatter(buf, chunk, dtype, op)?;
-        let mine = buf.add(local.rank() * chunk * dtype.size());
-        // The engine's fusion buffer (idle on this path) holds the host copy, reused
-        // from call to call; it must outlive the upload, until `finish`.
-        let host = &mut bufs.fusion;
-        host.resize(chunk * dtype.size());
-        local.download(mine, host.as_mut_slice())?;
-        crate::collective::allreduce(
-            cross,
-            host.as_mut_slice(),
-            dtype,
-            op,
-            1.0,
-            &mut bufs.scratch,
-        )?;
-        local.upload(bufs.fusion.as_slice(), mine)?;
+        let first = local.rank() * chunk;
+        let mine = buf.add(first * dtype.size());
+        match half {
+            None => {
+                // The engine's fusion buffer (idle on this path) holds the host copy,
+                // reused from call to call; it must outlive the upload, until `finish`.
+                let host = &mut bufs.fusion;
+                host.resize(chunk * dtype.size());
+                local.download(mine, host.as_mut_slice())?;
+                crate::collective::allreduce(
+                    cross,
+                    host.as_mut_slice(),
+                    dtype,
+                    op,
+                    1.0,
+                    &mut bufs.scratch,
+                )?;
+                local.upload(bufs.fusion.as_slice(), mine)?;
+            }
+            Some(scale) => {
+                let image = buf.add(l * chunk * dtype.size());
+                local.cast_down(mine, image, chunk, scale as f32)?;
+                let host = &mut bufs.half;
+                host.resize(chunk * 2);
+                local.download(image, host.as_mut_slice())?;
+                // The gaps between packed tensors hold stale bytes; zeroed here, every
+                // element of the gathered buffer is a tensor's or zero, so one check
+                // over all of it speaks for the tensors alone.
+                clear_gaps(host.as_mut_slice(), first, &live(entries, dtype));
+                crate::collective::allreduce(
+                    cross,
+                    host.as_mut_slice(),
+                    DataType::F16,
+                    ReduceOp::Sum,
+                    1.0,
+                    &mut bufs.scratch,
+                )?;
+                local.upload(bufs.half.as_slice(), image)?;
+                local.cast_up(image, mine, chunk, (1.0 / scale) as f32)?;
+            }
+        }
         local.allgather(buf, chunk, dtype)?;
+        if half.is_some() && !local.all_finite(buf, l * chunk, dtype)? {
+            let mut bad = Vec::new();
+            for (i, r) in live(entries, dtype).into_iter().enumerate() {
+                if !local.all_finite(buf.add(r.start * dtype.size()), r.len(), dtype)? {
+                    bad.push(i);
+                }
+            }
+            if !bad.is_empty() {
+                local.finish()?;
+                return Ok(bad);
+            }
+        }
         if post != 1.0 {
             local.scale(buf, count, dtype, post)?;
         }
         unpack(local, entries, buf)?;
-        local.finish()
+        local.finish()?;
+    }
+    Ok(Vec::new())
+}
+
+/// The elements each packed tensor spans in the fusion buffer.
+fn live(entries: &[&Entry], dtype: DataType) -> Vec<std::ops::Range<usize>> {
+    let offsets = starts(entries.iter().map(|e| aligned(target(e).1)));
+    entries
+        .iter()
+        .zip(offsets)
+        .map(|(e, off)| {
+            let at = off / dtype.size();
+            at..at + target(e).1 / dtype.size()
+        })
+        .collect()
+}
+
+/// Zeroes the float16 values of `image` (elements `first..` of the fusion buffer)
+/// that no range of `live` covers.
+fn clear_gaps(image: &mut [u8], first: usize, live: &[std::ops::Range<usize>]) {
+    let end = first + image.len() / 2;
+    let mut at = first;
+    for r in live.iter().chain(std::iter::once(&(end..end))) {
+        let (lo, hi) = (at.max(first), r.start.clamp(first, end));
+        if lo < hi {
+            image[(lo - first) * 2..(hi - first) * 2].fill(0);
+        }
+        at = at.max(r.end);
+        if at >= end {
+            break;
+        }
     }
 }
 

@@ -17,6 +17,8 @@ struct HostGroup<'a> {
     fusion: Mutex<AlignedBuf>,
     /// (channel, dtype, elements) of every allreduce.
     calls: Mutex<Vec<(usize, DataType, usize)>>,
+    /// Bytes of every download to host memory.
+    downloads: Mutex<Vec<usize>>,
 }
 
 impl<'a> HostGroup<'a> {
@@ -26,6 +28,7 @@ impl<'a> HostGroup<'a> {
             channels,
             fusion: Mutex::new(AlignedBuf::zeroed(0)),
             calls: Mutex::new(Vec::new()),
+            downloads: Mutex::new(Vec::new()),
         }
     }
 }
@@ -113,6 +116,7 @@ impl DeviceGroup for HostGroup<'_> {
         allgatherv(self.comm, slice(buf, n * bytes), &vec![bytes; n])
     }
     unsafe fn download(&self, src: *const u8, dst: &mut [u8]) -> Result<()> {
+        self.downloads.lock().unwrap().push(dst.len());
         dst.copy_from_slice(slice(src, dst.len()));
         Ok(())
     }
@@ -168,13 +172,23 @@ fn value(r: usize, t: usize, i: usize) -> f32 {
     ((r * 7 + t * 3 + i) % 13) as f32 - 6.0
 }
 
+/// One rank's run of [`allreduce_on`]: outputs, inputs (after), outcome, allreduce
+/// calls (channel, dtype, elements) and the bytes of each download.
+type RankRun = (
+    Vec<Vec<f32>>,
+    Vec<Vec<f32>>,
+    Outcome,
+    Vec<(usize, DataType, usize)>,
+    Vec<usize>,
+);
+
 /// Ranks on one host.
 const ONE_HOST: &[usize] = &[0; 8];
 
 /// Runs an allreduce of tensors of `lens` on ranks on `hosts` (hierarchical when
-/// there are several); returns each rank's outputs, inputs (after) and collective
-/// calls.
-#[allow(clippy::type_complexity, clippy::too_many_arguments)]
+/// there are several); returns each rank's outputs, inputs (after), collective
+/// calls and downloads.
+#[allow(clippy::too_many_arguments)]
 fn allreduce_on(
     hosts: &'static [usize],
     lens: &'static [usize],
@@ -185,12 +199,7 @@ fn allreduce_on(
     in_place: bool,
     channels: usize,
     big: f32,
-) -> Vec<(
-    Vec<Vec<f32>>,
-    Vec<Vec<f32>>,
-    Outcome,
-    Vec<(usize, DataType, usize)>,
-)> {
+) -> Vec<RankRun> {
     let n = hosts.len();
     run_on(hosts, move |comm| {
         let r = comm.rank();
@@ -235,8 +244,9 @@ fn allreduce_on(
         let out = run_direct(route, n, &resp, &entries, &mut Buffers::default());
         drop(entries);
         let calls = group.calls.into_inner().unwrap();
+        let downloads = group.downloads.into_inner().unwrap();
         let results = if in_place { inputs.clone() } else { outputs };
-        (results, inputs, out, calls)
+        (results, inputs, out, calls, downloads)
     })
 }
 
@@ -268,7 +278,7 @@ fn check_exact(hosts: &'static [usize]) {
         ] {
             let plan = device_plan(Encoding::Exact, 1.0);
             let got = allreduce_on(hosts, LENS, op, pre, post, plan, in_place, 1, 1.0);
-            for (r, (results, inputs, out, _)) in got.into_iter().enumerate() {
+            for (r, (results, inputs, out, _, _)) in got.into_iter().enumerate() {
                 assert!(out.results.iter().all(|x| x.is_ok()), "rank {r}");
                 assert!(out.resent.is_none());
                 for (t, &len) in LENS.iter().enumerate() {
@@ -335,7 +345,7 @@ fn a_large_buffer_is_split_across_the_channels() {
         3,
         1.0,
     );
-    for (r, (results, _, _, calls)) in got.into_iter().enumerate() {
+    for (r, (results, _, _, calls, _)) in got.into_iter().enumerate() {
         let channels: Vec<usize> = calls.iter().map(|c| c.0).collect();
         assert_eq!(channels, vec![0, 1, 2], "rank {r}");
         assert_eq!(calls.iter().map(|c| c.2).sum::<usize>(), 1 << 20);
@@ -343,36 +353,37 @@ fn a_large_buffer_is_split_across_the_channels() {
     }
 }
 
+/// Averages of `LENS` over ranks on `hosts` (see [`allreduce_on`]).
+fn averages(hosts: &'static [usize], plan: Plan, in_place: bool, channels: usize) -> Vec<RankRun> {
+    let op = ReduceOp::Average;
+    allreduce_on(hosts, LENS, op, 1.0, 1.0, plan, in_place, channels, 1.0)
+}
+
+/// Asserts `results` are the averages of `LENS` over `n` ranks, to float16's precision.
+fn assert_averages(results: &[Vec<f32>], n: usize, what: &str) {
+    for (t, &len) in LENS.iter().enumerate() {
+        let want = expected(n, t, len, 1.0, |v| v.iter().sum::<f64>() / n as f64);
+        let close = results[t]
+            .iter()
+            .zip(&want)
+            .all(|(a, b)| (a - b).abs() <= 1e-3 * b.abs().max(1.0));
+        assert!(close, "{what}: tensor {t}");
+    }
+}
+
 #[test]
 fn float16_gradients_are_summed_as_float16_on_the_device() {
     let plan = device_plan(Encoding::Half, 4.0);
     for in_place in [true, false] {
-        let got = allreduce_on(
-            &ONE_HOST[..3],
-            LENS,
-            ReduceOp::Average,
-            1.0,
-            1.0,
-            plan,
-            in_place,
-            2,
-            1.0,
-        );
-        for (r, (results, _, out, calls)) in got.into_iter().enumerate() {
+        let got = averages(&ONE_HOST[..3], plan, in_place, 2);
+        for (r, (results, _, out, calls, _)) in got.into_iter().enumerate() {
             assert!(out.resent.is_none());
             assert!(
                 calls.iter().all(|c| c.1 == DataType::F16),
                 "rank {r}: {calls:?}"
             );
-            for (t, &len) in LENS.iter().enumerate() {
-                // Small integers times 4, summed: exact in float16.
-                let want = expected(3, t, len, 1.0, |v| v.iter().sum::<f64>() / 3.0);
-                let close = results[t]
-                    .iter()
-                    .zip(&want)
-                    .all(|(a, b)| (a - b).abs() <= 1e-3 * b.abs().max(1.0));
-                assert!(close, "rank {r} tensor {t}");
-            }
+            // Small integers times 4, summed: exact in float16.
+            assert_averages(&results, 3, &format!("rank {r}"));
         }
     }
 }
@@ -394,7 +405,7 @@ fn a_float16_overflow_is_resent_exactly_on_every_rank() {
         1,
         30_000.0,
     );
-    for (r, (results, _, out, calls)) in got.into_iter().enumerate() {
+    for (r, (results, _, out, calls, _)) in got.into_iter().enumerate() {
         let (bad, finite) = out.resent.expect("resent");
         assert!(finite, "rank {r}");
         // value(r, t, 0) is nonzero for both tensors on both ranks except where
@@ -410,6 +421,91 @@ fn a_float16_overflow_is_resent_exactly_on_every_rank() {
                 expected(2, t, len, 30_000.0, |v| v.iter().sum()),
                 "rank {r} tensor {t}"
             );
+        }
+    }
+}
+
+#[test]
+fn float16_crosses_hosts_as_half_the_bytes_in_the_hierarchy() {
+    // 2x2 and 2x3 ranks; LENS leaves gaps between the packed tensors, whose stale
+    // bytes overflow when summed: a resend would show they were not cleared.
+    for hosts in [&[0, 0, 1, 1][..], &[0, 1, 0, 1, 0, 1][..]] {
+        let hosts: &'static [usize] = hosts;
+        let n = hosts.len();
+        let exact = allreduce_on(
+            hosts,
+            LENS,
+            ReduceOp::Average,
+            1.0,
+            1.0,
+            device_plan(Encoding::Exact, 1.0),
+            true,
+            1,
+            1.0,
+        );
+        for encoding in [Encoding::Half, Encoding::HalfBetweenHosts] {
+            for in_place in [true, false] {
+                let plan = device_plan(encoding, 4.0);
+                let got = averages(hosts, plan, in_place, 1);
+                for (r, (results, _, out, _, downloads)) in got.into_iter().enumerate() {
+                    assert!(out.results.iter().all(|x| x.is_ok()), "rank {r}");
+                    assert!(out.resent.is_none(), "rank {r} {hosts:?}: {:?}", out.resent);
+                    let full: usize = exact[r].4.iter().sum();
+                    assert_eq!(
+                        downloads.iter().sum::<usize>() * 2,
+                        full,
+                        "rank {r} {hosts:?} {encoding:?}: {downloads:?} against {full}"
+                    );
+                    assert_averages(&results, n, &format!("rank {r} {hosts:?} {encoding:?}"));
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn a_float16_overflow_between_hosts_is_resent_exactly_on_every_rank() {
+    // Element 0 is 15000x: a host's float32 sum, or the sum of both, no longer
+    // fits float16 for some of the tensors, while another stays within it.
+    static THREE: &[usize] = &[4, 9, 3];
+    const HOSTS: &[usize] = &[0, 0, 1, 1];
+    let big = 15_000.0;
+    let overflows = |t: usize| {
+        let host = |a: usize, b: usize| (value(a, t, 0) + value(b, t, 0)) * big;
+        let (one, two) = (host(0, 1), host(2, 3));
+        [one, two, one + two].iter().any(|x| x.abs() > 65504.0)
+    };
+    let want_bad: Vec<usize> = (0..THREE.len()).filter(|&t| overflows(t)).collect();
+    assert!(
+        !want_bad.is_empty() && want_bad.len() < THREE.len(),
+        "{want_bad:?}"
+    );
+    let plan = device_plan(Encoding::HalfBetweenHosts, 1.0);
+    for in_place in [true, false] {
+        let got = allreduce_on(
+            HOSTS,
+            THREE,
+            ReduceOp::Sum,
+            1.0,
+            1.0,
+            plan,
+            in_place,
+            1,
+            big,
+        );
+        for (r, (results, _, out, _, downloads)) in got.into_iter().enumerate() {
+            let (bad, finite) = out.resent.expect("resent");
+            assert_eq!(bad, want_bad, "rank {r}");
+            assert!(finite, "rank {r}");
+            assert_eq!(downloads.len(), 2, "rank {r}: float16, then exact");
+            assert_eq!(downloads[0] * 2, downloads[1], "rank {r}: {downloads:?}");
+            for (t, &len) in THREE.iter().enumerate() {
+                assert_eq!(
+                    results[t],
+                    expected(4, t, len, big, |v| v.iter().sum()),
+                    "rank {r} tensor {t}"
+                );
+            }
         }
     }
 }
@@ -690,5 +786,38 @@ fn a_hierarchical_group_is_formed_among_the_ranks_of_each_host() {
         assert!(local && flat, "rank {r}");
         assert_eq!(seen, vec![r % 2, r % 2 + 2], "rank {r}: its host's ranks");
         assert_eq!(all, vec![0, 1, 2, 3], "rank {r}: the whole set");
+    }
+}
+
+#[test]
+fn only_the_gaps_of_a_chunk_are_cleared() {
+    // Tensors at elements 0..5, 64..70 and 128..130; chunks of 8 from various starts.
+    let live = [0..5, 64..70, 128..130];
+    let image_of = |first: usize, len: usize| {
+        let mut img = vec![0xffu8; len * 2];
+        clear_gaps(&mut img, first, &live);
+        img.chunks(2)
+            .map(|v| v == [0xff, 0xff])
+            .collect::<Vec<bool>>()
+    };
+    let kept = |first: usize, len: usize| {
+        (first..first + len)
+            .map(|e| live.iter().any(|r| r.contains(&e)))
+            .collect::<Vec<bool>>()
+    };
+    for (first, len) in [
+        (0, 8),
+        (2, 8),
+        (60, 8),
+        (66, 8),
+        (120, 16),
+        (129, 8),
+        (200, 4),
+    ] {
+        assert_eq!(
+            image_of(first, len),
+            kept(first, len),
+            "from {first}, {len}"
+        );
     }
 }

@@ -77,3 +77,37 @@ def regression_batch(n, rows):
     rng = np.random.RandomState(0)
     x = rng.randn(rows * n, 5).astype(np.float32)
     return x, (x @ rng.randn(5, 1) + 0.1).astype(np.float32)
+
+
+def count_fused_steps():
+    """From now on, record the optimizer of every fused step perseus.torch.optim takes;
+    returns the list they are appended to."""
+    import perseus.torch.optim as fused
+
+    calls = []
+    run_step = fused.run_step
+
+    def counting_run_step(*args, **kwargs):
+        calls.append(args[0])
+        return run_step(*args, **kwargs)
+
+    fused.run_step = counting_run_step
+    return calls
+
+
+def small_mlp():
+    """The workers' small regression model, seeded alike on every rank."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def step_batch(n, rows, step):
+    """Step ``step``'s whole batch for ``n`` ranks of ``rows`` rows each, alike on every
+    rank: inputs of 6 features, targets of 3."""
+    import torch
+
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(n * rows, 6, generator=g), torch.randn(n * rows, 3, generator=g)

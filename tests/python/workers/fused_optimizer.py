@@ -9,22 +9,18 @@ import perseus.torch.horovod as hvd
 import perseus.torch.optim as fused
 import torch
 import torch.nn.functional as F
-from _helpers import close, done
-from torch import nn
+from _helpers import close, count_fused_steps, done, small_mlp, step_batch
 
 STEPS, ROWS = 4, 5
 # "cuda" as the first argument: the model trains on the GPU (the reference on the CPU).
 DEVICE = sys.argv[1] if len(sys.argv) > 1 else "cpu"
 
 
-def model():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+model = small_mlp
 
 
 def batch(n, step):
-    g = torch.Generator().manual_seed(100 + step)
-    return torch.randn(n * ROWS, 6, generator=g), torch.randn(n * ROWS, 3, generator=g)
+    return step_batch(n, ROWS, step)
 
 
 def train(net, opt, rows, n):
@@ -36,16 +32,7 @@ def train(net, opt, rows, n):
         opt.step()
 
 
-calls = []
-run_step = fused.run_step
-
-
-def counting_run_step(*args, **kwargs):
-    calls.append(args[0])
-    return run_step(*args, **kwargs)
-
-
-fused.run_step = counting_run_step
+calls = count_fused_steps()
 
 
 def check(make_opt, what, expect_fused):

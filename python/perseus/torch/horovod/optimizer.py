@@ -18,6 +18,7 @@ from perseus.common.gradients import (
 )
 from perseus.common.ops import GroupHandle
 from perseus.common.process_sets import global_process_set
+from perseus.torch import amp as _amp
 from perseus.torch import optim as _fused
 from perseus.torch.horovod.compression import Compression
 from perseus.torch.horovod.functions import broadcast_object
@@ -55,10 +56,14 @@ class _DistributedOptimizer:
         super().__init__(params)
         self._compression = compression
 
+        # With AMP O2 (perseus.torch.amp) the groups hold float32 masters; gradients
+        # arrive on, and are reduced as, the model's half-precision parameters.
+        self._amp = _amp.is_decorated(self)
+        self._auto_synchronized = False
         if named_parameters is not None:
             named_parameters = list(named_parameters)
         else:
-            named_parameters = [(f"allreduce.noname.{i}.{j}", v)
+            named_parameters = [(f"allreduce.noname.{i}.{j}", _amp.working(v))
                                 for i, group in enumerate(self.param_groups)
                                 for j, v in enumerate(group["params"])]
         if any(not isinstance(p, tuple) for p in named_parameters):
@@ -69,7 +74,7 @@ class _DistributedOptimizer:
         if dups:
             raise ValueError("Parameter names in named_parameters must be unique. "
                              f"Found duplicates: {', '.join(dups)}")
-        all_ids = {id(v) for group in self.param_groups for v in group["params"]}
+        all_ids = {id(_amp.working(v)) for group in self.param_groups for v in group["params"]}
         unnamed = all_ids - {id(v) for _, v in named_parameters}
         if unnamed:
             raise ValueError("named_parameters was specified, but one or more model parameters "
@@ -97,8 +102,9 @@ class _DistributedOptimizer:
         self._last_step_end = None
         # PERSEUS_ALLREDUCE_FUSION=N: fused buffers of 1/N of the gradient bytes.
         if switches.fusion >= 0:
-            total = sum(p.numel() * p.element_size() for group in self.param_groups
-                        for p in group["params"] if p.requires_grad)
+            total = sum(_amp.working(p).numel() * _amp.working(p).element_size()
+                        for group in self.param_groups for p in group["params"]
+                        if p.requires_grad)
             set_fusion_threshold(switches.fusion_threshold(total))
         self.backward_passes_per_step = backward_passes_per_step
         self._allreduce_delay = {v: self._passes_per_update() for _, v in named_parameters}
@@ -143,7 +149,7 @@ class _DistributedOptimizer:
         if isinstance(self._groups, list):
             groups = [tuple(g) for g in self._groups]
         else:
-            params = [p for group in self.param_groups for p in group["params"]
+            params = [_amp.working(p) for group in self.param_groups for p in group["params"]
                       if p.requires_grad]
             # Every rank must form the same groups: take rank 0's parameter order.
             order = broadcast_object([self._parameter_names.get(p) for p in params],
@@ -163,9 +169,10 @@ class _DistributedOptimizer:
         for group in self.param_groups:
             for p in group["params"]:
                 if p.requires_grad:
-                    self._requires_update.add(p)
+                    w = _amp.working(p)
+                    self._requires_update.add(w)
                     self._hook_handles.append(
-                        p.register_post_accumulate_grad_hook(self._make_hook(p)))
+                        w.register_post_accumulate_grad_hook(self._make_hook(w)))
 
     def _scale_factors(self):
         # With PERSEUS_ACCUMULATE_N_STEPS=N the gradient holds the sum of N steps: send
@@ -272,6 +279,7 @@ class _DistributedOptimizer:
 
     def _make_hook(self, p):
         def hook(*_):
+            self._auto_synchronized = False
             pending = p in self._handles and self._handles[p][0] is not None
             if pending and self._allreduce_delay[p] <= 0:
                 raise AssertionError(
@@ -338,7 +346,17 @@ class _DistributedOptimizer:
         self._updates += 1
         if self._nancheck:
             self._check_finite(self._requires_update)
+        if self._amp:
+            _amp.move_grads(self)
         self._synchronized = True
+
+    def _amp_before_move(self):
+        """Under AMP O2, called before the gradients move onto the masters
+        (``GradScaler.unscale_``, ``amp_parameters``): reductions in flight are waited
+        for first, and ``step()`` then does not synchronize again."""
+        if self._handles and self._should_synchronize:
+            self.synchronize()
+            self._auto_synchronized = True
 
     @contextmanager
     def skip_synchronize(self):
@@ -368,6 +386,8 @@ class _DistributedOptimizer:
                     return closure()
             self._accumulated = 0
             if not self._hook_handles:
+                if self._amp:
+                    _amp.move_grads(self)
                 # One rank: no reduction applies the 1/N, so average here.
                 for group in self.param_groups:
                     for p in group["params"]:
@@ -377,7 +397,7 @@ class _DistributedOptimizer:
         timed = self._perf_every > 0 and bool(self._hook_handles)
         if timed and self._last_step_end is not None:
             self._compute_times.append(entered - self._last_step_end)
-        if self._should_synchronize:
+        if self._should_synchronize and not self._auto_synchronized:
             if self._synchronized:
                 warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
                               "context after optimizer.synchronize(). This can cause training "
@@ -386,7 +406,12 @@ class _DistributedOptimizer:
                               "optimizer.synchronize() in your code.")
             self.synchronize()
         self._synchronized = False
+        self._auto_synchronized = False
+        if self._amp:
+            _amp.move_grads(self)
         result = self._wrapped_step(closure)
+        if self._amp:
+            _amp.copy_to_model(self)
         if timed:
             if len(self._compute_times) >= self._perf_every:
                 self._perf_check()
@@ -423,6 +448,9 @@ class _DistributedOptimizer:
             raise AssertionError("optimizer.zero_grad() was called after loss.backward() but "
                                  "before optimizer.step() or optimizer.synchronize(). This is "
                                  "prohibited as it can cause a race condition.")
+        if self._amp:
+            for model_p, _ in _amp.pairs(self):
+                model_p.grad = None
         return super().zero_grad(*args, **kwargs)
 
 
