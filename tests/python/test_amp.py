@@ -293,3 +293,22 @@ def test_distributed_optimizer_reduces_half_gradients_into_the_masters(run_worke
 def test_distributed_optimizer_with_amp_and_the_fused_step(run_workers):
     out = run_workers(2, "amp_o2.py", env={"PERSEUS_FUSED_OPTIMIZER": "1"})
     assert out.count("WORKER OK") == 2
+
+
+def test_ddp_reduces_half_gradients_and_the_masters_follow_its_broadcast():
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [os.path.join(here, "workers"), env.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, os.path.join(here, "workers", "ddp_amp.py"),
+                          str(port)], check=False, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0 and "DDP AMP OK" in out.stdout, out.stdout + out.stderr
