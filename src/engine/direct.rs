@@ -366,13 +366,12 @@ unsafe fn pack(
     dtype: DataType,
     pad: impl Fn(usize) -> usize,
 ) -> Result<(*mut u8, usize)> {
-    let offsets = starts(entries.iter().map(|e| aligned(target(e).1)));
-    let span = offsets.last().map_or(0, |&o| o) + entries.last().map_or(0, |e| target(e).1);
-    let count = span / dtype.size();
+    let spans = layout(entries);
+    let count = spans.last().map_or(0, |r| r.end) / dtype.size();
     let fusion = group.fusion(pad(count) * dtype.size())?;
-    for (e, &off) in entries.iter().zip(&offsets) {
+    for (e, r) in entries.iter().zip(spans) {
         let src = e.input.as_ref().or(e.output.as_ref()).expect("a tensor");
-        group.copy(src.ptr, fusion.add(off), src.nbytes)?;
+        group.copy(src.ptr, fusion.add(r.start), src.nbytes)?;
     }
     // The gaps are reduced too (they hold stale bytes of this buffer); reducing the
     // whole span keeps it one call per channel.
@@ -381,13 +380,21 @@ unsafe fn pack(
 
 /// Queues copies of the packed results back to the entries' outputs.
 unsafe fn unpack(group: &dyn DeviceGroup, entries: &[&Entry], fusion: *const u8) -> Result<()> {
-    let mut at = 0;
-    for e in entries {
-        let (dst, bytes) = target(e);
-        group.copy(fusion.add(at), dst, bytes)?;
-        at += aligned(bytes);
+    for (e, r) in entries.iter().zip(layout(entries)) {
+        group.copy(fusion.add(r.start), target(e).0, r.len())?;
     }
     Ok(())
+}
+
+/// The bytes each packed tensor spans in the fusion buffer: one after the other, each
+/// at an aligned offset.
+fn layout(entries: &[&Entry]) -> Vec<std::ops::Range<usize>> {
+    let offsets = starts(entries.iter().map(|e| aligned(target(e).1)));
+    entries
+        .iter()
+        .zip(offsets)
+        .map(|(e, at)| at..at + target(e).1)
+        .collect()
 }
 
 /// The exact allreduce: in the tensor's own memory when there is one, else packed in
@@ -485,6 +492,14 @@ fn hierarchical_pass(
         local.reduce_scatter(buf, chunk, dtype, op)?;
         let first = local.rank() * chunk;
         let mine = buf.add(first * dtype.size());
+        // Under float16: the elements each tensor spans.
+        let live: Vec<std::ops::Range<usize>> = match half {
+            None => Vec::new(),
+            Some(_) => layout(entries)
+                .into_iter()
+                .map(|r| r.start / dtype.size()..r.end / dtype.size())
+                .collect(),
+        };
         match half {
             None => {
                 // The engine's fusion buffer (idle on this path) holds the host copy,
@@ -511,7 +526,7 @@ fn hierarchical_pass(
                 // The gaps between packed tensors hold stale bytes; zeroed here, every
                 // element of the gathered buffer is a tensor's or zero, so one check
                 // over all of it speaks for the tensors alone.
-                clear_gaps(host.as_mut_slice(), first, &live(entries, dtype));
+                clear_gaps(host.as_mut_slice(), first, &live);
                 crate::collective::allreduce(
                     cross,
                     host.as_mut_slice(),
@@ -527,7 +542,7 @@ fn hierarchical_pass(
         local.allgather(buf, chunk, dtype)?;
         if half.is_some() && !local.all_finite(buf, l * chunk, dtype)? {
             let mut bad = Vec::new();
-            for (i, r) in live(entries, dtype).into_iter().enumerate() {
+            for (i, r) in live.iter().enumerate() {
                 if !local.all_finite(buf.add(r.start * dtype.size()), r.len(), dtype)? {
                     bad.push(i);
                 }
@@ -544,19 +559,6 @@ fn hierarchical_pass(
         local.finish()?;
     }
     Ok(Vec::new())
-}
-
-/// The elements each packed tensor spans in the fusion buffer.
-fn live(entries: &[&Entry], dtype: DataType) -> Vec<std::ops::Range<usize>> {
-    let offsets = starts(entries.iter().map(|e| aligned(target(e).1)));
-    entries
-        .iter()
-        .zip(offsets)
-        .map(|(e, off)| {
-            let at = off / dtype.size();
-            at..at + target(e).1 / dtype.size()
-        })
-        .collect()
 }
 
 /// Zeroes the float16 values of `image` (elements `first..` of the fusion buffer)

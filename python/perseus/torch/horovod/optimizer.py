@@ -102,9 +102,9 @@ class _DistributedOptimizer:
         self._last_step_end = None
         # PERSEUS_ALLREDUCE_FUSION=N: fused buffers of 1/N of the gradient bytes.
         if switches.fusion >= 0:
-            total = sum(_amp.working(p).numel() * _amp.working(p).element_size()
-                        for group in self.param_groups for p in group["params"]
-                        if p.requires_grad)
+            working = (_amp.working(p) for group in self.param_groups
+                       for p in group["params"] if p.requires_grad)
+            total = sum(w.numel() * w.element_size() for w in working)
             set_fusion_threshold(switches.fusion_threshold(total))
         self.backward_passes_per_step = backward_passes_per_step
         self._allreduce_delay = {v: self._passes_per_update() for _, v in named_parameters}
