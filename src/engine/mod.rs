@@ -704,7 +704,9 @@ impl State {
                     if self.shared.stopping.load(Ordering::SeqCst) {
                         continue;
                     }
-                    let why = on_host(&self.mesh, rank, &why);
+                    let why = self
+                        .mesh
+                        .also_ended(on_host(&self.mesh, rank, &why), Some(rank));
                     if let Uplink::Coordinator { coord, .. } = &mut self.uplink {
                         let out = coord.disconnect(rank, &why);
                         self.uplink.dispatch(out, &mut self.local, self.timeout);
@@ -868,7 +870,7 @@ impl State {
                     None => Err("the connection is closed".to_string()),
                 };
                 if let Err(e) = sent {
-                    self.fail_all(lost_coordinator(&e));
+                    self.fail_all(lost_coordinator(&self.mesh.also_ended(e, Some(0))));
                 }
             }
         }
@@ -1148,7 +1150,7 @@ fn offline_vote(
                     }
                 }
                 Incoming::Lost(rank, why) => {
-                    let why = on_host(mesh, rank, &why);
+                    let why = mesh.also_ended(on_host(mesh, rank, &why), Some(rank));
                     if let Uplink::Coordinator { coord, .. } = uplink {
                         let out = coord.disconnect(rank, &why);
                         uplink.dispatch(out, local, timeout);

@@ -27,7 +27,7 @@ use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// How this rank reaches one peer.
 pub enum Link {
@@ -89,10 +89,61 @@ impl Link {
             && pfd.revents & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR | libc::POLLNVAL) != 0
     }
 
+    /// True when [`Link::peer_gone`] can ever say yes for this link.
+    fn watched(&self) -> bool {
+        matches!(self, Link::Tcp(_) | Link::Shm { alive: Some(_), .. })
+    }
+
     /// True for shared memory.
     pub fn is_shm(&self) -> bool {
         matches!(self, Link::Shm { .. })
     }
+}
+
+/// How long a rank that lost a peer watches the others before it reports.
+/// A dead process's sockets are closed one after another, some a few
+/// milliseconds late (the kernel defers part of the work), while a survivor
+/// that saw the death first and left may close its own before them.
+pub const SETTLE: Duration = Duration::from_millis(100);
+
+/// The ranks a message names ("rank N ").
+pub fn named_in(msg: &str, size: usize) -> Vec<usize> {
+    (0..size)
+        .filter(|p| msg.contains(&format!("rank {p} ")))
+        .collect()
+}
+
+/// The peers, besides those `named`, whose connections have ended, watched
+/// for up to `settle` (less once every watched peer has ended).
+pub fn ended_besides(links: &[Link], named: &[usize], settle: Duration) -> Vec<usize> {
+    let start = Instant::now();
+    let watched: Vec<usize> = (0..links.len())
+        .filter(|&p| links[p].watched() && !named.contains(&p))
+        .collect();
+    let mut ended = vec![false; links.len()];
+    loop {
+        for &p in &watched {
+            ended[p] = ended[p] || links[p].peer_gone();
+        }
+        if watched.iter().all(|&p| ended[p]) || start.elapsed() >= settle {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    watched.into_iter().filter(|&p| ended[p]).collect()
+}
+
+/// `msg`, followed by the other peers whose connections have ended, each
+/// named by `name` (which ends in a space).
+pub fn with_ended(msg: String, ended: &[usize], name: impl Fn(usize) -> String) -> String {
+    if ended.is_empty() {
+        return msg;
+    }
+    let ranks: Vec<String> = ended.iter().map(|&p| name(p)).collect();
+    format!(
+        "{msg}; the connections of {}have ended too",
+        ranks.join("and ")
+    )
 }
 
 /// How often a patient transfer asks whether to keep waiting.
@@ -230,6 +281,19 @@ impl Mesh {
         PerseusError::Peer(m)
     }
 
+    /// `msg` about lost peer `lost` (if known), followed by every other peer
+    /// whose connection has ended (watched for [`SETTLE`]), with their hosts:
+    /// the rank a survivor names first may have left after its own error.
+    pub fn also_ended(&self, msg: String, lost: Option<usize>) -> String {
+        let mut named = named_in(&msg, self.size());
+        named.extend(lost);
+        let ended = ended_besides(&self.links, &named, SETTLE);
+        with_ended(msg, &ended, |p| match self.host_name(p) {
+            Some(h) => format!("rank {p} (host {h}) "),
+            None => format!("rank {p} "),
+        })
+    }
+
     /// An index naming `rank`'s host (ranks on one host share it).
     pub fn host_of(&self, rank: usize) -> usize {
         self.host_ids.get(rank).copied().unwrap_or(0)
@@ -343,9 +407,10 @@ impl Channel<'_> {
 
 #[cfg(test)]
 mod tests {
-    use super::Link;
+    use super::{ended_besides, named_in, with_ended, Link};
     use std::io::Write;
     use std::net::{TcpListener, TcpStream};
+    use std::time::Duration;
 
     fn pair() -> (TcpStream, TcpStream) {
         let l = TcpListener::bind("127.0.0.1:0").unwrap();
@@ -372,5 +437,40 @@ mod tests {
             "the close must show with data still unread"
         );
         assert!(!Link::None.peer_gone());
+    }
+
+    #[test]
+    fn a_loss_lists_the_peers_that_end_a_little_later() {
+        // Ranks 1..=3 are peers; rank 1 is the one the error names.
+        let pairs: Vec<_> = (0..3).map(|_| pair()).collect();
+        let (mine, theirs): (Vec<_>, Vec<_>) = pairs.into_iter().unzip();
+        let mut links = vec![Link::None];
+        links.extend(mine.into_iter().map(Link::Tcp));
+        let mut theirs: Vec<Option<_>> = theirs.into_iter().map(Some).collect();
+        drop(theirs[0].take());
+        // Rank 3 closes 30 ms after the loss was seen; rank 2 stays.
+        let late = theirs[2].take().unwrap();
+        let closer = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(30));
+            drop(late);
+        });
+        let msg = "rank 1 closed its connection".to_string();
+        let named = named_in(&msg, links.len());
+        assert_eq!(named, vec![1]);
+        let ended = ended_besides(&links, &named, Duration::from_millis(500));
+        closer.join().unwrap();
+        assert_eq!(
+            ended,
+            vec![3],
+            "the late close is seen, the live peer is not"
+        );
+        assert_eq!(
+            with_ended(msg.clone(), &ended, |p| format!("rank {p} (host h) ")),
+            "rank 1 closed its connection; the connections of rank 3 (host h) have ended too"
+        );
+        assert_eq!(with_ended(msg.clone(), &[], |p| format!("rank {p} ")), msg);
+        drop(theirs[1].take());
+        let both = ended_besides(&links, &[], Duration::from_secs(2));
+        assert_eq!(both, vec![1, 2, 3]);
     }
 }

@@ -354,20 +354,15 @@ pub fn run(
 /// first loss a rank sees may be a survivor that left after its own error,
 /// while the rank that died first is among the others.
 fn also_gone(links: &[Link], e: PerseusError) -> PerseusError {
-    let PerseusError::Peer(msg) = e else {
-        return e;
-    };
-    let others: Vec<String> = (0..links.len())
-        .filter(|&p| links[p].peer_gone() && !msg.contains(&format!("rank {p} ")))
-        .map(|p| format!("rank {p} "))
-        .collect();
-    if others.is_empty() {
-        return PerseusError::Peer(msg);
+    match e {
+        PerseusError::Peer(msg) => {
+            let named = super::named_in(&msg, links.len());
+            let ended = super::ended_besides(links, &named, super::SETTLE);
+            // The mesh adds their hosts.
+            PerseusError::Peer(super::with_ended(msg, &ended, |p| format!("rank {p} ")))
+        }
+        other => other,
     }
-    PerseusError::Peer(format!(
-        "{msg}; the connections of {}have ended too",
-        others.join("and ")
-    ))
 }
 
 fn run_until_done(
