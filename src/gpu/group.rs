@@ -107,13 +107,17 @@ pub fn open(
         Ok((dev, Arc::new(Nccl::load(&search_dirs())?)))
     })();
     // Each group's first member makes its ids; every rank's slot (a status byte, then
-    // the ids) is gathered, and each rank reads its leader's. A leader that could not
-    // make them says so, and its group's ranks do not wait in ncclCommInitRank.
+    // the ids) is gathered, and each rank reads its leader's. A rank that could not
+    // load its device or NCCL, or a leader that could not make the ids, says so in its
+    // status, and no rank of that group waits in ncclCommInitRank for it.
     let slot = 1 + channels * UNIQUE_ID_BYTES;
     let mut all = vec![0u8; slot * comm.size()];
     let me = comm.rank();
     let leader = members[0];
-    let mut why_not = None;
+    let mut why_not = made.as_ref().err().map(|e| e.to_string());
+    if made.is_ok() {
+        all[me * slot] = MADE;
+    }
     if leader == me {
         let ids = made.as_ref().map_err(|e| e.clone()).and_then(|(_, nccl)| {
             (0..channels)
@@ -122,29 +126,28 @@ pub fn open(
         });
         match ids {
             Ok(list) => {
-                all[me * slot] = 1;
+                all[me * slot] |= IDS;
                 for (i, id) in list.iter().enumerate() {
                     let at = me * slot + 1 + i * UNIQUE_ID_BYTES;
                     all[at..at + UNIQUE_ID_BYTES].copy_from_slice(&id.0);
                 }
             }
-            Err(e) => why_not = Some(e.to_string()),
+            Err(e) => why_not = why_not.or(Some(e.to_string())),
         }
     }
     allgatherv(comm, &mut all, &vec![slot; comm.size()])?;
-    let ids = &all[leader * slot..(leader + 1) * slot];
+    let ids = &all[leader * slot + 1..(leader + 1) * slot];
     let rank = members
         .iter()
         .position(|&m| m == me)
         .expect("a member of its group");
-    let formed = if ids[0] == 0 {
-        Err(why_not.unwrap_or_else(|| format!("rank {leader} could not make NCCL's unique ids")))
-    } else {
-        made.map_err(|e| e.to_string()).and_then(|(dev, nccl)| {
-            form(&dev, &nccl, &ids[1..], members.len(), rank, channels)
+    let formed = match ready_to_form(&all, slot, members) {
+        Err(why) => Err(why_not.unwrap_or(why)),
+        Ok(()) => made.map_err(|e| e.to_string()).and_then(|(dev, nccl)| {
+            form(&dev, &nccl, ids, members.len(), rank, channels)
                 .map(|chans| (dev, chans))
                 .map_err(|e| e.to_string())
-        })
+        }),
     };
     // Every rank learns whether every rank formed its group.
     let offer = formed.as_ref().map(|(d, _)| d.uuid).map_err(|e| e.clone());
@@ -155,6 +158,26 @@ pub fn open(
         }
         Agreement::Staged(why) => Ok(Err(why)),
     }
+}
+
+/// Status bit: this rank has its device and NCCL.
+const MADE: u8 = 1;
+/// Status bit (a group's leader): the ids follow.
+const IDS: u8 = 2;
+
+/// Whether the ranks of a group can call ncclCommInitRank together, from the gathered
+/// slots (a status byte first): every member has its device and NCCL, and the leader
+/// made the ids. Otherwise why not, naming the first rank that cannot, so that none
+/// waits for a rank that will never join.
+fn ready_to_form(all: &[u8], slot: usize, members: &[usize]) -> std::result::Result<(), String> {
+    if let Some(m) = members.iter().find(|&&m| all[m * slot] & MADE == 0) {
+        return Err(format!("rank {m} could not load its GPU or NCCL"));
+    }
+    let leader = members[0];
+    if all[leader * slot] & IDS == 0 {
+        return Err(format!("rank {leader} could not make NCCL's unique ids"));
+    }
+    Ok(())
 }
 
 /// The channels' communicators and streams.
@@ -474,5 +497,35 @@ impl Drop for NcclGroup {
                 let _ = result::stream::destroy(ch.stream);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{ready_to_form, IDS, MADE};
+
+    /// Gathered slots of two ranks each: a status byte and one filler byte.
+    fn slots(status: &[u8]) -> Vec<u8> {
+        status.iter().flat_map(|&s| [s, 0]).collect()
+    }
+
+    #[test]
+    fn no_rank_waits_for_a_member_that_cannot_join() {
+        let ok = slots(&[MADE | IDS, MADE, MADE | IDS, MADE]);
+        assert_eq!(ready_to_form(&ok, 2, &[0, 1]), Ok(()));
+        assert_eq!(ready_to_form(&ok, 2, &[2, 3]), Ok(()));
+        // Rank 3 has no GPU or NCCL: its group stays out, the other group forms.
+        let lost = slots(&[MADE | IDS, MADE, MADE | IDS, 0]);
+        assert_eq!(ready_to_form(&lost, 2, &[0, 1]), Ok(()));
+        assert_eq!(
+            ready_to_form(&lost, 2, &[2, 3]),
+            Err("rank 3 could not load its GPU or NCCL".into())
+        );
+        // A leader without ids.
+        let no_ids = slots(&[MADE, MADE]);
+        assert_eq!(
+            ready_to_form(&no_ids, 2, &[0, 1]),
+            Err("rank 0 could not make NCCL's unique ids".into())
+        );
     }
 }
