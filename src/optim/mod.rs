@@ -179,7 +179,9 @@ fn on_device(ordinal: i32, _groups: &[Group]) -> Result<()> {
 /// Validates every tensor; returns the one device they share (None: no tensors).
 fn check(groups: &[Group]) -> Result<Option<Device>> {
     let mut device = None;
-    let mut tensors_seen: Vec<(usize, usize, String)> = Vec::new();
+    // (first byte, bytes, group, parameter, which tensor): the message is only made
+    // for an overlap, not for every tensor of every step.
+    let mut tensors_seen: Vec<(usize, usize, usize, usize, &str)> = Vec::new();
     for (gi, group) in groups.iter().enumerate() {
         let names = group.rule.state_names();
         for (pi, slot) in group.slots.iter().enumerate() {
@@ -227,20 +229,27 @@ fn check(groups: &[Group]) -> Result<Option<Device>> {
                     Some(_) => {}
                 }
                 if t.nbytes > 0 {
-                    tensors_seen.push((t.ptr as usize, t.nbytes, at(what)));
+                    tensors_seen.push((t.ptr as usize, t.nbytes, gi, pi, what));
                 }
             }
         }
     }
     // No two tensors may overlap: weights and state are written in place, by several
     // threads (or launches) at once.
-    tensors_seen.sort_by_key(|(p, _, _)| *p);
+    tensors_seen.sort_by_key(|t| t.0);
+    let at = |&(_, _, gi, pi, what): &(usize, usize, usize, usize, &str)| {
+        format!(
+            "{} parameter {pi} of group {gi}: {what}",
+            groups[gi].rule.name()
+        )
+    };
     for pair in tensors_seen.windows(2) {
-        let ((a, len, first), (b, _, second)) = (&pair[0], &pair[1]);
-        if a + len > *b {
+        let (first, second) = (&pair[0], &pair[1]);
+        if first.0 + first.1 > second.0 {
             return Err(PerseusError::InvalidArgument(format!(
-                "{first} and {second} share memory; every weight, gradient and state tensor \
-                 needs its own"
+                "{} and {} share memory; every weight, gradient and state tensor needs its own",
+                at(first),
+                at(second)
             )));
         }
     }

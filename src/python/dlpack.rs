@@ -100,6 +100,19 @@ fn dl_of(d: DataType) -> DLDataType {
 /// Reads the tensor a DLPack capsule describes. The capsule is not consumed:
 /// the caller keeps it (and the tensor) alive until the operation completes.
 pub fn view(obj: &Bound<'_, PyAny>) -> Result<TensorView> {
+    let (mut v, shape) = read(obj)?;
+    v.shape = shape.to_vec();
+    Ok(v)
+}
+
+/// Like [`view`], for callers that treat every tensor as flat (the fused optimizers):
+/// the shape is left empty, which spares an allocation per tensor.
+pub fn view_flat(obj: &Bound<'_, PyAny>) -> Result<TensorView> {
+    read(obj).map(|(v, _)| v)
+}
+
+/// The tensor a capsule describes (its shape left empty), and its shape.
+fn read<'a>(obj: &'a Bound<'_, PyAny>) -> Result<(TensorView, &'a [i64])> {
     // SAFETY: capsule API on a live object; the pointer is checked for validity.
     let m = unsafe {
         if ffi::PyCapsule_IsValid(obj.as_ptr(), NAME.as_ptr()) != 1 {
@@ -121,11 +134,12 @@ pub fn view(obj: &Bound<'_, PyAny>) -> Result<TensorView> {
     };
     let dtype = dtype_of(t.dtype)?;
     let ndim = t.ndim.max(0) as usize;
-    // SAFETY: DLPack guarantees `shape` (and `strides` when not null) hold `ndim` entries.
-    let shape: Vec<i64> = if ndim == 0 {
-        vec![]
+    // SAFETY: DLPack guarantees `shape` (and `strides` when not null) hold `ndim`
+    // entries, alive as long as the capsule (which `obj` holds).
+    let shape: &'a [i64] = if ndim == 0 {
+        &[]
     } else {
-        unsafe { std::slice::from_raw_parts(t.shape, ndim) }.to_vec()
+        unsafe { std::slice::from_raw_parts(t.shape, ndim) }
     };
     if !t.strides.is_null() && ndim > 0 {
         let strides = unsafe { std::slice::from_raw_parts(t.strides, ndim) };
@@ -142,13 +156,14 @@ pub fn view(obj: &Bound<'_, PyAny>) -> Result<TensorView> {
     let count = shape.iter().product::<i64>().max(0) as usize;
     // SAFETY: data + byte_offset is the first element per DLPack.
     let ptr = unsafe { (t.data as *mut u8).add(t.byte_offset as usize) };
-    Ok(TensorView {
+    let v = TensorView {
         ptr,
         nbytes: count * dtype.size(),
         dtype,
-        shape,
+        shape: Vec::new(),
         device,
-    })
+    };
+    Ok((v, shape))
 }
 
 struct Holder {

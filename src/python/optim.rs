@@ -82,11 +82,11 @@ pub fn optimizer_step(
         let mut out = Vec::with_capacity(slots.len());
         for (w, g, state, step) in slots {
             out.push(Slot {
-                weight: dlpack::view(w).map_err(to_py)?,
-                grad: dlpack::view(g).map_err(to_py)?,
+                weight: dlpack::view_flat(w).map_err(to_py)?,
+                grad: dlpack::view_flat(g).map_err(to_py)?,
                 state: state
                     .iter()
-                    .map(dlpack::view)
+                    .map(dlpack::view_flat)
                     .collect::<Result<_, _>>()
                     .map_err(to_py)?,
                 step: *step,
