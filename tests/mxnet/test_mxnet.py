@@ -25,6 +25,13 @@ def test_sync_batch_norm_scopes(run_framework):
     run_framework(3, "sync_batch_norm.py", hosts="127.0.0.1:2,127.0.0.2:1")
 
 
+def test_device_arrays_cross_through_the_host(run_framework):
+    """Arrays off the host (a GPU's; here mx.cpu(1) standing in for one) are copied to
+    mx.cpu(), reduced there and copied back: every collective's values, in place and
+    not, with results on the arrays' context."""
+    run_framework(2, "staged.py")
+
+
 def test_errors(run_framework):
     """Use before init, bad arrays and arguments, and cross-rank mismatches on every rank."""
     run_framework(2, "errors.py")

@@ -35,6 +35,13 @@ def test_errors(run_framework):
     run_framework(2, "errors.py")
 
 
+def test_device_tensors_cross_through_the_host(run_framework):
+    """Tensors on a device (a GPU; here a second logical CPU standing in for one) are
+    copied to the host, reduced there and copied back: every collective's values, eager,
+    in tf.function and through DistributedGradientTape, with results on the device."""
+    run_framework(2, "staged.py")
+
+
 def test_switches_apply_to_tf_gradients(run_framework):
     """PERSEUS_ALLREDUCE_NANCHECK, DOWNSAMPLE_N_ELEMENTS, ALLREDUCE_DTYPE,
     ACCUMULATE_N_STEPS and ALLREDUCE_FUSION on TensorFlow gradient reductions."""

@@ -5,6 +5,10 @@ are exported with ``to_dlpack_for_read`` (which waits for pending writes), buffe
 core writes with ``to_dlpack_for_write`` (which waits for pending reads and writes), and
 results the core allocates come back through ``mx.nd.from_dlpack``. Every call returns
 once the collective is done, so what follows in the engine sees the result.
+
+NDArrays on a GPU cross through host memory: the core reads and writes a copy in
+``mx.cpu()``, which is copied back into the array (or results into arrays on its
+context). Perseus's NCCL path serves PyTorch's CUDA tensors only (docs/gpu.md).
 """
 
 import mxnet as mx
@@ -50,10 +54,13 @@ def _check(tensor):
         shown = dtype.name if dtype is not None else str(tensor.dtype)
         raise TypeError(f"Perseus does not support NDArrays of dtype {shown}; "
                         f"supported dtypes: {names}")
-    if tensor.context.device_type != "cpu":
-        raise ValueError(f"GPU NDArrays are not supported yet: Perseus handles CPU arrays only "
-                         f"(got one on {tensor.context})")
     return tensor
+
+
+def _off_host(tensor):
+    """True when ``tensor`` is not in host memory (a GPU array), so the core works on a
+    copy in ``mx.cpu()``."""
+    return tensor.context.device_type != "cpu"
 
 
 def _default_layout_copy(tensor):
@@ -64,7 +71,11 @@ def _default_layout_copy(tensor):
 
 
 def _readable(tensor):
-    """``(array, capsule)`` for the core to read ``tensor``."""
+    """``(array, capsule)`` for the core to read ``tensor``: the array itself, or its copy
+    in host memory (a GPU array, or one oneDNN keeps in its own layout)."""
+    if _off_host(tensor):
+        copy = tensor.as_in_context(mx.cpu())
+        return copy, copy.to_dlpack_for_read()
     try:
         return tensor, tensor.to_dlpack_for_read()
     except mx.base.MXNetError:
@@ -74,20 +85,26 @@ def _readable(tensor):
 
 def _writable(tensor):
     """``(buffer, capsule, finish)`` for the core to write ``tensor``'s new value:
-    ``finish()`` (after the core is done) puts it in ``tensor`` and returns ``tensor``."""
-    try:
-        return tensor, tensor.to_dlpack_for_write(), lambda: tensor
-    except mx.base.MXNetError:
-        copy = _default_layout_copy(tensor)
+    ``finish()`` (after the core is done) puts it in ``tensor`` and returns ``tensor``.
+    The buffer starts with ``tensor``'s values (an in-place reduction reads them)."""
+    if _off_host(tensor):
+        copy = tensor.as_in_context(mx.cpu())
+    else:
+        try:
+            return tensor, tensor.to_dlpack_for_write(), lambda: tensor
+        except mx.base.MXNetError:
+            copy = _default_layout_copy(tensor)
 
-        def finish():
-            tensor[:] = copy
-            return tensor
-        return copy, copy.to_dlpack_for_write(), finish
+    def finish():
+        tensor[:] = copy
+        return tensor
+    return copy, copy.to_dlpack_for_write(), finish
 
 
-def _imported(handle):
-    return mx.nd.from_dlpack(handle.output())
+def _imported(handle, ctx):
+    """The result the core allocated, on ``ctx`` (the input's context)."""
+    out = mx.nd.from_dlpack(handle.output())
+    return out if out.context == ctx else out.as_in_context(ctx)
 
 
 def _group_names(name, n):
@@ -162,7 +179,8 @@ def _allgather(tensor, name, process_set, stack):
         src = src.expand_dims(0)
     src, cap = _readable(src)
     return _ops.allgather_async(cap, name=name, stack=stack, process_set=process_set,
-                                keep=(tensor, src), finish=_imported)
+                                keep=(tensor, src),
+                                finish=lambda h: _imported(h, tensor.context))
 
 
 def allgather(tensor, name=None, priority=0, process_set=global_process_set):
@@ -211,7 +229,8 @@ def alltoall(tensor, splits=None, name=None, priority=0, process_set=global_proc
                                    else splits)]
 
     def finish(h):
-        return _imported(h), mx.nd.array(h.recv_splits(), dtype=np.int32)
+        return (_imported(h, tensor.context),
+                mx.nd.array(h.recv_splits(), ctx=tensor.context, dtype=np.int32))
 
     src, cap = _readable(tensor)
     return _ops.alltoall_async(cap, splits=splits, name=name, process_set=process_set,
@@ -226,7 +245,7 @@ def reducescatter(tensor, op=Average, name=None, priority=0, process_set=global_
     return _ops.reducescatter_async(
         cap, name=name, op=op, prescale_factor=prescale_factor,
         postscale_factor=postscale_factor, process_set=process_set, keep=(tensor, src),
-        finish=_imported).wait()
+        finish=lambda h: _imported(h, tensor.context)).wait()
 
 
 def join():

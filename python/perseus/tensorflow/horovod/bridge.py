@@ -7,6 +7,11 @@ no other tensor shares. Inside a graph (``tf.function``, a ``tf.compat.v1`` sess
 each collective is one ``tf.py_function`` op that runs the same eager code when the
 graph executes; its static shape is set from what the collective guarantees.
 
+Tensors on a GPU cross through host memory: each collective's inputs are copied to the
+host, the collective and every op of its body run on the CPU, and its outputs are copied
+back to the device of its first GPU input. (Perseus's NCCL path serves PyTorch's CUDA
+tensors only; docs/gpu.md.)
+
 Names in graphs: the core matches operations across ranks by name. Inside
 ``tf.function`` the py_function ops are stateful, so automatic control dependencies
 run them in program order, and unnamed collectives are named by that order, as in
@@ -36,12 +41,18 @@ def as_tensor(value):
     return t
 
 
+def _gpu_device(t):
+    """The device of ``t`` when it lives on a GPU, else None."""
+    device = getattr(t, "device", "") or ""
+    return device if ":GPU:" in device.upper() else None
+
+
 def _on_cpu(t):
-    device = t.device or ""
-    if ":GPU:" in device.upper():
-        raise ValueError(f"GPU tensors are not supported yet: Perseus handles CPU tensors only "
-                         f"(got a tensor on {device}); place the collective under "
-                         "tf.device('/cpu:0')")
+    device = _gpu_device(t)
+    if device is not None:
+        raise ValueError(f"a tensor on {device} reached the core, which takes TensorFlow "
+                         "tensors in host memory only; collectives go through bridge.run, "
+                         "which copies them to the host")
     return t
 
 
@@ -80,7 +91,25 @@ def run(fn, inputs, out_dtypes, kind):
     ``fn`` takes and returns eager tensors (a list, one per ``out_dtypes``). Returns
     the list of outputs (symbolic in a graph, with unknown shapes: callers set them).
     """
+    body = through_host(fn)
     if tf.executing_eagerly():
-        return list(fn(*inputs))
-    outs = tf.py_function(fn, list(inputs), list(out_dtypes), name=kind)
+        return list(body(*inputs))
+    outs = tf.py_function(body, list(inputs), list(out_dtypes), name=kind)
     return list(outs) if isinstance(outs, (list, tuple)) else [outs]
+
+
+def through_host(fn):
+    """``fn`` for eager tensors on any device: inputs on a GPU are copied to host memory,
+    ``fn`` runs with every op it makes placed on the CPU (on a machine with a GPU, ops
+    go there by default), and when some input was on a GPU the outputs are copied back
+    to the first such input's device."""
+    def body(*xs):
+        gpu = next((d for d in map(_gpu_device, xs) if d is not None), None)
+        with tf.device("/cpu:0"):
+            host = [tf.identity(x) if _gpu_device(x) is not None else x for x in xs]
+            outs = list(fn(*host))
+        if gpu is None:
+            return outs
+        with tf.device(gpu):
+            return [tf.identity(o) for o in outs]
+    return body

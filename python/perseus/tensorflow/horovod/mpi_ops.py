@@ -37,8 +37,8 @@ from perseus.common.basics import (  # noqa: F401 - re-exported
 
 
 def cuda_built():
-    """False: Perseus reduces CUDA tensors of PyTorch only; TensorFlow's GPU tensors are
-    refused (docs/gpu.md)."""
+    """False: Perseus's NCCL path serves PyTorch's CUDA tensors only; TensorFlow's GPU
+    tensors cross through host memory (docs/gpu.md)."""
     return False
 from perseus.common.exceptions import (  # noqa: F401 - re-exported
     HorovodInternalError,
