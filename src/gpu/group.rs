@@ -32,8 +32,6 @@ struct Channel {
 struct State {
     /// Recorded on the Perseus stream; channels wait on it.
     ready: sys::CUevent,
-    /// `ready` marks all work queued on the Perseus stream so far.
-    ready_fresh: bool,
     /// Channels with work the Perseus stream has not waited for yet.
     pending: Vec<usize>,
     fusion: sys::CUdeviceptr,
@@ -101,15 +99,19 @@ pub fn open(
     members: &[usize],
 ) -> Result<std::result::Result<NcclGroup, String>> {
     let channels = channels.max(1);
-    let made = (|| -> Result<(Arc<CudaDevice>, Arc<Nccl>)> {
+    // Everything that can fail on this rank alone happens before the status is shared:
+    // the device, NCCL, and each channel's stream and event and the group's own.
+    let made = (|| -> Result<(Arc<CudaDevice>, Arc<Nccl>, Local)> {
         let dev = CudaDevice::get(ordinal)?;
         dev.bind()?;
-        Ok((dev, Arc::new(Nccl::load(&search_dirs())?)))
+        let nccl = Arc::new(Nccl::load(&search_dirs())?);
+        let local = Local::new(&dev, channels)?;
+        Ok((dev, nccl, local))
     })();
     // Each group's first member makes its ids; every rank's slot (a status byte, then
     // the ids) is gathered, and each rank reads its leader's. A rank that could not
-    // load its device or NCCL, or a leader that could not make the ids, says so in its
-    // status, and no rank of that group waits in ncclCommInitRank for it.
+    // make its part, or a leader that could not make the ids, says so in its status,
+    // and no rank of that group waits in ncclCommInitRank for it.
     let slot = 1 + channels * UNIQUE_ID_BYTES;
     let mut all = vec![0u8; slot * comm.size()];
     let me = comm.rank();
@@ -119,11 +121,14 @@ pub fn open(
         all[me * slot] = MADE;
     }
     if leader == me {
-        let ids = made.as_ref().map_err(|e| e.clone()).and_then(|(_, nccl)| {
-            (0..channels)
-                .map(|_| nccl.unique_id())
-                .collect::<Result<Vec<_>>>()
-        });
+        let ids = made
+            .as_ref()
+            .map_err(|e| e.clone())
+            .and_then(|(_, nccl, _)| {
+                (0..channels)
+                    .map(|_| nccl.unique_id())
+                    .collect::<Result<Vec<_>>>()
+            });
         match ids {
             Ok(list) => {
                 all[me * slot] |= IDS;
@@ -143,18 +148,28 @@ pub fn open(
         .expect("a member of its group");
     let formed = match ready_to_form(&all, slot, members) {
         Err(why) => Err(why_not.unwrap_or(why)),
-        Ok(()) => made.map_err(|e| e.to_string()).and_then(|(dev, nccl)| {
-            form(&dev, &nccl, ids, members.len(), rank, channels)
-                .map(|chans| (dev, chans))
-                .map_err(|e| e.to_string())
-        }),
+        Ok(()) => made
+            .map_err(|e| e.to_string())
+            .and_then(|(dev, nccl, local)| {
+                dev.bind()
+                    .and_then(|()| form(&nccl, ids, members.len(), rank, local.streams))
+                    .map(|chans| (dev, chans, local.ready, local.flag))
+                    .map_err(|e| e.to_string())
+            }),
     };
     // Every rank learns whether every rank formed its group.
-    let offer = formed.as_ref().map(|(d, _)| d.uuid).map_err(|e| e.clone());
+    let offer = formed.as_ref().map(|(d, ..)| d.uuid).map_err(|e| e.clone());
     match agree(comm, offer)? {
         Agreement::Direct => {
-            let (dev, channels) = formed.expect("agreed, so formed here");
-            Ok(Ok(NcclGroup::new(dev, channels, rank, members.len())?))
+            let (dev, channels, ready, flag) = formed.expect("agreed, so formed here");
+            Ok(Ok(NcclGroup::new(
+                dev,
+                channels,
+                ready,
+                flag,
+                rank,
+                members.len(),
+            )))
         }
         Agreement::Staged(why) => Ok(Err(why)),
     }
@@ -180,25 +195,58 @@ fn ready_to_form(all: &[u8], slot: usize, members: &[usize]) -> std::result::Res
     Ok(())
 }
 
-/// The channels' communicators and streams.
+/// What a group needs of this rank's device alone, made before any rank calls
+/// ncclCommInitRank. Kept for the life of the process once made (one per process set;
+/// a set that ends up staged leaves them unused).
+struct Local {
+    /// Each channel's stream and the event marking its last work.
+    streams: Vec<(sys::CUstream, sys::CUevent)>,
+    /// The group's `ready` event.
+    ready: sys::CUevent,
+    /// Four bytes for the finiteness flag.
+    flag: sys::CUdeviceptr,
+}
+
+impl Local {
+    fn new(dev: &CudaDevice, channels: usize) -> Result<Local> {
+        let event = || {
+            result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+                .map_err(driver("cuEventCreate"))
+        };
+        let streams = (0..channels)
+            .map(|_| {
+                let stream = result::stream::create(result::stream::StreamKind::NonBlocking)
+                    .map_err(driver("cuStreamCreate"))?;
+                Ok((stream, event()?))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        // SAFETY: four bytes on the Perseus stream, freed never (one per group).
+        let flag =
+            unsafe { result::malloc_async(dev.stream, 4) }.map_err(driver("cuMemAllocAsync"))?;
+        Ok(Local {
+            streams,
+            ready: event()?,
+            flag,
+        })
+    }
+}
+
+/// The channels: one communicator each, joined back to back (every member of the
+/// group calls this together, once every member has made its [`Local`]).
 fn form(
-    dev: &Arc<CudaDevice>,
     nccl: &Arc<Nccl>,
     ids: &[u8],
     size: usize,
     rank: usize,
-    channels: usize,
+    streams: Vec<(sys::CUstream, sys::CUevent)>,
 ) -> Result<Vec<Channel>> {
-    dev.bind()?;
-    (0..channels)
-        .map(|c| {
+    streams
+        .into_iter()
+        .enumerate()
+        .map(|(c, (stream, done))| {
             let mut id = UniqueId([0; UNIQUE_ID_BYTES]);
             id.0.copy_from_slice(&ids[c * UNIQUE_ID_BYTES..(c + 1) * UNIQUE_ID_BYTES]);
             let comm = nccl.communicator(&id, size, rank)?;
-            let stream = result::stream::create(result::stream::StreamKind::NonBlocking)
-                .map_err(driver("cuStreamCreate"))?;
-            let done = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
-                .map_err(driver("cuEventCreate"))?;
             Ok(Channel { comm, stream, done })
         })
         .collect()
@@ -208,28 +256,24 @@ impl NcclGroup {
     fn new(
         dev: Arc<CudaDevice>,
         channels: Vec<Channel>,
+        ready: sys::CUevent,
+        flag: sys::CUdeviceptr,
         rank: usize,
         size: usize,
-    ) -> Result<NcclGroup> {
-        let ready = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
-            .map_err(driver("cuEventCreate"))?;
-        // SAFETY: four bytes on the Perseus stream, freed never (one per group).
-        let flag =
-            unsafe { result::malloc_async(dev.stream, 4) }.map_err(driver("cuMemAllocAsync"))?;
-        Ok(NcclGroup {
+    ) -> NcclGroup {
+        NcclGroup {
             dev,
             channels,
             rank,
             size,
             state: Mutex::new(State {
                 ready,
-                ready_fresh: false,
                 pending: Vec::new(),
                 fusion: 0,
                 fusion_len: 0,
                 flag,
             }),
-        })
+        }
     }
 
     /// Binds the device and makes the Perseus stream wait for every channel's work;
@@ -248,7 +292,6 @@ impl NcclGroup {
             }
             .map_err(driver("cuStreamWaitEvent"))?;
         }
-        st.ready_fresh = false;
         Ok(st)
     }
 
@@ -274,11 +317,9 @@ impl NcclGroup {
         let ch = &self.channels[c];
         // SAFETY: the streams and events live as long as the group.
         unsafe {
-            if !st.ready_fresh {
-                result::event::record(st.ready, self.dev.stream)
-                    .map_err(driver("cuEventRecord"))?;
-                st.ready_fresh = true;
-            }
+            // Recorded for every call (cheap), so `ready` always covers all the work
+            // queued on the Perseus stream so far, even after an earlier error.
+            result::event::record(st.ready, self.dev.stream).map_err(driver("cuEventRecord"))?;
             result::stream::wait_event(
                 ch.stream,
                 st.ready,

@@ -120,12 +120,16 @@ def run_step(optimizer, plan, torch_state=False):
             if device.type != "cuda":
                 _core.optimizer_step(groups)
                 return
-            ours = _perseus_stream(device)
-            theirs = torch.cuda.current_stream(device)
-            ours.wait_stream(theirs)
-            _core.optimizer_step(groups)
-            # Torch's stream waits for the step: what it reads or frees later comes after.
-            theirs.wait_stream(ours)
+            # The core makes the parameters' device current on this thread; the guard
+            # gives torch's current device back afterwards.
+            with torch.cuda.device(device):
+                ours = _perseus_stream(device)
+                theirs = torch.cuda.current_stream(device)
+                ours.wait_stream(theirs)
+                _core.optimizer_step(groups)
+                # Torch's stream waits for the step: what it reads or frees later comes
+                # after.
+                theirs.wait_stream(ours)
         except (RuntimeError, TypeError, ValueError):
             _diagnose(optimizer, plan)
             raise
