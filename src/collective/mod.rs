@@ -55,6 +55,11 @@ pub trait Comm: Sync {
     fn channel(&self, _s: usize) -> Option<Box<dyn Comm + '_>> {
         None
     }
+    /// The group ranks whose processes have ended, as far as the connections tell
+    /// (never blocks; none where the transport cannot tell).
+    fn ended(&self) -> Vec<usize> {
+        Vec::new()
+    }
 }
 
 /// A subgroup of a parent group: group rank `i` is parent rank `members[i]`.
@@ -98,6 +103,11 @@ impl<'a> SubComm<'a> {
             Parent::Owned(b) => &**b,
         }
     }
+
+    /// The parent rank of each group rank.
+    pub fn members(&self) -> &[usize] {
+        &self.members
+    }
 }
 
 impl Comm for SubComm<'_> {
@@ -132,6 +142,12 @@ impl Comm for SubComm<'_> {
             self.members.clone(),
         )))
     }
+    fn ended(&self) -> Vec<usize> {
+        let gone = self.parent().ended();
+        (0..self.members.len())
+            .filter(|&i| gone.contains(&self.members[i]))
+            .collect()
+    }
 }
 
 /// The whole mesh is the group of all ranks; process sets are [`SubComm`]s of it.
@@ -156,6 +172,9 @@ impl Comm for Mesh {
     }
     fn channel(&self, s: usize) -> Option<Box<dyn Comm + '_>> {
         (s < Mesh::streams(self)).then(|| Box::new(Mesh::channel(self, s)) as Box<dyn Comm>)
+    }
+    fn ended(&self) -> Vec<usize> {
+        Mesh::ended(self)
     }
 }
 

@@ -19,10 +19,12 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::Duration;
 
 use super::exec::{Buffers, Entry, Outcome};
 use super::message::{OpKind, Response};
 use super::tensor::Device;
+use super::watch::Watch;
 use crate::collective::{allgatherv, partition, Comm};
 use crate::config::NcclUse;
 use crate::dtype::{DataType, ReduceOp};
@@ -77,12 +79,18 @@ pub trait DeviceGroup: Send + Sync {
     /// As for [`DeviceGroup::copy`].
     unsafe fn cast_up(&self, src: *const u8, dst: *mut u8, count: usize, factor: f32)
         -> Result<()>;
-    /// Whether the `count` values of `dtype` at `buf` are all finite, once the work
-    /// queued so far has run (waits for it).
+    /// Which of `parts` (each `count` values of `dtype` at a pointer) hold a value
+    /// that is not finite, once the work queued so far has run: their positions in
+    /// `parts`. One check for them all, with one wait (as `watch` allows).
     ///
     /// # Safety
     /// As for [`DeviceGroup::copy`].
-    unsafe fn all_finite(&self, buf: *const u8, count: usize, dtype: DataType) -> Result<bool>;
+    unsafe fn nonfinite(
+        &self,
+        parts: &[(*const u8, usize)],
+        dtype: DataType,
+        watch: &Watch<'_>,
+    ) -> Result<Vec<usize>>;
     /// Queues an in-place allreduce of `count` elements on channel `channel`
     /// (`op` is never Average or Adasum).
     ///
@@ -120,19 +128,25 @@ pub trait DeviceGroup: Send + Sync {
     /// As for [`DeviceGroup::copy`].
     unsafe fn allgather(&self, buf: *mut u8, chunk: usize, dtype: DataType) -> Result<()>;
     /// Copies device memory at `src` into `dst`, once the work queued so far has run
-    /// (waits for it).
+    /// (waits for it, as `watch` allows).
     ///
     /// # Safety
     /// As for [`DeviceGroup::copy`].
-    unsafe fn download(&self, src: *const u8, dst: &mut [u8]) -> Result<()>;
+    unsafe fn download(&self, src: *const u8, dst: &mut [u8], watch: &Watch<'_>) -> Result<()>;
     /// Copies `src` into device memory at `dst`, after the work queued so far; `src`
     /// must stay alive until [`DeviceGroup::finish`] returns.
     ///
     /// # Safety
     /// As for [`DeviceGroup::copy`].
     unsafe fn upload(&self, src: &[u8], dst: *mut u8) -> Result<()>;
-    /// Waits until all queued work has run.
-    fn finish(&self) -> Result<()>;
+    /// Waits until all queued work has run, as `watch` allows: a wait that gives up
+    /// (a device error, a peer that ended, the peer timeout) aborts the group as
+    /// [`DeviceGroup::abandon`] does and returns the error.
+    fn finish(&self, watch: &Watch<'_>) -> Result<()>;
+    /// After a failed collective: stops this rank's part in the work queued (the
+    /// communicators are aborted, so no peer waits for it forever) and waits until the
+    /// device no longer touches any tensor. Every later call fails, naming `why`.
+    fn abandon(&self, why: &str);
 }
 
 /// True when a response may run on the device-direct path: every rank's tensors are
@@ -198,26 +212,35 @@ pub enum Route<'a> {
 
 /// Runs a response that [`supports`] accepted, every entry present, along `route`,
 /// in a set of `size` ranks; `bufs` holds the host copy of the hierarchical stage
-/// between hosts.
+/// between hosts, and `watch` bounds each wait for the device.
+///
+/// An error leaves the route's device group abandoned ([`DeviceGroup::abandon`]): a
+/// collective that failed on this rank alone would otherwise hold its peers in NCCL,
+/// and its queued work could still write tensors the framework has taken back.
 pub fn run_direct(
     route: Route<'_>,
     size: usize,
     resp: &Response,
     entries: &[Option<Entry>],
     bufs: &mut Buffers,
+    watch: &Watch<'_>,
 ) -> Outcome {
     let Response::Op { kind, root, .. } = resp else {
         unreachable!("run_direct takes Op responses");
     };
     let entries: Vec<&Entry> = entries.iter().flatten().collect();
+    let (Route::Flat(group) | Route::Hierarchical(group, _)) = route;
+    let job = Job {
+        group,
+        size,
+        resp,
+        entries: &entries,
+        watch,
+    };
     let result: Result<Option<(Vec<usize>, bool)>> = match (kind, route) {
-        (OpKind::Broadcast, Route::Flat(group)) => {
-            broadcast(group, *root as usize, &entries).map(|_| None)
-        }
-        (_, Route::Flat(group)) => allreduce(group, size, resp, &entries),
-        (OpKind::Allreduce, Route::Hierarchical(local, cross)) => {
-            hierarchical(local, cross, size, resp, &entries, bufs)
-        }
+        (OpKind::Broadcast, Route::Flat(_)) => job.broadcast(*root as usize).map(|_| None),
+        (_, Route::Flat(_)) => job.allreduce(),
+        (OpKind::Allreduce, Route::Hierarchical(_, cross)) => job.hierarchical(cross, bufs),
         _ => Err(PerseusError::InvalidArgument(format!(
             "{} has no hierarchical device path",
             kind.name()
@@ -228,10 +251,13 @@ pub fn run_direct(
             results: entries.iter().map(|_| Ok(Default::default())).collect(),
             resent,
         },
-        Err(e) => Outcome {
-            results: entries.iter().map(|_| Err(e.clone())).collect(),
-            resent: None,
-        },
+        Err(e) => {
+            group.abandon(&e.to_string());
+            Outcome {
+                results: entries.iter().map(|_| Err(e.clone())).collect(),
+                resent: None,
+            }
+        }
     }
 }
 
@@ -255,18 +281,302 @@ unsafe fn input_to_output(group: &dyn DeviceGroup, e: &Entry) -> Result<()> {
     Ok(())
 }
 
-fn broadcast(group: &dyn DeviceGroup, root: usize, entries: &[&Entry]) -> Result<()> {
-    for e in entries {
-        let (buf, bytes) = target(e);
-        // SAFETY: the front-end keeps the tensors alive until completion.
-        unsafe {
-            if group.rank() == root {
-                input_to_output(group, e)?;
+/// One response on one device group (the host's, for a hierarchical allreduce): what
+/// each of its steps works on.
+struct Job<'a> {
+    group: &'a dyn DeviceGroup,
+    /// Ranks in the process set.
+    size: usize,
+    resp: &'a Response,
+    entries: &'a [&'a Entry],
+    watch: &'a Watch<'a>,
+}
+
+impl Job<'_> {
+    /// Broadcasts each tensor, in place, from group rank `root`.
+    fn broadcast(&self, root: usize) -> Result<()> {
+        let Job {
+            group,
+            entries,
+            watch,
+            ..
+        } = *self;
+        for e in entries {
+            let (buf, bytes) = target(e);
+            // SAFETY: the front-end keeps the tensors alive until completion.
+            unsafe {
+                if group.rank() == root {
+                    input_to_output(group, e)?;
+                }
+                group.broadcast(buf, bytes, root)?;
             }
-            group.broadcast(buf, bytes, root)?;
         }
+        group.finish(watch)
     }
-    group.finish()
+
+    /// The flat allreduce: float16 under `PERSEUS_ALLREDUCE_DTYPE=0`, else exact. Returns
+    /// the tensors whose float16 sums were not finite (redone exactly, from the inputs, on
+    /// every rank) and whether their exact sums are.
+    fn allreduce(&self) -> Result<Option<(Vec<usize>, bool)>> {
+        let half = matches!(compressible(self.resp), Some((Encoding::Half, _))) && self.size > 1;
+        if !half {
+            self.exact()?;
+            return Ok(None);
+        }
+        let bad = self.compressed()?;
+        if bad.is_empty() {
+            return Ok(None);
+        }
+        // Every rank saw the same float16 sums, so every rank resends.
+        self.exact()?;
+        self.resent(bad)
+    }
+
+    /// The exact allreduce: in the tensor's own memory when there is one, else packed in
+    /// the fusion buffer.
+    fn exact(&self) -> Result<()> {
+        let Job {
+            group,
+            size,
+            resp,
+            entries,
+            watch,
+        } = *self;
+        let Response::Op { dtype, shapes, .. } = resp else {
+            unreachable!("exact takes Op responses");
+        };
+        let dtype = *dtype;
+        let (pre, post, op) = factors(resp, size);
+        // SAFETY: the front-end keeps the tensors alive until completion; the fusion
+        // buffer holds every packed tensor.
+        unsafe {
+            let (buf, count) = if let [e] = entries {
+                input_to_output(group, e)?;
+                (target(e).0, elems(&shapes[0]))
+            } else {
+                pack(group, entries, dtype, |c| c)?
+            };
+            if pre != 1.0 {
+                group.scale(buf, count, dtype, pre)?;
+            }
+            allreduce_split(group, buf, count, dtype, op)?;
+            if post != 1.0 {
+                group.scale(buf, count, dtype, post)?;
+            }
+            if entries.len() > 1 {
+                unpack(group, entries, buf)?;
+            }
+        }
+        group.finish(watch)
+    }
+
+    /// The float16 allreduce of float32 gradients, cast on the device. Returns the
+    /// positions of the tensors whose float16 sums are not finite (then nothing was
+    /// written, and the caller resends exactly).
+    fn compressed(&self) -> Result<Vec<usize>> {
+        let Job {
+            group,
+            size,
+            resp,
+            entries,
+            watch,
+        } = *self;
+        let Response::Op { shapes, plan, .. } = resp else {
+            unreachable!("compressed takes Op responses");
+        };
+        let (pre, post, _) = factors(resp, size);
+        let counts: Vec<usize> = shapes.iter().map(|s| elems(s)).collect();
+        let total: usize = counts.iter().sum();
+        // SAFETY: as in `exact`; the image holds `total` float16 values.
+        unsafe {
+            let image = group.fusion(total * 2)?;
+            let mut at = 0;
+            for (e, &n) in entries.iter().zip(&counts) {
+                let src = e.input.as_ref().or(e.output.as_ref()).expect("a tensor");
+                group.cast_down(src.ptr, image.add(at * 2), n, (pre * plan.scale) as f32)?;
+                at += n;
+            }
+            allreduce_split(group, image, total, DataType::F16, ReduceOp::Sum)?;
+            // One check of the whole image, and only when it fails one of each tensor.
+            let whole = [(image as *const u8, total)];
+            if !group.nonfinite(&whole, DataType::F16, watch)?.is_empty() {
+                let parts: Vec<(*const u8, usize)> = starts(counts.iter().copied())
+                    .into_iter()
+                    .zip(&counts)
+                    .map(|(at, &n)| (image.add(at * 2) as *const u8, n))
+                    .collect();
+                let bad = group.nonfinite(&parts, DataType::F16, watch)?;
+                if !bad.is_empty() {
+                    return Ok(bad);
+                }
+            }
+            let mut at = 0;
+            for (e, &n) in entries.iter().zip(&counts) {
+                let dst = target(e).0;
+                group.cast_up(image.add(at * 2), dst, n, (post / plan.scale) as f32)?;
+                at += n;
+            }
+        }
+        group.finish(watch)?;
+        Ok(Vec::new())
+    }
+
+    /// What a caller reports after resending the tensors at `bad` exactly: them, and
+    /// whether their exact sums are finite (if so, the scale was to blame).
+    fn resent(&self, bad: Vec<usize>) -> Result<Option<(Vec<usize>, bool)>> {
+        let Job {
+            group,
+            entries,
+            watch,
+            ..
+        } = *self;
+        let parts: Vec<(*const u8, usize)> = bad
+            .iter()
+            .map(|&i| {
+                let (buf, bytes) = target(entries[i]);
+                (buf as *const u8, bytes / 4)
+            })
+            .collect();
+        // SAFETY: as in `exact`; the sums are complete after `finish`.
+        let finite = unsafe { group.nonfinite(&parts, DataType::F32, watch)? }.is_empty();
+        Ok(Some((bad, finite)))
+    }
+
+    /// The hierarchical allreduce: a reduce-scatter among this host's devices leaves
+    /// each local rank one chunk of the host's sum; the ranks with the same local index
+    /// allreduce their chunk across hosts through host memory (the CPU transport); an
+    /// allgather among the host's devices shares the chunks.
+    ///
+    /// Under a float16 plan (`PERSEUS_ALLREDUCE_DTYPE` 0 or 2), a float32 Sum or Average
+    /// crosses hosts as float16: each rank casts its chunk on the device (times the
+    /// gradient scale), and only the float16 bytes go to host memory and over the wire;
+    /// within the host NCCL stays float32. Returns, as [`Job::allreduce`] does, the tensors
+    /// whose float16 sums were not finite (redone exactly, from the inputs, on every
+    /// rank) and whether their exact sums are.
+    fn hierarchical(
+        &self,
+        cross: &dyn Comm,
+        bufs: &mut Buffers,
+    ) -> Result<Option<(Vec<usize>, bool)>> {
+        let half = compressible(self.resp)
+            .filter(|(encoding, _)| *encoding != Encoding::Exact && cross.size() > 1)
+            .map(|(_, scale)| scale);
+        let bad = self.hierarchical_pass(cross, bufs, half)?;
+        if bad.is_empty() {
+            return Ok(None);
+        }
+        // Every rank holds the same sums, so every rank resends.
+        self.hierarchical_pass(cross, bufs, None)?;
+        self.resent(bad)
+    }
+
+    /// One hierarchical allreduce, exact between hosts or (`half`: the gradient scale)
+    /// float16 there. Returns the tensors whose float16 sums are not finite; then no
+    /// output was written.
+    fn hierarchical_pass(
+        &self,
+        cross: &dyn Comm,
+        bufs: &mut Buffers,
+        half: Option<f64>,
+    ) -> Result<Vec<usize>> {
+        let Job {
+            group: local,
+            size,
+            resp,
+            entries,
+            watch,
+        } = *self;
+        let Response::Op { dtype, .. } = resp else {
+            unreachable!("hierarchical takes Op responses");
+        };
+        let dtype = *dtype;
+        let (pre, post, op) = factors(resp, size);
+        let l = local.size();
+        // Room for `l` chunks and, under float16, one chunk's float16 image after them.
+        let room = |c: usize| {
+            let chunk = c.div_ceil(l);
+            chunk * l + half.map_or(0, |_| chunk.div_ceil(2))
+        };
+        // SAFETY: as in `exact`; the buffer holds `l` chunks and the image.
+        unsafe {
+            let (buf, count) = pack(local, entries, dtype, room)?;
+            let chunk = count.div_ceil(l);
+            if pre != 1.0 {
+                local.scale(buf, count, dtype, pre)?;
+            }
+            local.reduce_scatter(buf, chunk, dtype, op)?;
+            let first = local.rank() * chunk;
+            let mine = buf.add(first * dtype.size());
+            // Under float16: the elements each tensor spans.
+            let live: Vec<std::ops::Range<usize>> = match half {
+                None => Vec::new(),
+                Some(_) => layout(entries)
+                    .into_iter()
+                    .map(|r| r.start / dtype.size()..r.end / dtype.size())
+                    .collect(),
+            };
+            match half {
+                None => {
+                    // The engine's fusion buffer (idle on this path) holds the host copy,
+                    // reused from call to call; it must outlive the upload, until `finish`.
+                    let host = &mut bufs.fusion;
+                    host.resize(chunk * dtype.size());
+                    local.download(mine, host.as_mut_slice(), watch)?;
+                    crate::collective::allreduce(
+                        cross,
+                        host.as_mut_slice(),
+                        dtype,
+                        op,
+                        1.0,
+                        &mut bufs.scratch,
+                    )?;
+                    local.upload(bufs.fusion.as_slice(), mine)?;
+                }
+                Some(scale) => {
+                    let image = buf.add(l * chunk * dtype.size());
+                    local.cast_down(mine, image, chunk, scale as f32)?;
+                    let host = &mut bufs.half;
+                    host.resize(chunk * 2);
+                    local.download(image, host.as_mut_slice(), watch)?;
+                    // The gaps between packed tensors hold stale bytes; zeroed here, every
+                    // element of the gathered buffer is a tensor's or zero, so one check
+                    // over all of it speaks for the tensors alone.
+                    clear_gaps(host.as_mut_slice(), first, &live);
+                    crate::collective::allreduce(
+                        cross,
+                        host.as_mut_slice(),
+                        DataType::F16,
+                        ReduceOp::Sum,
+                        1.0,
+                        &mut bufs.scratch,
+                    )?;
+                    local.upload(bufs.half.as_slice(), image)?;
+                    local.cast_up(image, mine, chunk, (1.0 / scale) as f32)?;
+                }
+            }
+            local.allgather(buf, chunk, dtype)?;
+            // One check of the whole buffer (the gaps are zero), and only when it
+            // fails one more, of each tensor.
+            let whole = [(buf as *const u8, l * chunk)];
+            if half.is_some() && !local.nonfinite(&whole, dtype, watch)?.is_empty() {
+                let parts: Vec<(*const u8, usize)> = live
+                    .iter()
+                    .map(|r| (buf.add(r.start * dtype.size()) as *const u8, r.len()))
+                    .collect();
+                let bad = local.nonfinite(&parts, dtype, watch)?;
+                if !bad.is_empty() {
+                    local.finish(watch)?;
+                    return Ok(bad);
+                }
+            }
+            if post != 1.0 {
+                local.scale(buf, count, dtype, post)?;
+            }
+            unpack(local, entries, buf)?;
+            local.finish(watch)?;
+        }
+        Ok(Vec::new())
+    }
 }
 
 /// Queues an allreduce of `count` elements at `buf`, split across the channels.
@@ -290,26 +600,6 @@ unsafe fn allreduce_split(
     Ok(())
 }
 
-fn allreduce(
-    group: &dyn DeviceGroup,
-    size: usize,
-    resp: &Response,
-    entries: &[&Entry],
-) -> Result<Option<(Vec<usize>, bool)>> {
-    let half = matches!(compressible(resp), Some((Encoding::Half, _))) && size > 1;
-    if !half {
-        exact(group, size, resp, entries)?;
-        return Ok(None);
-    }
-    let bad = compressed(group, size, resp, entries)?;
-    if bad.is_empty() {
-        return Ok(None);
-    }
-    // Every rank saw the same float16 sums, so every rank resends.
-    exact(group, size, resp, entries)?;
-    resent(group, entries, bad)
-}
-
 /// The plan's encoding and gradient scale, when the response is one float16 could
 /// carry: a float32 Sum or Average.
 fn compressible(resp: &Response) -> Option<(Encoding, f64)> {
@@ -321,22 +611,6 @@ fn compressible(resp: &Response) -> Option<(Encoding, f64)> {
     };
     let fits = *dtype == DataType::F32 && matches!(op, ReduceOp::Sum | ReduceOp::Average);
     fits.then_some((plan.encoding, plan.scale))
-}
-
-/// What a caller reports after resending the tensors at `bad` exactly: them, and
-/// whether their exact sums are finite (if so, the scale was to blame).
-fn resent(
-    group: &dyn DeviceGroup,
-    entries: &[&Entry],
-    bad: Vec<usize>,
-) -> Result<Option<(Vec<usize>, bool)>> {
-    let mut finite = true;
-    for &i in &bad {
-        let (buf, bytes) = target(entries[i]);
-        // SAFETY: as in `exact`; the sums are complete after `finish`.
-        finite &= unsafe { group.all_finite(buf, bytes / 4, DataType::F32)? };
-    }
-    Ok(Some((bad, finite)))
 }
 
 /// The scales of a reduction: before it, and after it (with Average's 1/n), and the
@@ -397,170 +671,6 @@ fn layout(entries: &[&Entry]) -> Vec<std::ops::Range<usize>> {
         .collect()
 }
 
-/// The exact allreduce: in the tensor's own memory when there is one, else packed in
-/// the fusion buffer.
-fn exact(group: &dyn DeviceGroup, size: usize, resp: &Response, entries: &[&Entry]) -> Result<()> {
-    let Response::Op { dtype, shapes, .. } = resp else {
-        unreachable!("exact takes Op responses");
-    };
-    let dtype = *dtype;
-    let (pre, post, op) = factors(resp, size);
-    // SAFETY: the front-end keeps the tensors alive until completion; the fusion
-    // buffer holds every packed tensor.
-    unsafe {
-        let (buf, count) = if let [e] = entries {
-            input_to_output(group, e)?;
-            (target(e).0, elems(&shapes[0]))
-        } else {
-            pack(group, entries, dtype, |c| c)?
-        };
-        if pre != 1.0 {
-            group.scale(buf, count, dtype, pre)?;
-        }
-        allreduce_split(group, buf, count, dtype, op)?;
-        if post != 1.0 {
-            group.scale(buf, count, dtype, post)?;
-        }
-        if entries.len() > 1 {
-            unpack(group, entries, buf)?;
-        }
-    }
-    group.finish()
-}
-
-/// The hierarchical allreduce: a reduce-scatter among this host's devices leaves
-/// each local rank one chunk of the host's sum; the ranks with the same local index
-/// allreduce their chunk across hosts through host memory (the CPU transport); an
-/// allgather among the host's devices shares the chunks.
-///
-/// Under a float16 plan (`PERSEUS_ALLREDUCE_DTYPE` 0 or 2), a float32 Sum or Average
-/// crosses hosts as float16: each rank casts its chunk on the device (times the
-/// gradient scale), and only the float16 bytes go to host memory and over the wire;
-/// within the host NCCL stays float32. Returns, as [`allreduce`] does, the tensors
-/// whose float16 sums were not finite (redone exactly, from the inputs, on every
-/// rank) and whether their exact sums are.
-fn hierarchical(
-    local: &dyn DeviceGroup,
-    cross: &dyn Comm,
-    size: usize,
-    resp: &Response,
-    entries: &[&Entry],
-    bufs: &mut Buffers,
-) -> Result<Option<(Vec<usize>, bool)>> {
-    let half = compressible(resp)
-        .filter(|(encoding, _)| *encoding != Encoding::Exact && cross.size() > 1)
-        .map(|(_, scale)| scale);
-    let bad = hierarchical_pass(local, cross, size, resp, entries, bufs, half)?;
-    if bad.is_empty() {
-        return Ok(None);
-    }
-    // Every rank holds the same sums, so every rank resends.
-    hierarchical_pass(local, cross, size, resp, entries, bufs, None)?;
-    resent(local, entries, bad)
-}
-
-/// One hierarchical allreduce, exact between hosts or (`half`: the gradient scale)
-/// float16 there. Returns the tensors whose float16 sums are not finite; then no
-/// output was written.
-fn hierarchical_pass(
-    local: &dyn DeviceGroup,
-    cross: &dyn Comm,
-    size: usize,
-    resp: &Response,
-    entries: &[&Entry],
-    bufs: &mut Buffers,
-    half: Option<f64>,
-) -> Result<Vec<usize>> {
-    let Response::Op { dtype, .. } = resp else {
-        unreachable!("hierarchical takes Op responses");
-    };
-    let dtype = *dtype;
-    let (pre, post, op) = factors(resp, size);
-    let l = local.size();
-    // Room for `l` chunks and, under float16, one chunk's float16 image after them.
-    let room = |c: usize| {
-        let chunk = c.div_ceil(l);
-        chunk * l + half.map_or(0, |_| chunk.div_ceil(2))
-    };
-    // SAFETY: as in `exact`; the buffer holds `l` chunks and the image.
-    unsafe {
-        let (buf, count) = pack(local, entries, dtype, room)?;
-        let chunk = count.div_ceil(l);
-        if pre != 1.0 {
-            local.scale(buf, count, dtype, pre)?;
-        }
-        local.reduce_scatter(buf, chunk, dtype, op)?;
-        let first = local.rank() * chunk;
-        let mine = buf.add(first * dtype.size());
-        // Under float16: the elements each tensor spans.
-        let live: Vec<std::ops::Range<usize>> = match half {
-            None => Vec::new(),
-            Some(_) => layout(entries)
-                .into_iter()
-                .map(|r| r.start / dtype.size()..r.end / dtype.size())
-                .collect(),
-        };
-        match half {
-            None => {
-                // The engine's fusion buffer (idle on this path) holds the host copy,
-                // reused from call to call; it must outlive the upload, until `finish`.
-                let host = &mut bufs.fusion;
-                host.resize(chunk * dtype.size());
-                local.download(mine, host.as_mut_slice())?;
-                crate::collective::allreduce(
-                    cross,
-                    host.as_mut_slice(),
-                    dtype,
-                    op,
-                    1.0,
-                    &mut bufs.scratch,
-                )?;
-                local.upload(bufs.fusion.as_slice(), mine)?;
-            }
-            Some(scale) => {
-                let image = buf.add(l * chunk * dtype.size());
-                local.cast_down(mine, image, chunk, scale as f32)?;
-                let host = &mut bufs.half;
-                host.resize(chunk * 2);
-                local.download(image, host.as_mut_slice())?;
-                // The gaps between packed tensors hold stale bytes; zeroed here, every
-                // element of the gathered buffer is a tensor's or zero, so one check
-                // over all of it speaks for the tensors alone.
-                clear_gaps(host.as_mut_slice(), first, &live);
-                crate::collective::allreduce(
-                    cross,
-                    host.as_mut_slice(),
-                    DataType::F16,
-                    ReduceOp::Sum,
-                    1.0,
-                    &mut bufs.scratch,
-                )?;
-                local.upload(bufs.half.as_slice(), image)?;
-                local.cast_up(image, mine, chunk, (1.0 / scale) as f32)?;
-            }
-        }
-        local.allgather(buf, chunk, dtype)?;
-        if half.is_some() && !local.all_finite(buf, l * chunk, dtype)? {
-            let mut bad = Vec::new();
-            for (i, r) in live.iter().enumerate() {
-                if !local.all_finite(buf.add(r.start * dtype.size()), r.len(), dtype)? {
-                    bad.push(i);
-                }
-            }
-            if !bad.is_empty() {
-                local.finish()?;
-                return Ok(bad);
-            }
-        }
-        if post != 1.0 {
-            local.scale(buf, count, dtype, post)?;
-        }
-        unpack(local, entries, buf)?;
-        local.finish()?;
-    }
-    Ok(Vec::new())
-}
-
 /// Zeroes the float16 values of `image` (elements `first..` of the fusion buffer)
 /// that no range of `live` covers.
 fn clear_gaps(image: &mut [u8], first: usize, live: &[std::ops::Range<usize>]) {
@@ -576,53 +686,6 @@ fn clear_gaps(image: &mut [u8], first: usize, live: &[std::ops::Range<usize>]) {
             break;
         }
     }
-}
-
-/// The float16 allreduce of float32 gradients, cast on the device. Returns the
-/// positions of the tensors whose float16 sums are not finite (then nothing was
-/// written, and the caller resends exactly).
-fn compressed(
-    group: &dyn DeviceGroup,
-    size: usize,
-    resp: &Response,
-    entries: &[&Entry],
-) -> Result<Vec<usize>> {
-    let Response::Op { shapes, plan, .. } = resp else {
-        unreachable!("compressed takes Op responses");
-    };
-    let (pre, post, _) = factors(resp, size);
-    let counts: Vec<usize> = shapes.iter().map(|s| elems(s)).collect();
-    let total: usize = counts.iter().sum();
-    // SAFETY: as in `exact`; the image holds `total` float16 values.
-    unsafe {
-        let image = group.fusion(total * 2)?;
-        let mut at = 0;
-        for (e, &n) in entries.iter().zip(&counts) {
-            let src = e.input.as_ref().or(e.output.as_ref()).expect("a tensor");
-            group.cast_down(src.ptr, image.add(at * 2), n, (pre * plan.scale) as f32)?;
-            at += n;
-        }
-        allreduce_split(group, image, total, DataType::F16, ReduceOp::Sum)?;
-        let mut bad = Vec::new();
-        let mut at = 0;
-        for (i, &n) in counts.iter().enumerate() {
-            if !group.all_finite(image.add(at * 2), n, DataType::F16)? {
-                bad.push(i);
-            }
-            at += n;
-        }
-        if !bad.is_empty() {
-            return Ok(bad);
-        }
-        let mut at = 0;
-        for (e, &n) in entries.iter().zip(&counts) {
-            let dst = target(e).0;
-            group.cast_up(image.add(at * 2), dst, n, (post / plan.scale) as f32)?;
-            at += n;
-        }
-    }
-    group.finish()?;
-    Ok(Vec::new())
 }
 
 /// Why the direct path is not taken for a process set, or that it is.
@@ -735,26 +798,40 @@ impl Opener for NoGpu {
 pub struct Groups {
     use_nccl: NcclUse,
     channels: usize,
+    limit: Duration,
     opener: Box<dyn Opener>,
-    sets: HashMap<(u32, bool), Formed>,
+    /// Each set's group (or why none), and the device it was formed on.
+    sets: HashMap<(u32, bool), (Formed, Device)>,
 }
 
 impl Groups {
     /// No groups yet; `use_nccl` is PERSEUS_NCCL_ENABLE, `channels` the communicators
-    /// per group.
-    pub fn new(use_nccl: NcclUse, channels: usize, opener: Box<dyn Opener>) -> Groups {
+    /// per group, `limit` the longest wait for a device collective (the peer timeout).
+    pub fn new(
+        use_nccl: NcclUse,
+        channels: usize,
+        limit: Duration,
+        opener: Box<dyn Opener>,
+    ) -> Groups {
         Groups {
             use_nccl,
             channels,
+            limit,
             opener,
             sets: HashMap::new(),
         }
     }
 
+    /// The longest wait for a device collective.
+    pub fn limit(&self) -> Duration {
+        self.limit
+    }
+
     /// The group of process set `ps` (every member calls this for the same
     /// response), of this host's ranks when `local`, `None` when its device tensors
     /// go through host memory. Under PERSEUS_NCCL_ENABLE=1 that is an error naming
-    /// why, on every rank.
+    /// why, on every rank. A group stays on the device it was formed on: tensors of
+    /// the set on another device of this rank are an error naming both.
     pub fn get(
         &mut self,
         ps: u32,
@@ -785,15 +862,23 @@ impl Groups {
                     );
                 }
             }
-            self.sets.insert(key, formed);
+            self.sets.insert(key, (formed, device));
         }
         match (&self.sets[&key], self.use_nccl) {
-            (Ok(g), _) => Ok(Some(g.clone())),
-            (Err(why), NcclUse::Required) => Err(PerseusError::GpuUnavailable(format!(
+            ((Ok(_), formed_on), _) if *formed_on != device => {
+                Err(PerseusError::InvalidArgument(format!(
+                    "process set {ps} runs its NCCL collectives on {formed_on}, but these \
+                     tensors are on {device}: NCCL binds a rank's communicators to one GPU, \
+                     so keep each rank's tensors on one device (or set \
+                     PERSEUS_NCCL_ENABLE=0 to move them through host memory)"
+                )))
+            }
+            ((Ok(g), _), _) => Ok(Some(g.clone())),
+            ((Err(why), _), NcclUse::Required) => Err(PerseusError::GpuUnavailable(format!(
                 "PERSEUS_NCCL_ENABLE=1, but NCCL cannot carry the CUDA tensors of process \
                  set {ps}: {why}"
             ))),
-            (Err(_), _) => Ok(None),
+            ((Err(_), _), _) => Ok(None),
         }
     }
 

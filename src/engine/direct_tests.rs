@@ -19,6 +19,12 @@ struct HostGroup<'a> {
     calls: Mutex<Vec<(usize, DataType, usize)>>,
     /// Bytes of every download to host memory.
     downloads: Mutex<Vec<usize>>,
+    /// Parts asked about in each finiteness check (each one wait on a device).
+    checks: Mutex<Vec<usize>>,
+    /// Fail the allreduce on this channel (a collective failing midway).
+    fail_on: Option<usize>,
+    /// Why the group was abandoned, once it was.
+    abandoned: Mutex<Option<String>>,
 }
 
 impl<'a> HostGroup<'a> {
@@ -29,6 +35,17 @@ impl<'a> HostGroup<'a> {
             fusion: Mutex::new(AlignedBuf::zeroed(0)),
             calls: Mutex::new(Vec::new()),
             downloads: Mutex::new(Vec::new()),
+            checks: Mutex::new(Vec::new()),
+            fail_on: None,
+            abandoned: Mutex::new(None),
+        }
+    }
+
+    /// An error naming why the group was abandoned, once it was.
+    fn usable(&self) -> Result<()> {
+        match &*self.abandoned.lock().unwrap() {
+            Some(why) => Err(PerseusError::Device(format!("abandoned after: {why}"))),
+            None => Ok(()),
         }
     }
 }
@@ -72,8 +89,19 @@ impl DeviceGroup for HostGroup<'_> {
         from_half(slice(dst, n * 4), slice(src, n * 2), f as f64);
         Ok(())
     }
-    unsafe fn all_finite(&self, buf: *const u8, n: usize, dtype: DataType) -> Result<bool> {
-        Ok(first_nonfinite(slice(buf, n * dtype.size()), dtype).is_none())
+    unsafe fn nonfinite(
+        &self,
+        parts: &[(*const u8, usize)],
+        dtype: DataType,
+        _: &Watch<'_>,
+    ) -> Result<Vec<usize>> {
+        self.checks.lock().unwrap().push(parts.len());
+        Ok((0..parts.len())
+            .filter(|&i| {
+                let (buf, n) = parts[i];
+                first_nonfinite(slice(buf, n * dtype.size()), dtype).is_some()
+            })
+            .collect())
     }
     unsafe fn allreduce(
         &self,
@@ -89,6 +117,12 @@ impl DeviceGroup for HostGroup<'_> {
             self.channels
         );
         assert!(!matches!(op, ReduceOp::Average | ReduceOp::Adasum));
+        self.usable()?;
+        if self.fail_on == Some(channel) {
+            return Err(PerseusError::Device(format!(
+                "ncclAllReduce failed on channel {channel}"
+            )));
+        }
         self.calls.lock().unwrap().push((channel, dtype, count));
         let mut scratch = AlignedBuf::zeroed(0);
         let b = slice(buf, count * dtype.size());
@@ -115,7 +149,7 @@ impl DeviceGroup for HostGroup<'_> {
         let bytes = chunk * dtype.size();
         allgatherv(self.comm, slice(buf, n * bytes), &vec![bytes; n])
     }
-    unsafe fn download(&self, src: *const u8, dst: &mut [u8]) -> Result<()> {
+    unsafe fn download(&self, src: *const u8, dst: &mut [u8], _: &Watch<'_>) -> Result<()> {
         self.downloads.lock().unwrap().push(dst.len());
         dst.copy_from_slice(slice(src, dst.len()));
         Ok(())
@@ -124,12 +158,37 @@ impl DeviceGroup for HostGroup<'_> {
         slice(dst, src.len()).copy_from_slice(src);
         Ok(())
     }
-    fn finish(&self) -> Result<()> {
-        Ok(())
+    fn finish(&self, _: &Watch<'_>) -> Result<()> {
+        self.usable()
+    }
+    fn abandon(&self, why: &str) {
+        self.abandoned
+            .lock()
+            .unwrap()
+            .get_or_insert_with(|| why.to_string());
     }
 }
 
+/// The watch of the tests: no peer ends, a generous limit.
+const WATCH: Watch<'static> = Watch {
+    limit: std::time::Duration::from_secs(60),
+    ended: &|| None,
+};
+
 const GPU: Device = Device::Cuda(0);
+
+/// Runs one entry's response over `group` alone, in a set of `n`.
+fn run_flat(group: &HostGroup<'_>, n: usize, resp: &Response, entry: Entry) -> Outcome {
+    let mut bufs = Buffers::default();
+    run_direct(
+        Route::Flat(group),
+        n,
+        resp,
+        &[Some(entry)],
+        &mut bufs,
+        &WATCH,
+    )
+}
 
 fn view(v: &mut [f32]) -> TensorView {
     f32_view(v, GPU)
@@ -173,12 +232,14 @@ fn value(r: usize, t: usize, i: usize) -> f32 {
 }
 
 /// One rank's run of [`allreduce_on`]: outputs, inputs (after), outcome, allreduce
-/// calls (channel, dtype, elements) and the bytes of each download.
+/// calls (channel, dtype, elements), the bytes of each download, and the parts of
+/// each finiteness check.
 type RankRun = (
     Vec<Vec<f32>>,
     Vec<Vec<f32>>,
     Outcome,
     Vec<(usize, DataType, usize)>,
+    Vec<usize>,
     Vec<usize>,
 );
 
@@ -241,12 +302,13 @@ fn allreduce_on(
             .collect();
         let resp = response(OpKind::Allreduce, lens, op, pre, post, plan);
         assert!(supports(&resp));
-        let out = run_direct(route, n, &resp, &entries, &mut Buffers::default());
+        let out = run_direct(route, n, &resp, &entries, &mut Buffers::default(), &WATCH);
         drop(entries);
         let calls = group.calls.into_inner().unwrap();
         let downloads = group.downloads.into_inner().unwrap();
+        let checks = group.checks.into_inner().unwrap();
         let results = if in_place { inputs.clone() } else { outputs };
-        (results, inputs, out, calls, downloads)
+        (results, inputs, out, calls, downloads, checks)
     })
 }
 
@@ -278,7 +340,7 @@ fn check_exact(hosts: &'static [usize]) {
         ] {
             let plan = device_plan(Encoding::Exact, 1.0);
             let got = allreduce_on(hosts, LENS, op, pre, post, plan, in_place, 1, 1.0);
-            for (r, (results, inputs, out, _, _)) in got.into_iter().enumerate() {
+            for (r, (results, inputs, out, _, _, _)) in got.into_iter().enumerate() {
                 assert!(out.results.iter().all(|x| x.is_ok()), "rank {r}");
                 assert!(out.resent.is_none());
                 for (t, &len) in LENS.iter().enumerate() {
@@ -345,7 +407,7 @@ fn a_large_buffer_is_split_across_the_channels() {
         3,
         1.0,
     );
-    for (r, (results, _, _, calls, _)) in got.into_iter().enumerate() {
+    for (r, (results, _, _, calls, _, _)) in got.into_iter().enumerate() {
         let channels: Vec<usize> = calls.iter().map(|c| c.0).collect();
         assert_eq!(channels, vec![0, 1, 2], "rank {r}");
         assert_eq!(calls.iter().map(|c| c.2).sum::<usize>(), 1 << 20);
@@ -376,7 +438,7 @@ fn float16_gradients_are_summed_as_float16_on_the_device() {
     let plan = device_plan(Encoding::Half, 4.0);
     for in_place in [true, false] {
         let got = averages(&ONE_HOST[..3], plan, in_place, 2);
-        for (r, (results, _, out, calls, _)) in got.into_iter().enumerate() {
+        for (r, (results, _, out, calls, _, checks)) in got.into_iter().enumerate() {
             assert!(out.resent.is_none());
             assert!(
                 calls.iter().all(|c| c.1 == DataType::F16),
@@ -384,6 +446,8 @@ fn float16_gradients_are_summed_as_float16_on_the_device() {
             );
             // Small integers times 4, summed: exact in float16.
             assert_averages(&results, 3, &format!("rank {r}"));
+            // All finite: one check of the whole float16 image, one wait.
+            assert_eq!(checks, vec![1], "rank {r}");
         }
     }
 }
@@ -405,7 +469,7 @@ fn a_float16_overflow_is_resent_exactly_on_every_rank() {
         1,
         30_000.0,
     );
-    for (r, (results, _, out, calls, _)) in got.into_iter().enumerate() {
+    for (r, (results, _, out, calls, _, checks)) in got.into_iter().enumerate() {
         let (bad, finite) = out.resent.expect("resent");
         assert!(finite, "rank {r}");
         // value(r, t, 0) is nonzero for both tensors on both ranks except where
@@ -415,6 +479,9 @@ fn a_float16_overflow_is_resent_exactly_on_every_rank() {
             calls.iter().any(|c| c.1 == DataType::F32),
             "rank {r}: {calls:?}"
         );
+        // The whole image, then each of its two tensors, then the exact sums of those
+        // resent: three checks, each one wait, whatever the number of tensors.
+        assert_eq!(checks, vec![1, 2, bad.len()], "rank {r}");
         for (t, &len) in TWO.iter().enumerate() {
             assert_eq!(
                 results[t],
@@ -447,7 +514,7 @@ fn float16_crosses_hosts_as_half_the_bytes_in_the_hierarchy() {
             for in_place in [true, false] {
                 let plan = device_plan(encoding, 4.0);
                 let got = averages(hosts, plan, in_place, 1);
-                for (r, (results, _, out, _, downloads)) in got.into_iter().enumerate() {
+                for (r, (results, _, out, _, downloads, _)) in got.into_iter().enumerate() {
                     assert!(out.results.iter().all(|x| x.is_ok()), "rank {r}");
                     assert!(out.resent.is_none(), "rank {r} {hosts:?}: {:?}", out.resent);
                     let full: usize = exact[r].4.iter().sum();
@@ -493,7 +560,7 @@ fn a_float16_overflow_between_hosts_is_resent_exactly_on_every_rank() {
             1,
             big,
         );
-        for (r, (results, _, out, _, downloads)) in got.into_iter().enumerate() {
+        for (r, (results, _, out, _, downloads, _)) in got.into_iter().enumerate() {
             let (bad, finite) = out.resent.expect("resent");
             assert_eq!(bad, want_bad, "rank {r}");
             assert!(finite, "rank {r}");
@@ -507,6 +574,49 @@ fn a_float16_overflow_between_hosts_is_resent_exactly_on_every_rank() {
                 );
             }
         }
+    }
+}
+
+#[test]
+fn a_collective_that_fails_midway_abandons_the_group_on_every_rank() {
+    let got = run(3, |comm| {
+        let mut group = HostGroup::new(comm, 2);
+        group.fail_on = Some(1);
+        let plan = device_plan(Encoding::Exact, 1.0);
+        // 2 MiB of float32: split across both channels, the second fails.
+        static LEN: &[usize] = &[1 << 19];
+        let resp = response(OpKind::Allreduce, LEN, ReduceOp::Sum, 1.0, 1.0, plan);
+        let attempt = || {
+            let mut data = vec![1f32; LEN[0]];
+            let entry = Entry {
+                handle: 0,
+                output: None,
+                input: Some(view(&mut data)),
+            };
+            let out = run_flat(&group, 3, &resp, entry);
+            out.results[0]
+                .as_ref()
+                .map(|_| ())
+                .map_err(|e| e.to_string())
+        };
+        let first = attempt();
+        let second = attempt();
+        let abandoned = group.abandoned.lock().unwrap().clone();
+        (first, second, abandoned)
+    });
+    for (r, (first, second, abandoned)) in got.into_iter().enumerate() {
+        let first = first.unwrap_err();
+        assert!(
+            first.contains("ncclAllReduce failed on channel 1"),
+            "rank {r}: {first}"
+        );
+        assert_eq!(abandoned.as_deref(), Some(first.as_str()), "rank {r}");
+        // The group stays abandoned: the next collective fails at once, naming why.
+        let second = second.unwrap_err();
+        assert!(
+            second.contains("abandoned after") && second.contains("channel 1"),
+            "rank {r}: {second}"
+        );
     }
 }
 
@@ -536,13 +646,7 @@ fn broadcast_copies_the_roots_tensor_in_place_and_out_of_place() {
                 1.0,
                 device_plan(Encoding::Exact, 1.0),
             );
-            let out = run_direct(
-                Route::Flat(&group),
-                3,
-                &resp,
-                &[Some(entry)],
-                &mut Buffers::default(),
-            );
+            let out = run_flat(&group, 3, &resp, entry);
             assert!(out.results.iter().all(|x| x.is_ok()));
             if in_place {
                 input
@@ -640,7 +744,12 @@ impl DeviceGroup for Unused {
     unsafe fn cast_up(&self, _: *const u8, _: *mut u8, _: usize, _: f32) -> Result<()> {
         unreachable!()
     }
-    unsafe fn all_finite(&self, _: *const u8, _: usize, _: DataType) -> Result<bool> {
+    unsafe fn nonfinite(
+        &self,
+        _: &[(*const u8, usize)],
+        _: DataType,
+        _: &Watch,
+    ) -> Result<Vec<usize>> {
         unreachable!()
     }
     unsafe fn allreduce(
@@ -662,13 +771,16 @@ impl DeviceGroup for Unused {
     unsafe fn allgather(&self, _: *mut u8, _: usize, _: DataType) -> Result<()> {
         unreachable!()
     }
-    unsafe fn download(&self, _: *const u8, _: &mut [u8]) -> Result<()> {
+    unsafe fn download(&self, _: *const u8, _: &mut [u8], _: &Watch) -> Result<()> {
         unreachable!()
     }
     unsafe fn upload(&self, _: &[u8], _: *mut u8) -> Result<()> {
         unreachable!()
     }
-    fn finish(&self) -> Result<()> {
+    fn finish(&self, _: &Watch) -> Result<()> {
+        unreachable!()
+    }
+    fn abandon(&self, _: &str) {
         unreachable!()
     }
 }
@@ -714,7 +826,12 @@ fn ask_twice(
             members: Arc::default(),
         };
         let mode = if r == 1 { its_use } else { use_nccl };
-        let mut groups = Groups::new(mode, 2, Box::new(opener));
+        let mut groups = Groups::new(
+            mode,
+            2,
+            std::time::Duration::from_secs(60),
+            Box::new(opener),
+        );
         let device = Device::Cuda(r as i32);
         let first = groups.get(0, comm, device, false).map(|g| g.is_some());
         let second = groups.get(0, comm, device, false).map(|g| g.is_some());
@@ -763,6 +880,42 @@ fn a_set_forms_its_group_once_or_says_why_not_on_every_rank() {
 }
 
 #[test]
+fn a_group_stays_on_the_device_it_was_formed_on() {
+    let got = run(2, |comm| {
+        let opener = FakeOpener {
+            refuse: None,
+            opened: Arc::default(),
+            members: Arc::default(),
+        };
+        let limit = std::time::Duration::from_secs(60);
+        let mut groups = Groups::new(NcclUse::Auto, 2, limit, Box::new(opener));
+        let r = comm.rank() as i32;
+        let first = groups
+            .get(0, comm, Device::Cuda(r), false)
+            .map(|g| g.is_some());
+        let again = groups
+            .get(0, comm, Device::Cuda(r), false)
+            .map(|g| g.is_some());
+        let moved = groups
+            .get(0, comm, Device::Cuda(r + 2), false)
+            .map(|g| g.is_some());
+        (first, again, moved)
+    });
+    for (r, (first, again, moved)) in got.into_iter().enumerate() {
+        assert!(first.unwrap() && again.unwrap(), "rank {r}");
+        let msg = moved.unwrap_err().to_string();
+        assert!(
+            msg.contains(&format!(
+                "process set 0 runs its NCCL collectives on cuda:{r}, but these tensors are \
+                 on cuda:{}",
+                r + 2
+            )),
+            "rank {r}: {msg}"
+        );
+    }
+}
+
+#[test]
 fn a_hierarchical_group_is_formed_among_the_ranks_of_each_host() {
     // Two hosts of two ranks; each rank's GPU is its local index, so UUIDs repeat
     // across hosts but not within one.
@@ -773,7 +926,12 @@ fn a_hierarchical_group_is_formed_among_the_ranks_of_each_host() {
             opened: Arc::default(),
             members: members.clone(),
         };
-        let mut groups = Groups::new(NcclUse::Auto, 2, Box::new(opener));
+        let mut groups = Groups::new(
+            NcclUse::Auto,
+            2,
+            std::time::Duration::from_secs(60),
+            Box::new(opener),
+        );
         let local_index = comm.rank() / 2;
         let device = Device::Cuda(local_index as i32);
         let local = groups.get(0, comm, device, true).unwrap().is_some();

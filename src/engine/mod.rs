@@ -21,6 +21,7 @@ pub mod message;
 mod offline;
 pub mod staged;
 pub mod tensor;
+pub mod watch;
 
 pub use exec::Entry;
 pub use handles::Output;
@@ -44,6 +45,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use watch::Watch;
 
 /// How long the engine stays awake (yielding the core) waiting for an
 /// answer that is due, before it sleeps in poll(2).
@@ -173,7 +175,12 @@ impl Engine {
             parked: Vec::new(),
             waited: HashSet::new(),
             stall_checked: Instant::now(),
-            groups: direct::Groups::new(config.nccl, config.nccl_channels, direct::opener()),
+            groups: direct::Groups::new(
+                config.nccl,
+                config.nccl_channels,
+                config.timeout,
+                direct::opener(),
+            ),
         };
         let (on_panic, inbox_of_thread) = (shared.clone(), inbox.clone());
         let thread = std::thread::Builder::new()
@@ -525,13 +532,14 @@ fn run_device(
     resp: &Response,
     entries: &[Option<Entry>],
 ) -> exec::Outcome {
-    let device = entries
+    let mut devices = entries
         .iter()
         .flatten()
         .flat_map(|e| e.input.iter().chain(e.output.iter()))
         .map(|v| v.device)
-        .find(|d| *d != Device::Cpu)
-        .unwrap_or(Device::Cpu);
+        .filter(|d| *d != Device::Cpu);
+    let device = devices.next().unwrap_or(Device::Cpu);
+    let other = devices.find(|d| *d != device);
     // PERSEUS_ALLREDUCE_MODE=1: NCCL within each host, the CPU transport between.
     let hierarchical = matches!(
         resp,
@@ -539,15 +547,31 @@ fn run_device(
             if plan.mode == crate::plan::Mode::Hierarchical
     ) && crate::collective::fits(&crate::collective::hosts_of(comm));
     match groups.get(ps, comm, device, hierarchical) {
+        Ok(Some(_)) if other.is_some() => {
+            let e = PerseusError::InvalidArgument(format!(
+                "one fused collective holds tensors on {device} and on {}: NCCL runs a \
+                 rank's part on one GPU, so keep each rank's tensors on one device",
+                other.expect("matched")
+            ));
+            exec::Outcome {
+                results: entries.iter().map(|_| Err(e.clone())).collect(),
+                resent: None,
+            }
+        }
         Ok(Some(group)) => {
             counters.nccl_operations.fetch_add(1, Ordering::Relaxed);
+            let ended = || ended_peers(comm);
+            let watch = Watch {
+                limit: groups.limit(),
+                ended: &ended,
+            };
             if hierarchical {
                 let cross = SubComm::new(comm, crate::collective::host_and_peers(comm).1);
                 let route = direct::Route::Hierarchical(&*group, &cross);
-                direct::run_direct(route, comm.size(), resp, entries, bufs)
+                direct::run_direct(route, comm.size(), resp, entries, bufs, &watch)
             } else {
                 let route = direct::Route::Flat(&*group);
-                direct::run_direct(route, comm.size(), resp, entries, bufs)
+                direct::run_direct(route, comm.size(), resp, entries, bufs, &watch)
             }
         }
         Ok(None) => {
@@ -559,6 +583,20 @@ fn run_device(
             resent: None,
         },
     }
+}
+
+/// The members of a process set whose processes have ended, in words naming their
+/// global ranks, or `None` while all are alive.
+fn ended_peers(comm: &SubComm<'_>) -> Option<String> {
+    let gone = comm.ended();
+    if gone.is_empty() {
+        return None;
+    }
+    let ranks: Vec<String> = gone
+        .iter()
+        .map(|&i| format!("rank {}", comm.members()[i]))
+        .collect();
+    Some(format!("the process of {} has ended", ranks.join(" and ")))
 }
 
 /// How often rank 0 looks for stalled tensors while some wait.

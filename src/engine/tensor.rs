@@ -13,6 +13,16 @@ pub enum Device {
     Cuda(i32),
 }
 
+impl std::fmt::Display for Device {
+    /// As the frameworks write it: `cpu`, `cuda:1`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Device::Cpu => f.write_str("cpu"),
+            Device::Cuda(o) => write!(f, "cuda:{o}"),
+        }
+    }
+}
+
 /// Contiguous tensor memory owned by a framework. The front-end keeps the
 /// framework tensor alive until the operation completes.
 #[derive(Debug, Clone)]

@@ -10,6 +10,7 @@
 
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use cudarc::driver::{result, sys};
 
@@ -18,6 +19,7 @@ use super::runtime::{driver, lock, search_dirs, CudaDevice};
 use crate::collective::{allgatherv, Comm};
 use crate::dtype::{DataType, ReduceOp};
 use crate::engine::direct::{agree, Agreement, DeviceGroup, Formed, Opener};
+use crate::engine::watch::{wait_for, Waited, Watch};
 use crate::engine::Device;
 use crate::error::{PerseusError, Result};
 
@@ -30,15 +32,23 @@ struct Channel {
 
 /// Stream bookkeeping and buffers, behind the group's mutex.
 struct State {
-    /// Recorded on the Perseus stream; channels wait on it.
+    /// Recorded on the Perseus stream: channels wait on it, and waits poll it.
     ready: sys::CUevent,
     /// Channels with work the Perseus stream has not waited for yet.
     pending: Vec<usize>,
     fusion: sys::CUdeviceptr,
     fusion_len: usize,
-    /// Four bytes for the finiteness flag.
-    flag: sys::CUdeviceptr,
+    /// The finiteness flags, four bytes each.
+    flags: sys::CUdeviceptr,
+    /// Flags `flags` has room for.
+    flags_len: usize,
+    /// Why the group was abandoned (its communicators aborted), once it was.
+    broken: Option<String>,
 }
+
+/// How long an abandoned group waits for its streams to drain once its communicators
+/// are aborted (NCCL ends their kernels at once; this bounds a driver that does not).
+const DRAIN: Duration = Duration::from_secs(10);
 
 /// The ranks of one process set, each on its own GPU, joined by NCCL.
 pub struct NcclGroup {
@@ -271,7 +281,9 @@ impl NcclGroup {
                 pending: Vec::new(),
                 fusion: 0,
                 fusion_len: 0,
-                flag,
+                flags: flag,
+                flags_len: 1,
+                broken: None,
             }),
         }
     }
@@ -281,6 +293,7 @@ impl NcclGroup {
     fn main(&self) -> Result<std::sync::MutexGuard<'_, State>> {
         self.dev.bind()?;
         let mut st = lock(&self.state);
+        usable(&st)?;
         for c in std::mem::take(&mut st.pending) {
             // SAFETY: the stream and the event live as long as the group.
             unsafe {
@@ -314,6 +327,7 @@ impl NcclGroup {
     fn on_channel(&self, c: usize, call: impl FnOnce(&Channel) -> Result<()>) -> Result<()> {
         self.dev.bind()?;
         let mut st = lock(&self.state);
+        usable(&st)?;
         let ch = &self.channels[c];
         // SAFETY: the streams and events live as long as the group.
         unsafe {
@@ -333,6 +347,100 @@ impl NcclGroup {
             st.pending.push(c);
         }
         Ok(())
+    }
+
+    /// Waits for the work queued on the Perseus stream (after [`NcclGroup::main`] made
+    /// it wait for the channels), polling as `watch` allows. A wait that gives up (an
+    /// NCCL error, a peer that ended, the peer timeout) abandons the group and says
+    /// why.
+    fn wait(&self, st: &mut State, watch: &Watch<'_>) -> Result<()> {
+        // SAFETY: the event and the stream live as long as the group.
+        unsafe { result::event::record(st.ready, self.dev.stream) }
+            .map_err(driver("cuEventRecord"))?;
+        let ready = st.ready;
+        let done = || {
+            // SAFETY: as above.
+            match unsafe { result::event::query(ready) } {
+                Ok(()) => Ok(true),
+                Err(e) if e.0 == sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+                Err(e) => Err(driver("cuEventQuery")(e)),
+            }
+        };
+        let trouble = || {
+            self.channels
+                .iter()
+                .enumerate()
+                .find_map(|(c, ch)| ch.comm.async_error().map(|e| format!("channel {c}: {e}")))
+        };
+        match wait_for(watch, done, trouble)? {
+            Waited::Done => Ok(()),
+            Waited::Stopped(why) => {
+                let msg = format!(
+                    "{why}; this rank aborted the NCCL communicators of its process set, \
+                     whose device collectives fail from now on"
+                );
+                self.abort(st, &msg);
+                Err(PerseusError::Device(msg))
+            }
+        }
+    }
+
+    /// Aborts every channel's communicator, so that their queued collectives end on
+    /// this rank without waiting for the peers, and waits (up to [`DRAIN`]) until the
+    /// streams are idle, so that nothing touches the tensors after this returns. The
+    /// group is broken from then on.
+    fn abort(&self, st: &mut State, why: &str) {
+        if st.broken.is_some() {
+            return;
+        }
+        st.broken = Some(why.to_string());
+        for ch in &self.channels {
+            ch.comm.abort();
+        }
+        let streams: Vec<sys::CUstream> = std::iter::once(self.dev.stream)
+            .chain(self.channels.iter().map(|ch| ch.stream))
+            .collect();
+        let idle = || {
+            Ok(streams.iter().all(|&s| {
+                // SAFETY: the streams live as long as the group; a query only reads.
+                let r = unsafe { sys::cuStreamQuery(s) };
+                r != sys::CUresult::CUDA_ERROR_NOT_READY
+            }))
+        };
+        if let Ok(Waited::Stopped(_)) = wait_for(&Watch::alone(DRAIN), idle, || None) {
+            eprintln!(
+                "[perseus] warning: the device streams were still busy {} s after NCCL's \
+                 abort; a tensor of the failed collective may still change",
+                DRAIN.as_secs()
+            );
+        }
+    }
+
+    /// The finiteness flags, room for `n` (grown on the Perseus stream).
+    fn flags(&self, st: &mut State, n: usize) -> Result<sys::CUdeviceptr> {
+        if n > st.flags_len {
+            let want = n.next_power_of_two();
+            // SAFETY: the old flags' users are ordered before this point of the Perseus
+            // stream, which frees them and makes the new ones.
+            unsafe {
+                result::free_async(st.flags, self.dev.stream).map_err(driver("cuMemFreeAsync"))?;
+                st.flags_len = 0;
+                st.flags = result::malloc_async(self.dev.stream, want * 4)
+                    .map_err(driver("cuMemAllocAsync"))?;
+            }
+            st.flags_len = want;
+        }
+        Ok(st.flags)
+    }
+}
+
+/// An error naming why the group was abandoned, once it was.
+fn usable(st: &State) -> Result<()> {
+    match &st.broken {
+        None => Ok(()),
+        Some(why) => Err(PerseusError::Device(format!(
+            "this process set's NCCL group was abandoned after an earlier error: {why}"
+        ))),
     }
 }
 
@@ -430,28 +538,45 @@ impl DeviceGroup for NcclGroup {
         self.cast("f16_to_f32_scaled", src, dst, count, factor)
     }
 
-    unsafe fn all_finite(&self, buf: *const u8, count: usize, dtype: DataType) -> Result<bool> {
-        let st = self.main()?;
+    unsafe fn nonfinite(
+        &self,
+        parts: &[(*const u8, usize)],
+        dtype: DataType,
+        watch: &Watch<'_>,
+    ) -> Result<Vec<usize>> {
         let name = match dtype {
             DataType::F32 => "nonfinite_f32",
             DataType::F16 => "nonfinite_f16",
-            _ => return Ok(true),
+            _ => return Ok(Vec::new()),
         };
+        if parts.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut st = self.main()?;
         let f = self.dev.kernel("nancheck", name)?;
-        result::memset_d8_async(st.flag, 0, 4, self.dev.stream)
+        let flags = self.flags(&mut st, parts.len())?;
+        result::memset_d8_async(flags, 0, parts.len() * 4, self.dev.stream)
             .map_err(driver("cuMemsetD8Async"))?;
-        let (mut ptr, mut flag, mut n) = (buf as u64, st.flag, count as u64);
-        let mut params = [
-            (&mut ptr as *mut u64).cast(),
-            (&mut flag as *mut u64).cast(),
-            (&mut n as *mut u64).cast(),
-        ];
-        self.dev.launch(f, count as u64, &mut params)?;
-        let mut host = [0i32; 1];
-        result::memcpy_dtoh_async(&mut host, st.flag, self.dev.stream)
+        for (i, &(buf, count)) in parts.iter().enumerate() {
+            if count == 0 {
+                continue;
+            }
+            let (mut ptr, mut flag, mut n) = (buf as u64, flags + 4 * i as u64, count as u64);
+            let mut params = [
+                (&mut ptr as *mut u64).cast(),
+                (&mut flag as *mut u64).cast(),
+                (&mut n as *mut u64).cast(),
+            ];
+            self.dev.launch(f, count as u64, &mut params)?;
+        }
+        // A copy into pageable memory returns only once done, so it comes after the
+        // watched wait, never before it.
+        self.wait(&mut st, watch)?;
+        let mut host = vec![0i32; parts.len()];
+        result::memcpy_dtoh_async(&mut host, flags, self.dev.stream)
             .map_err(driver("cuMemcpyDtoHAsync"))?;
-        result::stream::synchronize(self.dev.stream).map_err(driver("cuStreamSynchronize"))?;
-        Ok(host[0] == 0)
+        self.wait(&mut st, watch)?;
+        Ok((0..parts.len()).filter(|&i| host[i] != 0).collect())
     }
 
     unsafe fn allreduce(
@@ -494,13 +619,16 @@ impl DeviceGroup for NcclGroup {
         })
     }
 
-    unsafe fn download(&self, src: *const u8, dst: &mut [u8]) -> Result<()> {
-        let _st = self.main()?;
+    unsafe fn download(&self, src: *const u8, dst: &mut [u8], watch: &Watch<'_>) -> Result<()> {
+        let mut st = self.main()?;
+        // A copy into pageable memory returns only once done: waiting for the work
+        // before it (NCCL's, which a lost peer can hold forever) is the watched wait.
+        self.wait(&mut st, watch)?;
         if !dst.is_empty() {
             result::memcpy_dtoh_async(dst, src as u64, self.dev.stream)
                 .map_err(driver("cuMemcpyDtoHAsync"))?;
         }
-        result::stream::synchronize(self.dev.stream).map_err(driver("cuStreamSynchronize"))
+        self.wait(&mut st, watch)
     }
 
     unsafe fn upload(&self, src: &[u8], dst: *mut u8) -> Result<()> {
@@ -512,17 +640,22 @@ impl DeviceGroup for NcclGroup {
             .map_err(driver("cuMemcpyHtoDAsync"))
     }
 
-    fn finish(&self) -> Result<()> {
-        let _st = self.main()?;
-        // SAFETY: the stream lives for the life of the process.
-        unsafe { result::stream::synchronize(self.dev.stream) }
-            .map_err(driver("cuStreamSynchronize"))
+    fn finish(&self, watch: &Watch<'_>) -> Result<()> {
+        let mut st = self.main()?;
+        self.wait(&mut st, watch)
+    }
+
+    fn abandon(&self, why: &str) {
+        let _ = self.dev.bind();
+        let mut st = lock(&self.state);
+        self.abort(&mut st, why);
     }
 }
 
 impl Drop for NcclGroup {
     fn drop(&mut self) {
-        if self.finish().is_err() {
+        // An abandoned group's streams were drained when it was abandoned.
+        if self.finish(&Watch::alone(DRAIN)).is_err() && lock(&self.state).broken.is_none() {
             return;
         }
         let st = lock(&self.state);
@@ -531,7 +664,9 @@ impl Drop for NcclGroup {
             if st.fusion_len > 0 {
                 let _ = result::free_async(st.fusion, self.dev.stream);
             }
-            let _ = result::free_async(st.flag, self.dev.stream);
+            if st.flags_len > 0 {
+                let _ = result::free_async(st.flags, self.dev.stream);
+            }
             let _ = result::event::destroy(st.ready);
             for ch in &self.channels {
                 let _ = result::event::destroy(ch.done);

@@ -8,7 +8,7 @@
 use std::path::PathBuf;
 
 use crate::error::{PerseusError, Result};
-use crate::gpu::libs::{probe, CudaLib};
+use crate::gpu::libs::{check_bound, probe, CudaLib};
 
 /// Helpers every source starts with: conversions and the grid-stride loop.
 const PRELUDE: &str = r#"
@@ -258,6 +258,14 @@ fn kernel_names(body: &str) -> Vec<String> {
         .collect()
 }
 
+/// Checks that cudarc's NVRTC is the one `probe` loaded (see [`check_bound`]); panics
+/// as cudarc does where it finds none, so call it under `catch_unwind`.
+fn nvrtc_bound() -> Result<()> {
+    // SAFETY: cudarc's handle, loaded (or found loaded) by its own search.
+    check_bound(CudaLib::Nvrtc, unsafe { cudarc::nvrtc::sys::culib() })
+        .map_err(PerseusError::GpuUnavailable)
+}
+
 /// Compiles source `name` with NVRTC (found in `dirs` first, see [`probe`]) for
 /// virtual architecture `arch` ("compute_75") and returns its PTX. A missing NVRTC is
 /// a [`PerseusError::GpuUnavailable`] naming where it was looked for; a source that does
@@ -276,17 +284,19 @@ pub fn ptx(name: &str, arch: &'static str, dirs: &[PathBuf]) -> Result<String> {
     };
     // cudarc finds NVRTC by its SONAME, already loaded by `probe` above. It panics
     // where it cannot; keep any such panic from crossing into Python.
-    let compiled = std::panic::catch_unwind(|| cudarc::nvrtc::compile_ptx_with_opts(&src, opts))
-        .map_err(|_| {
-            PerseusError::GpuUnavailable(format!(
-                "NVRTC was loaded from {} but could not be used",
-                loaded.path.display()
-            ))
-        })?;
-    let ptx = compiled.map_err(|e| {
-        PerseusError::InvalidArgument(format!("kernel source {name} does not compile: {e:?}"))
-    })?;
-    Ok(ptx.to_src())
+    let compiled = std::panic::catch_unwind(|| {
+        nvrtc_bound()?;
+        cudarc::nvrtc::compile_ptx_with_opts(&src, opts).map_err(|e| {
+            PerseusError::InvalidArgument(format!("kernel source {name} does not compile: {e:?}"))
+        })
+    })
+    .map_err(|_| {
+        PerseusError::GpuUnavailable(format!(
+            "NVRTC was loaded from {} but could not be used",
+            loaded.path.display()
+        ))
+    })??;
+    Ok(compiled.to_src())
 }
 
 /// Compiles source `name` with NVRTC into a CUBIN for the real architecture `sm_{sm}`
@@ -307,6 +317,7 @@ pub fn cubin(name: &str, sm: u32, dirs: &[PathBuf]) -> Result<Vec<u8>> {
     let fail =
         |what: String| PerseusError::InvalidArgument(format!("kernel source {name}: {what}"));
     let run = || -> Result<Vec<u8>> {
+        nvrtc_bound()?;
         let prog = nvrtc::create_program(&src, Some(&file)).map_err(|e| fail(format!("{e:?}")))?;
         // SAFETY: `prog` is live until destroyed below; the sizes NVRTC reports bound
         // the buffers it writes.

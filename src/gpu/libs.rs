@@ -8,7 +8,7 @@
 //! its SONAME (as cudarc does) find it whatever directory it came from.
 
 use std::collections::HashMap;
-use std::ffi::c_int;
+use std::ffi::{c_int, c_void, CStr};
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, OnceLock};
 
@@ -35,6 +35,16 @@ impl CudaLib {
             CudaLib::Driver => "CUDA driver",
             CudaLib::Nvrtc => "NVRTC",
             CudaLib::Nccl => "NCCL",
+        }
+    }
+
+    /// The function each library is asked its version with (it needs no GPU); its
+    /// address also tells which loaded copy a caller is bound to.
+    fn version_symbol(self) -> &'static [u8] {
+        match self {
+            CudaLib::Driver => b"cuDriverGetVersion\0",
+            CudaLib::Nvrtc => b"nvrtcVersion\0",
+            CudaLib::Nccl => b"ncclGetVersion\0",
         }
     }
 
@@ -162,6 +172,57 @@ pub fn probe(lib: CudaLib, dirs: &[PathBuf]) -> Probe {
     }
     probe.searched = summarize(dirs, lib, probe.searched);
     probe
+}
+
+/// Checks that cudarc's calls into `lib` go to the copy [`probe`] loaded: cudarc
+/// binds by a list of names of its own, the unversioned `libcuda.so` and
+/// `libnvrtc.so` first, and on some systems the loader finds those elsewhere (a CUDA
+/// toolkit's stub driver, an older NVRTC). `theirs` is cudarc's handle (its `culib()`,
+/// which panics where it finds no copy at all: call this under `catch_unwind`). An
+/// error names both files; nothing to check when `lib` was not probed.
+pub fn check_bound(lib: CudaLib, theirs: &Library) -> std::result::Result<(), String> {
+    let table = loaded().lock().unwrap_or_else(|p| p.into_inner());
+    let Some((found, library)) = table.get(&lib) else {
+        return Ok(());
+    };
+    let address = |l: &Library| {
+        // SAFETY: the symbol is only looked up, never called, here.
+        unsafe { l.get::<*mut c_void>(lib.version_symbol()) }
+            .map(|s| *s as *const c_void)
+            .map_err(|e| format!("{}: {e}", lib.label()))
+    };
+    let (ours, theirs) = (address(library)?, address(theirs)?);
+    if ours == theirs {
+        return Ok(());
+    }
+    let other = file_of(theirs).unwrap_or_else(|| "another file".into());
+    Err(format!(
+        "{} is loaded twice: Perseus chose {} ({}), but its CUDA bindings (cudarc, which \
+         tries the unversioned {} first) bound {other}. Take that file off the loader's \
+         path (LD_LIBRARY_PATH, ldconfig) so that both use the same one",
+        lib.label(),
+        found.path.display(),
+        found.version,
+        lib.file_names().last().copied().unwrap_or_default(),
+    ))
+}
+
+/// The file a loaded function lives in, as the dynamic loader says.
+fn file_of(addr: *const c_void) -> Option<String> {
+    let mut info = libc::Dl_info {
+        dli_fname: std::ptr::null(),
+        dli_fbase: std::ptr::null_mut(),
+        dli_sname: std::ptr::null(),
+        dli_saddr: std::ptr::null_mut(),
+    };
+    // SAFETY: dladdr only fills `info`; the name it points to belongs to the loader.
+    let found = unsafe { libc::dladdr(addr, &mut info) } != 0 && !info.dli_fname.is_null();
+    // SAFETY: as above, a NUL-terminated string while the library stays loaded.
+    found.then(|| {
+        unsafe { CStr::from_ptr(info.dli_fname) }
+            .to_string_lossy()
+            .into_owned()
+    })
 }
 
 /// The searched list as directories plus the bare names, readable in one line.

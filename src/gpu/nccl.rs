@@ -4,6 +4,7 @@
 
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use libloading::Library;
@@ -45,6 +46,8 @@ type ReduceScatter = AllReduce;
 type AllGather =
     unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, Comm, *mut c_void) -> c_int;
 type CommDestroy = unsafe extern "C" fn(Comm) -> c_int;
+type CommAbort = CommDestroy;
+type CommGetAsyncError = unsafe extern "C" fn(Comm, *mut c_int) -> c_int;
 type GetErrorString = unsafe extern "C" fn(c_int) -> *const c_char;
 
 /// The NCCL functions Perseus calls.
@@ -57,6 +60,8 @@ pub struct Nccl {
     reduce_scatter: ReduceScatter,
     all_gather: AllGather,
     comm_destroy: CommDestroy,
+    comm_abort: CommAbort,
+    async_error: CommGetAsyncError,
     error_string: GetErrorString,
     /// The file it was loaded from, and its version.
     pub path: PathBuf,
@@ -97,6 +102,10 @@ impl Nccl {
             let comm_destroy = *lib
                 .get::<CommDestroy>(b"ncclCommDestroy\0")
                 .map_err(missing)?;
+            let comm_abort = *lib.get::<CommAbort>(b"ncclCommAbort\0").map_err(missing)?;
+            let async_error = *lib
+                .get::<CommGetAsyncError>(b"ncclCommGetAsyncError\0")
+                .map_err(missing)?;
             let error_string = *lib
                 .get::<GetErrorString>(b"ncclGetErrorString\0")
                 .map_err(missing)?;
@@ -109,6 +118,8 @@ impl Nccl {
                 reduce_scatter,
                 all_gather,
                 comm_destroy,
+                comm_abort,
+                async_error,
                 error_string,
                 path: found.path,
                 version: found.version,
@@ -120,11 +131,18 @@ impl Nccl {
         if code == 0 {
             return Ok(());
         }
-        // SAFETY: ncclGetErrorString returns a static string for any code.
-        let why = unsafe { CStr::from_ptr((self.error_string)(code)) }.to_string_lossy();
         Err(PerseusError::Device(format!(
-            "{call} failed with NCCL error {code}: {why}"
+            "{call} failed with NCCL error {code}: {}",
+            self.explain(code)
         )))
+    }
+
+    /// NCCL's words for a result code.
+    fn explain(&self, code: c_int) -> String {
+        // SAFETY: ncclGetErrorString returns a static string for any code.
+        unsafe { CStr::from_ptr((self.error_string)(code)) }
+            .to_string_lossy()
+            .into_owned()
     }
 
     /// A new id for a communicator.
@@ -151,6 +169,7 @@ impl Nccl {
         Ok(Communicator {
             nccl: self.clone(),
             comm,
+            aborted: AtomicBool::new(false),
         })
     }
 }
@@ -185,10 +204,12 @@ pub fn red_op(op: ReduceOp) -> Result<c_int> {
     })
 }
 
-/// One NCCL communicator; destroyed when dropped.
+/// One NCCL communicator; destroyed when dropped, unless aborted before.
 pub struct Communicator {
     nccl: Arc<Nccl>,
     comm: Comm,
+    /// [`Communicator::abort`] ran: the handle is gone.
+    aborted: AtomicBool,
 }
 
 // SAFETY: a communicator is used by one thread at a time (the engine thread); NCCL
@@ -298,10 +319,43 @@ impl Communicator {
     }
 }
 
+impl Communicator {
+    /// The error NCCL met in this communicator's queued work, if any (a peer that
+    /// failed, a broken connection): `Some` with NCCL's words.
+    pub fn async_error(&self) -> Option<String> {
+        if self.aborted.load(Ordering::Acquire) {
+            return Some("the communicator was aborted".into());
+        }
+        let mut code: c_int = 0;
+        // SAFETY: a live handle; `code` receives the result.
+        let asked = unsafe { (self.nccl.async_error)(self.comm, &mut code) };
+        match (asked, code) {
+            (0, 0) => None,
+            (0, code) => Some(format!("NCCL error {code}: {}", self.nccl.explain(code))),
+            (asked, _) => Some(format!(
+                "ncclCommGetAsyncError failed with NCCL error {asked}: {}",
+                self.nccl.explain(asked)
+            )),
+        }
+    }
+
+    /// Ends the communicator at once: the collectives it has queued stop, on this
+    /// rank, without waiting for the peers (NCCL frees it; it cannot be used again).
+    /// Only the first call does anything.
+    pub fn abort(&self) {
+        if !self.aborted.swap(true, Ordering::AcqRel) {
+            // SAFETY: a live handle, released here once (Drop skips it after this).
+            unsafe { (self.nccl.comm_abort)(self.comm) };
+        }
+    }
+}
+
 impl Drop for Communicator {
     fn drop(&mut self) {
-        // SAFETY: the handle came from ncclCommInitRank and is destroyed once.
-        unsafe { (self.nccl.comm_destroy)(self.comm) };
+        if !self.aborted.load(Ordering::Acquire) {
+            // SAFETY: the handle came from ncclCommInitRank and is destroyed once.
+            unsafe { (self.nccl.comm_destroy)(self.comm) };
+        }
     }
 }
 

@@ -18,7 +18,7 @@ use cudarc::driver::{result, sys};
 use crate::engine::staged::{Cast, DeviceMemory};
 use crate::error::{PerseusError, Result};
 use crate::gpu::kernels;
-use crate::gpu::libs::{probe, CudaLib};
+use crate::gpu::libs::{check_bound, probe, CudaLib};
 
 /// Directories searched first for CUDA's libraries (the nvidia-* wheels' folders,
 /// which the Python side passes at `init`).
@@ -98,7 +98,13 @@ impl CudaDevice {
             return Err(PerseusError::GpuUnavailable(lib.missing_message()));
         };
         // cudarc panics where a symbol is missing (a driver older than CUDA 12).
-        let d = std::panic::catch_unwind(|| Self::open(ordinal)).map_err(|_| {
+        let d = std::panic::catch_unwind(|| {
+            // SAFETY: cudarc's handle, loaded (or found loaded) by its own search.
+            check_bound(CudaLib::Driver, unsafe { sys::culib() })
+                .map_err(PerseusError::GpuUnavailable)?;
+            Self::open(ordinal)
+        })
+        .map_err(|_| {
             PerseusError::GpuUnavailable(format!(
                 "the CUDA driver {} at {} lacks a function Perseus needs",
                 loaded.version,

@@ -322,6 +322,14 @@ impl Mesh {
         self.links.len()
     }
 
+    /// The peers whose processes have ended, as their connections tell (asks the
+    /// kernel, reads nothing, never blocks).
+    pub fn ended(&self) -> Vec<usize> {
+        (0..self.links.len())
+            .filter(|&p| p != self.rank && self.links[p].peer_gone())
+            .collect()
+    }
+
     /// True when `peer` is reached through shared memory.
     pub fn is_local(&self, peer: usize) -> bool {
         self.links.get(peer).is_some_and(Link::is_shm)

@@ -4,6 +4,7 @@ and every device kernel source compiled by NVRTC from torch's nvidia wheels."""
 
 import glob
 import os
+import shutil
 import subprocess
 import sys
 
@@ -57,6 +58,28 @@ def test_every_kernel_source_compiles_to_a_cubin_per_architecture(sm):
     compiled = gpu.compile_kernels(sm=sm)
     assert len(compiled) == 6
     assert all(c["bytes"] > 1000 for c in compiled), compiled
+
+
+def test_a_second_nvrtc_on_the_loader_path_is_named_not_bound(tmp_path):
+    """cudarc looks for the unversioned libnvrtc.so before the versioned names: another
+    file of that name on the loader's path (an older toolkit's) must be refused with
+    both files named, never silently used instead of the one Perseus reports."""
+    wheel = [p for d in gpu.library_dirs() for p in glob.glob(os.path.join(d, "libnvrtc.so.1[23]"))]
+    if not wheel:
+        pytest.skip("no nvidia NVRTC wheel in this environment")
+    other = tmp_path / "libnvrtc.so"
+    shutil.copyfile(wheel[0], other)  # a copy is another file to the loader; a link is not
+    env = dict(os.environ, LD_LIBRARY_PATH=str(tmp_path), PYTHONPATH=PKG_ROOT)
+    code = ("from perseus.common import gpu\n"
+            "try:\n"
+            "    gpu.compile_kernels()\n"
+            "except gpu.GpuUnavailableError as e:\n"
+            "    print('ERROR', e)\n")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr
+    assert "ERROR NVRTC is loaded twice: Perseus chose " in out.stdout, out.stdout
+    assert str(other) in out.stdout and os.path.basename(wheel[0]) in out.stdout, out.stdout
 
 
 def run_core(code):
