@@ -69,18 +69,22 @@ pub fn wait_for(
         let now = Instant::now();
         if now.duration_since(checked) >= CHECK {
             checked = now;
-            if let Some(why) = trouble() {
+            let why = trouble().or_else(|| (watch.ended)()).or_else(|| {
+                (now.duration_since(start) >= watch.limit).then(|| {
+                    format!(
+                        "the device collective did not complete within {} s (the peer \
+                         timeout); a peer may be stuck or gone",
+                        watch.limit.as_secs_f64()
+                    )
+                })
+            });
+            if let Some(why) = why {
+                // Work that ended meanwhile (a peer may leave once its part is done)
+                // is not given up on.
+                if done()? {
+                    return Ok(Waited::Done);
+                }
                 return Ok(Waited::Stopped(why));
-            }
-            if let Some(why) = (watch.ended)() {
-                return Ok(Waited::Stopped(why));
-            }
-            if now.duration_since(start) >= watch.limit {
-                return Ok(Waited::Stopped(format!(
-                    "the device collective did not complete within {} s (the peer \
-                     timeout); a peer may be stuck or gone",
-                    watch.limit.as_secs_f64()
-                )));
             }
         }
         if now.duration_since(start) < EAGER {
@@ -140,6 +144,22 @@ mod tests {
             Waited::Stopped("the process of rank 3 has ended".into())
         );
         assert_eq!(asked.get(), 3);
+    }
+
+    #[test]
+    fn work_done_by_the_time_a_peer_left_is_done() {
+        // The work ends between the last poll and the question about the peers.
+        let peer_left = Cell::new(false);
+        let done = || Ok(peer_left.get());
+        let ended = || {
+            peer_left.set(true);
+            Some("the process of rank 1 has ended".to_string())
+        };
+        let w = Watch {
+            limit: Duration::from_secs(30),
+            ended: &ended,
+        };
+        assert_eq!(wait_for(&w, done, || None).unwrap(), Waited::Done);
     }
 
     #[test]

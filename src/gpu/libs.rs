@@ -207,6 +207,29 @@ pub fn check_bound(lib: CudaLib, theirs: &Library) -> std::result::Result<(), St
     ))
 }
 
+/// Which of the functions `names` the loaded `lib` lacks (all of them when it was not
+/// loaded). cudarc resolves each function on its first call and panics where one is
+/// missing; asking first turns that into an error before any call.
+pub fn lacking(lib: CudaLib, names: &[&str]) -> Vec<String> {
+    let table = loaded().lock().unwrap_or_else(|p| p.into_inner());
+    match table.get(&lib) {
+        Some((_, library)) => lacking_in(library, names),
+        None => names.iter().map(|n| n.to_string()).collect(),
+    }
+}
+
+fn lacking_in(library: &Library, names: &[&str]) -> Vec<String> {
+    names
+        .iter()
+        .filter(|n| {
+            let symbol: Vec<u8> = n.bytes().chain(std::iter::once(0)).collect();
+            // SAFETY: only looked up, never called.
+            unsafe { library.get::<*mut c_void>(symbol.as_slice()) }.is_err()
+        })
+        .map(|n| n.to_string())
+        .collect()
+}
+
 /// The file a loaded function lives in, as the dynamic loader says.
 fn file_of(addr: *const c_void) -> Option<String> {
     let mut info = libc::Dl_info {
@@ -316,6 +339,16 @@ mod tests {
             );
             assert!(msg.contains("perseus-no-cuda-here"), "{msg}");
         }
+    }
+
+    #[test]
+    fn the_functions_a_library_lacks_are_named() {
+        // SAFETY: the C library is loaded already; nothing is called.
+        let libc = unsafe { Library::new("libc.so.6") }.expect("the C library");
+        assert_eq!(
+            lacking_in(&libc, &["malloc", "no_such_function_here", "free"]),
+            vec!["no_such_function_here".to_string()]
+        );
     }
 
     #[test]

@@ -18,7 +18,7 @@ use cudarc::driver::{result, sys};
 use crate::engine::staged::{Cast, DeviceMemory};
 use crate::error::{PerseusError, Result};
 use crate::gpu::kernels;
-use crate::gpu::libs::{check_bound, probe, CudaLib};
+use crate::gpu::libs::{check_bound, lacking, probe, CudaLib};
 
 /// Directories searched first for CUDA's libraries (the nvidia-* wheels' folders,
 /// which the Python side passes at `init`).
@@ -51,6 +51,36 @@ pub(crate) fn driver(call: &'static str) -> impl Fn(result::DriverError) -> Pers
         PerseusError::Device(format!("{call} failed: {why}"))
     }
 }
+
+/// Every driver function the GPU path calls, through cudarc (its symbol names).
+const DRIVER_CALLS: &[&str] = &[
+    "cuInit",
+    "cuGetErrorString",
+    "cuDeviceGetCount",
+    "cuDeviceGet",
+    "cuDeviceGetAttribute",
+    "cuDeviceGetUuid",
+    "cuDevicePrimaryCtxRetain",
+    "cuCtxSetCurrent",
+    "cuStreamCreate",
+    "cuStreamDestroy_v2",
+    "cuStreamSynchronize",
+    "cuStreamQuery",
+    "cuStreamWaitEvent",
+    "cuEventCreate",
+    "cuEventDestroy_v2",
+    "cuEventRecord",
+    "cuEventQuery",
+    "cuMemAllocAsync",
+    "cuMemFreeAsync",
+    "cuMemsetD8Async",
+    "cuMemcpyDtoDAsync_v2",
+    "cuMemcpyDtoHAsync_v2",
+    "cuMemcpyHtoDAsync_v2",
+    "cuModuleLoadData",
+    "cuModuleGetFunction",
+    "cuLaunchKernel",
+];
 
 /// Threads per block of every launch; blocks are capped, the kernels loop.
 const BLOCK: u32 = 256;
@@ -97,7 +127,18 @@ impl CudaDevice {
         let Some(loaded) = lib.loaded.clone() else {
             return Err(PerseusError::GpuUnavailable(lib.missing_message()));
         };
-        // cudarc panics where a symbol is missing (a driver older than CUDA 12).
+        // cudarc resolves each function on its first call and panics where one is
+        // missing (a driver older than CUDA 12): every function the GPU path calls is
+        // asked for here, once, so none can be missing later.
+        let lacks = lacking(CudaLib::Driver, DRIVER_CALLS);
+        if !lacks.is_empty() {
+            return Err(PerseusError::GpuUnavailable(format!(
+                "the CUDA driver {} at {} lacks {}: Perseus needs the driver of CUDA 12 or later",
+                loaded.version,
+                loaded.path.display(),
+                lacks.join(", ")
+            )));
+        }
         let d = std::panic::catch_unwind(|| {
             // SAFETY: cudarc's handle, loaded (or found loaded) by its own search.
             check_bound(CudaLib::Driver, unsafe { sys::culib() })
