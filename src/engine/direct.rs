@@ -214,9 +214,10 @@ pub enum Route<'a> {
 /// in a set of `size` ranks; `bufs` holds the host copy of the hierarchical stage
 /// between hosts, and `watch` bounds each wait for the device.
 ///
-/// An error leaves the route's device group abandoned ([`DeviceGroup::abandon`]): a
-/// collective that failed on this rank alone would otherwise hold its peers in NCCL,
-/// and its queued work could still write tensors the framework has taken back.
+/// An error (other than an argument error, found before anything is queued) leaves the
+/// route's device group abandoned ([`DeviceGroup::abandon`]): a collective that failed
+/// on this rank alone would otherwise hold its peers in NCCL, and its queued work could
+/// still write tensors the framework has taken back.
 pub fn run_direct(
     route: Route<'_>,
     size: usize,
@@ -252,7 +253,11 @@ pub fn run_direct(
             resent,
         },
         Err(e) => {
-            group.abandon(&e.to_string());
+            // An argument error comes before anything is queued, the same on every
+            // rank: the group stays usable.
+            if !matches!(e, PerseusError::InvalidArgument(_)) {
+                group.abandon(&e.to_string());
+            }
             Outcome {
                 results: entries.iter().map(|_| Err(e.clone())).collect(),
                 resent: None,

@@ -6,8 +6,10 @@
 //! path polls instead: between polls it asks the device for errors it met (NCCL's
 //! asynchronous error), asks the CPU transport whether a peer's process has ended,
 //! and gives up after the peer timeout. Its caller then aborts the communicators, so
-//! that the device stops touching the tensors, and reports why on this rank; the
-//! peers, waiting the same way, see this rank's abort or its end and do the same.
+//! that the device stops touching the tensors, and reports why on this rank. The
+//! peers, waiting the same way, do the same once they see NCCL's error (reported
+//! across hosts, where NCCL's network transport sees the connection drop; within a
+//! host it sees nothing), this rank's process end, or the timeout.
 
 use std::time::{Duration, Instant};
 

@@ -42,6 +42,10 @@ struct State {
     flags: sys::CUdeviceptr,
     /// Flags `flags` has room for.
     flags_len: usize,
+    /// Their copy in pinned host memory (so that the copy is queued, not blocking),
+    /// and the flags it has room for.
+    host_flags: *mut i32,
+    host_flags_len: usize,
     /// Why the group was abandoned (its communicators aborted), once it was.
     broken: Option<String>,
 }
@@ -283,6 +287,8 @@ impl NcclGroup {
                 fusion_len: 0,
                 flags: flag,
                 flags_len: 1,
+                host_flags: std::ptr::null_mut(),
+                host_flags_len: 0,
                 broken: None,
             }),
         }
@@ -394,9 +400,7 @@ impl NcclGroup {
             return;
         }
         st.broken = Some(why.to_string());
-        for ch in &self.channels {
-            ch.comm.abort();
-        }
+        abort_all(&self.channels);
         let streams: Vec<sys::CUstream> = std::iter::once(self.dev.stream)
             .chain(self.channels.iter().map(|ch| ch.stream))
             .collect();
@@ -416,8 +420,25 @@ impl NcclGroup {
         }
     }
 
-    /// The finiteness flags, room for `n` (grown on the Perseus stream).
-    fn flags(&self, st: &mut State, n: usize) -> Result<sys::CUdeviceptr> {
+    /// The finiteness flags, room for `n`, on the device (grown on the Perseus stream)
+    /// and in pinned host memory.
+    fn flags(&self, st: &mut State, n: usize) -> Result<(sys::CUdeviceptr, *mut i32)> {
+        if n > st.host_flags_len {
+            let want = n.next_power_of_two();
+            // SAFETY: every earlier copy into the old buffer was waited for (a group
+            // whose wait gave up is broken, and never comes here again).
+            unsafe {
+                if !st.host_flags.is_null() {
+                    result::free_host(st.host_flags.cast()).map_err(driver("cuMemFreeHost"))?;
+                    st.host_flags = std::ptr::null_mut();
+                    st.host_flags_len = 0;
+                }
+                st.host_flags = result::malloc_host(want * 4, 0)
+                    .map_err(driver("cuMemHostAlloc"))?
+                    .cast();
+            }
+            st.host_flags_len = want;
+        }
         if n > st.flags_len {
             let want = n.next_power_of_two();
             // SAFETY: the old flags' users are ordered before this point of the Perseus
@@ -430,7 +451,23 @@ impl NcclGroup {
             }
             st.flags_len = want;
         }
-        Ok(st.flags)
+        Ok((st.flags, st.host_flags))
+    }
+}
+
+/// Aborts every channel's communicator at once, each from a thread of its own: an
+/// abort frees memory, which waits for the kernels of the device, and a channel's kernel
+/// spinning on a lost peer ends only once its own communicator is aborted, so aborting
+/// them one after another could wait forever (NCCL 2.19 and later allow aborts from
+/// several threads).
+fn abort_all(channels: &[Channel]) {
+    match channels {
+        [one] => one.comm.abort(),
+        _ => std::thread::scope(|s| {
+            for comm in channels.iter().map(|ch| &ch.comm) {
+                s.spawn(move || comm.abort());
+            }
+        }),
     }
 }
 
@@ -554,7 +591,7 @@ impl DeviceGroup for NcclGroup {
         }
         let mut st = self.main()?;
         let f = self.dev.kernel("nancheck", name)?;
-        let flags = self.flags(&mut st, parts.len())?;
+        let (flags, host) = self.flags(&mut st, parts.len())?;
         result::memset_d8_async(flags, 0, parts.len() * 4, self.dev.stream)
             .map_err(driver("cuMemsetD8Async"))?;
         for (i, &(buf, count)) in parts.iter().enumerate() {
@@ -569,11 +606,10 @@ impl DeviceGroup for NcclGroup {
             ];
             self.dev.launch(f, count as u64, &mut params)?;
         }
-        // A copy into pageable memory returns only once done, so it comes after the
-        // watched wait, never before it.
-        self.wait(&mut st, watch)?;
-        let mut host = vec![0i32; parts.len()];
-        result::memcpy_dtoh_async(&mut host, flags, self.dev.stream)
+        // Pinned memory: the copy is queued behind the checks, and one watched wait
+        // covers both.
+        let host = std::slice::from_raw_parts_mut(host, parts.len());
+        result::memcpy_dtoh_async(host, flags, self.dev.stream)
             .map_err(driver("cuMemcpyDtoHAsync"))?;
         self.wait(&mut st, watch)?;
         Ok((0..parts.len()).filter(|&i| host[i] != 0).collect())
@@ -621,7 +657,7 @@ impl DeviceGroup for NcclGroup {
 
     unsafe fn download(&self, src: *const u8, dst: &mut [u8], watch: &Watch<'_>) -> Result<()> {
         let mut st = self.main()?;
-        // A copy into pageable memory returns only once done: waiting for the work
+        // A copy into pageable memory may block until it is done: waiting for the work
         // before it (NCCL's, which a lost peer can hold forever) is the watched wait.
         self.wait(&mut st, watch)?;
         if !dst.is_empty() {
@@ -659,8 +695,17 @@ impl Drop for NcclGroup {
             return;
         }
         let st = lock(&self.state);
+        // The communicators first, all at once: an abort needs no peer, where
+        // ncclCommDestroy waits for every rank of the host to destroy its own, and a
+        // peer that died never does. (Drop then finds them aborted.)
+        if st.broken.is_none() {
+            abort_all(&self.channels);
+        }
         // SAFETY: all work is done; each handle is released once.
         unsafe {
+            if !st.host_flags.is_null() {
+                let _ = result::free_host(st.host_flags.cast());
+            }
             if st.fusion_len > 0 {
                 let _ = result::free_async(st.fusion, self.dev.stream);
             }

@@ -48,6 +48,15 @@ impl CudaLib {
         }
     }
 
+    /// A function that does the library's work, checked beside the version function.
+    fn working_symbol(self) -> &'static [u8] {
+        match self {
+            CudaLib::Driver => b"cuLaunchKernel\0",
+            CudaLib::Nvrtc => b"nvrtcCompileProgram\0",
+            CudaLib::Nccl => b"ncclAllReduce\0",
+        }
+    }
+
     /// The file names to look for, most wanted first.
     pub fn file_names(self) -> &'static [&'static str] {
         match self {
@@ -185,16 +194,25 @@ pub fn check_bound(lib: CudaLib, theirs: &Library) -> std::result::Result<(), St
     let Some((found, library)) = table.get(&lib) else {
         return Ok(());
     };
-    let address = |l: &Library| {
+    // Two functions, so that a shim defining some functions itself and passing the
+    // rest to the real library is told apart from it.
+    let address = |l: &Library, symbol: &[u8]| {
         // SAFETY: the symbol is only looked up, never called, here.
-        unsafe { l.get::<*mut c_void>(lib.version_symbol()) }
+        unsafe { l.get::<*mut c_void>(symbol) }
             .map(|s| *s as *const c_void)
             .map_err(|e| format!("{}: {e}", lib.label()))
     };
-    let (ours, theirs) = (address(library)?, address(theirs)?);
-    if ours == theirs {
-        return Ok(());
+    let mut other = None;
+    for symbol in [lib.version_symbol(), lib.working_symbol()] {
+        let (a, b) = (address(library, symbol)?, address(theirs, symbol)?);
+        if a != b {
+            other = Some(b);
+            break;
+        }
     }
+    let Some(theirs) = other else {
+        return Ok(());
+    };
     let other = file_of(theirs).unwrap_or_else(|| "another file".into());
     Err(format!(
         "{} is loaded twice: Perseus chose {} ({}), but its CUDA bindings (cudarc, which \

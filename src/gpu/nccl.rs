@@ -330,7 +330,8 @@ impl Communicator {
         // SAFETY: a live handle; `code` receives the result.
         let asked = unsafe { (self.nccl.async_error)(self.comm, &mut code) };
         match (asked, code) {
-            (0, 0) => None,
+            // ncclInProgress (7) is a state of non-blocking calls, not an error.
+            (0, 0) | (0, 7) => None,
             (0, code) => Some(format!("NCCL error {code}: {}", self.nccl.explain(code))),
             (asked, _) => Some(format!(
                 "ncclCommGetAsyncError failed with NCCL error {asked}: {}",
@@ -351,6 +352,8 @@ impl Communicator {
 }
 
 impl Drop for Communicator {
+    /// Destroys a communicator that was not aborted (Perseus's groups abort theirs
+    /// when dropped: see `NcclGroup`'s drop).
     fn drop(&mut self) {
         if !self.aborted.load(Ordering::Acquire) {
             // SAFETY: the handle came from ncclCommInitRank and is destroyed once.
