@@ -870,13 +870,17 @@ impl Groups {
             self.sets.insert(key, (formed, device));
         }
         match (&self.sets[&key], self.use_nccl) {
-            ((Ok(_), formed_on), _) if *formed_on != device => {
-                Err(PerseusError::InvalidArgument(format!(
+            ((Ok(g), formed_on), _) if *formed_on != device => {
+                let why = format!(
                     "process set {ps} runs its NCCL collectives on {formed_on}, but these \
                      tensors are on {device}: NCCL binds a rank's communicators to one GPU, \
                      so keep each rank's tensors on one device (or set \
                      PERSEUS_NCCL_ENABLE=0 to move them through host memory)"
-                )))
+                );
+                // The peers may have entered this collective: later ones of this rank
+                // must not pair with it in NCCL.
+                g.abandon(&why);
+                Err(PerseusError::InvalidArgument(why))
             }
             ((Ok(g), _), _) => Ok(Some(g.clone())),
             ((Err(why), _), NcclUse::Required) => Err(PerseusError::GpuUnavailable(format!(

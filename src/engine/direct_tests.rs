@@ -716,8 +716,8 @@ fn every_rank_agrees_on_the_path_and_on_why() {
     assert!(got.iter().all(|a| *a == Agreement::Direct), "{got:?}");
 }
 
-/// A group that is never used: [`Groups`] only hands it out.
-struct Unused;
+/// A group that is never used: [`Groups`] only hands it out (and may abandon it).
+struct Unused(Arc<Mutex<Vec<String>>>);
 
 impl DeviceGroup for Unused {
     fn rank(&self) -> usize {
@@ -780,8 +780,8 @@ impl DeviceGroup for Unused {
     fn finish(&self, _: &Watch) -> Result<()> {
         unreachable!()
     }
-    fn abandon(&self, _: &str) {
-        unreachable!()
+    fn abandon(&self, why: &str) {
+        self.0.lock().unwrap().push(why.to_string());
     }
 }
 
@@ -790,6 +790,8 @@ struct FakeOpener {
     refuse: Option<String>,
     opened: Arc<std::sync::atomic::AtomicUsize>,
     members: Arc<Mutex<Vec<usize>>>,
+    /// Why its groups were abandoned.
+    abandoned: Arc<Mutex<Vec<String>>>,
 }
 
 impl Opener for FakeOpener {
@@ -806,7 +808,7 @@ impl Opener for FakeOpener {
         *self.members.lock().unwrap() = members.to_vec();
         self.opened
             .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        Ok(Ok(Arc::new(Unused)))
+        Ok(Ok(Arc::new(Unused(self.abandoned.clone()))))
     }
 }
 
@@ -824,6 +826,7 @@ fn ask_twice(
             refuse: refuse.filter(|_| r == 1).map(String::from),
             opened: opened.clone(),
             members: Arc::default(),
+            abandoned: Arc::default(),
         };
         let mode = if r == 1 { its_use } else { use_nccl };
         let mut groups = Groups::new(
@@ -882,10 +885,12 @@ fn a_set_forms_its_group_once_or_says_why_not_on_every_rank() {
 #[test]
 fn a_group_stays_on_the_device_it_was_formed_on() {
     let got = run(2, |comm| {
+        let abandoned: Arc<Mutex<Vec<String>>> = Arc::default();
         let opener = FakeOpener {
             refuse: None,
             opened: Arc::default(),
             members: Arc::default(),
+            abandoned: abandoned.clone(),
         };
         let limit = std::time::Duration::from_secs(60);
         let mut groups = Groups::new(NcclUse::Auto, 2, limit, Box::new(opener));
@@ -899,9 +904,10 @@ fn a_group_stays_on_the_device_it_was_formed_on() {
         let moved = groups
             .get(0, comm, Device::Cuda(r + 2), false)
             .map(|g| g.is_some());
-        (first, again, moved)
+        let abandoned = abandoned.lock().unwrap().clone();
+        (first, again, moved, abandoned)
     });
-    for (r, (first, again, moved)) in got.into_iter().enumerate() {
+    for (r, (first, again, moved, abandoned)) in got.into_iter().enumerate() {
         assert!(first.unwrap() && again.unwrap(), "rank {r}");
         let msg = moved.unwrap_err().to_string();
         assert!(
@@ -912,6 +918,8 @@ fn a_group_stays_on_the_device_it_was_formed_on() {
             )),
             "rank {r}: {msg}"
         );
+        // Abandoned, so that later collectives cannot pair with a peer's in NCCL.
+        assert_eq!(abandoned, vec![msg], "rank {r}");
     }
 }
 
@@ -925,6 +933,7 @@ fn a_hierarchical_group_is_formed_among_the_ranks_of_each_host() {
             refuse: None,
             opened: Arc::default(),
             members: members.clone(),
+            abandoned: Arc::default(),
         };
         let mut groups = Groups::new(
             NcclUse::Auto,

@@ -547,12 +547,15 @@ fn run_device(
             if plan.mode == crate::plan::Mode::Hierarchical
     ) && crate::collective::fits(&crate::collective::hosts_of(comm));
     match groups.get(ps, comm, device, hierarchical) {
-        Ok(Some(_)) if other.is_some() => {
+        Ok(Some(group)) if other.is_some() => {
             let e = PerseusError::InvalidArgument(format!(
                 "one fused collective holds tensors on {device} and on {}: NCCL runs a \
                  rank's part on one GPU, so keep each rank's tensors on one device",
                 other.expect("matched")
             ));
+            // The peers may have entered this collective: later ones of this rank must
+            // not pair with it in NCCL.
+            group.abandon(&e.to_string());
             exec::Outcome {
                 results: entries.iter().map(|_| Err(e.clone())).collect(),
                 resent: None,
