@@ -92,7 +92,9 @@ pub trait DeviceGroup: Send + Sync {
         watch: &Watch<'_>,
     ) -> Result<Vec<usize>>;
     /// Queues an in-place allreduce of `count` elements on channel `channel`
-    /// (`op` is never Average or Adasum).
+    /// (`op` is never Average or Adasum). Queueing may wait for the peers (NCCL
+    /// connects them at a communicator's first collective), as `watch` allows; a wait
+    /// that gives up abandons the group, as in [`DeviceGroup::finish`].
     ///
     /// # Safety
     /// As for [`DeviceGroup::copy`].
@@ -103,14 +105,23 @@ pub trait DeviceGroup: Send + Sync {
         count: usize,
         dtype: DataType,
         op: ReduceOp,
+        watch: &Watch<'_>,
     ) -> Result<()>;
-    /// Queues an in-place broadcast of `bytes` from group rank `root`.
+    /// Queues an in-place broadcast of `bytes` from group rank `root` (queueing waits
+    /// as in [`DeviceGroup::allreduce`]).
     ///
     /// # Safety
     /// As for [`DeviceGroup::copy`].
-    unsafe fn broadcast(&self, buf: *mut u8, bytes: usize, root: usize) -> Result<()>;
+    unsafe fn broadcast(
+        &self,
+        buf: *mut u8,
+        bytes: usize,
+        root: usize,
+        watch: &Watch<'_>,
+    ) -> Result<()>;
     /// Queues an in-place reduce-scatter: `buf` holds `size() * chunk` elements, and
-    /// this rank's chunk (at `rank() * chunk`) ends reduced.
+    /// this rank's chunk (at `rank() * chunk`) ends reduced (queueing waits as in
+    /// [`DeviceGroup::allreduce`]).
     ///
     /// # Safety
     /// As for [`DeviceGroup::copy`].
@@ -120,13 +131,20 @@ pub trait DeviceGroup: Send + Sync {
         chunk: usize,
         dtype: DataType,
         op: ReduceOp,
+        watch: &Watch<'_>,
     ) -> Result<()>;
     /// Queues an in-place allgather of chunks of `chunk` elements, this rank's at
-    /// `rank() * chunk`.
+    /// `rank() * chunk` (queueing waits as in [`DeviceGroup::allreduce`]).
     ///
     /// # Safety
     /// As for [`DeviceGroup::copy`].
-    unsafe fn allgather(&self, buf: *mut u8, chunk: usize, dtype: DataType) -> Result<()>;
+    unsafe fn allgather(
+        &self,
+        buf: *mut u8,
+        chunk: usize,
+        dtype: DataType,
+        watch: &Watch<'_>,
+    ) -> Result<()>;
     /// Copies device memory at `src` into `dst`, once the work queued so far has run
     /// (waits for it, as `watch` allows).
     ///
@@ -313,7 +331,7 @@ impl Job<'_> {
                 if group.rank() == root {
                     input_to_output(group, e)?;
                 }
-                group.broadcast(buf, bytes, root)?;
+                group.broadcast(buf, bytes, root, watch)?;
             }
         }
         group.finish(watch)
@@ -364,7 +382,7 @@ impl Job<'_> {
             if pre != 1.0 {
                 group.scale(buf, count, dtype, pre)?;
             }
-            allreduce_split(group, buf, count, dtype, op)?;
+            allreduce_split(group, buf, count, dtype, op, watch)?;
             if post != 1.0 {
                 group.scale(buf, count, dtype, post)?;
             }
@@ -401,7 +419,7 @@ impl Job<'_> {
                 group.cast_down(src.ptr, image.add(at * 2), n, (pre * plan.scale) as f32)?;
                 at += n;
             }
-            allreduce_split(group, image, total, DataType::F16, ReduceOp::Sum)?;
+            allreduce_split(group, image, total, DataType::F16, ReduceOp::Sum, watch)?;
             // One check of the whole image, and only when it fails one of each tensor.
             let whole = [(image as *const u8, total)];
             if !group.nonfinite(&whole, DataType::F16, watch)?.is_empty() {
@@ -509,7 +527,7 @@ impl Job<'_> {
             if pre != 1.0 {
                 local.scale(buf, count, dtype, pre)?;
             }
-            local.reduce_scatter(buf, chunk, dtype, op)?;
+            local.reduce_scatter(buf, chunk, dtype, op, watch)?;
             let first = local.rank() * chunk;
             let mine = buf.add(first * dtype.size());
             // Under float16: the elements each tensor spans.
@@ -559,7 +577,7 @@ impl Job<'_> {
                     local.cast_up(image, mine, chunk, (1.0 / scale) as f32)?;
                 }
             }
-            local.allgather(buf, chunk, dtype)?;
+            local.allgather(buf, chunk, dtype, watch)?;
             // One check of the whole buffer (the gaps are zero), and only when it
             // fails one more, of each tensor.
             let whole = [(buf as *const u8, l * chunk)];
@@ -591,6 +609,7 @@ unsafe fn allreduce_split(
     count: usize,
     dtype: DataType,
     op: ReduceOp,
+    watch: &Watch<'_>,
 ) -> Result<()> {
     let parts = group
         .channels()
@@ -599,7 +618,7 @@ unsafe fn allreduce_split(
     for (c, r) in partition(count, parts).into_iter().enumerate() {
         if !r.is_empty() {
             let at = buf.add(r.start * dtype.size());
-            group.allreduce(c, at, r.len(), dtype, op)?;
+            group.allreduce(c, at, r.len(), dtype, op, watch)?;
         }
     }
     Ok(())
@@ -764,14 +783,15 @@ pub trait Opener: Send {
     fn offer(&self, device: Device) -> std::result::Result<[u8; 16], String>;
     /// Forms this rank's group: the ranks `members` of `comm` (every member of
     /// `comm` calls it together, each with its own group's members, after [`agree`]
-    /// answered [`Agreement::Direct`]); `Ok(Err(why))` when it could not be formed,
-    /// the same on every rank.
+    /// answered [`Agreement::Direct`]), waiting for the device's library as `watch`
+    /// allows; `Ok(Err(why))` when it could not be formed, the same on every rank.
     fn open(
         &self,
         comm: &dyn Comm,
         device: Device,
         channels: usize,
         members: &[usize],
+        watch: &Watch<'_>,
     ) -> Result<Formed>;
 }
 
@@ -792,7 +812,14 @@ impl Opener for NoGpu {
     fn offer(&self, _: Device) -> std::result::Result<[u8; 16], String> {
         Err("this build of Perseus has no GPU support (the cuda feature)".into())
     }
-    fn open(&self, _: &dyn Comm, _: Device, _: usize, _: &[usize]) -> Result<Formed> {
+    fn open(
+        &self,
+        _: &dyn Comm,
+        _: Device,
+        _: usize,
+        _: &[usize],
+        _: &Watch<'_>,
+    ) -> Result<Formed> {
         Ok(Err("this build of Perseus has no GPU support".into()))
     }
 }
@@ -836,13 +863,15 @@ impl Groups {
     /// response), of this host's ranks when `local`, `None` when its device tensors
     /// go through host memory. Under PERSEUS_NCCL_ENABLE=1 that is an error naming
     /// why, on every rank. A group stays on the device it was formed on: tensors of
-    /// the set on another device of this rank are an error naming both.
+    /// the set on another device of this rank are an error naming both. Forming a
+    /// group waits for the peers as `watch` allows.
     pub fn get(
         &mut self,
         ps: u32,
         comm: &dyn Comm,
         device: Device,
         local: bool,
+        watch: &Watch<'_>,
     ) -> Result<Option<Arc<dyn DeviceGroup>>> {
         let key = (ps, local);
         if !self.sets.contains_key(&key) {
@@ -856,7 +885,10 @@ impl Groups {
                 (0..comm.size()).collect()
             };
             let formed = match agree(comm, offer)? {
-                Agreement::Direct => self.opener.open(comm, device, self.channels, &members)?,
+                Agreement::Direct => {
+                    self.opener
+                        .open(comm, device, self.channels, &members, watch)?
+                }
                 Agreement::Staged(why) => Err(why),
             };
             if let Err(why) = &formed {

@@ -110,6 +110,7 @@ impl DeviceGroup for HostGroup<'_> {
         count: usize,
         dtype: DataType,
         op: ReduceOp,
+        _: &Watch<'_>,
     ) -> Result<()> {
         assert!(
             channel < self.channels,
@@ -128,7 +129,7 @@ impl DeviceGroup for HostGroup<'_> {
         let b = slice(buf, count * dtype.size());
         crate::collective::allreduce(self.comm, b, dtype, op, 1.0, &mut scratch)
     }
-    unsafe fn broadcast(&self, buf: *mut u8, bytes: usize, root: usize) -> Result<()> {
+    unsafe fn broadcast(&self, buf: *mut u8, bytes: usize, root: usize, _: &Watch) -> Result<()> {
         crate::collective::broadcast(self.comm, slice(buf, bytes), root)
     }
     unsafe fn reduce_scatter(
@@ -137,6 +138,7 @@ impl DeviceGroup for HostGroup<'_> {
         chunk: usize,
         dtype: DataType,
         op: ReduceOp,
+        _: &Watch<'_>,
     ) -> Result<()> {
         let n = self.comm.size();
         let b = slice(buf, n * chunk * dtype.size());
@@ -144,7 +146,13 @@ impl DeviceGroup for HostGroup<'_> {
         assert_eq!(mine.start, self.comm.rank() * chunk * dtype.size());
         Ok(())
     }
-    unsafe fn allgather(&self, buf: *mut u8, chunk: usize, dtype: DataType) -> Result<()> {
+    unsafe fn allgather(
+        &self,
+        buf: *mut u8,
+        chunk: usize,
+        dtype: DataType,
+        _: &Watch,
+    ) -> Result<()> {
         let n = self.comm.size();
         let bytes = chunk * dtype.size();
         allgatherv(self.comm, slice(buf, n * bytes), &vec![bytes; n])
@@ -759,16 +767,24 @@ impl DeviceGroup for Unused {
         _: usize,
         _: DataType,
         _: ReduceOp,
+        _: &Watch,
     ) -> Result<()> {
         unreachable!()
     }
-    unsafe fn broadcast(&self, _: *mut u8, _: usize, _: usize) -> Result<()> {
+    unsafe fn broadcast(&self, _: *mut u8, _: usize, _: usize, _: &Watch) -> Result<()> {
         unreachable!()
     }
-    unsafe fn reduce_scatter(&self, _: *mut u8, _: usize, _: DataType, _: ReduceOp) -> Result<()> {
+    unsafe fn reduce_scatter(
+        &self,
+        _: *mut u8,
+        _: usize,
+        _: DataType,
+        _: ReduceOp,
+        _: &Watch,
+    ) -> Result<()> {
         unreachable!()
     }
-    unsafe fn allgather(&self, _: *mut u8, _: usize, _: DataType) -> Result<()> {
+    unsafe fn allgather(&self, _: *mut u8, _: usize, _: DataType, _: &Watch) -> Result<()> {
         unreachable!()
     }
     unsafe fn download(&self, _: *const u8, _: &mut [u8], _: &Watch) -> Result<()> {
@@ -802,7 +818,14 @@ impl Opener for FakeOpener {
             (None, Device::Cpu) => Err("host memory".into()),
         }
     }
-    fn open(&self, c: &dyn Comm, _: Device, channels: usize, members: &[usize]) -> Result<Formed> {
+    fn open(
+        &self,
+        c: &dyn Comm,
+        _: Device,
+        channels: usize,
+        members: &[usize],
+        _: &Watch,
+    ) -> Result<Formed> {
         assert_eq!(channels, 2);
         assert!(members.contains(&c.rank()));
         *self.members.lock().unwrap() = members.to_vec();
@@ -836,8 +859,12 @@ fn ask_twice(
             Box::new(opener),
         );
         let device = Device::Cuda(r as i32);
-        let first = groups.get(0, comm, device, false).map(|g| g.is_some());
-        let second = groups.get(0, comm, device, false).map(|g| g.is_some());
+        let first = groups
+            .get(0, comm, device, false, &WATCH)
+            .map(|g| g.is_some());
+        let second = groups
+            .get(0, comm, device, false, &WATCH)
+            .map(|g| g.is_some());
         (
             first,
             second,
@@ -896,13 +923,13 @@ fn a_group_stays_on_the_device_it_was_formed_on() {
         let mut groups = Groups::new(NcclUse::Auto, 2, limit, Box::new(opener));
         let r = comm.rank() as i32;
         let first = groups
-            .get(0, comm, Device::Cuda(r), false)
+            .get(0, comm, Device::Cuda(r), false, &WATCH)
             .map(|g| g.is_some());
         let again = groups
-            .get(0, comm, Device::Cuda(r), false)
+            .get(0, comm, Device::Cuda(r), false, &WATCH)
             .map(|g| g.is_some());
         let moved = groups
-            .get(0, comm, Device::Cuda(r + 2), false)
+            .get(0, comm, Device::Cuda(r + 2), false, &WATCH)
             .map(|g| g.is_some());
         let abandoned = abandoned.lock().unwrap().clone();
         (first, again, moved, abandoned)
@@ -943,9 +970,12 @@ fn a_hierarchical_group_is_formed_among_the_ranks_of_each_host() {
         );
         let local_index = comm.rank() / 2;
         let device = Device::Cuda(local_index as i32);
-        let local = groups.get(0, comm, device, true).unwrap().is_some();
+        let local = groups.get(0, comm, device, true, &WATCH).unwrap().is_some();
         let seen = members.lock().unwrap().clone();
-        let flat = groups.get(0, comm, device, false).unwrap().is_some();
+        let flat = groups
+            .get(0, comm, device, false, &WATCH)
+            .unwrap()
+            .is_some();
         let all = members.lock().unwrap().clone();
         (local, seen, flat, all)
     });

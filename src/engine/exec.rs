@@ -34,6 +34,8 @@ pub struct Buffers {
     pub scratch: AlignedBuf,
     /// While the timeline runs: the phases of the allreduce being run.
     pub phases: Option<Vec<Phase>>,
+    /// Host copies of device tensors (the host-staged path).
+    pub staging: super::staged::StagingPool,
 }
 
 /// One phase of an allreduce, for the timeline: FUSE (inputs copied and

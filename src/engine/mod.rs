@@ -546,7 +546,12 @@ fn run_device(
         Response::Op { kind: OpKind::Allreduce, plan, .. }
             if plan.mode == crate::plan::Mode::Hierarchical
     ) && crate::collective::fits(&crate::collective::hosts_of(comm));
-    match groups.get(ps, comm, device, hierarchical) {
+    let ended = || ended_peers(comm);
+    let watch = Watch {
+        limit: groups.limit(),
+        ended: &ended,
+    };
+    match groups.get(ps, comm, device, hierarchical, &watch) {
         Ok(Some(group)) if other.is_some() => {
             let e = PerseusError::InvalidArgument(format!(
                 "one fused collective holds tensors on {device} and on {}: NCCL runs a \
@@ -563,11 +568,6 @@ fn run_device(
         }
         Ok(Some(group)) => {
             counters.nccl_operations.fetch_add(1, Ordering::Relaxed);
-            let ended = || ended_peers(comm);
-            let watch = Watch {
-                limit: groups.limit(),
-                ended: &ended,
-            };
             if hierarchical {
                 let cross = SubComm::new(comm, crate::collective::host_and_peers(comm).1);
                 let route = direct::Route::Hierarchical(&*group, &cross);

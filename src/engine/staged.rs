@@ -7,6 +7,12 @@
 //! the device casts them back with the inverse gradient scale and the postscale. A
 //! float16 sum that overflows is redone exactly from the device inputs, as on the CPU.
 //!
+//! The host copies live in a [`StagingPool`] kept from response to response: one
+//! region per response, carved into a view per tensor. The CUDA device gives
+//! page-locked regions, which its copies reach at the bus's full speed and without
+//! the host waiting on each copy; pinning memory costs far more than a copy, hence
+//! the reuse.
+//!
 //! The device side is a [`DeviceMemory`]: the CUDA one lives in `crate::gpu`, and the
 //! tests below use host memory in its place, which is how CI checks this logic
 //! without a GPU.
@@ -52,6 +58,95 @@ pub trait DeviceMemory: Send + Sync {
 
     /// Waits until every copy queued so far has completed.
     fn finish(&self) -> Result<()>;
+
+    /// Host memory of `bytes` for copies to and from this device: page-locked where
+    /// the device can pin it (its copies then run at the bus's full speed, without
+    /// the host waiting on each), ordinary memory otherwise.
+    fn host_region(&self, bytes: usize) -> Box<dyn HostRegion> {
+        Box::new(AlignedBuf::zeroed(bytes))
+    }
+}
+
+/// Host memory the staged path copies through.
+pub trait HostRegion: Send {
+    /// Its bytes.
+    fn bytes(&mut self) -> &mut [u8];
+    /// How many.
+    fn size(&self) -> usize;
+}
+
+impl HostRegion for AlignedBuf {
+    fn bytes(&mut self) -> &mut [u8] {
+        self.as_mut_slice()
+    }
+    fn size(&self) -> usize {
+        self.len()
+    }
+}
+
+/// The smallest region made: small responses share one size.
+const MIN_REGION: usize = 1 << 20;
+
+/// Byte alignment of each tensor's host copy within a region.
+const STAGE_ALIGN: usize = 64;
+
+/// The staged path's host regions, reused from response to response. At most two are
+/// in use at once (a float16 response's images, and the copies of its exact resend).
+#[derive(Default)]
+pub struct StagingPool {
+    free: Vec<Box<dyn HostRegion>>,
+}
+
+impl StagingPool {
+    /// A region of at least `bytes`: the smallest free one that fits, else a new one
+    /// from `mem` (ordinary memory without one), twice as large as the largest free
+    /// one, which it replaces.
+    pub fn take(&mut self, bytes: usize, mem: Option<&dyn DeviceMemory>) -> Box<dyn HostRegion> {
+        let fits = (0..self.free.len())
+            .filter(|&i| self.free[i].size() >= bytes)
+            .min_by_key(|&i| self.free[i].size());
+        if let Some(i) = fits {
+            return self.free.swap_remove(i);
+        }
+        let largest = (0..self.free.len()).max_by_key(|&i| self.free[i].size());
+        if let Some(i) = largest {
+            self.free.swap_remove(i);
+        }
+        let want = bytes.next_power_of_two().max(MIN_REGION);
+        match mem {
+            Some(m) => m.host_region(want),
+            None => Box::new(AlignedBuf::zeroed(want)),
+        }
+    }
+
+    /// Returns a region taken before, for later responses.
+    pub fn give(&mut self, region: Box<dyn HostRegion>) {
+        self.free.push(region);
+    }
+
+    /// The sizes of the free regions (for tests and statistics).
+    pub fn free_sizes(&self) -> Vec<usize> {
+        self.free.iter().map(|r| r.size()).collect()
+    }
+}
+
+/// Bytes a tensor of `n` bytes takes in a region.
+fn room(n: usize) -> usize {
+    n.div_ceil(STAGE_ALIGN) * STAGE_ALIGN
+}
+
+/// Hands out consecutive, aligned pieces of one region.
+struct Carver<'a> {
+    rest: &'a mut [u8],
+}
+
+impl<'a> Carver<'a> {
+    /// The next `n` bytes.
+    fn next(&mut self, n: usize) -> &'a mut [u8] {
+        let (head, tail) = std::mem::take(&mut self.rest).split_at_mut(room(n));
+        self.rest = tail;
+        &mut head[..n]
+    }
 }
 
 /// Finds the device memory behind a device (the CUDA device of that ordinal).
@@ -93,7 +188,7 @@ fn elems(shape: &[i64]) -> usize {
 }
 
 /// A host view of `buf` holding a tensor of `dtype` and `shape`.
-fn host_view(buf: &mut AlignedBuf, dtype: DataType, shape: &[i64]) -> TensorView {
+fn host_view(buf: &mut [u8], dtype: DataType, shape: &[i64]) -> TensorView {
     TensorView {
         ptr: buf.as_mut_ptr(),
         nbytes: buf.len(),
@@ -101,6 +196,29 @@ fn host_view(buf: &mut AlignedBuf, dtype: DataType, shape: &[i64]) -> TensorView
         shape: shape.to_vec(),
         device: Device::Cpu,
     }
+}
+
+/// The device views of `entries`, inputs and outputs.
+fn device_views(entries: &[Option<Entry>]) -> impl Iterator<Item = &TensorView> {
+    entries
+        .iter()
+        .flatten()
+        .flat_map(|e| e.input.iter().chain(e.output.iter()))
+        .filter(|v| v.device != Device::Cpu)
+}
+
+/// A region from the pool for `bytes` of host copies, pinned by the device of the
+/// response's first device tensor where it can.
+fn region_for(
+    bufs: &mut Buffers,
+    devices: &mut Devices<'_>,
+    entries: &[Option<Entry>],
+    bytes: usize,
+) -> Box<dyn HostRegion> {
+    let mem = device_views(entries)
+        .next()
+        .and_then(|v| devices.get(v.device).ok());
+    bufs.staging.take(bytes, mem.as_deref())
 }
 
 /// Runs a data-moving response whose tensors are (partly) in device memory.
@@ -165,7 +283,12 @@ fn exact(
     };
     // A broadcast's non-root ranks need not copy what they will overwrite.
     let needs_input = *kind != OpKind::Broadcast || *root as usize == comm.rank();
-    let mut staging: Vec<AlignedBuf> = Vec::new();
+    // Room for a copy of every device view (an in-place output shares its input's).
+    let bytes: usize = device_views(entries).map(|v| room(v.nbytes)).sum();
+    let mut region = region_for(bufs, devices, entries, bytes);
+    let size = region.size();
+    let whole = region.bytes();
+    let mut carver = Carver { rest: &mut *whole };
     let mut host: Vec<Option<Entry>> = Vec::with_capacity(entries.len());
     // The first device failure; this rank still takes part in the collective, with
     // zeros, so that its peers are not left waiting, and reports the failure after.
@@ -179,20 +302,20 @@ fn exact(
             if v.device == Device::Cpu {
                 return v.clone();
             }
-            let mut buf = AlignedBuf::zeroed(v.nbytes);
+            let buf = carver.next(v.nbytes);
             if download && error.is_none() {
                 let copied = devices.get(v.device).and_then(|m| {
                     // SAFETY: the front-end keeps the tensor alive until completion;
-                    // `buf` is kept in `staging` until after `finish`.
-                    unsafe { m.download(v.ptr, buf.as_mut_slice(), Cast::Exact) }
+                    // the region is kept until after `finish`.
+                    unsafe { m.download(v.ptr, &mut *buf, Cast::Exact) }
                 });
                 if let Err(err) = copied {
                     error = Some(err);
                 }
+            } else {
+                buf.fill(0);
             }
-            let view = host_view(&mut buf, v.dtype, &v.shape);
-            staging.push(buf);
-            view
+            host_view(buf, v.dtype, &v.shape)
         };
         let input = e.input.as_ref().map(|v| stage(v, true));
         let output = match (&e.input, &e.output, &input) {
@@ -210,18 +333,17 @@ fn exact(
     if let Err(err) = devices.finish() {
         error.get_or_insert(err);
     }
+    let used = size - carver.rest.len();
     if error.is_some() {
         // Zeros, not half-copied bytes, go to the peers.
-        for b in &mut staging {
-            b.as_mut_slice().fill(0);
-        }
+        region.bytes()[..used].fill(0);
     }
     let out = run_op(comm, resp, &host, bufs);
     let finite = check.iter().all(|&i| {
         host[i]
             .as_ref()
             .and_then(|e| e.output.as_ref())
-            // SAFETY: the host copies are alive (in `staging`) or framework memory.
+            // SAFETY: the host copies are alive (in `region`) or framework memory.
             .map_or(true, |o| {
                 first_nonfinite(unsafe { o.bytes() }, o.dtype).is_none()
             })
@@ -248,7 +370,7 @@ fn exact(
             error.get_or_insert(err);
         }
     }
-    drop(staging);
+    bufs.staging.give(region);
     (fail_ok(out, error), finite)
 }
 
@@ -279,33 +401,26 @@ fn half(
     };
     // One float16 image per tensor; a joined rank's are zeros, and every rank checks
     // every sum, so that all agree on a resend.
-    let mut images: Vec<AlignedBuf> = shapes
-        .iter()
-        .map(|s| AlignedBuf::zeroed(elems(s) * 2))
-        .collect();
+    let bytes: usize = shapes.iter().map(|s| room(elems(s) * 2)).sum();
+    let mut region = region_for(bufs, devices, entries, bytes);
+    let mut carver = Carver {
+        rest: region.bytes(),
+    };
+    let mut images: Vec<&mut [u8]> = shapes.iter().map(|s| carver.next(elems(s) * 2)).collect();
     let mut error: Option<PerseusError> = None;
     for (e, img) in entries.iter().zip(images.iter_mut()) {
         let Some(input) = e.as_ref().and_then(|e| e.input.as_ref()) else {
+            img.fill(0);
             continue;
         };
         if input.device == Device::Cpu {
             // SAFETY: the front-end keeps the tensor alive until completion.
-            to_half(
-                img.as_mut_slice(),
-                unsafe { input.bytes() },
-                prescale * gscale,
-            );
+            to_half(img, unsafe { input.bytes() }, prescale * gscale);
             continue;
         }
         let copied = devices.get(input.device).and_then(|m| {
             // SAFETY: as in `exact`; the image lives until after `finish`.
-            unsafe {
-                m.download(
-                    input.ptr,
-                    img.as_mut_slice(),
-                    Cast::Half((prescale * gscale) as f32),
-                )
-            }
+            unsafe { m.download(input.ptr, img, Cast::Half((prescale * gscale) as f32)) }
         });
         if let Err(err) = copied {
             error = Some(err);
@@ -318,18 +433,19 @@ fn half(
     if error.is_some() {
         // Zeros go to the peers; this rank fails after serving them.
         for img in &mut images {
-            img.as_mut_slice().fill(0);
+            img.fill(0);
         }
     }
     let host = image_entries(&mut images, shapes);
     let out = run_op(comm, &half_response(resp), &host, bufs);
     if error.is_some() || out.results.iter().any(|r| r.is_err()) {
+        bufs.staging.give(region);
         return fail_ok(out, error);
     }
     let bad: Vec<usize> = images
         .iter()
         .enumerate()
-        .filter(|(_, img)| first_nonfinite(img.as_slice(), DataType::F16).is_some())
+        .filter(|(_, img)| first_nonfinite(img, DataType::F16).is_some())
         .map(|(i, _)| i)
         .collect();
     if !bad.is_empty() {
@@ -338,6 +454,7 @@ fn half(
             *plan = plan.exact();
         }
         let (out, finite) = exact(comm, &exact_resp, entries, bufs, devices, &bad);
+        bufs.staging.give(region);
         return Outcome {
             results: out.results,
             resent: Some((bad, finite)),
@@ -350,12 +467,12 @@ fn half(
         if o.device == Device::Cpu {
             // SAFETY: the front-end keeps the tensor alive until completion, and only
             // the engine thread writes it until then.
-            from_half(unsafe { o.bytes_mut() }, img.as_slice(), post / gscale);
+            from_half(unsafe { o.bytes_mut() }, img, post / gscale);
             continue;
         }
         let copied = devices.get(o.device).and_then(|m| {
             // SAFETY: as above; the image lives until after `finish`.
-            unsafe { m.upload(img.as_slice(), o.ptr, Cast::Half((post / gscale) as f32)) }
+            unsafe { m.upload(img, o.ptr, Cast::Half((post / gscale) as f32)) }
         });
         if let Err(err) = copied {
             error = Some(err);
@@ -365,7 +482,7 @@ fn half(
     if let Err(err) = devices.finish() {
         error.get_or_insert(err);
     }
-    drop(images);
+    bufs.staging.give(region);
     fail_ok(
         Outcome {
             results: entries.iter().map(|_| Ok(Default::default())).collect(),
@@ -376,7 +493,7 @@ fn half(
 }
 
 /// Host entries over the float16 images, each written in place.
-fn image_entries(images: &mut [AlignedBuf], shapes: &[Vec<i64>]) -> Vec<Option<Entry>> {
+fn image_entries(images: &mut [&mut [u8]], shapes: &[Vec<i64>]) -> Vec<Option<Entry>> {
     images
         .iter_mut()
         .zip(shapes)

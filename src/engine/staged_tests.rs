@@ -13,6 +13,8 @@ struct HostMemory {
     down: AtomicUsize,
     up: AtomicUsize,
     fail: bool,
+    /// Host regions made, and their bytes.
+    regions: std::sync::Mutex<Vec<usize>>,
 }
 
 impl DeviceMemory for HostMemory {
@@ -47,6 +49,12 @@ impl DeviceMemory for HostMemory {
 
     fn finish(&self) -> Result<()> {
         Ok(())
+    }
+
+    fn host_region(&self, bytes: usize) -> Box<dyn HostRegion> {
+        self.regions.lock().unwrap().push(bytes);
+        // Stale bytes, as a reused region has: nothing may rely on zeros.
+        Box::new(AlignedBuf::from_slice(&vec![0xA5; bytes]))
     }
 }
 
@@ -345,5 +353,137 @@ fn a_failed_device_copy_fails_that_rank_and_does_not_stall_its_peers() {
             out[1].0.as_deref(),
             Some("CUDA error: simulated copy failure")
         );
+    }
+}
+
+#[test]
+fn the_pool_reuses_the_smallest_region_that_fits_and_grows_by_replacing() {
+    let mem = HostMemory::default();
+    let mut pool = StagingPool::default();
+    let a = pool.take(10, Some(&mem));
+    let b = pool.take(3 << 20, Some(&mem));
+    assert_eq!(
+        (a.size(), b.size()),
+        (1 << 20, 4 << 20),
+        "powers of two, 1 MiB at least"
+    );
+    pool.give(b);
+    pool.give(a);
+    // The smallest that fits, whichever was given back first.
+    let small = pool.take(100, Some(&mem));
+    assert_eq!(small.size(), 1 << 20);
+    pool.give(small);
+    // None fits: the largest free one is replaced, the other kept.
+    let big = pool.take(5 << 20, Some(&mem));
+    assert_eq!(big.size(), 8 << 20);
+    assert_eq!(pool.free_sizes(), vec![1 << 20]);
+    pool.give(big);
+    assert_eq!(
+        *mem.regions.lock().unwrap(),
+        vec![1 << 20, 4 << 20, 8 << 20]
+    );
+    // Without a device: ordinary memory, from the pool all the same.
+    let plain = pool.take(9 << 20, None);
+    assert_eq!(plain.size(), 16 << 20);
+    assert_eq!(pool.free_sizes(), vec![1 << 20]);
+}
+
+#[test]
+fn host_copies_reuse_one_region_across_responses() {
+    let out = run(2, |c| {
+        let r = c.rank() as f32;
+        let mem = Arc::new(HostMemory::default());
+        let m = mem.clone();
+        let resolve = move |_d: Device| Ok(m.clone() as Arc<dyn DeviceMemory>);
+        let mut bufs = Buffers::default();
+        let mut results = Vec::new();
+        for step in 0..3usize {
+            // Sizes change from step to step, over the stale bytes of the last.
+            let n = 5 + 7 * step;
+            let mut a: Vec<f32> = (0..n).map(|i| r + i as f32).collect();
+            let mut b_in: Vec<f32> = (0..n + 2).map(|i| r * 2.0 - i as f32).collect();
+            let mut b_out = vec![0f32; n + 2];
+            let entries = vec![
+                Some(Entry {
+                    handle: 1,
+                    input: Some(view(&mut a, GPU)),
+                    output: Some(view(&mut a, GPU)),
+                }),
+                Some(Entry {
+                    handle: 2,
+                    input: Some(view(&mut b_in, GPU)),
+                    output: Some(view(&mut b_out, GPU)),
+                }),
+            ];
+            let plan = if step == 1 {
+                half_plan(2.0)
+            } else {
+                Plan::default()
+            };
+            let resp = response(
+                OpKind::Allreduce,
+                vec![vec![n as i64], vec![n as i64 + 2]],
+                ReduceOp::Sum,
+                plan,
+            );
+            let o = run_staged(c, &resp, &entries, &mut bufs, &resolve);
+            assert!(o.results.iter().all(|r| r.is_ok()));
+            drop(entries);
+            results.push((a, b_out));
+        }
+        // A float16 overflow: its images and the exact resend's copies at once.
+        let mut big = vec![40_000f32; 9];
+        let entries = vec![Some(Entry {
+            handle: 3,
+            input: Some(view(&mut big, GPU)),
+            output: Some(view(&mut big, GPU)),
+        })];
+        let resp = response(
+            OpKind::Allreduce,
+            vec![vec![9]],
+            ReduceOp::Sum,
+            half_plan(1.0),
+        );
+        let o = run_staged(c, &resp, &entries, &mut bufs, &resolve);
+        assert_eq!(o.resent, Some((vec![0], true)));
+        drop(entries);
+        // Rank 1 has joined: its images come from a reused region, yet are zeros.
+        let mut g = vec![2.5f32; 6];
+        let entries = if c.rank() == 0 {
+            vec![Some(Entry {
+                handle: 4,
+                input: Some(view(&mut g, GPU)),
+                output: Some(view(&mut g, GPU)),
+            })]
+        } else {
+            vec![None]
+        };
+        let resp = response(
+            OpKind::Allreduce,
+            vec![vec![6]],
+            ReduceOp::Sum,
+            half_plan(8.0),
+        );
+        let o = run_staged(c, &resp, &entries, &mut bufs, &resolve);
+        assert!(o.results.iter().all(|r| r.is_ok()) && o.resent.is_none());
+        drop(entries);
+        if c.rank() == 0 {
+            assert_eq!(g, vec![2.5f32; 6]);
+        }
+        let made = mem.regions.lock().unwrap().clone();
+        (results, big, made, bufs.staging.free_sizes())
+    });
+    for (results, big, made, free) in out {
+        for (step, (a, b)) in results.into_iter().enumerate() {
+            let n = 5 + 7 * step;
+            let want_a: Vec<f32> = (0..n).map(|i| 1.0 + 2.0 * i as f32).collect();
+            let want_b: Vec<f32> = (0..n + 2).map(|i| 2.0 - 2.0 * i as f32).collect();
+            assert_eq!((a, b), (want_a, want_b), "step {step}");
+        }
+        assert_eq!(big, vec![80_000f32; 9]);
+        // One region served every response; the resend needed a second, while the
+        // first held the images. Both are kept for the next responses.
+        assert_eq!(made, vec![1 << 20, 1 << 20]);
+        assert_eq!(free, vec![1 << 20, 1 << 20]);
     }
 }

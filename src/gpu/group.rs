@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use cudarc::driver::{result, sys};
 
-use super::nccl::{Communicator, Nccl, UniqueId, UNIQUE_ID_BYTES};
+use super::nccl::{Communicator, Nccl, Progress, UniqueId, UNIQUE_ID_BYTES};
 use super::runtime::{driver, lock, search_dirs, CudaDevice};
 use crate::collective::{allgatherv, Comm};
 use crate::dtype::{DataType, ReduceOp};
@@ -86,11 +86,13 @@ impl Opener for CudaOpener {
         device: Device,
         channels: usize,
         members: &[usize],
+        watch: &Watch<'_>,
     ) -> Result<Formed> {
         let Device::Cuda(ordinal) = device else {
             return Ok(Err("its tensors are in host memory".into()));
         };
-        Ok(open(comm, ordinal, channels, members)?.map(|g| Arc::new(g) as Arc<dyn DeviceGroup>))
+        Ok(open(comm, ordinal, channels, members, watch)?
+            .map(|g| Arc::new(g) as Arc<dyn DeviceGroup>))
     }
 }
 
@@ -104,13 +106,15 @@ pub fn offer(ordinal: i32) -> std::result::Result<[u8; 16], String> {
 
 /// Forms this rank's NCCL group of `channels` communicators on `cuda:ordinal`: the
 /// ranks `members` of `comm` (every member of `comm` calls this together, each with
-/// its own group's members), after [`agree`] answered [`Agreement::Direct`]. Returns
-/// the group, or why it could not be formed (the same words on every rank).
+/// its own group's members), after [`agree`] answered [`Agreement::Direct`]. Waits
+/// for NCCL as `watch` allows. Returns the group, or why it could not be formed (the
+/// same words on every rank).
 pub fn open(
     comm: &dyn Comm,
     ordinal: i32,
     channels: usize,
     members: &[usize],
+    watch: &Watch<'_>,
 ) -> Result<std::result::Result<NcclGroup, String>> {
     let channels = channels.max(1);
     // Everything that can fail on this rank alone happens before the status is shared:
@@ -166,7 +170,7 @@ pub fn open(
             .map_err(|e| e.to_string())
             .and_then(|(dev, nccl, local)| {
                 dev.bind()
-                    .and_then(|()| form(&nccl, ids, members.len(), rank, local.streams))
+                    .and_then(|()| form(&nccl, ids, members.len(), rank, local.streams, watch))
                     .map(|chans| (dev, chans, local.ready, local.flag))
                     .map_err(|e| e.to_string())
             }),
@@ -246,13 +250,17 @@ impl Local {
 }
 
 /// The channels: one communicator each, joined back to back (every member of the
-/// group calls this together, once every member has made its [`Local`]).
+/// group calls this together, once every member has made its [`Local`]), each waited
+/// for as `watch` allows. A member that never joins (its process ended, or it gave up)
+/// fails the formation on this rank at the watch's limit at the latest; the
+/// communicators formed so far are aborted (by their drop).
 fn form(
     nccl: &Arc<Nccl>,
     ids: &[u8],
     size: usize,
     rank: usize,
     streams: Vec<(sys::CUstream, sys::CUevent)>,
+    watch: &Watch<'_>,
 ) -> Result<Vec<Channel>> {
     streams
         .into_iter()
@@ -261,7 +269,12 @@ fn form(
             let mut id = UniqueId([0; UNIQUE_ID_BYTES]);
             id.0.copy_from_slice(&ids[c * UNIQUE_ID_BYTES..(c + 1) * UNIQUE_ID_BYTES]);
             let comm = nccl.communicator(&id, size, rank)?;
-            Ok(Channel { comm, stream, done })
+            match comm.settle(watch, || None)? {
+                Waited::Done => Ok(Channel { comm, stream, done }),
+                Waited::Stopped(why) => Err(PerseusError::Device(format!(
+                    "forming NCCL communicator {c} of the process set: {why}"
+                ))),
+            }
         })
         .collect()
 }
@@ -330,7 +343,15 @@ impl NcclGroup {
     }
 
     /// Queues `call` on channel `c`'s stream, after the Perseus stream's work so far.
-    fn on_channel(&self, c: usize, call: impl FnOnce(&Channel) -> Result<()>) -> Result<()> {
+    /// A call that NCCL finishes in the background (it connects a communicator's peers
+    /// at its first collective) is waited for as `watch` allows before anything else
+    /// is queued on the channel: NCCL queues its kernel only then.
+    fn on_channel(
+        &self,
+        c: usize,
+        watch: &Watch<'_>,
+        call: impl FnOnce(&Channel) -> Result<Progress>,
+    ) -> Result<()> {
         self.dev.bind()?;
         let mut st = lock(&self.state);
         usable(&st)?;
@@ -346,7 +367,12 @@ impl NcclGroup {
                 sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
             )
             .map_err(driver("cuStreamWaitEvent"))?;
-            call(ch)?;
+            if call(ch)? == Progress::Pending {
+                let others = || self.trouble(Some(c));
+                if let Waited::Stopped(why) = ch.comm.settle(watch, others)? {
+                    return Err(self.give_up(&mut st, &why));
+                }
+            }
             result::event::record(ch.done, ch.stream).map_err(driver("cuEventRecord"))?;
         }
         if !st.pending.contains(&c) {
@@ -372,23 +398,29 @@ impl NcclGroup {
                 Err(e) => Err(driver("cuEventQuery")(e)),
             }
         };
-        let trouble = || {
-            self.channels
-                .iter()
-                .enumerate()
-                .find_map(|(c, ch)| ch.comm.async_error().map(|e| format!("channel {c}: {e}")))
-        };
-        match wait_for(watch, done, trouble)? {
+        match wait_for(watch, done, || self.trouble(None))? {
             Waited::Done => Ok(()),
-            Waited::Stopped(why) => {
-                let msg = format!(
-                    "{why}; this rank aborted the NCCL communicators of its process set, \
-                     whose device collectives fail from now on"
-                );
-                self.abort(st, &msg);
-                Err(PerseusError::Device(msg))
-            }
+            Waited::Stopped(why) => Err(self.give_up(st, &why)),
         }
+    }
+
+    /// The first NCCL error among the channels (but `skip`), naming its channel.
+    fn trouble(&self, skip: Option<usize>) -> Option<String> {
+        self.channels
+            .iter()
+            .enumerate()
+            .filter(|&(c, _)| Some(c) != skip)
+            .find_map(|(c, ch)| ch.comm.async_error().map(|e| format!("channel {c}: {e}")))
+    }
+
+    /// Abandons the group after a wait gave up for `why`; the error to report.
+    fn give_up(&self, st: &mut State, why: &str) -> PerseusError {
+        let msg = format!(
+            "{why}; this rank aborted the NCCL communicators of its process set, whose \
+             device collectives fail from now on"
+        );
+        self.abort(st, &msg);
+        PerseusError::Device(msg)
     }
 
     /// Aborts every channel's communicator, so that their queued collectives end on
@@ -622,15 +654,22 @@ impl DeviceGroup for NcclGroup {
         count: usize,
         dtype: DataType,
         op: ReduceOp,
+        watch: &Watch<'_>,
     ) -> Result<()> {
-        self.on_channel(channel, |ch| {
+        self.on_channel(channel, watch, |ch| {
             ch.comm
                 .allreduce(buf as u64, buf as u64, count, dtype, op, ch.stream as u64)
         })
     }
 
-    unsafe fn broadcast(&self, buf: *mut u8, bytes: usize, root: usize) -> Result<()> {
-        self.on_channel(0, |ch| {
+    unsafe fn broadcast(
+        &self,
+        buf: *mut u8,
+        bytes: usize,
+        root: usize,
+        watch: &Watch<'_>,
+    ) -> Result<()> {
+        self.on_channel(0, watch, |ch| {
             ch.comm.broadcast(buf as u64, bytes, root, ch.stream as u64)
         })
     }
@@ -641,15 +680,22 @@ impl DeviceGroup for NcclGroup {
         chunk: usize,
         dtype: DataType,
         op: ReduceOp,
+        watch: &Watch<'_>,
     ) -> Result<()> {
-        self.on_channel(0, |ch| {
+        self.on_channel(0, watch, |ch| {
             ch.comm
                 .reduce_scatter(buf as u64, self.rank, chunk, dtype, op, ch.stream as u64)
         })
     }
 
-    unsafe fn allgather(&self, buf: *mut u8, chunk: usize, dtype: DataType) -> Result<()> {
-        self.on_channel(0, |ch| {
+    unsafe fn allgather(
+        &self,
+        buf: *mut u8,
+        chunk: usize,
+        dtype: DataType,
+        watch: &Watch<'_>,
+    ) -> Result<()> {
+        self.on_channel(0, watch, |ch| {
             ch.comm
                 .allgather(buf as u64, self.rank, chunk, dtype, ch.stream as u64)
         })

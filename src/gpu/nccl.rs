@@ -1,6 +1,12 @@
 //! NCCL, loaded at run time from the file its wheels ship (`libnccl.so.2`, which
 //! cudarc's own loader does not look for): the few calls Perseus makes, and its
 //! communicators. `crate::gpu::group` builds the device-direct path on them.
+//!
+//! Communicators are non-blocking (NCCL 2.14 and later): forming one returns at once,
+//! and so does a collective whose connections are still being set up (NCCL connects
+//! peers at their first collective). Either then reports [`Progress::Pending`], and the
+//! caller polls [`Communicator::progress`] under its watch, so that a peer that never
+//! joins is noticed and the communicator aborted instead of waited for forever.
 
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::path::PathBuf;
@@ -10,6 +16,7 @@ use std::sync::Arc;
 use libloading::Library;
 
 use crate::dtype::{DataType, ReduceOp};
+use crate::engine::watch::{wait_for, Waited, Watch};
 use crate::error::{PerseusError, Result};
 use crate::gpu::libs::{probe, CudaLib};
 
@@ -24,6 +31,8 @@ pub struct UniqueId(pub [u8; UNIQUE_ID_BYTES]);
 type Comm = *mut c_void;
 type GetUniqueId = unsafe extern "C" fn(*mut UniqueId) -> c_int;
 type CommInitRank = unsafe extern "C" fn(*mut Comm, c_int, UniqueId, c_int) -> c_int;
+type CommInitRankConfig =
+    unsafe extern "C" fn(*mut Comm, c_int, UniqueId, c_int, *mut Config) -> c_int;
 type AllReduce = unsafe extern "C" fn(
     *const c_void,
     *mut c_void,
@@ -45,21 +54,89 @@ type Broadcast = unsafe extern "C" fn(
 type ReduceScatter = AllReduce;
 type AllGather =
     unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, Comm, *mut c_void) -> c_int;
-type CommDestroy = unsafe extern "C" fn(Comm) -> c_int;
-type CommAbort = CommDestroy;
+type CommAbort = unsafe extern "C" fn(Comm) -> c_int;
 type CommGetAsyncError = unsafe extern "C" fn(Comm, *mut c_int) -> c_int;
 type GetErrorString = unsafe extern "C" fn(c_int) -> *const c_char;
+
+/// NCCL's result code for work that goes on in the background (`ncclInProgress`).
+const IN_PROGRESS: c_int = 7;
+
+/// `ncclConfig_t` as NCCL 2.14 introduced it: the three fields NCCL reads first to know
+/// which layout it was given, then `blocking`, then the next field (`cgaClusterSize`,
+/// NCCL 2.17) in what would otherwise be padding, left undefined. NCCL copies as many
+/// bytes as `size` says and, for a config of `version` 2.14, takes its defaults for
+/// every later field, so this layout holds for every later NCCL.
+#[repr(C)]
+#[derive(Debug)]
+pub struct Config {
+    size: usize,
+    magic: u32,
+    version: u32,
+    blocking: c_int,
+    cga_cluster_size: c_int,
+}
+
+/// What `NCCL_CONFIG_INITIALIZER` writes in `magic`.
+const CONFIG_MAGIC: u32 = 0xcafe_beef;
+
+/// NCCL's "not set" for an integer field (`NCCL_CONFIG_UNDEF_INT`).
+const UNDEF_INT: c_int = c_int::MIN;
+
+/// NCCL's code for a version (its `NCCL_VERSION` macro: 2.8.4 is 2804, 2.14.0 is 21400).
+pub const fn version_code(major: u32, minor: u32, patch: u32) -> u32 {
+    if major <= 2 && minor <= 8 {
+        major * 1000 + minor * 100 + patch
+    } else {
+        major * 10000 + minor * 100 + patch
+    }
+}
+
+impl Config {
+    /// A non-blocking communicator, everything else NCCL's default.
+    pub fn non_blocking() -> Config {
+        Config {
+            size: std::mem::size_of::<Config>(),
+            magic: CONFIG_MAGIC,
+            version: version_code(2, 14, 0),
+            blocking: 0,
+            cga_cluster_size: UNDEF_INT,
+        }
+    }
+}
+
+/// Whether NCCL work has reached its end.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Progress {
+    /// Done: the communicator is formed, or the collective is queued on its stream.
+    Ready,
+    /// Still going on in NCCL's background thread: poll [`Communicator::progress`].
+    Pending,
+}
+
+/// What a result code says of progress: `Err` with NCCL's words for an error.
+fn progress_of(
+    code: c_int,
+    explain: impl FnOnce(c_int) -> String,
+) -> std::result::Result<Progress, String> {
+    match code {
+        0 => Ok(Progress::Ready),
+        IN_PROGRESS => Ok(Progress::Pending),
+        code => Err(format!("NCCL error {code}: {}", explain(code))),
+    }
+}
 
 /// The NCCL functions Perseus calls.
 pub struct Nccl {
     _lib: Library,
     get_unique_id: GetUniqueId,
     comm_init_rank: CommInitRank,
+    /// `ncclCommInitRankConfig` (NCCL 2.14 and later), which forms non-blocking
+    /// communicators.
+    comm_init_rank_config: Option<CommInitRankConfig>,
     all_reduce: AllReduce,
     broadcast: Broadcast,
     reduce_scatter: ReduceScatter,
     all_gather: AllGather,
-    comm_destroy: CommDestroy,
     comm_abort: CommAbort,
     async_error: CommGetAsyncError,
     error_string: GetErrorString,
@@ -93,15 +170,16 @@ impl Nccl {
             let comm_init_rank = *lib
                 .get::<CommInitRank>(b"ncclCommInitRank\0")
                 .map_err(missing)?;
+            let comm_init_rank_config = lib
+                .get::<CommInitRankConfig>(b"ncclCommInitRankConfig\0")
+                .ok()
+                .map(|f| *f);
             let all_reduce = *lib.get::<AllReduce>(b"ncclAllReduce\0").map_err(missing)?;
             let broadcast = *lib.get::<Broadcast>(b"ncclBroadcast\0").map_err(missing)?;
             let reduce_scatter = *lib
                 .get::<ReduceScatter>(b"ncclReduceScatter\0")
                 .map_err(missing)?;
             let all_gather = *lib.get::<AllGather>(b"ncclAllGather\0").map_err(missing)?;
-            let comm_destroy = *lib
-                .get::<CommDestroy>(b"ncclCommDestroy\0")
-                .map_err(missing)?;
             let comm_abort = *lib.get::<CommAbort>(b"ncclCommAbort\0").map_err(missing)?;
             let async_error = *lib
                 .get::<CommGetAsyncError>(b"ncclCommGetAsyncError\0")
@@ -113,11 +191,11 @@ impl Nccl {
                 _lib: lib,
                 get_unique_id,
                 comm_init_rank,
+                comm_init_rank_config,
                 all_reduce,
                 broadcast,
                 reduce_scatter,
                 all_gather,
-                comm_destroy,
                 comm_abort,
                 async_error,
                 error_string,
@@ -128,13 +206,19 @@ impl Nccl {
     }
 
     fn check(&self, call: &str, code: c_int) -> Result<()> {
-        if code == 0 {
-            return Ok(());
+        match self.started(call, code)? {
+            Progress::Ready => Ok(()),
+            Progress::Pending => Err(PerseusError::Device(format!(
+                "{call} returned ncclInProgress on a blocking communicator"
+            ))),
         }
-        Err(PerseusError::Device(format!(
-            "{call} failed with NCCL error {code}: {}",
-            self.explain(code)
-        )))
+    }
+
+    /// What a call that may go on in the background returned: done, pending, or an
+    /// error naming the call.
+    fn started(&self, call: &str, code: c_int) -> Result<Progress> {
+        progress_of(code, |c| self.explain(c))
+            .map_err(|e| PerseusError::Device(format!("{call} failed with {e}")))
     }
 
     /// NCCL's words for a result code.
@@ -154,8 +238,11 @@ impl Nccl {
         Ok(id)
     }
 
-    /// Joins the communicator `id` as `rank` of `size`, on the device whose context is
-    /// current on this thread (every rank of the group calls this together).
+    /// Starts joining the communicator `id` as `rank` of `size`, on the device whose
+    /// context is current on this thread (every rank of the group calls this
+    /// together). With NCCL 2.14 and later the communicator is non-blocking and may
+    /// still be forming when this returns: wait until [`Communicator::progress`] is
+    /// [`Progress::Ready`] before using it. Older NCCL forms it here, blocking.
     pub fn communicator(
         self: &Arc<Self>,
         id: &UniqueId,
@@ -163,13 +250,31 @@ impl Nccl {
         rank: usize,
     ) -> Result<Communicator> {
         let mut comm: Comm = std::ptr::null_mut();
-        // SAFETY: `comm` receives the handle; `id` is passed by value as nccl.h says.
-        let code = unsafe { (self.comm_init_rank)(&mut comm, size as c_int, *id, rank as c_int) };
-        self.check("ncclCommInitRank", code)?;
-        Ok(Communicator {
+        let (size, rank) = (size as c_int, rank as c_int);
+        // SAFETY: `comm` receives the handle; `id` is passed by value as nccl.h says;
+        // the config outlives the call, which copies it.
+        let (call, code) = unsafe {
+            match self.comm_init_rank_config {
+                Some(init) => {
+                    let mut config = Config::non_blocking();
+                    let code = init(&mut comm, size, *id, rank, &mut config);
+                    ("ncclCommInitRankConfig", code)
+                }
+                None => (
+                    "ncclCommInitRank",
+                    (self.comm_init_rank)(&mut comm, size, *id, rank),
+                ),
+            }
+        };
+        let made = (!comm.is_null()).then(|| Communicator {
             nccl: self.clone(),
             comm,
             aborted: AtomicBool::new(false),
+        });
+        // A communicator that failed at once is released (by its drop) with the error.
+        self.started(call, code)?;
+        made.ok_or_else(|| {
+            PerseusError::Device(format!("{call} succeeded but returned no communicator"))
         })
     }
 }
@@ -219,7 +324,9 @@ unsafe impl Sync for Communicator {}
 
 impl Communicator {
     /// Queues an allreduce of `count` elements from device memory `send` into `recv`
-    /// (may be equal) on `stream`.
+    /// (may be equal) on `stream`. [`Progress::Pending`]: NCCL queues it once its
+    /// background work (connecting the peers) is done; poll
+    /// [`Communicator::progress`] before the next call.
     ///
     /// # Safety
     /// Both pointers must be device memory of the communicator's device holding
@@ -232,7 +339,7 @@ impl Communicator {
         dtype: DataType,
         op: ReduceOp,
         stream: u64,
-    ) -> Result<()> {
+    ) -> Result<Progress> {
         let code = (self.nccl.all_reduce)(
             send as *const c_void,
             recv as *mut c_void,
@@ -242,16 +349,22 @@ impl Communicator {
             self.comm,
             stream as *mut c_void,
         );
-        self.nccl.check("ncclAllReduce", code)
+        self.nccl.started("ncclAllReduce", code)
     }
 
     /// Queues a broadcast of `bytes` from communicator rank `root`, in place at `buf`,
-    /// on `stream`.
+    /// on `stream` (progress as for [`Communicator::allreduce`]).
     ///
     /// # Safety
     /// `buf` must be device memory of the communicator's device holding `bytes`, alive
     /// until the stream has run the operation.
-    pub unsafe fn broadcast(&self, buf: u64, bytes: usize, root: usize, stream: u64) -> Result<()> {
+    pub unsafe fn broadcast(
+        &self,
+        buf: u64,
+        bytes: usize,
+        root: usize,
+        stream: u64,
+    ) -> Result<Progress> {
         let code = (self.nccl.broadcast)(
             buf as *const c_void,
             buf as *mut c_void,
@@ -261,7 +374,7 @@ impl Communicator {
             self.comm,
             stream as *mut c_void,
         );
-        self.nccl.check("ncclBroadcast", code)
+        self.nccl.started("ncclBroadcast", code)
     }
 }
 
@@ -279,7 +392,7 @@ impl Communicator {
         dtype: DataType,
         op: ReduceOp,
         stream: u64,
-    ) -> Result<()> {
+    ) -> Result<Progress> {
         let mine = buf + (rank * chunk * dtype.size()) as u64;
         let code = (self.nccl.reduce_scatter)(
             buf as *const c_void,
@@ -290,7 +403,7 @@ impl Communicator {
             self.comm,
             stream as *mut c_void,
         );
-        self.nccl.check("ncclReduceScatter", code)
+        self.nccl.started("ncclReduceScatter", code)
     }
 
     /// Queues an in-place allgather on `stream` of chunks of `chunk` elements, rank
@@ -305,7 +418,7 @@ impl Communicator {
         chunk: usize,
         dtype: DataType,
         stream: u64,
-    ) -> Result<()> {
+    ) -> Result<Progress> {
         let mine = buf + (rank * chunk * dtype.size()) as u64;
         let code = (self.nccl.all_gather)(
             mine as *const c_void,
@@ -315,29 +428,50 @@ impl Communicator {
             self.comm,
             stream as *mut c_void,
         );
-        self.nccl.check("ncclAllGather", code)
+        self.nccl.started("ncclAllGather", code)
     }
 }
 
 impl Communicator {
-    /// The error NCCL met in this communicator's queued work, if any (a peer that
-    /// failed, a broken connection): `Some` with NCCL's words.
-    pub fn async_error(&self) -> Option<String> {
+    /// Whether the communicator's background work (forming it, or setting up a
+    /// collective's connections) is done; `Err` with NCCL's words for the error it met
+    /// there or in its queued work (a peer that failed, a broken connection).
+    pub fn progress(&self) -> std::result::Result<Progress, String> {
         if self.aborted.load(Ordering::Acquire) {
-            return Some("the communicator was aborted".into());
+            return Err("the communicator was aborted".into());
         }
         let mut code: c_int = 0;
         // SAFETY: a live handle; `code` receives the result.
         let asked = unsafe { (self.nccl.async_error)(self.comm, &mut code) };
-        match (asked, code) {
-            // ncclInProgress (7) is a state of non-blocking calls, not an error.
-            (0, 0) | (0, 7) => None,
-            (0, code) => Some(format!("NCCL error {code}: {}", self.nccl.explain(code))),
-            (asked, _) => Some(format!(
+        if asked != 0 {
+            return Err(format!(
                 "ncclCommGetAsyncError failed with NCCL error {asked}: {}",
                 self.nccl.explain(asked)
-            )),
+            ));
         }
+        progress_of(code, |c| self.nccl.explain(c))
+    }
+
+    /// Waits, as `watch` allows, until the communicator's background work is done
+    /// (forming it, or connecting the peers of a collective before queueing it).
+    /// `trouble` names other reasons to give up (another communicator's error). NCCL's
+    /// own error is an `Err`.
+    pub fn settle(
+        &self,
+        watch: &Watch<'_>,
+        trouble: impl FnMut() -> Option<String>,
+    ) -> Result<Waited> {
+        let done = || match self.progress() {
+            Ok(p) => Ok(p == Progress::Ready),
+            Err(e) => Err(PerseusError::Device(e)),
+        };
+        wait_for(watch, done, trouble)
+    }
+
+    /// The error NCCL met in this communicator's queued work, if any: `Some` with
+    /// NCCL's words (work still in progress is not an error).
+    pub fn async_error(&self) -> Option<String> {
+        self.progress().err()
     }
 
     /// Ends the communicator at once: the collectives it has queued stop, on this
@@ -352,13 +486,11 @@ impl Communicator {
 }
 
 impl Drop for Communicator {
-    /// Destroys a communicator that was not aborted (Perseus's groups abort theirs
-    /// when dropped: see `NcclGroup`'s drop).
+    /// Releases the communicator with `ncclCommAbort`, which needs no peer (where
+    /// `ncclCommDestroy` may wait for the other ranks, and a rank that died never
+    /// comes). Its owner has waited for its work, or abandoned it, before.
     fn drop(&mut self) {
-        if !self.aborted.load(Ordering::Acquire) {
-            // SAFETY: the handle came from ncclCommInitRank and is destroyed once.
-            unsafe { (self.nccl.comm_destroy)(self.comm) };
-        }
+        self.abort();
     }
 }
 
@@ -374,6 +506,36 @@ mod tests {
         assert_eq!(red_op(ReduceOp::Min).unwrap(), 3);
         assert!(red_op(ReduceOp::Adasum).is_err());
         assert_eq!(std::mem::size_of::<UniqueId>(), 128);
+    }
+
+    #[test]
+    fn the_config_has_the_layout_of_nccl_2_14() {
+        use std::mem::{offset_of, size_of};
+        assert_eq!(version_code(2, 8, 4), 2804);
+        assert_eq!(version_code(2, 14, 0), 21400);
+        assert_eq!(version_code(2, 27, 3), 22703);
+        let c = Config::non_blocking();
+        // size_t, then magic and version, then blocking and cgaClusterSize: no padding
+        // that NCCL would read as a field.
+        assert_eq!(size_of::<Config>(), 24);
+        assert_eq!(c.size, 24);
+        assert_eq!(offset_of!(Config, magic), 8);
+        assert_eq!(offset_of!(Config, version), 12);
+        assert_eq!(offset_of!(Config, blocking), 16);
+        assert_eq!(offset_of!(Config, cga_cluster_size), 20);
+        assert_eq!((c.magic, c.version, c.blocking), (0xcafebeef, 21400, 0));
+        assert_eq!(c.cga_cluster_size, i32::MIN);
+    }
+
+    #[test]
+    fn in_progress_is_pending_and_other_codes_are_errors() {
+        let words = |c: c_int| format!("words for {c}");
+        assert_eq!(progress_of(0, words), Ok(Progress::Ready));
+        assert_eq!(progress_of(7, words), Ok(Progress::Pending));
+        assert_eq!(
+            progress_of(6, words),
+            Err("NCCL error 6: words for 6".into())
+        );
     }
 
     #[test]

@@ -12,13 +12,16 @@ use std::collections::HashMap;
 use std::ffi::{c_void, CString};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
 
 use cudarc::driver::{result, sys};
 
-use crate::engine::staged::{Cast, DeviceMemory};
+use crate::engine::staged::{Cast, DeviceMemory, HostRegion};
+use crate::engine::watch::{Waited, Watch};
 use crate::error::{PerseusError, Result};
 use crate::gpu::kernels;
 use crate::gpu::libs::{check_bound, lacking, probe, CudaLib};
+use crate::kernels::AlignedBuf;
 
 /// Directories searched first for CUDA's libraries (the nvidia-* wheels' folders,
 /// which the Python side passes at `init`).
@@ -354,6 +357,73 @@ impl DeviceMemory for CudaDevice {
         // SAFETY: the stream lives for the life of the process.
         unsafe { result::stream::synchronize(self.stream) }.map_err(driver("cuStreamSynchronize"))
     }
+
+    fn host_region(&self, bytes: usize) -> Box<dyn HostRegion> {
+        match Pinned::new(self.ctx, bytes) {
+            Ok(p) => Box::new(p),
+            Err(e) => {
+                static SAID: std::sync::Once = std::sync::Once::new();
+                SAID.call_once(|| {
+                    eprintln!(
+                        "[perseus] warning: host copies of CUDA tensors use pageable memory \
+                         (slower): {bytes} bytes of page-locked memory could not be had: {e}"
+                    )
+                });
+                Box::new(AlignedBuf::zeroed(bytes))
+            }
+        }
+    }
+}
+
+/// Page-locked host memory (`cuMemHostAlloc`, portable: every context's copies see it
+/// as pinned), freed when dropped.
+struct Pinned {
+    /// The context it was allocated in, made current to free it.
+    ctx: sys::CUcontext,
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the memory is owned by this value alone; the context handle is valid on any
+// thread (retained for the life of the process).
+unsafe impl Send for Pinned {}
+
+impl Pinned {
+    fn new(ctx: sys::CUcontext, len: usize) -> Result<Pinned> {
+        // SAFETY: the context is retained for the life of the process; the allocation
+        // is owned by the value returned, which frees it once.
+        unsafe {
+            result::ctx::set_current(ctx).map_err(driver("cuCtxSetCurrent"))?;
+            let ptr = result::malloc_host(len, sys::CU_MEMHOSTALLOC_PORTABLE)
+                .map_err(driver("cuMemHostAlloc"))?;
+            Ok(Pinned {
+                ctx,
+                ptr: ptr.cast(),
+                len,
+            })
+        }
+    }
+}
+
+impl HostRegion for Pinned {
+    fn bytes(&mut self) -> &mut [u8] {
+        // SAFETY: `len` bytes owned by this value, borrowed mutably through it.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+    fn size(&self) -> usize {
+        self.len
+    }
+}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        // SAFETY: the pointer came from cuMemHostAlloc and is freed once; the staged
+        // path waits for every copy touching it before giving it back.
+        unsafe {
+            let _ = result::ctx::set_current(self.ctx);
+            let _ = result::free_host(self.ptr.cast());
+        }
+    }
 }
 
 /// Opens device `ordinal` and returns its stream handle (for DLPack's `stream=`).
@@ -370,6 +440,13 @@ pub fn nccl_round_trip(ordinal: i32) -> Result<String> {
     let nccl = Arc::new(crate::gpu::nccl::Nccl::load(&search_dirs())?);
     let id = nccl.unique_id()?;
     let comm = nccl.communicator(&id, 1, 0)?;
+    let watch = Watch::alone(Duration::from_secs(60));
+    let settled =
+        |comm: &crate::gpu::nccl::Communicator, what: &str| match comm.settle(&watch, || None)? {
+            Waited::Done => Ok(()),
+            Waited::Stopped(why) => Err(PerseusError::Device(format!("{what}: {why}"))),
+        };
+    settled(&comm, "forming a one-rank NCCL communicator")?;
     let values: Vec<f32> = (0..4099).map(|i| i as f32 * 0.5 - 7.0).collect();
     let mut back = vec![0f32; values.len()];
     let bytes = values.len() * 4;
@@ -381,7 +458,7 @@ pub fn nccl_round_trip(ordinal: i32) -> Result<String> {
             result::memcpy_htod_async(buf, &values, dev.stream)
                 .map_err(driver("cuMemcpyHtoDAsync"))?;
             for op in [crate::dtype::ReduceOp::Sum, crate::dtype::ReduceOp::Average] {
-                comm.allreduce(
+                let started = comm.allreduce(
                     buf,
                     buf,
                     values.len(),
@@ -389,6 +466,9 @@ pub fn nccl_round_trip(ordinal: i32) -> Result<String> {
                     op,
                     dev.stream_handle(),
                 )?;
+                if started == crate::gpu::nccl::Progress::Pending {
+                    settled(&comm, "a one-rank NCCL allreduce")?;
+                }
             }
             result::memcpy_dtoh_async(&mut back, buf, dev.stream)
                 .map_err(driver("cuMemcpyDtoHAsync"))
