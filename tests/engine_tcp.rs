@@ -38,6 +38,7 @@ fn config(rank: usize, size: usize, port: u16, shm: bool) -> Config {
         offline_neg: false,
         streams: 1,
         nccl: perseus::config::NcclUse::Auto,
+        nccl_nonblocking: false,
         nccl_channels: 1,
         stall: Default::default(),
         downsample_n: 1,

@@ -145,6 +145,14 @@ pub const PARAMS: &[Param] = &[
               0: always through host memory; 1: NCCL or an error naming why it cannot",
     },
     Param {
+        name: "PERSEUS_NCCL_NONBLOCKING",
+        default: "0",
+        allowed: "0 or 1",
+        doc: "1: NCCL communicators are non-blocking (NCCL 2.19 and later), so forming them \
+              and every collective's launch are waited for under the peer timeout; costs a \
+              thread per collective in NCCL",
+    },
+    Param {
         name: "PERSEUS_NCCL_NETWORK_INTERFACE",
         default: "",
         allowed: "a network interface name, or a list as NCCL_SOCKET_IFNAME takes",
@@ -266,6 +274,8 @@ pub struct Config {
     pub streams: usize,
     /// PERSEUS_NCCL_ENABLE.
     pub nccl: NcclUse,
+    /// PERSEUS_NCCL_NONBLOCKING: non-blocking NCCL communicators.
+    pub nccl_nonblocking: bool,
     /// NCCL communicators per process set: PERSEUS_ALLREDUCE_STREAMS when it is set,
     /// else 1 (NCCL spreads one communicator over channels of its own).
     pub nccl_channels: usize,
@@ -518,6 +528,7 @@ impl Config {
                 Some(_) => [NcclUse::Off, NcclUse::Required]
                     [int_var("PERSEUS_NCCL_ENABLE", 0, 0, 1)? as usize],
             },
+            nccl_nonblocking: int_var("PERSEUS_NCCL_NONBLOCKING", 0, 0, 1)? == 1,
             nccl_channels: int_var("PERSEUS_ALLREDUCE_STREAMS", 1, 1, 12)? as usize,
             stall: StallLimits {
                 warn: seconds(int_var("PERSEUS_STALL_CHECK_TIME_SECONDS", 60, 0, 86_400)?),
@@ -615,6 +626,10 @@ impl Config {
                     NcclUse::Required => "1",
                 }
                 .to_string(),
+            ),
+            (
+                "PERSEUS_NCCL_NONBLOCKING",
+                u8::from(self.nccl_nonblocking).to_string(),
             ),
             (
                 "PERSEUS_STALL_CHECK_TIME_SECONDS",

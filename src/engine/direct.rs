@@ -795,12 +795,16 @@ pub trait Opener: Send {
     ) -> Result<Formed>;
 }
 
-/// The opener of this build: NCCL's, or one that always says why not.
-pub fn opener() -> Box<dyn Opener> {
+/// The opener of this build: NCCL's (with non-blocking communicators when
+/// `nonblocking`), or one that always says why not.
+pub fn opener(nonblocking: bool) -> Box<dyn Opener> {
     #[cfg(feature = "cuda")]
-    return Box::new(crate::gpu::group::CudaOpener);
+    return Box::new(crate::gpu::group::CudaOpener { nonblocking });
     #[cfg(not(feature = "cuda"))]
-    return Box::new(NoGpu);
+    {
+        let _ = nonblocking;
+        Box::new(NoGpu)
+    }
 }
 
 /// The opener of builds without the `cuda` feature.

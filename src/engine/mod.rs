@@ -179,7 +179,7 @@ impl Engine {
                 config.nccl,
                 config.nccl_channels,
                 config.timeout,
-                direct::opener(),
+                direct::opener(config.nccl_nonblocking),
             ),
         };
         let (on_panic, inbox_of_thread) = (shared.clone(), inbox.clone());

@@ -99,8 +99,9 @@ pub struct StagingPool {
 
 impl StagingPool {
     /// A region of at least `bytes`: the smallest free one that fits, else a new one
-    /// from `mem` (ordinary memory without one), twice as large as the largest free
-    /// one, which it replaces.
+    /// from `mem` (ordinary memory without one) of `bytes` rounded up to a power of
+    /// two, which replaces the largest free one. Regions are kept for the life of the
+    /// engine: at most two, each the size of the largest response so rounded.
     pub fn take(&mut self, bytes: usize, mem: Option<&dyn DeviceMemory>) -> Box<dyn HostRegion> {
         let fits = (0..self.free.len())
             .filter(|&i| self.free[i].size() >= bytes)
@@ -178,8 +179,16 @@ impl Devices<'_> {
         Ok(m)
     }
 
+    /// Waits for every device's copies, even after one failed (a copy into a host
+    /// region must be over before the region is zeroed or reused); the first error.
     fn finish(&self) -> Result<()> {
-        self.open.iter().try_for_each(|(_, m)| m.finish())
+        let mut first = Ok(());
+        for (_, m) in &self.open {
+            if let Err(e) = m.finish() {
+                first = first.and(Err(e));
+            }
+        }
+        first
     }
 }
 

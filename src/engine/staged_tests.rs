@@ -13,6 +13,10 @@ struct HostMemory {
     down: AtomicUsize,
     up: AtomicUsize,
     fail: bool,
+    /// Makes every wait for the copies fail.
+    fail_finish: bool,
+    /// Waits for the copies so far.
+    finished: AtomicUsize,
     /// Host regions made, and their bytes.
     regions: std::sync::Mutex<Vec<usize>>,
 }
@@ -48,6 +52,10 @@ impl DeviceMemory for HostMemory {
     }
 
     fn finish(&self) -> Result<()> {
+        self.finished.fetch_add(1, Ordering::Relaxed);
+        if self.fail_finish {
+            return Err(PerseusError::Device("simulated stream failure".into()));
+        }
         Ok(())
     }
 
@@ -486,4 +494,57 @@ fn host_copies_reuse_one_region_across_responses() {
         assert_eq!(made, vec![1 << 20, 1 << 20]);
         assert_eq!(free, vec![1 << 20, 1 << 20]);
     }
+}
+
+#[test]
+fn a_failing_device_does_not_cut_short_the_wait_for_another() {
+    let out = run(2, |c| {
+        let mut a = vec![1.0f32 + c.rank() as f32; 4];
+        let mut b = vec![10.0f32; 3];
+        let entries = vec![
+            Some(Entry {
+                handle: 1,
+                input: Some(view(&mut a, Device::Cuda(0))),
+                output: Some(view(&mut a, Device::Cuda(0))),
+            }),
+            Some(Entry {
+                handle: 2,
+                input: Some(view(&mut b, Device::Cuda(1))),
+                output: Some(view(&mut b, Device::Cuda(1))),
+            }),
+        ];
+        let first = Arc::new(HostMemory {
+            fail_finish: c.rank() == 1,
+            ..Default::default()
+        });
+        let second = Arc::new(HostMemory::default());
+        let (f, s) = (first.clone(), second.clone());
+        let resolve = move |d: Device| {
+            Ok(if d == Device::Cuda(0) {
+                f.clone()
+            } else {
+                s.clone()
+            } as Arc<dyn DeviceMemory>)
+        };
+        let resp = response(
+            OpKind::Allreduce,
+            vec![vec![4], vec![3]],
+            ReduceOp::Sum,
+            Plan::default(),
+        );
+        let o = run_staged(c, &resp, &entries, &mut Buffers::default(), &resolve);
+        drop(entries);
+        let errors: Vec<Option<String>> = o
+            .results
+            .iter()
+            .map(|r| r.as_ref().err().map(|e| e.to_string()))
+            .collect();
+        (errors, second.finished.load(Ordering::Relaxed))
+    });
+    assert_eq!(out[0].0, vec![None, None]);
+    // Rank 1's first device failed its wait after the downloads; its second was still
+    // waited for (and nothing was uploaded after the failure, so no second wait).
+    let failed = Some("CUDA error: simulated stream failure".to_string());
+    assert_eq!(out[1].0, vec![failed.clone(), failed]);
+    assert_eq!((out[0].1, out[1].1), (2, 1));
 }

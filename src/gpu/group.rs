@@ -70,7 +70,10 @@ unsafe impl Send for NcclGroup {}
 unsafe impl Sync for NcclGroup {}
 
 /// Forms NCCL groups on CUDA devices.
-pub struct CudaOpener;
+pub struct CudaOpener {
+    /// Non-blocking communicators (PERSEUS_NCCL_NONBLOCKING).
+    pub nonblocking: bool,
+}
 
 impl Opener for CudaOpener {
     fn offer(&self, device: Device) -> std::result::Result<[u8; 16], String> {
@@ -91,8 +94,11 @@ impl Opener for CudaOpener {
         let Device::Cuda(ordinal) = device else {
             return Ok(Err("its tensors are in host memory".into()));
         };
-        Ok(open(comm, ordinal, channels, members, watch)?
-            .map(|g| Arc::new(g) as Arc<dyn DeviceGroup>))
+        let how = Forming {
+            channels,
+            nonblocking: self.nonblocking,
+        };
+        Ok(open(comm, ordinal, how, members, watch)?.map(|g| Arc::new(g) as Arc<dyn DeviceGroup>))
     }
 }
 
@@ -104,19 +110,28 @@ pub fn offer(ordinal: i32) -> std::result::Result<[u8; 16], String> {
     Ok(dev.uuid)
 }
 
-/// Forms this rank's NCCL group of `channels` communicators on `cuda:ordinal`: the
-/// ranks `members` of `comm` (every member of `comm` calls this together, each with
-/// its own group's members), after [`agree`] answered [`Agreement::Direct`]. Waits
-/// for NCCL as `watch` allows. Returns the group, or why it could not be formed (the
+/// How a group's communicators are formed.
+#[derive(Debug, Clone, Copy)]
+pub struct Forming {
+    /// How many (`PERSEUS_ALLREDUCE_STREAMS`), each with its own stream.
+    pub channels: usize,
+    /// Non-blocking (`PERSEUS_NCCL_NONBLOCKING`), where NCCL allows it.
+    pub nonblocking: bool,
+}
+
+/// Forms this rank's NCCL group on `cuda:ordinal`: the ranks `members` of `comm`
+/// (every member of `comm` calls this together, each with its own group's members),
+/// after [`agree`] answered [`Agreement::Direct`]. Non-blocking communicators are
+/// waited for as `watch` allows. Returns the group, or why it could not be formed (the
 /// same words on every rank).
 pub fn open(
     comm: &dyn Comm,
     ordinal: i32,
-    channels: usize,
+    how: Forming,
     members: &[usize],
     watch: &Watch<'_>,
 ) -> Result<std::result::Result<NcclGroup, String>> {
-    let channels = channels.max(1);
+    let channels = how.channels.max(1);
     // Everything that can fail on this rank alone happens before the status is shared:
     // the device, NCCL, and each channel's stream and event and the group's own.
     let made = (|| -> Result<(Arc<CudaDevice>, Arc<Nccl>, Local)> {
@@ -170,7 +185,10 @@ pub fn open(
             .map_err(|e| e.to_string())
             .and_then(|(dev, nccl, local)| {
                 dev.bind()
-                    .and_then(|()| form(&nccl, ids, members.len(), rank, local.streams, watch))
+                    .and_then(|()| {
+                        let (size, nb) = (members.len(), how.nonblocking);
+                        form(&nccl, ids, size, rank, nb, local.streams, watch)
+                    })
                     .map(|chans| (dev, chans, local.ready, local.flag))
                     .map_err(|e| e.to_string())
             }),
@@ -250,15 +268,16 @@ impl Local {
 }
 
 /// The channels: one communicator each, joined back to back (every member of the
-/// group calls this together, once every member has made its [`Local`]), each waited
-/// for as `watch` allows. A member that never joins (its process ended, or it gave up)
-/// fails the formation on this rank at the watch's limit at the latest; the
-/// communicators formed so far are aborted (by their drop).
+/// group calls this together, once every member has made its [`Local`]). Non-blocking
+/// ones are each waited for as `watch` allows: a member that never joins (its process
+/// ended, or it gave up) then fails the formation on this rank at the watch's limit at
+/// the latest, and the communicators formed so far are aborted (by their drop).
 fn form(
     nccl: &Arc<Nccl>,
     ids: &[u8],
     size: usize,
     rank: usize,
+    nonblocking: bool,
     streams: Vec<(sys::CUstream, sys::CUevent)>,
     watch: &Watch<'_>,
 ) -> Result<Vec<Channel>> {
@@ -268,7 +287,7 @@ fn form(
         .map(|(c, (stream, done))| {
             let mut id = UniqueId([0; UNIQUE_ID_BYTES]);
             id.0.copy_from_slice(&ids[c * UNIQUE_ID_BYTES..(c + 1) * UNIQUE_ID_BYTES]);
-            let comm = nccl.communicator(&id, size, rank)?;
+            let comm = nccl.communicator(&id, size, rank, nonblocking)?;
             match comm.settle(watch, || None)? {
                 Waited::Done => Ok(Channel { comm, stream, done }),
                 Waited::Stopped(why) => Err(PerseusError::Device(format!(
@@ -370,7 +389,7 @@ impl NcclGroup {
             if call(ch)? == Progress::Pending {
                 let others = || self.trouble(Some(c));
                 if let Waited::Stopped(why) = ch.comm.settle(watch, others)? {
-                    return Err(self.give_up(&mut st, &why));
+                    return Err(self.give_up(&mut st, &why, Some(c)));
                 }
             }
             result::event::record(ch.done, ch.stream).map_err(driver("cuEventRecord"))?;
@@ -400,7 +419,7 @@ impl NcclGroup {
         };
         match wait_for(watch, done, || self.trouble(None))? {
             Waited::Done => Ok(()),
-            Waited::Stopped(why) => Err(self.give_up(st, &why)),
+            Waited::Stopped(why) => Err(self.give_up(st, &why, None)),
         }
     }
 
@@ -413,13 +432,14 @@ impl NcclGroup {
             .find_map(|(c, ch)| ch.comm.async_error().map(|e| format!("channel {c}: {e}")))
     }
 
-    /// Abandons the group after a wait gave up for `why`; the error to report.
-    fn give_up(&self, st: &mut State, why: &str) -> PerseusError {
+    /// Abandons the group after a wait gave up for `why` (on channel `pending`'s
+    /// background work, if any); the error to report.
+    fn give_up(&self, st: &mut State, why: &str, pending: Option<usize>) -> PerseusError {
         let msg = format!(
             "{why}; this rank aborted the NCCL communicators of its process set, whose \
              device collectives fail from now on"
         );
-        self.abort(st, &msg);
+        self.abort(st, &msg, pending);
         PerseusError::Device(msg)
     }
 
@@ -427,12 +447,12 @@ impl NcclGroup {
     /// this rank without waiting for the peers, and waits (up to [`DRAIN`]) until the
     /// streams are idle, so that nothing touches the tensors after this returns. The
     /// group is broken from then on.
-    fn abort(&self, st: &mut State, why: &str) {
+    fn abort(&self, st: &mut State, why: &str, pending: Option<usize>) {
         if st.broken.is_some() {
             return;
         }
         st.broken = Some(why.to_string());
-        abort_all(&self.channels);
+        abort_all(&self.channels, pending);
         let streams: Vec<sys::CUstream> = std::iter::once(self.dev.stream)
             .chain(self.channels.iter().map(|ch| ch.stream))
             .collect();
@@ -491,13 +511,20 @@ impl NcclGroup {
 /// abort frees memory, which waits for the kernels of the device, and a channel's kernel
 /// spinning on a lost peer ends only once its own communicator is aborted, so aborting
 /// them one after another could wait forever (NCCL 2.19 and later allow aborts from
-/// several threads).
-fn abort_all(channels: &[Channel]) {
+/// several threads). Channel `pending`, whose background work this thread started, is
+/// aborted on this thread: an abort joins that work, which older NCCL tracks per thread.
+fn abort_all(channels: &[Channel], pending: Option<usize>) {
     match channels {
         [one] => one.comm.abort(),
         _ => std::thread::scope(|s| {
-            for comm in channels.iter().map(|ch| &ch.comm) {
-                s.spawn(move || comm.abort());
+            for (c, ch) in channels.iter().enumerate() {
+                if Some(c) != pending {
+                    let comm = &ch.comm;
+                    s.spawn(move || comm.abort());
+                }
+            }
+            if let Some(c) = pending {
+                channels[c].comm.abort();
             }
         }),
     }
@@ -730,7 +757,7 @@ impl DeviceGroup for NcclGroup {
     fn abandon(&self, why: &str) {
         let _ = self.dev.bind();
         let mut st = lock(&self.state);
-        self.abort(&mut st, why);
+        self.abort(&mut st, why, None);
     }
 }
 
@@ -745,7 +772,7 @@ impl Drop for NcclGroup {
         // ncclCommDestroy waits for every rank of the host to destroy its own, and a
         // peer that died never does. (Drop then finds them aborted.)
         if st.broken.is_none() {
-            abort_all(&self.channels);
+            abort_all(&self.channels, None);
         }
         // SAFETY: all work is done; each handle is released once.
         unsafe {

@@ -2,11 +2,13 @@
 //! cudarc's own loader does not look for): the few calls Perseus makes, and its
 //! communicators. `crate::gpu::group` builds the device-direct path on them.
 //!
-//! Communicators are non-blocking (NCCL 2.14 and later): forming one returns at once,
-//! and so does a collective whose connections are still being set up (NCCL connects
-//! peers at their first collective). Either then reports [`Progress::Pending`], and the
-//! caller polls [`Communicator::progress`] under its watch, so that a peer that never
-//! joins is noticed and the communicator aborted instead of waited for forever.
+//! Communicators are blocking unless PERSEUS_NCCL_NONBLOCKING=1 (with NCCL 2.19 and
+//! later). A non-blocking one returns at once from forming, and current NCCL runs each
+//! collective's launch in a background thread too: either then reports
+//! [`Progress::Pending`], and the caller polls [`Communicator::progress`] under its
+//! watch, so that a peer that never joins is noticed and the communicator aborted
+//! instead of waited for forever. That thread per collective is the price, hence the
+//! opt-in.
 
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::path::PathBuf;
@@ -238,23 +240,43 @@ impl Nccl {
         Ok(id)
     }
 
-    /// Starts joining the communicator `id` as `rank` of `size`, on the device whose
-    /// context is current on this thread (every rank of the group calls this
-    /// together). With NCCL 2.14 and later the communicator is non-blocking and may
-    /// still be forming when this returns: wait until [`Communicator::progress`] is
-    /// [`Progress::Ready`] before using it. Older NCCL forms it here, blocking.
+    /// Whether this NCCL forms non-blocking communicators that Perseus can abort from
+    /// several threads (2.19 and later).
+    pub fn non_blocking(&self) -> bool {
+        self.comm_init_rank_config.is_some() && at_least(&self.version, 2, 19)
+    }
+
+    /// Joins the communicator `id` as `rank` of `size`, on the device whose context
+    /// is current on this thread (every rank of the group calls this together).
+    /// `non_blocking` (where [`Nccl::non_blocking`]): the call returns at once, and the
+    /// communicator may still be forming; wait until [`Communicator::progress`] is
+    /// [`Progress::Ready`] before using it. Otherwise it is formed here, blocking.
     pub fn communicator(
         self: &Arc<Self>,
         id: &UniqueId,
         size: usize,
         rank: usize,
+        non_blocking: bool,
     ) -> Result<Communicator> {
         let mut comm: Comm = std::ptr::null_mut();
         let (size, rank) = (size as c_int, rank as c_int);
+        if non_blocking && !self.non_blocking() {
+            static SAID: std::sync::Once = std::sync::Once::new();
+            SAID.call_once(|| {
+                eprintln!(
+                    "[perseus] note: PERSEUS_NCCL_NONBLOCKING=1 needs NCCL 2.19 or later; \
+                     NCCL {} forms blocking communicators",
+                    self.version
+                )
+            });
+        }
+        let init_config = self
+            .comm_init_rank_config
+            .filter(|_| non_blocking && self.non_blocking());
         // SAFETY: `comm` receives the handle; `id` is passed by value as nccl.h says;
         // the config outlives the call, which copies it.
         let (call, code) = unsafe {
-            match self.comm_init_rank_config {
+            match init_config {
                 Some(init) => {
                     let mut config = Config::non_blocking();
                     let code = init(&mut comm, size, *id, rank, &mut config);
@@ -266,17 +288,27 @@ impl Nccl {
                 ),
             }
         };
-        let made = (!comm.is_null()).then(|| Communicator {
-            nccl: self.clone(),
-            comm,
-            aborted: AtomicBool::new(false),
-        });
-        // A communicator that failed at once is released (by its drop) with the error.
+        // A non-blocking communicator that failed at once stays valid until aborted
+        // (by its drop, with the error); a blocking one that failed is not NCCL's to
+        // release.
+        let made =
+            (!comm.is_null() && (code == 0 || init_config.is_some())).then(|| Communicator {
+                nccl: self.clone(),
+                comm,
+                aborted: AtomicBool::new(false),
+            });
         self.started(call, code)?;
         made.ok_or_else(|| {
             PerseusError::Device(format!("{call} succeeded but returned no communicator"))
         })
     }
+}
+
+/// Whether version `v` ("2.21.5") is `major.minor` or later.
+fn at_least(v: &str, major: u32, minor: u32) -> bool {
+    let mut parts = v.split('.').map(|p| p.parse::<u32>().unwrap_or(0));
+    let have = (parts.next().unwrap_or(0), parts.next().unwrap_or(0));
+    have >= (major, minor)
 }
 
 /// NCCL's code for an element type.
@@ -525,6 +557,16 @@ mod tests {
         assert_eq!(offset_of!(Config, cga_cluster_size), 20);
         assert_eq!((c.magic, c.version, c.blocking), (0xcafebeef, 21400, 0));
         assert_eq!(c.cga_cluster_size, i32::MIN);
+    }
+
+    #[test]
+    fn versions_compare_by_number() {
+        assert!(at_least("2.19.3", 2, 19));
+        assert!(at_least("2.30.7", 2, 19));
+        assert!(at_least("3.0.0", 2, 19));
+        assert!(!at_least("2.18.6", 2, 19));
+        assert!(!at_least("2.9.9", 2, 19));
+        assert!(!at_least("unknown", 2, 19));
     }
 
     #[test]

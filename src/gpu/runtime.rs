@@ -432,69 +432,78 @@ pub fn stream_of(ordinal: i32) -> Result<u64> {
 }
 
 /// The one-rank NCCL round trip the GPU tests run: a communicator of this process
-/// alone on device `ordinal`, an allreduce of values uploaded to the device, and the
-/// values read back and compared. Returns what was checked.
+/// alone on device `ordinal` (blocking, then non-blocking where NCCL allows), an
+/// allreduce of values uploaded to the device, and the values read back and compared.
+/// Returns what was checked.
 pub fn nccl_round_trip(ordinal: i32) -> Result<String> {
+    use crate::gpu::nccl::{Communicator, Nccl, Progress};
     let dev = CudaDevice::get(ordinal)?;
     dev.bind()?;
-    let nccl = Arc::new(crate::gpu::nccl::Nccl::load(&search_dirs())?);
-    let id = nccl.unique_id()?;
-    let comm = nccl.communicator(&id, 1, 0)?;
+    let nccl = Arc::new(Nccl::load(&search_dirs())?);
     let watch = Watch::alone(Duration::from_secs(60));
-    let settled =
-        |comm: &crate::gpu::nccl::Communicator, what: &str| match comm.settle(&watch, || None)? {
-            Waited::Done => Ok(()),
-            Waited::Stopped(why) => Err(PerseusError::Device(format!("{what}: {why}"))),
-        };
-    settled(&comm, "forming a one-rank NCCL communicator")?;
+    let settled = |comm: &Communicator, what: &str| match comm.settle(&watch, || None)? {
+        Waited::Done => Ok(()),
+        Waited::Stopped(why) => Err(PerseusError::Device(format!("{what}: {why}"))),
+    };
+    let modes: &[bool] = if nccl.non_blocking() {
+        &[false, true]
+    } else {
+        &[false]
+    };
     let values: Vec<f32> = (0..4099).map(|i| i as f32 * 0.5 - 7.0).collect();
-    let mut back = vec![0f32; values.len()];
-    let bytes = values.len() * 4;
-    // SAFETY: the device buffer is allocated, used and freed on this device's stream,
-    // which is synchronised before the host buffers are read or dropped.
-    unsafe {
-        let buf = result::malloc_async(dev.stream, bytes).map_err(driver("cuMemAllocAsync"))?;
-        let run = (|| {
-            result::memcpy_htod_async(buf, &values, dev.stream)
-                .map_err(driver("cuMemcpyHtoDAsync"))?;
-            for op in [crate::dtype::ReduceOp::Sum, crate::dtype::ReduceOp::Average] {
-                let started = comm.allreduce(
-                    buf,
-                    buf,
-                    values.len(),
-                    crate::dtype::DataType::F32,
-                    op,
-                    dev.stream_handle(),
-                )?;
-                if started == crate::gpu::nccl::Progress::Pending {
-                    settled(&comm, "a one-rank NCCL allreduce")?;
+    for &non_blocking in modes {
+        let comm = nccl.communicator(&nccl.unique_id()?, 1, 0, non_blocking)?;
+        settled(&comm, "forming a one-rank NCCL communicator")?;
+        let mut back = vec![0f32; values.len()];
+        let bytes = values.len() * 4;
+        // SAFETY: the device buffer is allocated, used and freed on this device's
+        // stream, which is synchronised before the host buffers are read or dropped.
+        unsafe {
+            let buf = result::malloc_async(dev.stream, bytes).map_err(driver("cuMemAllocAsync"))?;
+            let run = (|| {
+                result::memcpy_htod_async(buf, &values, dev.stream)
+                    .map_err(driver("cuMemcpyHtoDAsync"))?;
+                for op in [crate::dtype::ReduceOp::Sum, crate::dtype::ReduceOp::Average] {
+                    let f32s = crate::dtype::DataType::F32;
+                    let started =
+                        comm.allreduce(buf, buf, values.len(), f32s, op, dev.stream_handle())?;
+                    if started == Progress::Pending {
+                        settled(&comm, "a one-rank NCCL allreduce")?;
+                    }
                 }
-            }
-            result::memcpy_dtoh_async(&mut back, buf, dev.stream)
-                .map_err(driver("cuMemcpyDtoHAsync"))
-        })();
-        let _ = result::free_async(buf, dev.stream);
-        let synced = result::stream::synchronize(dev.stream).map_err(driver("cuStreamSynchronize"));
-        run?;
-        synced?;
-    }
-    if back != values {
-        let at = back
-            .iter()
-            .zip(&values)
-            .position(|(a, b)| a != b)
-            .unwrap_or(0);
-        return Err(PerseusError::Device(format!(
-            "the NCCL round trip changed element {at}: {} became {}",
-            values[at], back[at]
-        )));
+                result::memcpy_dtoh_async(&mut back, buf, dev.stream)
+                    .map_err(driver("cuMemcpyDtoHAsync"))
+            })();
+            let _ = result::free_async(buf, dev.stream);
+            let synced =
+                result::stream::synchronize(dev.stream).map_err(driver("cuStreamSynchronize"));
+            run?;
+            synced?;
+        }
+        if back != values {
+            let at = back
+                .iter()
+                .zip(&values)
+                .position(|(a, b)| a != b)
+                .unwrap_or(0);
+            return Err(PerseusError::Device(format!(
+                "the NCCL round trip (non-blocking: {non_blocking}) changed element {at}: {} \
+                 became {}",
+                values[at], back[at]
+            )));
+        }
     }
     Ok(format!(
         "NCCL {} ({}) on cuda:{ordinal} (sm_{}): {} float32 values through a one-rank \
-         communicator (Sum, Average) came back unchanged",
+         communicator (Sum, Average; {}) came back unchanged",
         nccl.version,
         nccl.path.display(),
         dev.sm,
-        values.len()
+        values.len(),
+        if modes.len() == 2 {
+            "blocking and non-blocking"
+        } else {
+            "blocking"
+        }
     ))
 }
