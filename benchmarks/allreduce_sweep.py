@@ -2,6 +2,7 @@
 
     python benchmarks/allreduce_sweep.py [--ranks 2 3 4] [--short | --sizes 4K 1M ...]
                                          [--impls core hvd gloo mpi] [--json PATH] [--quick]
+                                         [--device cpu|cuda] [--strict]
 
 For every rank count, one job per implementation (harness.py: Perseus through
 perseus._core and through perseus.torch.horovod, torch.distributed gloo, mpi4py), one
@@ -9,6 +10,11 @@ after the other. Each size: warm-up calls, then iterations each started after a 
 and timed as the slowest rank's; the median is reported with algbw = bytes / time and
 busbw = algbw * 2(n-1)/n (nccl-tests), the ratio Perseus busbw / best peer busbw (>1:
 Perseus faster), and the peak RSS of every rank over the job.
+
+``--device cuda``: the tensors are on GPU 0, which every rank shares, so Perseus takes
+its host-staged path (docs/gpu.md) and torch gloo its own copies through host memory;
+each call ends with ``torch.cuda.synchronize()`` in both. Only hvd and gloo take CUDA
+tensors here (core takes DLPack capsules without a stream, mpi4py host buffers).
 """
 
 
@@ -21,8 +27,24 @@ TIMING = {"warmup": 3, "min_iters": 5, "max_iters": 300, "budget": 0.5}
 QUICK_TIMING = {"warmup": 1, "min_iters": 3, "max_iters": 20, "budget": 0.05}
 
 
+CUDA_IMPLS = ("hvd", "gloo")
+
+
 def allreduce_fn(comm, t, name):
-    """A call that sums ``t`` in place across the ranks through ``comm.impl``."""
+    """A call that sums ``t`` in place across the ranks through ``comm.impl``; on a GPU,
+    waits for the device too."""
+    fn = _allreduce_fn(comm, t, name)
+    if t.is_cuda:
+        import torch
+
+        def synced():
+            fn()
+            torch.cuda.synchronize()
+        return synced
+    return fn
+
+
+def _allreduce_fn(comm, t, name):
     if comm.impl == "core":
         core, cap = comm.core, t.__dlpack__()
 
@@ -57,7 +79,7 @@ def body(comm, opts):
     for nbytes in opts["sizes"]:
         # Zeros: repeated in-place sums stay finite (no inf, no denormals), and a float
         # add costs the same whatever the value. full() touches every page up front.
-        t = torch.full((nbytes // 4,), 0.0, dtype=torch.float32)
+        t = torch.full((nbytes // 4,), 0.0, dtype=torch.float32, device=opts["device"])
         fn = allreduce_fn(comm, t, f"sweep.{nbytes}")
         rows.append({"bytes": nbytes, **harness.measure(comm, fn, **opts["timing"])})
         del fn, t
@@ -65,12 +87,15 @@ def body(comm, opts):
 
 
 def run(sizes=SIZES, ranks=(2, 3, 4), impls=harness.IMPLS, quick=False, timeout=600,
-        echo=True):
+        echo=True, device="cpu"):
     """Driver: all jobs, one at a time; returns the results (JSON-able)."""
+    if device == "cuda" and set(impls) - set(CUDA_IMPLS):
+        raise SystemExit(f"--device cuda runs {' and '.join(CUDA_IMPLS)} only, not "
+                         f"{' '.join(sorted(set(impls) - set(CUDA_IMPLS)))}")
     timing = QUICK_TIMING if quick else TIMING
-    opts = {"sizes": list(sizes), "timing": timing}
+    opts = {"sizes": list(sizes), "timing": timing, "device": device}
     result = {"sizes": list(sizes), "ranks": list(ranks), "impls": list(impls),
-              "timing": timing, "runs": {}}
+              "timing": timing, "device": device, "runs": {}}
     return harness.run_into(result, __file__, impls, ranks, opts, sections,
                             timeout=timeout, echo=echo)
 
@@ -120,10 +145,11 @@ def sections(result, only=None):
             peaks = "/".join(f"{r['peak_rss_mib']:.0f}" for r in res)
             inits = "/".join(f"{r['rss_after_init_mib']:.0f}" for r in res)
             notes.append(f"{i}: peak RSS per rank {peaks} MiB (after init {inits} MiB)")
-        out.append({"title": f"allreduce, float32, {n} ranks: median time, busbw (GB/s), "
+        on = " on one shared GPU" if result.get("device") == "cuda" else ""
+        out.append({"title": f"allreduce, float32{on}, {n} ranks: median time, busbw (GB/s), "
                              "Perseus busbw ÷ best peer busbw",
                     "headers": headers, "rows": rows, "notes": []})
-        out.append({"title": f"allreduce, float32, {n} ranks: algbw (GB/s)",
+        out.append({"title": f"allreduce, float32{on}, {n} ranks: algbw (GB/s)",
                     "headers": alg_headers, "rows": alg_rows,
                     "notes": ["Peak RSS over the sweep, rank 0/1/...:", *notes]})
     return out
@@ -139,12 +165,22 @@ def main(argv=None):
                         "powers of 4)")
     p.add_argument("--short", action="store_true",
                    help="5 sizes, 4 KiB to 256 MiB, powers of 16")
-    p.add_argument("--impls", nargs="+", choices=harness.IMPLS, default=list(harness.IMPLS))
+    p.add_argument("--impls", nargs="+", choices=harness.IMPLS,
+                   help="default: all four; with --device cuda, hvd and gloo")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the tensors are (cuda: GPU 0, shared by every rank)")
+    p.add_argument("--strict", action="store_true",
+                   help="exit 1 when a job failed (by default it is reported and skipped)")
     a = p.parse_args(argv)
     sizes = a.sizes or (QUICK if a.quick else SHORT if a.short else SIZES)
     ranks = a.ranks or ([2] if a.quick else [2, 3, 4])
-    result = run(sizes, ranks, a.impls, a.quick, a.timeout)
+    impls = a.impls or list(CUDA_IMPLS if a.device == "cuda" else harness.IMPLS)
+    result = run(sizes, ranks, impls, a.quick, a.timeout, device=a.device)
     harness.finish(result, a.json)
+    bad = [f"{impl} on {n} ranks" for n, runs in harness.runs_by_ranks(result)
+           for impl, res in runs.items() if harness.failed(res)]
+    if a.strict and bad:
+        raise SystemExit(f"allreduce_sweep: failed jobs: {', '.join(bad)}")
 
 
 if __name__ == "__main__":

@@ -85,8 +85,12 @@ def launch(script, impl, n, opts, env=None, timeout=600, hosts=None):
     worker = [sys.executable, os.path.abspath(script), "--worker", impl, "--out", prefix,
               "--opts", json.dumps(opts)]
     env = dict(os.environ, **(env or {}))
+    # The source tree's package, when it holds a built extension (maturin develop);
+    # otherwise whichever Perseus the interpreter finds (an installed wheel).
+    source = os.path.join(ROOT, "python")
+    built = any(n.startswith("_core") for n in os.listdir(os.path.join(source, "perseus")))
     env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (os.path.join(ROOT, "python"), env.get("PYTHONPATH")) if p)
+        p for p in (source if built else None, env.get("PYTHONPATH")) if p)
     env["PYTHONUNBUFFERED"] = "1"
     if impl in PERSEUS:
         placement = ["-H", hosts] if hosts else []
