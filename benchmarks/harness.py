@@ -303,6 +303,13 @@ class Comm:
         elif self.impl == "hvd":
             self.hvd.shutdown()
         elif self.impl == "gloo":
+            # torch's gloo teardown races at exit (torch 2.15: "terminate called without
+            # an active exception" in some runs); every rank is done, so end here.
+            self.dist.barrier()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
+        elif self.impl == "gloo":
             self.dist.destroy_process_group()
 
 
