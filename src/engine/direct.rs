@@ -92,9 +92,10 @@ pub trait DeviceGroup: Send + Sync {
         watch: &Watch<'_>,
     ) -> Result<Vec<usize>>;
     /// Queues an in-place allreduce of `count` elements on channel `channel`
-    /// (`op` is never Average or Adasum). Queueing may wait for the peers (NCCL
-    /// connects them at a communicator's first collective), as `watch` allows; a wait
-    /// that gives up abandons the group, as in [`DeviceGroup::finish`].
+    /// (`op` is never Average or Adasum). Queueing may wait for the library (a
+    /// non-blocking NCCL communicator launches each collective from a thread of its
+    /// own), as `watch` allows; a wait that gives up abandons the group, as in
+    /// [`DeviceGroup::finish`].
     ///
     /// # Safety
     /// As for [`DeviceGroup::copy`].

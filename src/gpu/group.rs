@@ -362,9 +362,9 @@ impl NcclGroup {
     }
 
     /// Queues `call` on channel `c`'s stream, after the Perseus stream's work so far.
-    /// A call that NCCL finishes in the background (it connects a communicator's peers
-    /// at its first collective) is waited for as `watch` allows before anything else
-    /// is queued on the channel: NCCL queues its kernel only then.
+    /// A call that NCCL finishes in the background (every collective of a non-blocking
+    /// communicator) is waited for as `watch` allows before anything else is queued on
+    /// the channel: NCCL's thread queues the kernel only then.
     fn on_channel(
         &self,
         c: usize,

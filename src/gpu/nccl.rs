@@ -260,7 +260,8 @@ impl Nccl {
     ) -> Result<Communicator> {
         let mut comm: Comm = std::ptr::null_mut();
         let (size, rank) = (size as c_int, rank as c_int);
-        if non_blocking && !self.non_blocking() {
+        let can = self.non_blocking();
+        if non_blocking && !can {
             static SAID: std::sync::Once = std::sync::Once::new();
             SAID.call_once(|| {
                 eprintln!(
@@ -270,9 +271,7 @@ impl Nccl {
                 )
             });
         }
-        let init_config = self
-            .comm_init_rank_config
-            .filter(|_| non_blocking && self.non_blocking());
+        let init_config = self.comm_init_rank_config.filter(|_| non_blocking && can);
         // SAFETY: `comm` receives the handle; `id` is passed by value as nccl.h says;
         // the config outlives the call, which copies it.
         let (call, code) = unsafe {
@@ -341,7 +340,7 @@ pub fn red_op(op: ReduceOp) -> Result<c_int> {
     })
 }
 
-/// One NCCL communicator; destroyed when dropped, unless aborted before.
+/// One NCCL communicator; aborted when dropped, unless aborted before.
 pub struct Communicator {
     nccl: Arc<Nccl>,
     comm: Comm,
@@ -356,9 +355,9 @@ unsafe impl Sync for Communicator {}
 
 impl Communicator {
     /// Queues an allreduce of `count` elements from device memory `send` into `recv`
-    /// (may be equal) on `stream`. [`Progress::Pending`]: NCCL queues it once its
-    /// background work (connecting the peers) is done; poll
-    /// [`Communicator::progress`] before the next call.
+    /// (may be equal) on `stream`. [`Progress::Pending`] (a non-blocking communicator):
+    /// NCCL's thread queues it later; poll [`Communicator::progress`] before the next
+    /// call.
     ///
     /// # Safety
     /// Both pointers must be device memory of the communicator's device holding
@@ -485,7 +484,7 @@ impl Communicator {
     }
 
     /// Waits, as `watch` allows, until the communicator's background work is done
-    /// (forming it, or connecting the peers of a collective before queueing it).
+    /// (forming it, or launching a collective).
     /// `trouble` names other reasons to give up (another communicator's error). NCCL's
     /// own error is an `Err`.
     pub fn settle(
