@@ -23,12 +23,14 @@ use std::time::Duration;
 
 use super::exec::{Buffers, Entry, Outcome};
 use super::message::{OpKind, Response};
+use super::staged::{pageable, HostRegion};
 use super::tensor::Device;
 use super::watch::Watch;
 use crate::collective::{allgatherv, partition, Comm};
 use crate::config::NcclUse;
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::{PerseusError, Result};
+use crate::kernels::AlignedBuf;
 use crate::plan::Encoding;
 
 /// Fewest bytes worth a channel of their own when a buffer is split.
@@ -147,11 +149,19 @@ pub trait DeviceGroup: Send + Sync {
         watch: &Watch<'_>,
     ) -> Result<()>;
     /// Copies device memory at `src` into `dst`, once the work queued so far has run
-    /// (waits for it, as `watch` allows).
+    /// (waits for it, as `watch` allows). `pinned`: `dst` is page-locked memory of
+    /// [`DeviceGroup::host_region`], which the copy fills without the host waiting on
+    /// it, so only its end is waited for.
     ///
     /// # Safety
     /// As for [`DeviceGroup::copy`].
-    unsafe fn download(&self, src: *const u8, dst: &mut [u8], watch: &Watch<'_>) -> Result<()>;
+    unsafe fn download(
+        &self,
+        src: *const u8,
+        dst: &mut [u8],
+        pinned: bool,
+        watch: &Watch<'_>,
+    ) -> Result<()>;
     /// Copies `src` into device memory at `dst`, after the work queued so far; `src`
     /// must stay alive until [`DeviceGroup::finish`] returns.
     ///
@@ -166,6 +176,11 @@ pub trait DeviceGroup: Send + Sync {
     /// communicators are aborted, so no peer waits for it forever) and waits until the
     /// device no longer touches any tensor. Every later call fails, naming `why`.
     fn abandon(&self, why: &str);
+    /// Host memory of `bytes` for copies to and from the device: page-locked where the
+    /// device can pin it, ordinary memory otherwise.
+    fn host_region(&self, bytes: usize) -> Box<dyn HostRegion> {
+        pageable(bytes)
+    }
 }
 
 /// True when a response may run on the device-direct path: every rank's tensors are
@@ -494,6 +509,14 @@ impl Job<'_> {
         self.resent(bad)
     }
 
+    /// The element type of the response's tensors.
+    fn dtype(&self) -> DataType {
+        let Response::Op { dtype, .. } = self.resp else {
+            unreachable!("the direct path takes Op responses");
+        };
+        *dtype
+    }
+
     /// One hierarchical allreduce, exact between hosts or (`half`: the gradient scale)
     /// float16 there. Returns the tensors whose float16 sums are not finite; then no
     /// output was written.
@@ -503,18 +526,8 @@ impl Job<'_> {
         bufs: &mut Buffers,
         half: Option<f64>,
     ) -> Result<Vec<usize>> {
-        let Job {
-            group: local,
-            size,
-            resp,
-            entries,
-            watch,
-        } = *self;
-        let Response::Op { dtype, .. } = resp else {
-            unreachable!("hierarchical takes Op responses");
-        };
-        let dtype = *dtype;
-        let (pre, post, op) = factors(resp, size);
+        let (local, entries, dtype) = (self.group, self.entries, self.dtype());
+        let (pre, _, op) = factors(self.resp, self.size);
         let l = local.size();
         // Room for `l` chunks and, under float16, one chunk's float16 image after them.
         let room = |c: usize| {
@@ -522,85 +535,118 @@ impl Job<'_> {
             chunk * l + half.map_or(0, |_| chunk.div_ceil(2))
         };
         // SAFETY: as in `exact`; the buffer holds `l` chunks and the image.
-        unsafe {
+        let (buf, count) = unsafe {
             let (buf, count) = pack(local, entries, dtype, room)?;
-            let chunk = count.div_ceil(l);
             if pre != 1.0 {
                 local.scale(buf, count, dtype, pre)?;
             }
-            local.reduce_scatter(buf, chunk, dtype, op, watch)?;
-            let first = local.rank() * chunk;
-            let mine = buf.add(first * dtype.size());
-            // Under float16: the elements each tensor spans.
-            let live: Vec<std::ops::Range<usize>> = match half {
-                None => Vec::new(),
-                Some(_) => layout(entries)
-                    .into_iter()
-                    .map(|r| r.start / dtype.size()..r.end / dtype.size())
-                    .collect(),
-            };
-            match half {
-                None => {
-                    // The engine's fusion buffer (idle on this path) holds the host copy,
-                    // reused from call to call; it must outlive the upload, until `finish`.
-                    let host = &mut bufs.fusion;
-                    host.resize(chunk * dtype.size());
-                    local.download(mine, host.as_mut_slice(), watch)?;
-                    crate::collective::allreduce(
-                        cross,
-                        host.as_mut_slice(),
-                        dtype,
-                        op,
-                        1.0,
-                        &mut bufs.scratch,
-                    )?;
-                    local.upload(bufs.fusion.as_slice(), mine)?;
-                }
-                Some(scale) => {
-                    let image = buf.add(l * chunk * dtype.size());
-                    local.cast_down(mine, image, chunk, scale as f32)?;
-                    let host = &mut bufs.half;
-                    host.resize(chunk * 2);
-                    local.download(image, host.as_mut_slice(), watch)?;
-                    // The gaps between packed tensors hold stale bytes; zeroed here, every
-                    // element of the gathered buffer is a tensor's or zero, so one check
-                    // over all of it speaks for the tensors alone.
-                    clear_gaps(host.as_mut_slice(), first, &live);
-                    crate::collective::allreduce(
-                        cross,
-                        host.as_mut_slice(),
-                        DataType::F16,
-                        ReduceOp::Sum,
-                        1.0,
-                        &mut bufs.scratch,
-                    )?;
-                    local.upload(bufs.half.as_slice(), image)?;
-                    local.cast_up(image, mine, chunk, (1.0 / scale) as f32)?;
-                }
-            }
-            local.allgather(buf, chunk, dtype, watch)?;
-            // One check of the whole buffer (the gaps are zero), and only when it
-            // fails one more, of each tensor.
-            let whole = [(buf as *const u8, l * chunk)];
-            if half.is_some() && !local.nonfinite(&whole, dtype, watch)?.is_empty() {
-                let parts: Vec<(*const u8, usize)> = live
-                    .iter()
-                    .map(|r| (buf.add(r.start * dtype.size()) as *const u8, r.len()))
-                    .collect();
-                let bad = local.nonfinite(&parts, dtype, watch)?;
-                if !bad.is_empty() {
-                    local.finish(watch)?;
-                    return Ok(bad);
-                }
-            }
-            if post != 1.0 {
-                local.scale(buf, count, dtype, post)?;
-            }
-            unpack(local, entries, buf)?;
-            local.finish(watch)?;
+            local.reduce_scatter(buf, count.div_ceil(l), dtype, op, self.watch)?;
+            (buf, count)
+        };
+        // The chunk's host copy, in a region of the pool the staged path uses too:
+        // page-locked where the device pins it, so its copies queue without the host
+        // waiting and run at the bus's full speed.
+        let chunk = count.div_ceil(l);
+        let bytes = chunk * half.map_or(dtype.size(), |_| 2);
+        let mut region = bufs.staging.take(bytes, |n| local.host_region(n));
+        let pinned = region.pinned();
+        let host = Host {
+            bytes: &mut region.bytes()[..bytes],
+            pinned,
+        };
+        // SAFETY: as above; the region outlives the pass's device work (`finish`).
+        let result =
+            unsafe { self.across_and_back(cross, host, &mut bufs.scratch, buf, count, half) };
+        match result {
+            Ok(_) => bufs.staging.give(region),
+            // Copies queued to or from it may outlast the error, until the group,
+            // which is abandoned next, has drained its streams: it is never reused
+            // (nor freed, which would wait for them).
+            Err(_) => std::mem::forget(region),
         }
+        result
+    }
+
+    /// The rest of a hierarchical pass, once the host's sums are scattered in the
+    /// fusion buffer `buf` (`count` elements): this rank's chunk crosses the hosts
+    /// through `host`, exact or as float16, and comes back; the chunks are gathered,
+    /// checked under float16, scaled and unpacked.
+    ///
+    /// # Safety
+    /// `buf` is the pass's fusion buffer, packed by [`pack`] with the pass's room.
+    unsafe fn across_and_back(
+        &self,
+        cross: &dyn Comm,
+        host: Host<'_>,
+        scratch: &mut AlignedBuf,
+        buf: *mut u8,
+        count: usize,
+        half: Option<f64>,
+    ) -> Result<Vec<usize>> {
+        let (local, entries, watch, dtype) = (self.group, self.entries, self.watch, self.dtype());
+        let (_, post, op) = factors(self.resp, self.size);
+        let l = local.size();
+        let chunk = count.div_ceil(l);
+        let first = local.rank() * chunk;
+        let mine = buf.add(first * dtype.size());
+        // Under float16: the elements each tensor spans.
+        let live: Vec<std::ops::Range<usize>> = match half {
+            None => Vec::new(),
+            Some(_) => layout(entries)
+                .into_iter()
+                .map(|r| r.start / dtype.size()..r.end / dtype.size())
+                .collect(),
+        };
+        let Host { bytes, pinned } = host;
+        match half {
+            None => {
+                local.download(mine, bytes, pinned, watch)?;
+                crate::collective::allreduce(cross, bytes, dtype, op, 1.0, scratch)?;
+                local.upload(bytes, mine)?;
+            }
+            Some(scale) => {
+                let image = buf.add(l * chunk * dtype.size());
+                local.cast_down(mine, image, chunk, scale as f32)?;
+                local.download(image, bytes, pinned, watch)?;
+                // The gaps between packed tensors hold stale bytes; zeroed here, every
+                // element of the gathered buffer is a tensor's or zero, so one check
+                // over all of it speaks for the tensors alone.
+                clear_gaps(bytes, first, &live);
+                let f16 = DataType::F16;
+                crate::collective::allreduce(cross, bytes, f16, ReduceOp::Sum, 1.0, scratch)?;
+                local.upload(bytes, image)?;
+                local.cast_up(image, mine, chunk, (1.0 / scale) as f32)?;
+            }
+        }
+        local.allgather(buf, chunk, dtype, watch)?;
+        // One check of the whole buffer (the gaps are zero), and only when it
+        // fails one more, of each tensor.
+        let whole = [(buf as *const u8, l * chunk)];
+        if half.is_some() && !local.nonfinite(&whole, dtype, watch)?.is_empty() {
+            let parts: Vec<(*const u8, usize)> = live
+                .iter()
+                .map(|r| (buf.add(r.start * dtype.size()) as *const u8, r.len()))
+                .collect();
+            let bad = local.nonfinite(&parts, dtype, watch)?;
+            if !bad.is_empty() {
+                local.finish(watch)?;
+                return Ok(bad);
+            }
+        }
+        if post != 1.0 {
+            local.scale(buf, count, dtype, post)?;
+        }
+        unpack(local, entries, buf)?;
+        local.finish(watch)?;
         Ok(Vec::new())
     }
+}
+
+/// A chunk's host copy in the hierarchical mode.
+struct Host<'a> {
+    bytes: &'a mut [u8],
+    /// Page-locked: a copy into it is queued without the host waiting for it.
+    pinned: bool,
 }
 
 /// Queues an allreduce of `count` elements at `buf`, split across the channels.

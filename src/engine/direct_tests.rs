@@ -5,6 +5,7 @@
 use super::*;
 use crate::collective::tests::{run, run_on};
 use crate::collective::{host_and_peers, hosts_of, SubComm};
+use crate::engine::staged::HostRegion;
 use crate::engine::tensor::{f32_view, Device, TensorView};
 use crate::kernels::{first_nonfinite, from_half, scale, to_half, AlignedBuf};
 use crate::plan::Plan;
@@ -23,6 +24,10 @@ struct HostGroup<'a> {
     checks: Mutex<Vec<usize>>,
     /// Fail the allreduce on this channel (a collective failing midway).
     fail_on: Option<usize>,
+    /// Fail every allgather (the last collective of a hierarchical pass).
+    fail_gather: std::sync::atomic::AtomicBool,
+    /// (address, bytes) of each host region made.
+    regions: Mutex<Vec<(usize, usize)>>,
     /// Why the group was abandoned, once it was.
     abandoned: Mutex<Option<String>>,
 }
@@ -37,6 +42,8 @@ impl<'a> HostGroup<'a> {
             downloads: Mutex::new(Vec::new()),
             checks: Mutex::new(Vec::new()),
             fail_on: None,
+            fail_gather: Default::default(),
+            regions: Mutex::new(Vec::new()),
             abandoned: Mutex::new(None),
         }
     }
@@ -153,12 +160,32 @@ impl DeviceGroup for HostGroup<'_> {
         dtype: DataType,
         _: &Watch,
     ) -> Result<()> {
+        if self.fail_gather.load(std::sync::atomic::Ordering::Relaxed) {
+            return Err(PerseusError::Device("ncclAllGather failed".into()));
+        }
         let n = self.comm.size();
         let bytes = chunk * dtype.size();
         allgatherv(self.comm, slice(buf, n * bytes), &vec![bytes; n])
     }
-    unsafe fn download(&self, src: *const u8, dst: &mut [u8], _: &Watch<'_>) -> Result<()> {
+    unsafe fn download(
+        &self,
+        src: *const u8,
+        dst: &mut [u8],
+        pinned: bool,
+        _: &Watch<'_>,
+    ) -> Result<()> {
         self.downloads.lock().unwrap().push(dst.len());
+        let base = dst.as_ptr() as usize;
+        let ours = self
+            .regions
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|&(at, n)| at <= base && base + dst.len() <= at + n);
+        assert_eq!(
+            pinned, ours,
+            "pinned exactly when in a region of this group"
+        );
         dst.copy_from_slice(slice(src, dst.len()));
         Ok(())
     }
@@ -174,6 +201,28 @@ impl DeviceGroup for HostGroup<'_> {
             .lock()
             .unwrap()
             .get_or_insert_with(|| why.to_string());
+    }
+    fn host_region(&self, bytes: usize) -> Box<dyn HostRegion> {
+        // Stale bytes, as a reused region has: nothing may rely on zeros.
+        let mut region = Locked(AlignedBuf::from_slice(&vec![0xA5; bytes]));
+        let at = region.bytes().as_ptr() as usize;
+        self.regions.lock().unwrap().push((at, bytes));
+        Box::new(region)
+    }
+}
+
+/// Host memory that says it is page-locked, as the CUDA group's regions are.
+struct Locked(AlignedBuf);
+
+impl HostRegion for Locked {
+    fn bytes(&mut self) -> &mut [u8] {
+        self.0.as_mut_slice()
+    }
+    fn size(&self) -> usize {
+        self.0.len()
+    }
+    fn pinned(&self) -> bool {
+        true
     }
 }
 
@@ -586,6 +635,92 @@ fn a_float16_overflow_between_hosts_is_resent_exactly_on_every_rank() {
 }
 
 #[test]
+fn the_hierarchy_stages_its_chunks_in_reused_page_locked_regions() {
+    const HOSTS: &[usize] = &[0, 0, 1, 1];
+    // One tensor per allreduce, of these lengths and encodings, one after the other.
+    const RUNS: &[(usize, Encoding)] = &[
+        (1000, Encoding::Exact),
+        (1 << 20, Encoding::Exact),
+        (10, Encoding::Exact),
+        (1 << 20, Encoding::Half),
+        (3000, Encoding::HalfBetweenHosts),
+    ];
+    let got = run_on(HOSTS, |comm| {
+        let r = comm.rank();
+        let (mine, peers) = host_and_peers(comm);
+        let local = SubComm::new(comm, mine);
+        let cross = SubComm::new(comm, peers);
+        let group = HostGroup::new(&local, 1);
+        let route = Route::Hierarchical(&group, &cross);
+        let mut bufs = Buffers::default();
+        let mut run = |len: usize, encoding: Encoding| {
+            let mut data: Vec<f32> = (0..len).map(|i| value(r, 0, i)).collect();
+            let entry = Entry {
+                handle: 0,
+                output: None,
+                input: Some(view(&mut data)),
+            };
+            let plan = device_plan(encoding, 1.0);
+            let resp = response(OpKind::Allreduce, &[len], ReduceOp::Sum, 1.0, 1.0, plan);
+            let out = run_direct(route, 4, &resp, &[Some(entry)], &mut bufs, &WATCH);
+            let result = out.results[0]
+                .as_ref()
+                .map(|_| ())
+                .map_err(|e| e.to_string());
+            (result, data, bufs.staging.free_sizes())
+        };
+        let runs: Vec<_> = RUNS.iter().map(|&(len, e)| run(len, e)).collect();
+        // A pass that fails after its chunk went down and back up.
+        group
+            .fail_gather
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+        let failed = run(1000, Encoding::Exact);
+        let regions: Vec<usize> = group.regions.lock().unwrap().iter().map(|r| r.1).collect();
+        (runs, failed, regions, group.downloads.into_inner().unwrap())
+    });
+    for (r, (runs, failed, regions, downloads)) in got.into_iter().enumerate() {
+        for (i, ((result, data, _), &(len, encoding))) in runs.iter().zip(RUNS).enumerate() {
+            assert_eq!(result, &Ok(()), "rank {r} run {i}");
+            let want = expected(4, 0, len, 1.0, |v| v.iter().sum());
+            assert_eq!(
+                data, &want,
+                "rank {r} run {i} ({encoding:?}): small sums are exact"
+            );
+        }
+        // Every chunk went through a region of the group (the stand-in checks each
+        // download was told it is pinned): 1 MiB for the first chunk, replaced by
+        // 2 MiB for the 4 MiB tensor's chunk of 2 MiB, which serves every later one.
+        assert_eq!(regions, vec![1 << 20, 2 << 20], "rank {r}");
+        let free: Vec<Vec<usize>> = runs.iter().map(|run| run.2.clone()).collect();
+        assert_eq!(
+            free,
+            vec![
+                vec![1 << 20],
+                vec![2 << 20],
+                vec![2 << 20],
+                vec![2 << 20],
+                vec![2 << 20]
+            ],
+            "rank {r}"
+        );
+        // The chunks: a quarter of each tensor's float32 (exact) or float16 bytes.
+        let want: Vec<usize> = [1000 * 4, 4 << 20, 10 * 4, 2 << 20, 3000 * 2, 1000 * 4]
+            .iter()
+            .map(|b| b / 2)
+            .collect();
+        assert_eq!(downloads, want, "rank {r}");
+        // The failed pass's region never returns to the pool: copies queued to it
+        // could outlast the error.
+        let (result, _, free) = failed;
+        assert!(
+            result.unwrap_err().contains("ncclAllGather failed"),
+            "rank {r}"
+        );
+        assert!(free.is_empty(), "rank {r}: {free:?}");
+    }
+}
+
+#[test]
 fn a_collective_that_fails_midway_abandons_the_group_on_every_rank() {
     let got = run(3, |comm| {
         let mut group = HostGroup::new(comm, 2);
@@ -787,7 +922,7 @@ impl DeviceGroup for Unused {
     unsafe fn allgather(&self, _: *mut u8, _: usize, _: DataType, _: &Watch) -> Result<()> {
         unreachable!()
     }
-    unsafe fn download(&self, _: *const u8, _: &mut [u8], _: &Watch) -> Result<()> {
+    unsafe fn download(&self, _: *const u8, _: &mut [u8], _: bool, _: &Watch) -> Result<()> {
         unreachable!()
     }
     unsafe fn upload(&self, _: &[u8], _: *mut u8) -> Result<()> {

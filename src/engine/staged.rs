@@ -63,16 +63,26 @@ pub trait DeviceMemory: Send + Sync {
     /// the device can pin it (its copies then run at the bus's full speed, without
     /// the host waiting on each), ordinary memory otherwise.
     fn host_region(&self, bytes: usize) -> Box<dyn HostRegion> {
-        Box::new(AlignedBuf::zeroed(bytes))
+        pageable(bytes)
     }
 }
 
-/// Host memory the staged path copies through.
+/// Ordinary (pageable) host memory of `bytes`, for copies where no device pins any.
+pub fn pageable(bytes: usize) -> Box<dyn HostRegion> {
+    Box::new(AlignedBuf::zeroed(bytes))
+}
+
+/// Host memory the staged and the hierarchical device paths copy through.
 pub trait HostRegion: Send {
     /// Its bytes.
     fn bytes(&mut self) -> &mut [u8];
     /// How many.
     fn size(&self) -> usize;
+    /// Whether the memory is page-locked: a device's copies into it are then queued
+    /// without the host waiting for them.
+    fn pinned(&self) -> bool {
+        false
+    }
 }
 
 impl HostRegion for AlignedBuf {
@@ -99,10 +109,14 @@ pub struct StagingPool {
 
 impl StagingPool {
     /// A region of at least `bytes`: the smallest free one that fits, else a new one
-    /// from `mem` (ordinary memory without one) of `bytes` rounded up to a power of
-    /// two, which replaces the largest free one. Regions are kept for the life of the
-    /// engine: at most two, each the size of the largest response so rounded.
-    pub fn take(&mut self, bytes: usize, mem: Option<&dyn DeviceMemory>) -> Box<dyn HostRegion> {
+    /// made by `make` (given its size: `bytes` rounded up to a power of two), which
+    /// replaces the largest free one. Regions are kept for the life of the engine: at
+    /// most two, each the size of the largest response so rounded.
+    pub fn take(
+        &mut self,
+        bytes: usize,
+        make: impl FnOnce(usize) -> Box<dyn HostRegion>,
+    ) -> Box<dyn HostRegion> {
         let fits = (0..self.free.len())
             .filter(|&i| self.free[i].size() >= bytes)
             .min_by_key(|&i| self.free[i].size());
@@ -113,11 +127,7 @@ impl StagingPool {
         if let Some(i) = largest {
             self.free.swap_remove(i);
         }
-        let want = bytes.next_power_of_two().max(MIN_REGION);
-        match mem {
-            Some(m) => m.host_region(want),
-            None => Box::new(AlignedBuf::zeroed(want)),
-        }
+        make(bytes.next_power_of_two().max(MIN_REGION))
     }
 
     /// Returns a region taken before, for later responses.
@@ -227,7 +237,10 @@ fn region_for(
     let mem = device_views(entries)
         .next()
         .and_then(|v| devices.get(v.device).ok());
-    bufs.staging.take(bytes, mem.as_deref())
+    bufs.staging.take(bytes, |n| match mem.as_deref() {
+        Some(m) => m.host_region(n),
+        None => pageable(n),
+    })
 }
 
 /// Runs a data-moving response whose tensors are (partly) in device memory.

@@ -368,8 +368,8 @@ fn a_failed_device_copy_fails_that_rank_and_does_not_stall_its_peers() {
 fn the_pool_reuses_the_smallest_region_that_fits_and_grows_by_replacing() {
     let mem = HostMemory::default();
     let mut pool = StagingPool::default();
-    let a = pool.take(10, Some(&mem));
-    let b = pool.take(3 << 20, Some(&mem));
+    let a = pool.take(10, |n| mem.host_region(n));
+    let b = pool.take(3 << 20, |n| mem.host_region(n));
     assert_eq!(
         (a.size(), b.size()),
         (1 << 20, 4 << 20),
@@ -378,11 +378,11 @@ fn the_pool_reuses_the_smallest_region_that_fits_and_grows_by_replacing() {
     pool.give(b);
     pool.give(a);
     // The smallest that fits, whichever was given back first.
-    let small = pool.take(100, Some(&mem));
+    let small = pool.take(100, |n| mem.host_region(n));
     assert_eq!(small.size(), 1 << 20);
     pool.give(small);
     // None fits: the largest free one is replaced, the other kept.
-    let big = pool.take(5 << 20, Some(&mem));
+    let big = pool.take(5 << 20, |n| mem.host_region(n));
     assert_eq!(big.size(), 8 << 20);
     assert_eq!(pool.free_sizes(), vec![1 << 20]);
     pool.give(big);
@@ -391,7 +391,7 @@ fn the_pool_reuses_the_smallest_region_that_fits_and_grows_by_replacing() {
         vec![1 << 20, 4 << 20, 8 << 20]
     );
     // Without a device: ordinary memory, from the pool all the same.
-    let plain = pool.take(9 << 20, None);
+    let plain = pool.take(9 << 20, pageable);
     assert_eq!(plain.size(), 16 << 20);
     assert_eq!(pool.free_sizes(), vec![1 << 20]);
 }

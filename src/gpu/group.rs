@@ -19,6 +19,7 @@ use super::runtime::{driver, lock, search_dirs, CudaDevice};
 use crate::collective::{allgatherv, Comm};
 use crate::dtype::{DataType, ReduceOp};
 use crate::engine::direct::{agree, Agreement, DeviceGroup, Formed, Opener};
+use crate::engine::staged::{DeviceMemory, HostRegion};
 use crate::engine::watch::{wait_for, Waited, Watch};
 use crate::engine::Device;
 use crate::error::{PerseusError, Result};
@@ -728,11 +729,20 @@ impl DeviceGroup for NcclGroup {
         })
     }
 
-    unsafe fn download(&self, src: *const u8, dst: &mut [u8], watch: &Watch<'_>) -> Result<()> {
+    unsafe fn download(
+        &self,
+        src: *const u8,
+        dst: &mut [u8],
+        pinned: bool,
+        watch: &Watch<'_>,
+    ) -> Result<()> {
         let mut st = self.main()?;
         // A copy into pageable memory may block until it is done: waiting for the work
         // before it (NCCL's, which a lost peer can hold forever) is the watched wait.
-        self.wait(&mut st, watch)?;
+        // One into page-locked memory is queued at once, and the wait below covers it.
+        if !pinned {
+            self.wait(&mut st, watch)?;
+        }
         if !dst.is_empty() {
             result::memcpy_dtoh_async(dst, src as u64, self.dev.stream)
                 .map_err(driver("cuMemcpyDtoHAsync"))?;
@@ -752,6 +762,10 @@ impl DeviceGroup for NcclGroup {
     fn finish(&self, watch: &Watch<'_>) -> Result<()> {
         let mut st = self.main()?;
         self.wait(&mut st, watch)
+    }
+
+    fn host_region(&self, bytes: usize) -> Box<dyn HostRegion> {
+        self.dev.host_region(bytes)
     }
 
     fn abandon(&self, why: &str) {

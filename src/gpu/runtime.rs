@@ -413,6 +413,9 @@ impl HostRegion for Pinned {
     fn size(&self) -> usize {
         self.len
     }
+    fn pinned(&self) -> bool {
+        true
+    }
 }
 
 impl Drop for Pinned {
