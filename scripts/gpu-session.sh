@@ -10,9 +10,9 @@
 #                                       # results to $OUT (default .gpu/out/)
 #
 # `run` uses the machine's own python3, which must have torch, numpy, pytest and
-# pytest-timeout; Perseus itself needs nothing else. It writes 8 files at most: one log
-# per step, the staged sweep's JSON, and the optimizer benchmark's JSON and table. It
-# exits non-zero when a step failed, after running the others.
+# pytest-timeout; Perseus itself needs nothing else. It writes 11 files at most: one log
+# per step, the staged sweep's JSON, and the optimizer and kernel benchmarks' JSON and
+# tables. It exits non-zero when a step failed, after running the others.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
@@ -59,10 +59,13 @@ run)
     step device nvidia-smi
     step check-build python3 -m perseus.runner.launch --check-build
     step gpu-tests python3 -m pytest -m gpu -v -p no:cacheprovider \
-        tests/python/test_gpu.py tests/python/test_optim.py tests/python/test_amp.py
+        tests/python/test_gpu.py tests/python/test_kernels.py tests/python/test_optim.py \
+        tests/python/test_amp.py
     step optimizer python3 benchmarks/optimizer_step.py --device cuda
     cp docs/benchmarks_optimizer_cuda.json docs/benchmarks_optimizer_cuda.md "$out/" \
         2>/dev/null || true
+    step kernels python3 benchmarks/kernels.py
+    cp docs/benchmarks_kernels_cuda.json docs/benchmarks_kernels_cuda.md "$out/" 2>/dev/null || true
     step staged-sweep python3 benchmarks/allreduce_sweep.py --device cuda --ranks 2 --short \
         --strict --json "$out/staged_sweep.json"
     if ((${#failed[@]})); then

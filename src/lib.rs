@@ -11,6 +11,7 @@ pub use error::{PerseusError, Result};
 pub mod auth;
 pub mod collective;
 pub mod config;
+pub mod device_kernels;
 pub mod engine;
 #[doc(hidden)]
 pub mod fuzzing;

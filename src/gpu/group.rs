@@ -8,7 +8,6 @@
 //! the Perseus stream waits for the channels' events before its next copy, so the
 //! channels of one split buffer run side by side. Nothing waits on the whole device.
 
-use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -585,34 +584,7 @@ impl DeviceGroup for NcclGroup {
 
     unsafe fn scale(&self, buf: *mut u8, count: usize, dtype: DataType, factor: f64) -> Result<()> {
         let _st = self.main()?;
-        let name = match dtype {
-            DataType::F32 => "scale_f32",
-            DataType::F64 => "scale_f64",
-            DataType::F16 => "scale_f16",
-            DataType::BF16 => "scale_bf16",
-            other => {
-                return Err(PerseusError::InvalidArgument(format!(
-                    "no device scale for {}",
-                    other.name()
-                )))
-            }
-        };
-        let f = self.dev.kernel("scale", name)?;
-        let mut ptr = buf as u64;
-        let mut n = count as u64;
-        let mut f64s = factor;
-        let mut f32s = factor as f32;
-        let s: *mut c_void = if dtype == DataType::F64 {
-            (&mut f64s as *mut f64).cast()
-        } else {
-            (&mut f32s as *mut f32).cast()
-        };
-        let mut params = [
-            (&mut ptr as *mut u64).cast(),
-            s,
-            (&mut n as *mut u64).cast(),
-        ];
-        self.dev.launch(f, count as u64, &mut params)
+        self.dev.scale(buf as u64, count, dtype, factor)
     }
 
     unsafe fn cast_down(

@@ -10,5 +10,6 @@ pub mod group;
 pub mod kernels;
 pub mod libs;
 pub mod nccl;
+pub mod ops;
 pub mod optim;
 pub mod runtime;

@@ -16,6 +16,7 @@ use std::time::Duration;
 
 use cudarc::driver::{result, sys};
 
+use crate::dtype::{DataType, ReduceOp};
 use crate::engine::staged::{Cast, DeviceMemory, HostRegion};
 use crate::engine::watch::{Waited, Watch};
 use crate::error::{PerseusError, Result};
@@ -291,6 +292,95 @@ impl CudaDevice {
         // SAFETY: the kernel's parameters are (pointer, pointer, float, u64), as given;
         // the caller vouches for the memory.
         unsafe { self.launch(f, n, &mut params) }
+    }
+
+    /// Queues `x *= factor` over `count` values of `dtype` on this stream: float32
+    /// arithmetic, but float64's for float64 values.
+    ///
+    /// # Safety
+    /// `x` must be this device's memory, holding `count` values, the caller's to write.
+    pub(crate) unsafe fn scale(
+        &self,
+        x: u64,
+        count: usize,
+        dtype: DataType,
+        factor: f64,
+    ) -> Result<()> {
+        let name = match dtype {
+            DataType::F32 => "scale_f32",
+            DataType::F64 => "scale_f64",
+            DataType::F16 => "scale_f16",
+            DataType::BF16 => "scale_bf16",
+            other => {
+                return Err(PerseusError::InvalidArgument(format!(
+                    "no device scale for {}",
+                    other.name()
+                )))
+            }
+        };
+        let f = self.kernel("scale", name)?;
+        let (mut ptr, mut n) = (x, count as u64);
+        let (mut f64s, mut f32s) = (factor, factor as f32);
+        let s: *mut c_void = if dtype == DataType::F64 {
+            (&mut f64s as *mut f64).cast()
+        } else {
+            (&mut f32s as *mut f32).cast()
+        };
+        let mut params = [
+            (&mut ptr as *mut u64).cast(),
+            s,
+            (&mut n as *mut u64).cast(),
+        ];
+        self.launch(f, count as u64, &mut params)
+    }
+
+    /// Queues `dst = dst (op) src` over `count` values of `dtype` on this stream (op:
+    /// Sum, Min, Max or Product; half types in float32 arithmetic, rounded once).
+    ///
+    /// # Safety
+    /// `dst` and `src` must be this device's memory, holding `count` values each, the
+    /// caller's to use (`dst` to write).
+    pub(crate) unsafe fn reduce(
+        &self,
+        dst: u64,
+        src: u64,
+        count: usize,
+        dtype: DataType,
+        op: ReduceOp,
+    ) -> Result<()> {
+        let name = match dtype {
+            DataType::F32 => "reduce_f32",
+            DataType::F64 => "reduce_f64",
+            DataType::F16 => "reduce_f16",
+            DataType::BF16 => "reduce_bf16",
+            other => {
+                return Err(PerseusError::InvalidArgument(format!(
+                    "no device reduction for {}",
+                    other.name()
+                )))
+            }
+        };
+        let mut code: i32 = match op {
+            ReduceOp::Sum => 0,
+            ReduceOp::Min => 1,
+            ReduceOp::Max => 2,
+            ReduceOp::Product => 3,
+            other => {
+                return Err(PerseusError::InvalidArgument(format!(
+                    "no elementwise device reduction {}",
+                    other.name()
+                )))
+            }
+        };
+        let f = self.kernel("reduce", name)?;
+        let (mut d, mut s, mut n) = (dst, src, count as u64);
+        let mut params = [
+            (&mut d as *mut u64).cast(),
+            (&mut s as *mut u64).cast(),
+            (&mut code as *mut i32).cast(),
+            (&mut n as *mut u64).cast(),
+        ];
+        self.launch(f, count as u64, &mut params)
     }
 
     /// Launches kernel `f` over `n` elements on this stream (nothing when `n` is 0).

@@ -4,6 +4,7 @@
 
 mod dlpack;
 mod errors;
+mod kernels;
 mod optim;
 
 use crate::config::Config;
@@ -659,5 +660,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(stop_timeline, m)?)?;
     m.add_function(wrap_pyfunction!(timeline_path, m)?)?;
     m.add_function(wrap_pyfunction!(optim::optimizer_step, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::gpu_cast, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::gpu_reduce, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::gpu_scale, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::gpu_nonfinite, m)?)?;
+    m.add_function(wrap_pyfunction!(kernels::gpu_top_k, m)?)?;
     Ok(())
 }

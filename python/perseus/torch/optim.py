@@ -23,23 +23,12 @@ import torch
 from torch.utils.dlpack import to_dlpack
 
 from perseus import _core
-from perseus.common import gpu as _gpu
+from perseus.torch._stream import ordered
 
 __all__ = ["LAMB", "FusedAdam", "FusedAdamW", "FusedLAMB", "FusedOptimizer", "FusedSGD"]
 
 
 # --------------------------------------------------------------------------- the step
-
-_external = {}
-
-
-def _perseus_stream(device):
-    """Perseus's stream of ``device`` as a torch stream (made once per device)."""
-    s = _external.get(device.index)
-    if s is None:
-        handle = _gpu.stream(device.index)
-        s = _external[device.index] = torch.cuda.ExternalStream(handle, device=device)
-    return s
 
 
 def _diagnose(optimizer, plan):
@@ -120,16 +109,9 @@ def run_step(optimizer, plan, torch_state=False):
             if device.type != "cuda":
                 _core.optimizer_step(groups)
                 return
-            # The core makes the parameters' device current on this thread; the guard
-            # gives torch's current device back afterwards.
-            with torch.cuda.device(device):
-                ours = _perseus_stream(device)
-                theirs = torch.cuda.current_stream(device)
-                ours.wait_stream(theirs)
+            # Torch's stream waits for the step: what it reads or frees later comes after.
+            with ordered(device):
                 _core.optimizer_step(groups)
-                # Torch's stream waits for the step: what it reads or frees later comes
-                # after.
-                theirs.wait_stream(ours)
         except (RuntimeError, TypeError, ValueError):
             _diagnose(optimizer, plan)
             raise
