@@ -47,6 +47,18 @@ def _split_list(items, n):
     return [items[i * d + min(i, r):(i + 1) * d + min(i + 1, r)] for i in range(n)]
 
 
+def _read_flags(flags):
+    """The values of 0-d bool tensors, read with one wait per device they are on."""
+    out = [True] * len(flags)
+    by_device = {}
+    for i, f in enumerate(flags):
+        by_device.setdefault(f.device, []).append(i)
+    for idx in by_device.values():
+        for i, v in zip(idx, torch.stack([flags[i] for i in idx]).tolist()):
+            out[i] = v
+    return out
+
+
 class _DistributedOptimizer:
     """Mixed into the wrapped optimizer's class (see :func:`DistributedOptimizer`)."""
 
@@ -180,17 +192,24 @@ class _DistributedOptimizer:
         return scale_factors(self.op, self.gradient_predivide_factor, 1.0 / self._accumulate)
 
     def _note_nonfinite(self, name, tensor):
-        """Remember (for the NaN check) that this rank's own gradient was not finite."""
-        if self._nancheck and not bool(torch.isfinite(tensor).all()):
-            self._nonfinite_here.append(name)
+        """For the NaN check: whether this rank's own gradient is finite, as a flag on its
+        device. Queued before the gradient's allreduce and read only when a reduced
+        gradient is not finite, so a CUDA model's backward pass never waits for it."""
+        if self._nancheck:
+            self._nonfinite_here.append((name, torch.isfinite(tensor).all()))
 
     def _check_finite(self, params):
         """PERSEUS_ALLREDUCE_NANCHECK: every rank holds the same reduced gradients, so every
-        rank takes the same decision here; the ranks' own findings say where it came from."""
-        bad = [self._parameter_names.get(p, "?") for p in params
-               if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
-        mine, self._nonfinite_here = self._nonfinite_here, []
+        rank takes the same decision here; the ranks' own findings say where it came from.
+        The flags of all gradients are read with one wait per device, not one per tensor."""
+        grads = [(self._parameter_names.get(p, "?"), p.grad) for p in params
+                 if p.grad is not None]
+        finite = _read_flags([torch.isfinite(g).all() for _, g in grads])
+        bad = [name for (name, _), ok in zip(grads, finite) if not ok]
+        here, self._nonfinite_here = self._nonfinite_here, []
         if bad:
+            own = _read_flags([flag for _, flag in here])
+            mine = [name for (name, _), ok in zip(here, own) if not ok]
             raise_nonfinite(bad, mine, "DistributedOptimizer", self.process_set)
 
     def _downsample(self, p, tensor):
