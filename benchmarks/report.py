@@ -150,8 +150,10 @@ def describe(module):
     return "\n".join(out)
 
 
-def render(data, png=PNG):
-    """The markdown page."""
+def render(data, png=PNG, pages_dir=None):
+    """The markdown page; ``pages_dir``: where the other benchmark pages are (the docs
+    folder by default)."""
+    pages_dir = pages_dir or os.path.join(harness.ROOT, "docs")
     m = data["machine"]
     lines = ["# Benchmarks", "",
              ("Perseus against torch.distributed (gloo) and Open MPI (mpi4py) on one host, "
@@ -192,7 +194,37 @@ def render(data, png=PNG):
         if data.get(key):
             lines += [f"## {title}", "", describe(module),
                       harness.md_sections(module.sections(data[key]))]
+    lines += other_pages(pages_dir)
     return "\n".join(lines).rstrip() + "\n"
+
+
+# The pages other benchmarks write beside this one: (file, what, the command).
+PAGES = [
+    ("benchmarks_optimizer_cpu.md", "the fused optimizer step against torch.optim, CPU",
+     "python benchmarks/optimizer_step.py"),
+    ("benchmarks_tensorflow.md", "TensorFlow scaling through perseus.tensorflow.horovod",
+     "python benchmarks/tensorflow_scaling.py"),
+    ("benchmarks_optimizer_cuda.md", "the fused optimizer step against torch.optim, GPU",
+     "python benchmarks/optimizer_step.py --device cuda"),
+    ("benchmarks_kernels_cuda.md", "each device kernel against torch's own operation",
+     "python benchmarks/kernels.py"),
+]
+
+
+def other_pages(pages_dir):
+    """The section listing the other benchmark pages, and those not measured yet."""
+    lines = ["## Other pages", ""]
+    missing = []
+    for name, what, command in PAGES:
+        if os.path.exists(os.path.join(pages_dir, name)):
+            lines.append(f"- [{what}]({name}) (`{command}`)")
+        else:
+            missing.append(f"{what} (`{command}`)")
+    if missing:
+        lines += ["", ("Not measured yet (the GPU pages need a machine with a GPU; "
+                       "`scripts/gpu-session.sh` runs them there, docs/gpu.md): "
+                       + "; ".join(missing) + ".")]
+    return lines + [""]
 
 
 def write(data, out_dir):
@@ -202,7 +234,7 @@ def write(data, out_dir):
         plot(data["sweep"], os.path.join(out_dir, PNG))
     path = os.path.join(out_dir, "benchmarks.md")
     with open(path, "w") as f:
-        f.write(render(data))
+        f.write(render(data, pages_dir=out_dir))
     return path
 
 
