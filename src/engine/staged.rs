@@ -100,7 +100,8 @@ const MIN_REGION: usize = 1 << 20;
 /// Byte alignment of each tensor's host copy within a region.
 const STAGE_ALIGN: usize = 64;
 
-/// The staged path's host regions, reused from response to response. At most two are
+/// Host regions for copies of device tensors, reused from response to response: the
+/// staged path's, and the hierarchical NCCL path's chunks between hosts. At most two are
 /// in use at once (a float16 response's images, and the copies of its exact resend).
 #[derive(Default)]
 pub struct StagingPool {
