@@ -104,6 +104,24 @@ struct State {
     scratch_len: usize,
 }
 
+/// The one of `names` (the float32, float64, float16 and bfloat16 variants of a kernel)
+/// for `dtype`; other types have no device `what`.
+fn per_float(names: [&'static str; 4], dtype: DataType, what: &str) -> Result<&'static str> {
+    let i = match dtype {
+        DataType::F32 => 0,
+        DataType::F64 => 1,
+        DataType::F16 => 2,
+        DataType::BF16 => 3,
+        other => {
+            return Err(PerseusError::InvalidArgument(format!(
+                "no device {what} for {}",
+                other.name()
+            )))
+        }
+    };
+    Ok(names[i])
+}
+
 /// One CUDA device.
 pub struct CudaDevice {
     ctx: sys::CUcontext,
@@ -306,18 +324,8 @@ impl CudaDevice {
         dtype: DataType,
         factor: f64,
     ) -> Result<()> {
-        let name = match dtype {
-            DataType::F32 => "scale_f32",
-            DataType::F64 => "scale_f64",
-            DataType::F16 => "scale_f16",
-            DataType::BF16 => "scale_bf16",
-            other => {
-                return Err(PerseusError::InvalidArgument(format!(
-                    "no device scale for {}",
-                    other.name()
-                )))
-            }
-        };
+        let names = ["scale_f32", "scale_f64", "scale_f16", "scale_bf16"];
+        let name = per_float(names, dtype, "scale")?;
         let f = self.kernel("scale", name)?;
         let (mut ptr, mut n) = (x, count as u64);
         let (mut f64s, mut f32s) = (factor, factor as f32);
@@ -348,18 +356,8 @@ impl CudaDevice {
         dtype: DataType,
         op: ReduceOp,
     ) -> Result<()> {
-        let name = match dtype {
-            DataType::F32 => "reduce_f32",
-            DataType::F64 => "reduce_f64",
-            DataType::F16 => "reduce_f16",
-            DataType::BF16 => "reduce_bf16",
-            other => {
-                return Err(PerseusError::InvalidArgument(format!(
-                    "no device reduction for {}",
-                    other.name()
-                )))
-            }
-        };
+        let names = ["reduce_f32", "reduce_f64", "reduce_f16", "reduce_bf16"];
+        let name = per_float(names, dtype, "reduction")?;
         let mut code: i32 = match op {
             ReduceOp::Sum => 0,
             ReduceOp::Min => 1,
