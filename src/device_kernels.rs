@@ -74,11 +74,6 @@ pub enum Answer {
     },
 }
 
-/// Elements of a flat view.
-fn len(v: &TensorView) -> usize {
-    v.nbytes / v.dtype.size()
-}
-
 /// The device every named tensor is on: one CUDA device, or an error naming the first
 /// that is not.
 fn one_device(what: &str, tensors: &[(&str, &TensorView)]) -> Result<i32> {
@@ -107,13 +102,13 @@ fn dtype_error(what: &str, name: &str, t: &TensorView, want: &str) -> PerseusErr
 }
 
 fn same_length(what: &str, a: (&str, &TensorView), b: (&str, &TensorView)) -> Result<()> {
-    if len(a.1) != len(b.1) {
+    if a.1.elements() != b.1.elements() {
         return Err(PerseusError::InvalidArgument(format!(
             "{what}: {} has {} elements, {} {}",
             a.0,
-            len(a.1),
+            a.1.elements(),
             b.0,
-            len(b.1)
+            b.1.elements()
         )));
     }
     Ok(())
@@ -202,16 +197,16 @@ pub fn check(call: &Call) -> Result<i32> {
                 return Err(dtype_error(what, "values", values, "they are float32"));
             }
             same_length(what, ("indices", indices), ("values", values))?;
-            if len(x) > u32::MAX as usize {
+            if x.elements() > u32::MAX as usize {
                 return Err(PerseusError::InvalidArgument(format!(
                     "top_k: x has {} elements; indices are 32-bit",
-                    len(x)
+                    x.elements()
                 )));
             }
-            if *k > len(indices) {
+            if *k > indices.elements() {
                 return Err(PerseusError::InvalidArgument(format!(
                     "top_k: k is {k}, but indices and values have room for {}",
-                    len(indices)
+                    indices.elements()
                 )));
             }
             one_device(what, &[("x", x), ("indices", indices), ("values", values)])

@@ -44,6 +44,11 @@ pub struct TensorView {
 unsafe impl Send for TensorView {}
 
 impl TensorView {
+    /// How many elements it holds.
+    pub fn elements(&self) -> usize {
+        self.nbytes / self.dtype.size()
+    }
+
     /// The bytes.
     ///
     /// # Safety

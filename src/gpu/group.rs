@@ -613,30 +613,16 @@ impl DeviceGroup for NcclGroup {
         dtype: DataType,
         watch: &Watch<'_>,
     ) -> Result<Vec<usize>> {
-        let name = match dtype {
-            DataType::F32 => "nonfinite_f32",
-            DataType::F16 => "nonfinite_f16",
-            _ => return Ok(Vec::new()),
-        };
-        if parts.is_empty() {
+        if !matches!(dtype, DataType::F32 | DataType::F16) || parts.is_empty() {
             return Ok(Vec::new());
         }
         let mut st = self.main()?;
-        let f = self.dev.kernel("nancheck", name)?;
         let (flags, host) = self.flags(&mut st, parts.len())?;
         result::memset_d8_async(flags, 0, parts.len() * 4, self.dev.stream)
             .map_err(driver("cuMemsetD8Async"))?;
         for (i, &(buf, count)) in parts.iter().enumerate() {
-            if count == 0 {
-                continue;
-            }
-            let (mut ptr, mut flag, mut n) = (buf as u64, flags + 4 * i as u64, count as u64);
-            let mut params = [
-                (&mut ptr as *mut u64).cast(),
-                (&mut flag as *mut u64).cast(),
-                (&mut n as *mut u64).cast(),
-            ];
-            self.dev.launch(f, count as u64, &mut params)?;
+            self.dev
+                .nonfinite(buf as u64, count, dtype, flags + 4 * i as u64)?;
         }
         // Pinned memory: the copy is queued behind the checks, and one watched wait
         // covers both.

@@ -14,10 +14,6 @@ use crate::dtype::DataType;
 use crate::engine::TensorView;
 use crate::error::Result;
 
-fn elems(v: &TensorView) -> usize {
-    v.nbytes / v.dtype.size()
-}
-
 /// Runs `call` (checked by [`crate::device_kernels::check`]) on device `ordinal`.
 pub fn run(ordinal: i32, call: Call) -> Result<Answer> {
     let dev = CudaDevice::get(ordinal)?;
@@ -35,33 +31,22 @@ pub fn run(ordinal: i32, call: Call) -> Result<Answer> {
                     _ => "bf16_to_f32_scaled",
                 };
                 let f = dev.kernel("cast", name)?;
-                let n = elems(&src) as u64;
+                let n = src.elements() as u64;
                 dev.cast(f, src.ptr as u64, dst.ptr as u64, factor, n)?;
                 Ok(Answer::Queued)
             }
             Call::Reduce { dst, src, op } => {
-                let n = elems(&dst);
+                let n = dst.elements();
                 dev.reduce(dst.ptr as u64, src.ptr as u64, n, dst.dtype, op)?;
                 Ok(Answer::Queued)
             }
             Call::Scale { x, factor } => {
-                dev.scale(x.ptr as u64, elems(&x), x.dtype, factor)?;
+                dev.scale(x.ptr as u64, x.elements(), x.dtype, factor)?;
                 Ok(Answer::Queued)
             }
             Call::Nonfinite { x } => {
-                let name = match x.dtype {
-                    DataType::F32 => "nonfinite_f32",
-                    _ => "nonfinite_f16",
-                };
-                let f = dev.kernel("nancheck", name)?;
                 let flag = Counter::new(&dev)?;
-                let (mut ptr, mut at, mut n) = (x.ptr as u64, flag.ptr, elems(&x) as u64);
-                let mut params: [*mut c_void; 3] = [
-                    (&mut ptr as *mut u64).cast(),
-                    (&mut at as *mut u64).cast(),
-                    (&mut n as *mut u64).cast(),
-                ];
-                dev.launch(f, n, &mut params)?;
+                dev.nonfinite(x.ptr as u64, x.elements(), x.dtype, flag.ptr)?;
                 Ok(Answer::Nonfinite(flag.read()? != 0))
             }
             Call::TopK {
@@ -86,7 +71,7 @@ unsafe fn top_k(
     indices: &TensorView,
     values: &TensorView,
 ) -> Result<Answer> {
-    let n = elems(x) as u64;
+    let n = x.elements() as u64;
     if k == 0 || n == 0 {
         return Ok(Answer::TopK {
             taken: 0,
@@ -109,7 +94,7 @@ unsafe fn top_k(
     })?;
     counter.zero()?;
     let select = dev.kernel("dgc", "select_at_least")?;
-    let slots = elems(indices) as u64;
+    let slots = indices.elements() as u64;
     let (mut ptr, mut t2, mut idx, mut vals) =
         (x.ptr as u64, t, indices.ptr as u64, values.ptr as u64);
     let (mut taken, mut capacity, mut n2) = (counter.ptr, slots, n);

@@ -342,6 +342,40 @@ impl CudaDevice {
         self.launch(f, count as u64, &mut params)
     }
 
+    /// Queues the finiteness check of `count` values of `dtype` (float32 or float16) at
+    /// `x`: the 32-bit flag at `flag` becomes nonzero when one is NaN or infinite (it
+    /// is left as it is otherwise).
+    ///
+    /// # Safety
+    /// `x` must be this device's memory holding `count` values, `flag` four bytes of it
+    /// the caller's to write.
+    pub(crate) unsafe fn nonfinite(
+        &self,
+        x: u64,
+        count: usize,
+        dtype: DataType,
+        flag: u64,
+    ) -> Result<()> {
+        let name = match dtype {
+            DataType::F32 => "nonfinite_f32",
+            DataType::F16 => "nonfinite_f16",
+            other => {
+                return Err(PerseusError::InvalidArgument(format!(
+                    "no device finiteness check for {}",
+                    other.name()
+                )))
+            }
+        };
+        let f = self.kernel("nancheck", name)?;
+        let (mut ptr, mut at, mut n) = (x, flag, count as u64);
+        let mut params = [
+            (&mut ptr as *mut u64).cast(),
+            (&mut at as *mut u64).cast(),
+            (&mut n as *mut u64).cast(),
+        ];
+        self.launch(f, count as u64, &mut params)
+    }
+
     /// Queues `dst = dst (op) src` over `count` values of `dtype` on this stream (op:
     /// Sum, Min, Max or Product; half types in float32 arithmetic, rounded once).
     ///
