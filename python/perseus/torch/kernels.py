@@ -11,6 +11,8 @@ Tensors must be contiguous and on one CUDA device; anything else raises ``ValueE
 naming the argument. Without the CUDA driver the calls raise ``GpuUnavailableError``.
 """
 
+import contextlib
+
 import torch
 from torch.utils.dlpack import to_dlpack
 
@@ -19,12 +21,12 @@ from perseus.torch._stream import ordered
 
 __all__ = ["cast", "nonfinite", "reduce_", "scale_", "top_k_"]
 
+
 def _run(call, *tensors):
     device = tensors[0].device
-    if device.type != "cuda":
-        # The core names the tensor in host memory.
-        return call(*(to_dlpack(t) for t in tensors))
-    with ordered(device):
+    # Host tensors go in unordered: the core refuses them, naming the argument.
+    guard = ordered(device) if device.type == "cuda" else contextlib.nullcontext()
+    with guard:
         return call(*(to_dlpack(t) for t in tensors))
 
 
@@ -62,9 +64,9 @@ def nonfinite(x):
 def top_k_(residual, k):
     """Deep gradient compression's selection: the ``k`` elements of float32 ``residual``
     with the largest magnitudes (of several tied at the threshold, whichever the device
-    reaches first), which are cleared in ``residual``. Returns ``(indices, values, threshold)``: int32 indices
-    into the flattened tensor and their float32 values, in no particular order, and the
-    least magnitude taken (``inf`` for ``k == 0``)."""
+    reaches first), which are cleared in ``residual``. Returns ``(indices, values,
+    threshold)``: int32 indices into the flattened tensor and their float32 values, in
+    no particular order, and the least magnitude taken (``inf`` for ``k == 0``)."""
     flat = residual.view(-1)
     k = int(k)
     if not 0 <= k <= flat.numel():
