@@ -10,7 +10,9 @@ Implementations (``IMPL``):
   core  perseus._core directly: DLPack capsules in, no Python front-end; perseusrun
   hvd   perseus.torch.horovod, the API users call; perseusrun
   gloo  torch.distributed, gloo backend; plain processes given MASTER_ADDR/PORT, RANK,
-        WORLD_SIZE
+        WORLD_SIZE (PERSEUS_DDP=0: DDP's buckets stay with gloo)
+  ddp   the same processes after ``import perseus``: DDP's buckets go through Perseus
+        (perseus.ddp), everything else through gloo
   mpi   Open MPI through mpi4py; mpirun
 """
 
@@ -28,11 +30,12 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-IMPLS = ("core", "hvd", "gloo", "mpi")
+IMPLS = ("core", "hvd", "gloo", "ddp", "mpi")
+TORCH_STARTED = ("gloo", "ddp")  # processes given torchrun's variables
 PEERS = ("gloo", "mpi")
 PERSEUS = ("core", "hvd")
 LABELS = {"core": "Perseus core", "hvd": "Perseus hvd", "gloo": "torch gloo",
-          "mpi": "Open MPI"}
+          "ddp": "DDP on Perseus", "mpi": "Open MPI"}
 
 
 class JobFailed(RuntimeError):
@@ -104,8 +107,10 @@ def launch(script, impl, n, opts, env=None, timeout=600, hosts=None):
         cmds = [["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
                  *extra, "-np", str(n), *worker]]
         envs = [env]
-    elif impl == "gloo":
+    elif impl in TORCH_STARTED:
         port = str(_free_port())
+        env.update(PERSEUS_DDP="1" if impl == "ddp" else "0",
+                   PERSEUS_MASTER_PORT=str(_free_port()))
         cmds = [worker] * n
         envs = [dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(r),
                      LOCAL_RANK=str(r), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n))
@@ -238,9 +243,11 @@ class Comm:
             self.hvd = hvd
             hvd.init()
             self.rank, self.size = hvd.rank(), hvd.size()
-        elif impl == "gloo":
+        elif impl in TORCH_STARTED:
             import datetime
 
+            if impl == "ddp":
+                import perseus  # noqa: F401 - DDP models now reduce through Perseus
             import torch.distributed as dist
 
             self.dist = dist
@@ -268,7 +275,7 @@ class Comm:
             import torch
 
             self.hvd.allreduce(torch.zeros(1), name="bench.barrier")
-        elif self.impl == "gloo":
+        elif self.impl in TORCH_STARTED:
             self.dist.barrier()
         else:
             self.world.Barrier()
@@ -289,7 +296,7 @@ class Comm:
             self.core.release(h)
         elif self.impl == "hvd":
             self.hvd.allreduce_(t, op=self.hvd.Max, name=name)
-        elif self.impl == "gloo":
+        elif self.impl in TORCH_STARTED:
             self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX)
         else:
             buf = np.array(t.numpy())
@@ -302,15 +309,13 @@ class Comm:
             self.core.shutdown()
         elif self.impl == "hvd":
             self.hvd.shutdown()
-        elif self.impl == "gloo":
+        elif self.impl in TORCH_STARTED:
             # torch's gloo teardown races at exit (torch 2.15: "terminate called without
             # an active exception" in some runs); every rank is done, so end here.
             self.dist.barrier()
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(0)
-        elif self.impl == "gloo":
-            self.dist.destroy_process_group()
 
 
 def measure(comm, fn, warmup=2, min_iters=5, max_iters=200, budget=0.5):

@@ -1,5 +1,6 @@
-"""End to end: samples/s of a communication-bound MLP, hvd.DistributedOptimizer against
-torch DistributedDataParallel on gloo.
+"""End to end: samples/s of a communication-bound MLP: hvd.DistributedOptimizer, and torch
+DistributedDataParallel after ``import perseus`` (its buckets reduced by Perseus), against
+DistributedDataParallel on gloo.
 
     python benchmarks/training.py [--ranks 2] [--steps 40] [--batch 16] [--json PATH]
                                   [--quick]
@@ -15,7 +16,7 @@ import time
 
 import harness
 
-IMPLS = ("hvd", "gloo")
+IMPLS = ("hvd", "ddp", "gloo")
 DIMS = (4096, 2048, 2048, 2048, 2048, 2048, 10)
 
 
@@ -58,7 +59,12 @@ def body(comm, opts):
     for _ in range(3):
         step()
     comm.barrier()
-    counters = comm.hvd.counters() if comm.impl == "hvd" else {}
+    perseus = comm.hvd if comm.impl == "hvd" else None
+    if comm.impl == "ddp":
+        from perseus.common import basics as perseus
+
+        assert perseus.is_initialized(), "DDP did not start Perseus"
+    counters = perseus.counters() if perseus else {}
     t0 = time.perf_counter()
     for _ in range(steps):
         loss = step()
@@ -67,7 +73,7 @@ def body(comm, opts):
               "samples_per_s": steps * batch * comm.size / elapsed,
               "final_loss": float(loss)}
     if counters:
-        after = comm.hvd.counters()
+        after = perseus.counters()
         result["bytes_per_step"] = sum(after[k] - counters[k] for k in
                                        ("bytes_intra_host", "bytes_inter_host")) / steps
     return result
@@ -82,10 +88,10 @@ def run(ranks=(2,), steps=40, batch=16, timeout=600, echo=True):
                             sections, timeout=timeout, echo=echo)
 
 
-def speedup(runs):
-    """hvd samples/s ÷ DDP samples/s, None when either job failed."""
-    h, g = runs["hvd"], runs["gloo"]
-    if harness.failed(h) or harness.failed(g):
+def speedup(runs, impl="hvd"):
+    """``impl``'s samples/s ÷ DDP-on-gloo's, None when either job failed (or is absent)."""
+    h, g = runs.get(impl), runs.get("gloo")
+    if h is None or g is None or harness.failed(h) or harness.failed(g):
         return None
     return h[0]["samples_per_s"] / g[0]["samples_per_s"]
 
@@ -94,8 +100,12 @@ def sections(result, only=None):
     out = []
     for n, runs in harness.runs_by_ranks(result, only):
         rows, notes = [], []
-        for impl, label in (("hvd", "hvd.DistributedOptimizer"), ("gloo", "torch DDP (gloo)")):
-            res = runs[impl]
+        for impl, label in (("hvd", "hvd.DistributedOptimizer"),
+                            ("ddp", "torch DDP after import perseus"),
+                            ("gloo", "torch DDP (gloo)")):
+            res = runs.get(impl)
+            if res is None:
+                continue
             if harness.failed(res):
                 rows.append([label, "failed", "-", "-"])
                 notes.append(f"{impl}: failed: {res['error']}")
@@ -103,8 +113,11 @@ def sections(result, only=None):
             r = res[0]
             rows.append([label, f"{r['samples_per_s']:.1f}",
                          f"{r['seconds'] / r['steps'] * 1e3:.1f}", f"{r['final_loss']:.4f}"])
-        params = next((runs[i][0]["params"] for i in IMPLS if not harness.failed(runs[i])), 0)
-        notes.append(f"hvd ÷ DDP: {harness.fmt(speedup(runs), '.2f')}×")
+        params = next((runs[i][0]["params"] for i in IMPLS
+                       if i in runs and not harness.failed(runs[i])), 0)
+        notes.append(f"hvd ÷ DDP on gloo: {harness.fmt(speedup(runs), '.2f')}×")
+        notes.append("DDP on Perseus ÷ DDP on gloo: "
+                     f"{harness.fmt(speedup(runs, 'ddp'), '.2f')}×")
         out.append({"title": f"training, {n} ranks: MLP of {params / 1e6:.1f} M parameters, "
                              f"batch {result['batch']} per rank, {result['steps']} steps",
                     "headers": ["implementation", "samples/s", "ms/step", "final loss"],

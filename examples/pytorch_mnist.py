@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def parse_args():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parse_args(description=None):
+    p = argparse.ArgumentParser(description=description or __doc__.split("\n")[0])
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--batch-size", type=int, default=64, help="per-rank batch size")
     p.add_argument("--lr", type=float, default=0.01, help="learning rate for one rank")
@@ -76,6 +76,22 @@ def metric_average(value, name):
     return hvd.allreduce(torch.tensor(float(value)), name=name).item()
 
 
+def train_epoch(model, optimizer, images, labels, batch_size, shuffle):
+    """One pass over this rank's shard in a shuffled order; the mean batch loss."""
+    model.train()
+    order = torch.randperm(len(images), generator=shuffle)
+    steps = math.ceil(len(images) / batch_size)
+    total = 0.0
+    for step in range(steps):
+        idx = order[step * batch_size:(step + 1) * batch_size]
+        optimizer.zero_grad()
+        batch_loss = F.cross_entropy(model(images[idx]), labels[idx])
+        batch_loss.backward()
+        optimizer.step()
+        total += batch_loss.item()
+    return total / steps
+
+
 def evaluate(model, images, labels, batch_size):
     model.eval()
     loss, correct = 0.0, 0
@@ -110,27 +126,18 @@ def main():
     optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
 
     shuffle = torch.Generator().manual_seed(args.seed + hvd.rank())
-    steps = math.ceil(len(train_x) / args.batch_size)
     loss, accuracy = float("nan"), 0.0
     for epoch in range(1, args.epochs + 1):
         start = time.time()
-        model.train()
-        order = torch.randperm(len(train_x), generator=shuffle)
-        train_loss = 0.0
-        for step in range(steps):
-            idx = order[step * args.batch_size:(step + 1) * args.batch_size]
-            optimizer.zero_grad()
-            batch_loss = F.cross_entropy(model(train_x[idx]), train_y[idx])
-            batch_loss.backward()
-            optimizer.step()
-            train_loss += batch_loss.item()
-        train_loss = metric_average(train_loss / steps, "avg_train_loss")
+        train_loss = train_epoch(model, optimizer, train_x, train_y, args.batch_size, shuffle)
+        train_loss = metric_average(train_loss, "avg_train_loss")
         loss, accuracy = evaluate(model, test_x, test_y, 256)
         loss = metric_average(loss, "avg_loss")
         accuracy = metric_average(accuracy, "avg_accuracy")
         if hvd.rank() == 0:
             print(f"epoch {epoch}: train loss {train_loss:.4f} test loss {loss:.4f} "
-                  f"accuracy {accuracy:.4f} ({time.time() - start:.1f} s, size {hvd.size()})", flush=True)
+                  f"accuracy {accuracy:.4f} ({time.time() - start:.1f} s, size {hvd.size()})",
+                  flush=True)
     if hvd.rank() == 0:
         print(f"final loss {loss:.4f} accuracy {accuracy:.4f}", flush=True)
     hvd.shutdown()

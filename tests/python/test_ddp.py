@@ -1,0 +1,121 @@
+"""``import perseus`` and torch's DistributedDataParallel (perseus.ddp, docs/ddp.md):
+DDP's buckets are averaged by Perseus under torchrun, perseusrun and
+``torch.multiprocessing.spawn``, the models end as one process on the whole batch
+would have them, a user's hook is kept, a bad PERSEUS_DDP value and a lost rank give
+clear errors. The checks run in workers/ddp.py, on every rank."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+from _launch_helpers import PKG_ROOT, clean_env, free_port, run
+
+pytest.importorskip("perseus._core", reason="the Perseus core (perseus._core) is not built")
+
+PY = sys.executable
+WORKER = os.path.join(os.path.dirname(__file__), "workers", "ddp.py")
+OK = "WORKER OK"
+
+
+def torchrun(check, n=2, **env):
+    cmd = [PY, "-W", "ignore::FutureWarning", "-m", "torch.distributed.run",
+           "--nproc_per_node", str(n), "--master_port", str(free_port()), WORKER, check]
+    return run(cmd, clean_env(PERSEUS_MASTER_PORT=free_port(), OMP_NUM_THREADS=1, **env),
+               timeout=90)
+
+
+def perseusrun(check, n=2, **env):
+    cmd = [PY, "-m", "perseus.runner.launch", "-np", str(n), PY, WORKER, check]
+    return run(cmd, clean_env(OMP_NUM_THREADS=1, **env), timeout=90)
+
+
+def assert_ok(rc, out, n):
+    assert rc == 0 and out.count(OK) == n, f"exit {rc}, {out.count(OK)} of {n} ranks OK\n{out}"
+
+
+@pytest.mark.timeout(120)
+def test_torchrun_ddp_reduces_through_perseus():
+    rc, out = torchrun("train")
+    assert_ok(rc, out, 2)
+    # rank 0 drew a secret and passed it through torch's store
+    assert "unauthenticated" not in out, out
+
+
+@pytest.mark.timeout(120)
+def test_the_ddp_example_trains_through_perseus():
+    example = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "examples",
+                           "pytorch_ddp_mnist.py")
+    rc, out = run([PY, "-m", "perseus.runner.launch", "-np", "2", PY, example, "--epochs", "1",
+                   "--train-size", "1200", "--test-size", "200"],
+                  clean_env(OMP_NUM_THREADS=1), timeout=90)
+    assert rc == 0 and "size 2, perseus True" in out and "final loss" in out, out
+
+
+@pytest.mark.timeout(120)
+def test_perseusrun_gives_init_process_group_its_variables():
+    # three ranks: the average is not a single addition
+    assert_ok(*perseusrun("train", n=3), 3)
+
+
+@pytest.mark.timeout(120)
+def test_perseus_ddp_0_leaves_ddp_to_torch():
+    assert_ok(*perseusrun("train", PERSEUS_DDP=0), 2)
+
+
+@pytest.mark.timeout(120)
+def test_spawned_ranks_meet_through_torchs_store():
+    rc, out = run([PY, WORKER, "spawn", str(free_port())], clean_env(OMP_NUM_THREADS=1),
+                  timeout=90)
+    assert_ok(rc, out, 2)
+    assert "unauthenticated" not in out, out
+
+
+@pytest.mark.timeout(120)
+def test_a_users_hook_is_kept_and_a_late_one_refused():
+    assert_ok(*torchrun("user-hook"), 2)
+
+
+@pytest.mark.timeout(120)
+def test_a_bad_perseus_ddp_value_fails_every_rank_naming_it():
+    rc, out = torchrun("train", PERSEUS_DDP="yes")
+    assert rc != 0, out
+    for rank in (0, 1):
+        assert f"[rank{rank}]: ValueError: PERSEUS_DDP must be 0 or 1, got 'yes'" in out, out
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_exits_fails_the_others_backward_naming_it():
+    # Started directly: torchrun and perseusrun would stop the survivor themselves.
+    env = clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=free_port(), WORLD_SIZE=2,
+                    LOCAL_WORLD_SIZE=2, PERSEUS_MASTER_PORT=free_port(),
+                    GLOO_TIMEOUT_SECONDS=20)
+    procs = [subprocess.Popen([PY, WORKER, "peer-exit"], env=dict(env, RANK=str(r),
+                              LOCAL_RANK=str(r)), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    outs = [p.communicate(timeout=90)[0] for p in procs]
+    assert procs[1].returncode == 3, outs[1]
+    assert procs[0].returncode == 0 and OK in outs[0], outs[0]
+    # the collective's own error, raised by backward (wrapped by torch when the allreduce
+    # failed after its hook returned)
+    assert "rank 0 error: " in outs[0] and "rank 1 is gone" in outs[0], outs[0]
+
+
+PATCHED = ("from torch.nn.parallel import DistributedDataParallel as D; "
+           "import torch.distributed as dist; "
+           "print(D.__init__.__module__, dist.init_process_group.__module__)")
+
+
+@pytest.mark.parametrize("imports", ["import perseus, torch", "import torch, perseus"])
+def test_import_perseus_before_or_after_torch_patches_ddp(imports):
+    out = subprocess.run([PY, "-c", f"{imports}; {PATCHED}"], env=clean_env(),
+                         capture_output=True, text=True, check=True, cwd=PKG_ROOT)
+    assert out.stdout.split() == ["perseus.ddp", "perseus.ddp"], out
+
+
+def test_import_perseus_alone_imports_no_framework():
+    code = ("import sys, perseus; "
+            "print(sorted(m for m in ('torch', 'numpy', 'perseus._core') if m in sys.modules))")
+    out = subprocess.run([PY, "-c", code], env=clean_env(), capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "[]", out
