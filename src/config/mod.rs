@@ -131,6 +131,19 @@ pub const PARAMS: &[Param] = &[
         doc: "Horovod's name for PERSEUS_ALLREDUCE_MODE",
     },
     Param {
+        name: "AIAK_HIERARCHICAL_ALLREDUCE",
+        default: "",
+        allowed: "0 or 1 (PERSEUS_ALLREDUCE_MODE, then HOROVOD_HIERARCHICAL_ALLREDUCE, win)",
+        doc: "seed 001's name for PERSEUS_ALLREDUCE_MODE",
+    },
+    Param {
+        name: "AIAK_FP16_COMPRESSION",
+        default: "",
+        allowed: "0 or 1 (PERSEUS_ALLREDUCE_DTYPE wins when both are set)",
+        doc: "seed 001's switch: 1 as PERSEUS_ALLREDUCE_DTYPE=0 (float16 on every link), \
+              0 as PERSEUS_ALLREDUCE_DTYPE=1 (no compression)",
+    },
+    Param {
         name: "PERSEUS_ALLREDUCE_STREAMS",
         default: "4",
         allowed: "an integer from 1 to 12, the same on every rank",
@@ -383,6 +396,11 @@ fn precedence_notes() -> Vec<String> {
         ("PERSEUS_ALLREDUCE_FUSION", "HOROVOD_FUSION_THRESHOLD"),
         ("PERSEUS_TIMELINE", "HOROVOD_TIMELINE"),
         ("PERSEUS_ALLREDUCE_MODE", "HOROVOD_HIERARCHICAL_ALLREDUCE"),
+        ("PERSEUS_ALLREDUCE_MODE", "AIAK_HIERARCHICAL_ALLREDUCE"),
+        (
+            "HOROVOD_HIERARCHICAL_ALLREDUCE",
+            "AIAK_HIERARCHICAL_ALLREDUCE",
+        ),
     ];
     pairs
         .iter()
@@ -410,7 +428,12 @@ pub fn float_var(name: &str, default: f64) -> Result<f64> {
 /// and _MODE (or HOROVOD_HIERARCHICAL_ALLREDUCE).
 fn gradient_plan() -> Result<Plan> {
     // Unset: float16 only where it pays (between hosts); see docs/environment.md.
-    let encoding = match int_var("PERSEUS_ALLREDUCE_DTYPE", 2, 0, 2)? {
+    // Seed 001's AIAK_FP16_COMPRESSION, 1 or 0, reads as dtype 0 or 1.
+    let dtype = match (var("PERSEUS_ALLREDUCE_DTYPE"), var("AIAK_FP16_COMPRESSION")) {
+        (None, Some(_)) => 1 - int_var("AIAK_FP16_COMPRESSION", 0, 0, 1)?,
+        _ => int_var("PERSEUS_ALLREDUCE_DTYPE", 2, 0, 2)?,
+    };
+    let encoding = match dtype {
         0 => Encoding::Half,
         1 => Encoding::Exact,
         _ => Encoding::HalfBetweenHosts,
@@ -425,8 +448,14 @@ fn gradient_plan() -> Result<Plan> {
     };
     let mode = match var("PERSEUS_ALLREDUCE_MODE") {
         Some(_) => int_var("PERSEUS_ALLREDUCE_MODE", 0, 0, 1)?,
-        None => match var("HOROVOD_HIERARCHICAL_ALLREDUCE") {
-            Some(_) => int_var("HOROVOD_HIERARCHICAL_ALLREDUCE", 0, 0, 1)?,
+        None => match [
+            "HOROVOD_HIERARCHICAL_ALLREDUCE",
+            "AIAK_HIERARCHICAL_ALLREDUCE",
+        ]
+        .into_iter()
+        .find(|name| var(name).is_some())
+        {
+            Some(name) => int_var(name, 0, 0, 1)?,
             None => 2,
         },
     };

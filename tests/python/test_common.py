@@ -1,6 +1,11 @@
-"""The framework-free facade: configuration errors at init()."""
+"""The framework-free facade: configuration errors at init(), and the variables of
+seed 001 that read as Perseus's own."""
+
+import subprocess
+import sys
 
 import pytest
+from _launch_helpers import clean_env
 
 
 @pytest.mark.timeout(90)
@@ -27,6 +32,8 @@ import pytest
     ("PERSEUS_DOWNSAMPLE_N_ELEMENTS", "0"),
     ("PERSEUS_GRADIENT_MOMENTUM", "1.5"),
     ("PERSEUS_PERF_CHECK_N_STEPS", "-1"),
+    ("AIAK_FP16_COMPRESSION", "2"),
+    ("AIAK_HIERARCHICAL_ALLREDUCE", "yes"),
 ])
 def test_invalid_env_value_fails_init(run_workers, variable, value):
     run_workers(2, "bad_env.py", variable, env={variable: value}, timeout=60)
@@ -46,3 +53,24 @@ def test_facade_without_init():
     assert common.global_process_set.size() is None
     with pytest.raises(NotImplementedError, match="Adasum is not supported by Perseus yet"):
         common.ops.check_op(common.Adasum)
+
+
+EFFECTIVE = ("from perseus.common import basics as c; c.init(); cfg = c.config(); "
+             "print(repr((cfg['PERSEUS_ALLREDUCE_DTYPE'], cfg['PERSEUS_ALLREDUCE_MODE'])))")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("env,dtype,mode", [
+    ({}, "2", ""),
+    ({"AIAK_FP16_COMPRESSION": "1"}, "0", ""),
+    ({"AIAK_FP16_COMPRESSION": "0"}, "1", ""),
+    ({"AIAK_FP16_COMPRESSION": "1", "PERSEUS_ALLREDUCE_DTYPE": "2"}, "2", ""),
+    ({"AIAK_HIERARCHICAL_ALLREDUCE": "1"}, "2", "1"),
+    ({"AIAK_HIERARCHICAL_ALLREDUCE": "1", "HOROVOD_HIERARCHICAL_ALLREDUCE": "0"}, "2", "0"),
+    ({"AIAK_HIERARCHICAL_ALLREDUCE": "0", "PERSEUS_ALLREDUCE_MODE": "1"}, "2", "1"),
+])
+def test_seed_001s_switches_read_as_perseus_own(env, dtype, mode):
+    out = subprocess.run([sys.executable, "-c", EFFECTIVE], env=clean_env(**env),
+                         capture_output=True, text=True, timeout=50, check=False)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == repr((dtype, mode)), (env, out.stdout)
