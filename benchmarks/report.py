@@ -119,6 +119,10 @@ def targets(data):
     sp = training.speedup(runs) if runs else None
     out.append(["training throughput ≥ 1.3× DDP gloo", f"{harness.fmt(sp, '.3f')}×",
                 at_least(1.3, sp)])
+    sp = training.speedup(runs, "ddp") if runs else None
+    out.append(["DDP after `import perseus` faster than DDP on gloo (> 1×)",
+                f"{harness.fmt(sp, '.3f')}×", "not measured" if sp is None
+                else "met" if sp > 1.0 else "missed"])
     mem = data.get("memory") or {}
     runs = mem.get("runs", {}).get("2")
     g = memory.growth(runs) if runs else None
