@@ -5,7 +5,8 @@ and every ``DistributedDataParallel`` model built on torch's default process gro
 has its gradient buckets averaged by Perseus instead of by the group's backend:
 the model, the optimizer, the launcher and the rest of torch.distributed stay as
 they are. A model on which the user registers a communication hook (before its
-first forward) keeps that hook. ``PERSEUS_DDP=0`` leaves DDP's communication to torch.
+first forward) keeps that hook. ``PERSEUS_DDP=0`` leaves DDP's communication to torch;
+seed 001's ``AIAK_POWERSGD_COMPRESSION=1`` compresses the buckets (perseus.powersgd).
 
 Perseus finds its ranks as it does for the Horovod API (torchrun's ``RANK`` and
 ``WORLD_SIZE``, perseusrun, mpirun, srun). A job whose processes were given their
@@ -28,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["allreduce_hook", "enabled", "hooked", "init", "patch"]
+__all__ = ["allreduce_hook", "completed", "enabled", "hooked", "init", "patch"]
 
 # Variables by which Perseus's core finds its ranks without torch (config/topology.rs).
 _LAUNCHER_RANKS = ("PERSEUS_RANK", "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK",
@@ -179,22 +180,23 @@ def _init_process_group(*args, **kwargs):
 # --------------------------------------------------------------------------- the hook
 
 class _Completer:
-    """One thread that waits for each bucket's allreduce, in submission order, and
-    completes its future: DDP waits on the futures at the end of backward."""
+    """One thread that finishes each bucket, in submission order: ``finish()`` waits for
+    its collectives and returns the reduced bucket, which completes the future that DDP
+    waits on at the end of backward."""
 
     def __init__(self):
         self.pid = os.getpid()
         self._queue = queue.SimpleQueue()
         threading.Thread(target=self._run, name="perseus-ddp", daemon=True).start()
 
-    def submit(self, handle, future, value):
-        self._queue.put((handle, future, value))
+    def submit(self, finish, future):
+        self._queue.put((finish, future))
 
     def _run(self):
         while True:
-            handle, future, value = self._queue.get()
+            finish, future = self._queue.get()
             try:
-                handle.wait()
+                value = finish()
             except Exception as e:  # noqa: BLE001 - handed to DDP, raised from backward
                 future.set_exception(e)
             else:
@@ -214,13 +216,15 @@ def _completions():
 
 
 class _State:
-    """Perseus's side of one DDP model: its tensors' name prefix, and the hook choice."""
+    """Perseus's side of one DDP model: its tensors' name prefix, the hook choice, and
+    PowerSGD's state when seed 001's AIAK_POWERSGD_COMPRESSION=1 asks for it."""
 
-    __slots__ = ("hooked", "prefix", "settled", "user_hook")
+    __slots__ = ("hooked", "powersgd", "prefix", "settled", "user_hook")
 
-    def __init__(self, prefix, user_hook):
+    def __init__(self, prefix, user_hook, powersgd=None):
         self.prefix = prefix
         self.user_hook = user_hook
+        self.powersgd = powersgd
         self.settled = False  # the first forward chose the hook
         self.hooked = False  # Perseus's hook is the model's
 
@@ -239,17 +243,30 @@ def allreduce_hook(state, bucket):
     """
     from perseus.torch.horovod import mpi_ops
 
-    core = _core()
-    if not core.is_initialized():
-        raise ValueError("Perseus is not initialized: call perseus.ddp.init() after "
-                         "init_process_group() and before the first backward")
-    prefix = state.prefix if isinstance(state, _State) else "ddp"
     buf = bucket.buffer()
-    handle = mpi_ops.gradient_allreduce_async_(buf, f"{prefix}.bucket{bucket.index()}",
+    handle = mpi_ops.gradient_allreduce_async_(buf, f"{_prefix(state)}.bucket{bucket.index()}",
                                                mpi_ops.Average, 1.0, 1.0,
                                                mpi_ops.global_process_set)
+
+    def finish():
+        handle.wait()
+        return buf
+
+    return completed(buf, finish)
+
+
+def _prefix(state):
+    if not _core().is_initialized():
+        raise ValueError("Perseus is not initialized: call perseus.ddp.init() after "
+                         "init_process_group() and before the first backward")
+    return state.prefix if isinstance(state, _State) else "ddp"
+
+
+def completed(buf, finish):
+    """The future a hook returns for bucket ``buf``: Perseus's DDP thread runs
+    ``finish()`` (wait for the collectives, return the reduced bucket) and completes it."""
     future = torch.futures.Future(devices=[buf.device] if buf.is_cuda else None)
-    _completions().submit(handle, future, buf)
+    _completions().submit(finish, future)
     # DDP reads the future from C++, where set_exception's value is no error; a callback
     # that raises it is: backward then raises the collective's error.
     return future.then(_value)
@@ -288,8 +305,12 @@ def _attach(ddp):
         warnings.warn(f"perseus: this DistributedDataParallel keeps torch's allreduce: {reason}",
                       RuntimeWarning, stacklevel=3)
         return
+    from perseus import powersgd
+
+    on, rank, start = powersgd.settings()
     init()
-    ddp._perseus = _State(f"ddp{next(_ids)}", user_hook=bool(getattr(ddp, "_comm_hooks", ())))
+    ddp._perseus = _State(f"ddp{next(_ids)}", user_hook=bool(getattr(ddp, "_comm_hooks", ())),
+                          powersgd=powersgd.PowerSGD(rank, start) if on else None)
 
 
 def hooked(ddp):
@@ -308,7 +329,10 @@ def _ddp_forward(self, *inputs, **kwargs):
     if state is not None and not state.settled:
         state.settled = True
         if not state.user_hook:
-            _originals["register_comm_hook"](self, state, allreduce_hook)
+            from perseus import powersgd
+
+            hook = allreduce_hook if state.powersgd is None else powersgd.hook
+            _originals["register_comm_hook"](self, state, hook)
             state.hooked = True
     return _originals["ddp_forward"](self, *inputs, **kwargs)
 

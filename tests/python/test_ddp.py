@@ -1,8 +1,9 @@
 """``import perseus`` and torch's DistributedDataParallel (perseus.ddp, docs/ddp.md):
 DDP's buckets are averaged by Perseus under torchrun, perseusrun and
 ``torch.multiprocessing.spawn``, the models end as one process on the whole batch
-would have them, a user's hook is kept, a bad PERSEUS_DDP value and a lost rank give
-clear errors. The checks run in workers/ddp.py, on every rank."""
+would have them, a user's hook is kept, seed 001's PowerSGD compresses them, and a
+bad value and a lost rank give clear errors. The checks run in workers/ddp.py, on
+every rank."""
 
 import os
 import subprocess
@@ -18,15 +19,15 @@ WORKER = os.path.join(os.path.dirname(__file__), "workers", "ddp.py")
 OK = "WORKER OK"
 
 
-def torchrun(check, n=2, **env):
+def torchrun(*check, n=2, **env):
     cmd = [PY, "-W", "ignore::FutureWarning", "-m", "torch.distributed.run",
-           "--nproc_per_node", str(n), "--master_port", str(free_port()), WORKER, check]
+           "--nproc_per_node", str(n), "--master_port", str(free_port()), WORKER, *check]
     return run(cmd, clean_env(PERSEUS_MASTER_PORT=free_port(), OMP_NUM_THREADS=1, **env),
                timeout=90)
 
 
-def perseusrun(check, n=2, **env):
-    cmd = [PY, "-m", "perseus.runner.launch", "-np", str(n), PY, WORKER, check]
+def perseusrun(*check, n=2, **env):
+    cmd = [PY, "-m", "perseus.runner.launch", "-np", str(n), PY, WORKER, *check]
     return run(cmd, clean_env(OMP_NUM_THREADS=1, **env), timeout=90)
 
 
@@ -77,11 +78,34 @@ def test_a_users_hook_is_kept_and_a_late_one_refused():
 
 
 @pytest.mark.timeout(120)
-def test_a_bad_perseus_ddp_value_fails_every_rank_naming_it():
-    rc, out = torchrun("train", PERSEUS_DDP="yes")
+@pytest.mark.parametrize("variable,value,message", [
+    ("PERSEUS_DDP", "yes", "PERSEUS_DDP must be 0 or 1, got 'yes'"),
+    ("AIAK_MATRIX_APPROXIMATION_RANK", "0",
+     "AIAK_MATRIX_APPROXIMATION_RANK must be an integer from 1 to 1024, got '0'"),
+    ("AIAK_POWERSGD_COMPRESSION", "on",
+     "AIAK_POWERSGD_COMPRESSION must be an integer from 0 to 1, got 'on'"),
+])
+def test_a_bad_value_fails_every_rank_naming_it(variable, value, message):
+    rc, out = torchrun("train", **{variable: value})
     assert rc != 0, out
     for rank in (0, 1):
-        assert f"[rank{rank}]: ValueError: PERSEUS_DDP must be 0 or 1, got 'yes'" in out, out
+        assert f"[rank{rank}]: ValueError: {message}" in out, out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("n,start", [(2, 1), (3, 0)])
+def test_powersgd_of_rank_n_is_exact_on_gradients_of_rank_n(n, start):
+    # One row per rank: the averaged weight gradients have rank <= n, so PowerSGD of
+    # rank n must give what exact averaging gives; from step 0 it also spans DDP's
+    # rebuild of its buckets after the first step.
+    assert_ok(*perseusrun("powersgd", "exact", n=n, AIAK_POWERSGD_COMPRESSION=1,
+                          AIAK_MATRIX_APPROXIMATION_RANK=n, AIAK_START_COMPRESS_ITER=start), n)
+
+
+@pytest.mark.timeout(120)
+def test_powersgd_of_rank_1_compresses_and_keeps_the_ranks_equal():
+    assert_ok(*torchrun("powersgd", "lossy", AIAK_POWERSGD_COMPRESSION=1,
+                        AIAK_START_COMPRESS_ITER=2), 2)
 
 
 @pytest.mark.timeout(120)

@@ -133,6 +133,38 @@ def check_user_hook():
     end(rank)
 
 
+def check_powersgd(expect):
+    """AIAK_POWERSGD_COMPRESSION=1 from step AIAK_START_COMPRESS_ITER. ``exact``: one row
+    per rank, so each weight gradient's average has rank <= the ranks, and an
+    approximation of that rank is exact; ``lossy``: rank 1 of larger gradients."""
+    from perseus import _core
+
+    global ROWS
+    ROWS = 1 if expect == "exact" else ROWS
+    dist.init_process_group("gloo")
+    rank, n = dist.get_rank(), dist.get_world_size()
+    # under perseusrun torch's variables came from Perseus, through two broadcasts
+    before = _core.counters()["operations"] if _core.is_initialized() else 0
+    ddp = DDP(model(100 + rank))
+    train(ddp, rank, n)
+    assert pddp.hooked(ddp) and ddp._perseus.powersgd.step == STEPS
+    ops = _core.counters()["operations"] - before
+    start = int(os.environ["AIAK_START_COMPRESS_ITER"])
+    # one collective a step before the start, two (P, then Q) after
+    assert ops == start + 2 * (STEPS - start), f"rank {rank}: {ops} collectives"
+    if expect == "exact":
+        check_trained(ddp, rank, n)
+    else:
+        flat = torch.cat([p.detach().flatten() for p in ddp.parameters()])
+        gathered = [torch.zeros_like(flat) for _ in range(n)]
+        dist.all_gather(gathered, flat)
+        assert all(torch.equal(gathered[0], g) for g in gathered), f"rank {rank}: differ"
+        exact = torch.cat([p.detach().flatten() for p in reference(n).parameters()])
+        gap = (flat - exact).abs().max().item()
+        assert gap > 1e-4, f"rank {rank}: rank-1 PowerSGD matched exact averaging ({gap})"
+    end(rank)
+
+
 def check_peer_exit():
     dist.init_process_group("gloo")
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -159,5 +191,5 @@ if __name__ == "__main__":
     if check == "spawn":
         torch.multiprocessing.spawn(spawned, args=(2, int(sys.argv[2])), nprocs=2)
     else:
-        {"train": check_train, "user-hook": check_user_hook,
-         "peer-exit": check_peer_exit}[check]()
+        {"train": check_train, "user-hook": check_user_hook, "peer-exit": check_peer_exit,
+         "powersgd": lambda: check_powersgd(sys.argv[2])}[check]()
