@@ -93,34 +93,52 @@ pub fn read_frame_max(r: &mut impl Read, max: usize) -> Result<(u16, Vec<u8>)> {
 #[derive(Default)]
 pub struct FrameReader {
     buf: Vec<u8>,
+    /// How the stream ended, held back while whole frames read before the
+    /// end are delivered; the next call reports it.
+    ended: Option<PerseusError>,
 }
 
 impl FrameReader {
     /// Reads everything `r` has now; returns the whole frames (kind, payload).
     /// End of stream is an `UnexpectedEof` I/O error, a bad header a
-    /// [`PerseusError::Protocol`].
+    /// [`PerseusError::Protocol`]. Frames that arrived whole before either are
+    /// returned first, and the error comes from the next call: a peer that
+    /// sends its last word and closes at once is heard before its departure.
     pub fn read_from(&mut self, r: &mut impl Read) -> Result<Vec<(u16, Vec<u8>)>> {
+        if let Some(e) = &self.ended {
+            return Err(e.clone());
+        }
         let mut chunk = [0u8; 16 << 10];
-        loop {
+        let mut end = None;
+        while end.is_none() {
             match r.read(&mut chunk) {
                 Ok(0) => {
-                    return Err(std::io::Error::new(
-                        std::io::ErrorKind::UnexpectedEof,
-                        "the peer closed the connection",
+                    end = Some(
+                        std::io::Error::new(
+                            std::io::ErrorKind::UnexpectedEof,
+                            "the peer closed the connection",
+                        )
+                        .into(),
                     )
-                    .into())
                 }
                 Ok(n) => self.buf.extend_from_slice(&chunk[..n]),
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) => return Err(e.into()),
+                Err(e) => end = Some(e.into()),
             }
         }
         let mut frames = Vec::new();
         let mut at = 0;
         while self.buf.len() - at >= HEADER {
             let h: &[u8; HEADER] = self.buf[at..at + HEADER].try_into().unwrap();
-            let (kind, len) = parse_header(h, MAX_FRAME)?;
+            let (kind, len) = match parse_header(h, MAX_FRAME) {
+                Ok(kl) => kl,
+                Err(e) => {
+                    end = Some(e);
+                    at = self.buf.len();
+                    break;
+                }
+            };
             if self.buf.len() - at - HEADER < len {
                 break;
             }
@@ -128,7 +146,17 @@ impl FrameReader {
             at += HEADER + len;
         }
         self.buf.drain(..at);
-        Ok(frames)
+        match end {
+            Some(e) if frames.is_empty() => {
+                self.ended = Some(e.clone());
+                Err(e)
+            }
+            Some(e) => {
+                self.ended = Some(e);
+                Ok(frames)
+            }
+            None => Ok(frames),
+        }
     }
 }
 
@@ -363,6 +391,99 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("exceeds"));
+    }
+
+    /// A stream that hands out its bytes in `step`-sized reads, then ends as
+    /// `end` says (`None`: nothing more yet, `WouldBlock`).
+    struct Pieces {
+        data: Vec<u8>,
+        at: usize,
+        step: usize,
+        end: Option<std::io::ErrorKind>,
+    }
+
+    impl Read for Pieces {
+        fn read(&mut self, out: &mut [u8]) -> std::io::Result<usize> {
+            if self.at == self.data.len() {
+                return match self.end {
+                    None => Err(std::io::ErrorKind::WouldBlock.into()),
+                    Some(std::io::ErrorKind::UnexpectedEof) => Ok(0),
+                    Some(k) => Err(k.into()),
+                };
+            }
+            let n = self.step.min(out.len()).min(self.data.len() - self.at);
+            out[..n].copy_from_slice(&self.data[self.at..self.at + n]);
+            self.at += n;
+            Ok(n)
+        }
+    }
+
+    fn two_frames() -> Vec<u8> {
+        let mut buf = Vec::new();
+        write_frame(&mut buf, 0x301, b"abort: stalled").unwrap();
+        write_frame(&mut buf, 0x301, b"").unwrap();
+        buf
+    }
+
+    #[test]
+    fn frames_sent_before_the_end_are_read_before_it() {
+        use std::io::ErrorKind::{ConnectionReset, UnexpectedEof};
+        for (end, says) in [
+            (UnexpectedEof, "closed the connection"),
+            (ConnectionReset, "reset"),
+        ] {
+            let mut s = Pieces {
+                data: two_frames(),
+                at: 0,
+                step: 5,
+                end: Some(end),
+            };
+            let mut r = FrameReader::default();
+            let got = r.read_from(&mut s).unwrap();
+            assert_eq!(got.len(), 2);
+            assert_eq!(got[0], (0x301, b"abort: stalled".to_vec()));
+            for _ in 0..2 {
+                let e = r.read_from(&mut s).unwrap_err();
+                assert!(e.to_string().to_lowercase().contains(says), "{e}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_partial_frame_waits_and_an_end_inside_it_is_an_error() {
+        let data = two_frames();
+        let mut s = Pieces {
+            data: data[..10].to_vec(),
+            at: 0,
+            step: 3,
+            end: None,
+        };
+        let mut r = FrameReader::default();
+        assert!(r.read_from(&mut s).unwrap().is_empty());
+        s.data = data.clone();
+        assert_eq!(r.read_from(&mut s).unwrap().len(), 2);
+        assert!(r.read_from(&mut s).unwrap().is_empty());
+        s.data.extend_from_slice(&data[..7]);
+        s.end = Some(std::io::ErrorKind::UnexpectedEof);
+        let e = r.read_from(&mut s).unwrap_err();
+        assert!(e.to_string().contains("closed the connection"), "{e}");
+    }
+
+    #[test]
+    fn garbage_after_good_frames_is_an_error_after_them() {
+        let mut data = two_frames();
+        data.extend_from_slice(&[0xEE; 40]);
+        let mut s = Pieces {
+            data,
+            at: 0,
+            step: 64,
+            end: None,
+        };
+        let mut r = FrameReader::default();
+        assert_eq!(r.read_from(&mut s).unwrap().len(), 2);
+        let e = r.read_from(&mut s).unwrap_err();
+        assert!(e.to_string().contains("bad frame magic"), "{e}");
+        assert!(r.read_from(&mut s).is_err(), "the stream stays failed");
     }
 
     #[test]
