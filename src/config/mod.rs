@@ -208,6 +208,12 @@ pub const PARAMS: &[Param] = &[
               AdamW as one fused pass per parameter in the core (perseus.torch.optim)",
     },
     Param {
+        name: "AIAK_FUSED_OPTIMIZER",
+        default: "",
+        allowed: "0 or 1 (PERSEUS_FUSED_OPTIMIZER wins when both are set)",
+        doc: "seed 001's name for PERSEUS_FUSED_OPTIMIZER",
+    },
+    Param {
         name: "PERSEUS_STALL_CHECK_TIME_SECONDS",
         default: "60",
         allowed: "an integer number of seconds from 0 (off) to 86400",
@@ -401,6 +407,7 @@ fn precedence_notes() -> Vec<String> {
             "HOROVOD_HIERARCHICAL_ALLREDUCE",
             "AIAK_HIERARCHICAL_ALLREDUCE",
         ),
+        ("PERSEUS_FUSED_OPTIMIZER", "AIAK_FUSED_OPTIMIZER"),
     ];
     pairs
         .iter()
@@ -578,7 +585,13 @@ impl Config {
                 }
             },
             perf_check_n_steps: int_var("PERSEUS_PERF_CHECK_N_STEPS", 0, 0, 1_000_000)?,
-            fused_optimizer: int_var("PERSEUS_FUSED_OPTIMIZER", 0, 0, 1)? == 1,
+            // Seed 001's AIAK_FUSED_OPTIMIZER is read when PERSEUS_FUSED_OPTIMIZER is unset.
+            fused_optimizer: match var("PERSEUS_FUSED_OPTIMIZER") {
+                None if var("AIAK_FUSED_OPTIMIZER").is_some() => {
+                    int_var("AIAK_FUSED_OPTIMIZER", 0, 0, 1)? == 1
+                }
+                _ => int_var("PERSEUS_FUSED_OPTIMIZER", 0, 0, 1)? == 1,
+            },
         })
     }
 

@@ -34,6 +34,7 @@ from _launch_helpers import clean_env
     ("PERSEUS_PERF_CHECK_N_STEPS", "-1"),
     ("AIAK_FP16_COMPRESSION", "2"),
     ("AIAK_HIERARCHICAL_ALLREDUCE", "yes"),
+    ("AIAK_FUSED_OPTIMIZER", "2"),
 ])
 def test_invalid_env_value_fails_init(run_workers, variable, value):
     run_workers(2, "bad_env.py", variable, env={variable: value}, timeout=60)
@@ -56,21 +57,24 @@ def test_facade_without_init():
 
 
 EFFECTIVE = ("from perseus.common import basics as c; c.init(); cfg = c.config(); "
-             "print(repr((cfg['PERSEUS_ALLREDUCE_DTYPE'], cfg['PERSEUS_ALLREDUCE_MODE'])))")
+             "print(repr((cfg['PERSEUS_ALLREDUCE_DTYPE'], cfg['PERSEUS_ALLREDUCE_MODE'], "
+             "cfg['PERSEUS_FUSED_OPTIMIZER'])))")
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("env,dtype,mode", [
-    ({}, "2", ""),
-    ({"AIAK_FP16_COMPRESSION": "1"}, "0", ""),
-    ({"AIAK_FP16_COMPRESSION": "0"}, "1", ""),
-    ({"AIAK_FP16_COMPRESSION": "1", "PERSEUS_ALLREDUCE_DTYPE": "2"}, "2", ""),
-    ({"AIAK_HIERARCHICAL_ALLREDUCE": "1"}, "2", "1"),
-    ({"AIAK_HIERARCHICAL_ALLREDUCE": "1", "HOROVOD_HIERARCHICAL_ALLREDUCE": "0"}, "2", "0"),
-    ({"AIAK_HIERARCHICAL_ALLREDUCE": "0", "PERSEUS_ALLREDUCE_MODE": "1"}, "2", "1"),
+@pytest.mark.parametrize("env,dtype,mode,fused", [
+    ({}, "2", "", "0"),
+    ({"AIAK_FP16_COMPRESSION": "1"}, "0", "", "0"),
+    ({"AIAK_FP16_COMPRESSION": "0"}, "1", "", "0"),
+    ({"AIAK_FP16_COMPRESSION": "1", "PERSEUS_ALLREDUCE_DTYPE": "2"}, "2", "", "0"),
+    ({"AIAK_HIERARCHICAL_ALLREDUCE": "1"}, "2", "1", "0"),
+    ({"AIAK_HIERARCHICAL_ALLREDUCE": "1", "HOROVOD_HIERARCHICAL_ALLREDUCE": "0"}, "2", "0", "0"),
+    ({"AIAK_HIERARCHICAL_ALLREDUCE": "0", "PERSEUS_ALLREDUCE_MODE": "1"}, "2", "1", "0"),
+    ({"AIAK_FUSED_OPTIMIZER": "1"}, "2", "", "1"),
+    ({"AIAK_FUSED_OPTIMIZER": "1", "PERSEUS_FUSED_OPTIMIZER": "0"}, "2", "", "0"),
 ])
-def test_seed_001s_switches_read_as_perseus_own(env, dtype, mode):
+def test_seed_001s_switches_read_as_perseus_own(env, dtype, mode, fused):
     out = subprocess.run([sys.executable, "-c", EFFECTIVE], env=clean_env(**env),
                          capture_output=True, text=True, timeout=50, check=False)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == repr((dtype, mode)), (env, out.stdout)
+    assert out.stdout.strip() == repr((dtype, mode, fused)), (env, out.stdout)

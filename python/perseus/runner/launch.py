@@ -58,13 +58,130 @@ def build_parser():
                    type=str.upper, help="log level of the ranks' Perseus core")
     p.add_argument("--check-build", action="store_true",
                    help="print what this Perseus installation supports and exit")
+    add_acceleration_flags(p)
     p.add_argument("command", nargs=argparse.REMAINDER, help="the program each rank runs")
     return p
 
 
+def _is_number(text):
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _flag_bool(text):
+    low = text.strip().lower()
+    if low in ("1", "true", "yes"):
+        return "1"
+    if low in ("0", "false", "no"):
+        return "0"
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+# Seed 000's horovodrun options of DGC: (flag, variable, argparse type, help).
+_DGC_OPTIONS = [
+    ("--compress-ratio", "PERSEUS_DGC_COMPRESS_RATIO", str,
+     "share of each weight gradient's entries sent per step (default 0.001)"),
+    ("--sample-ratio", "PERSEUS_DGC_SAMPLE_RATIO", str,
+     "share of the entries sampled to estimate the threshold (default 0.01)"),
+    ("--strided-sample", "PERSEUS_DGC_STRIDED_SAMPLE", _flag_bool,
+     "sample with a stride, else at random (default true)"),
+    ("--compress-upper-bound", "PERSEUS_DGC_COMPRESS_UPPER_BOUND", str,
+     "more than this times k entries past the threshold: adapt it (default 1.3)"),
+    ("--compress-lower-bound", "PERSEUS_DGC_COMPRESS_LOWER_BOUND", str,
+     "fewer than this times k: adapt it (default 0.8)"),
+    ("--max-adaptation-iters", "PERSEUS_DGC_MAX_ADAPTATION_ITERS", str,
+     "most adaptations of the threshold (default 10)"),
+    ("--resample", "PERSEUS_DGC_RESAMPLE", _flag_bool,
+     "too many past the threshold: take the exact top k of them (default true)"),
+    ("--fp16-values", "PERSEUS_DGC_FP16_VALUES", _flag_bool,
+     "send the values as float16 (default false)"),
+    ("--int32-indices", "PERSEUS_DGC_INT32_INDICES", _flag_bool,
+     "send the indices as int32, not int64 (default false)"),
+    ("--warmup-epochs", "PERSEUS_DGC_WARMUP_EPOCHS", str,
+     "epochs of warm-up with larger ratios (default 0)"),
+    ("--warmup-coeff", "PERSEUS_DGC_WARMUP_COEFF", str,
+     "the ratio of each warm-up epoch (default: rising exponentially)"),
+    ("--momentum-masking", "PERSEUS_DGC_MOMENTUM_MASKING", _flag_bool,
+     "clear the momentum of the entries sent (default true)"),
+    ("--clip-grad-func", "PERSEUS_CLIP_GRAD_FUNC", str,
+     "clip each rank's gradients before DGC accumulates them: norm or value"),
+    ("--clip-grad-func-params", "PERSEUS_CLIP_GRAD_FUNC_PARAMS", str,
+     "the norm (divided by sqrt(NP)) or the value to clip at"),
+]
+
+
+def add_acceleration_flags(p):
+    """Seed 000's horovodrun switches of AIAK-Training, each a PERSEUS_* variable."""
+    g = p.add_argument_group(
+        "accelerations (seed 000's horovodrun switches; each sets a PERSEUS_* variable, "
+        "docs/environment.md)")
+    g.add_argument("--nccl-hierarchical-allreduce", action="store_true",
+                   help="hierarchical allreduce (PERSEUS_ALLREDUCE_MODE=1)")
+    g.add_argument("--fuse-optimizer", action="store_true",
+                   help="the fused optimizer step (PERSEUS_FUSED_OPTIMIZER=1)")
+    g.add_argument("--dgc", action="store_true",
+                   help="deep gradient compression of torch SGD's weight gradients "
+                        "(PERSEUS_DGC=1, docs/dgc.md)")
+    for flag, var, kind, text in _DGC_OPTIONS:
+        if kind is _flag_bool:
+            g.add_argument(flag, type=kind, metavar="BOOL", help=f"{text} ({var})")
+        elif flag == "--warmup-coeff":
+            g.add_argument(flag, metavar="RATIO", help=f"{text}, separated by spaces or "
+                           f"commas ({var})")
+        elif flag == "--clip-grad-func":
+            g.add_argument(flag, choices=["norm", "value"], help=f"{text} ({var})")
+        else:
+            g.add_argument(flag, type=kind, metavar="VALUE", help=f"{text} ({var})")
+
+
+def acceleration_env(args):
+    """The PERSEUS_* variables of the acceleration flags given; ``ValueError`` names a
+    DGC option given without --dgc, or a value the ranks would refuse."""
+    env = {}
+    if args.nccl_hierarchical_allreduce:
+        env["PERSEUS_ALLREDUCE_MODE"] = "1"
+    if args.fuse_optimizer:
+        env["PERSEUS_FUSED_OPTIMIZER"] = "1"
+    given = []
+    for flag, var, _, _ in _DGC_OPTIONS:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None:
+            env[var] = value
+            given.append(flag)
+    if given and not args.dgc:
+        raise ValueError(f"{', '.join(given)}: options of DGC, which is off: add --dgc")
+    if args.dgc:
+        from perseus.common.dgc import Settings
+
+        env["PERSEUS_DGC"] = "1"
+        Settings.from_env(env)
+    return env
+
+
+def _join_ratios(argv):
+    """Seed 000 writes the warm-up ratios apart (``--warmup-coeff 0.5 0.6 0.7``): they
+    become one argument. Only numbers right after perseusrun's own flag are joined (the
+    first ``--warmup-coeff``, before the command, which never starts with a number)."""
+    if "--warmup-coeff" not in argv:
+        return argv
+    at = argv.index("--warmup-coeff") + 1
+    end = at
+    while end < len(argv) and _is_number(argv[end]):
+        end += 1
+    if end - at < 2:
+        return argv
+    return argv[:at] + [" ".join(argv[at:end])] + argv[end:]
+
+
 def parse_args(argv=None):
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
+    if args.warmup_coeff is not None and args.command and _is_number(args.command[0]):
+        args = parser.parse_args(_join_ratios(argv))
     if args.command and args.command[0] == "--":
         args.command = args.command[1:]
     if args.check_build:
@@ -75,6 +192,10 @@ def parse_args(argv=None):
         parser.error("no command given: perseusrun -np NP COMMAND [ARG ...]")
     if args.start_timeout <= 0:
         parser.error("--start-timeout must be positive")
+    try:
+        acceleration_env(args)
+    except ValueError as e:
+        parser.error(str(e))
     return args
 
 
@@ -155,6 +276,7 @@ def job_env(args, addr, port):
         env["PERSEUS_LOG_LEVEL"] = env["HOROVOD_LOG_LEVEL"] = args.log_level
     if args.network_interface:
         env["PERSEUS_GLOO_NETWORK_INTERFACE"] = args.network_interface
+    env.update(acceleration_env(args))
     return env
 
 

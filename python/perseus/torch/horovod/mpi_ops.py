@@ -319,6 +319,13 @@ def allgather_async(tensor, name=None, process_set=global_process_set):
     _check_tensor(tensor)
     if not _basics.allgather_stacks():
         return _allgather_concat_async(tensor, name, process_set)
+    return stacked_allgather_async(tensor, name, process_set)
+
+
+def stacked_allgather_async(tensor, name=None, process_set=global_process_set):
+    """Start gathering ``tensor``, of one shape on every rank (a rank whose shape differs
+    fails the operation on every rank, naming it), into ``[size, *tensor.shape]``
+    whatever ``PERSEUS_CHANGE_HVD_ALLGATHER`` says."""
     buf, cap = _export(tensor.unsqueeze(0))
     return _ops.allgather_async(cap, name=name, stack=True, process_set=process_set,
                                 keep=(tensor, buf), finish=_output_on(tensor))

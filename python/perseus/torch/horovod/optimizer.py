@@ -19,14 +19,17 @@ from perseus.common.gradients import (
 from perseus.common.ops import GroupHandle
 from perseus.common.process_sets import global_process_set
 from perseus.torch import amp as _amp
+from perseus.torch import dgc as _dgc
 from perseus.torch import optim as _fused
 from perseus.torch.horovod.compression import Compression
 from perseus.torch.horovod.functions import broadcast_object
 from perseus.torch.horovod.mpi_ops import (
     Average,
     gradient_allreduce_async_,
+    rank,
     size,
     sparse_allreduce_async,
+    stacked_allgather_async,
     synchronize,
 )
 
@@ -132,11 +135,40 @@ class _DistributedOptimizer:
         self._groups = groups
         self._p_to_group = {}
         self._group_counts = {}
+        # PERSEUS_DGC: deep gradient compression of the weight gradients (perseus.torch.dgc).
+        self._dgc = self._dgc_state(_dgc.Settings.from_env())
         if size() > 1 or os.environ.get("HOROVOD_ELASTIC") == "1":
             self._register_hooks()
 
+    def _dgc_state(self, settings):
+        """DGC's state when PERSEUS_DGC=1 (None otherwise), after checking that the
+        optimizer and the other switches allow it."""
+        if not settings.on:
+            return None
+        refused = None
+        if not isinstance(self, torch.optim.SGD):
+            refused = f"only torch.optim.SGD (seed 000), not {type(self).__name__}"
+        elif self._amp:
+            refused = "not an optimizer under aiak_amp_decorate (AMP O2)"
+        elif self._groups is not None:
+            refused = "not with groups= (each weight's pairs are gathered on their own)"
+        elif self._downsample_n > 1:
+            refused = "not with PERSEUS_DOWNSAMPLE_N_ELEMENTS > 1"
+        if refused:
+            raise ValueError(f"PERSEUS_DGC=1 (perseusrun --dgc) compresses the gradients of "
+                             f"{refused}")
+        return _dgc.DGC(settings, self, rank())
+
+    def set_epoch(self, epoch):
+        """Tell DGC's warm-up (PERSEUS_DGC_WARMUP_EPOCHS) the epoch now starting;
+        ``DistributedSampler.set_epoch`` does it too."""
+        _dgc.set_epoch(epoch)
+
     def load_state_dict(self, *args, **kwargs):
-        """Load optimizer state; pending gradient reductions are forgotten."""
+        """Load optimizer state; pending gradient reductions are forgotten, and so is
+        what DGC held back."""
+        if self._dgc is not None:
+            self._dgc.reset()
         self._handles = {}
         self._synchronized = False
         self._should_synchronize = True
@@ -247,7 +279,11 @@ class _DistributedOptimizer:
 
     def _restore(self, p, output, ctx):
         """Writes a reduced gradient back into ``p.grad``; a down-sampled one lands on its
-        elements, the others get zero (their share waits in the residual)."""
+        elements, the others get zero (their share waits in the residual); DGC's gathered
+        pairs are added up densely."""
+        if isinstance(ctx, _dgc.Sent):
+            self._dgc.receive(p, output, ctx, self.op == Average)
+            return
         if not isinstance(ctx, _Sampled):
             p.grad.set_(self._compression.decompress(output, ctx))
             return
@@ -277,6 +313,13 @@ class _DistributedOptimizer:
                                               self.process_set), None
             tensor = tensor.to_dense()
         self._note_nonfinite(name, tensor)
+        if self._dgc is not None:
+            ranks = self.process_set.size()
+            if self._dgc.takes(p, tensor):
+                # PERSEUS_ACCUMULATE_N_STEPS: the gradient holds N steps' sum.
+                packet, sent = self._dgc.pack(p, tensor, ranks, scale=1.0 / self._accumulate)
+                return stacked_allgather_async(packet, f"DGC.{name}", self.process_set), sent
+            tensor = self._dgc.clip(tensor, ranks)
         compressed, ctx = self._send_form(p, tensor)
         pre, post = self._scale_factors()
         handle = gradient_allreduce_async_(compressed, name, self.op, pre, post, self.process_set)
@@ -438,7 +481,24 @@ class _DistributedOptimizer:
         return result
 
     def _wrapped_step(self, closure):
-        """The wrapped optimizer's step. With PERSEUS_FUSED_OPTIMIZER=1 the step of a
+        """The wrapped optimizer's step; under DGC, the compressed parameters' own."""
+        if self._dgc is None or not self._hook_handles:
+            return self._torch_step(closure)
+        # DGC's parameters step apart: their gradient already holds momentum and weight
+        # decay. Without a gradient during torch's step, SGD leaves them alone.
+        held = [(p, p.grad) for p in self._dgc.compressed if p.grad is not None]
+        for p, _ in held:
+            p.grad = None
+        try:
+            result = self._torch_step(closure)
+        finally:
+            for p, g in held:
+                p.grad = g
+        self._dgc.apply([p for p, _ in held])
+        return result
+
+    def _torch_step(self, closure):
+        """The wrapped optimizer's own step. With PERSEUS_FUSED_OPTIMIZER=1 the step of a
         torch.optim SGD, Adam or AdamW is the core's fused step (perseus.torch.optim);
         where it cannot be (amsgrad, a float16 parameter, ...) torch's step runs, and
         the first time the reason is printed."""
@@ -455,7 +515,7 @@ class _DistributedOptimizer:
             if self._fused_refused != why:
                 self._fused_refused = why
                 warnings.warn(f"PERSEUS_FUSED_OPTIMIZER: {why}, so torch's own step runs",
-                              stacklevel=3)
+                              stacklevel=4)
         return base_step(closure)
 
     def zero_grad(self, *args, **kwargs):
