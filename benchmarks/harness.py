@@ -77,11 +77,13 @@ def _tail(path, lines=25):
         return ""
 
 
-def launch(script, impl, n, opts, env=None, timeout=600, hosts=None):
+def launch(script, impl, n, opts, env=None, timeout=600, hosts=None, places=None):
     """Runs ``script --worker IMPL`` on ``n`` ranks and returns each rank's result, rank 0
     first. Output of the ranks goes to a log file whose tail a failure reports. ``hosts``
     (Perseus only) is perseusrun's ``-H``: loopback addresses such as
-    ``127.0.0.1:2,127.0.0.2:2`` make separate hosts on this machine."""
+    ``127.0.0.1:2,127.0.0.2:2`` make separate hosts on this machine. ``places`` (torch-
+    started jobs only) gives each rank ``(command prefix, its address)``, e.g. a network
+    namespace to run in; rank 0's address is then the master's."""
     tmp = tempfile.mkdtemp(prefix=f"perseus-bench-{impl}-")
     prefix = os.path.join(tmp, "rank")
     log_path = os.path.join(tmp, "log.txt")
@@ -111,9 +113,12 @@ def launch(script, impl, n, opts, env=None, timeout=600, hosts=None):
         port = str(_free_port())
         env.update(PERSEUS_DDP="1" if impl == "ddp" else "0",
                    PERSEUS_MASTER_PORT=str(_free_port()))
-        cmds = [worker] * n
-        envs = [dict(env, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(r),
-                     LOCAL_RANK=str(r), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n))
+        places = places or [([], "127.0.0.1")] * n
+        local = str(sum(1 for p in places if p == places[0]))
+        cmds = [[*prefix, *worker] for prefix, _ in places]
+        envs = [dict(env, MASTER_ADDR=places[0][1], MASTER_PORT=port, RANK=str(r),
+                     LOCAL_RANK=str(r) if local == str(n) else "0", WORLD_SIZE=str(n),
+                     LOCAL_WORLD_SIZE=local)
                 for r in range(n)]
     else:
         raise ValueError(f"unknown implementation {impl!r}")
