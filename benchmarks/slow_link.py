@@ -8,8 +8,9 @@ both directions at once. The job is training.py's communication-bound MLP (25.2 
 float32 parameters, SGD with momentum) under hvd.DistributedOptimizer, started by
 perseusrun with ``--rsh 'ip netns exec {host}'``, once per setting: float32 gradients
 between the hosts (PERSEUS_ALLREDUCE_DTYPE=1, the baseline), the default (float16
-between hosts), and DGC (PERSEUS_DGC=1 at ratio 0.001 with float16 values and int32
-indices); and the peer, torch DistributedDataParallel on gloo with one process in each
+between hosts), the step overlapped with the reductions
+(PERSEUS_OVERLAP_BACKWARD_AND_STEP=1, float32), and DGC (PERSEUS_DGC=1 at ratio 0.001
+with float16 values and int32 indices); and the peer, torch DistributedDataParallel on gloo with one process in each
 namespace. Reported: samples/s, the ratio to the baseline, the bytes a Perseus rank
 sent per step (the engine's counters) and the final loss. Needs root, iproute2 and tc (tests/python/_netns.py).
 """
@@ -26,6 +27,8 @@ import _netns  # the namespace helper shared with the tests
 SETTINGS = [
     ("float32 between hosts (PERSEUS_ALLREDUCE_DTYPE=1)", {"PERSEUS_ALLREDUCE_DTYPE": "1"}),
     ("default: float16 between hosts", {}),
+    ("PERSEUS_OVERLAP_BACKWARD_AND_STEP=1 (float32 between hosts)",
+     {"PERSEUS_ALLREDUCE_DTYPE": "1", "PERSEUS_OVERLAP_BACKWARD_AND_STEP": "1"}),
     ("PERSEUS_DGC=1 (ratio 0.001, float16 values, int32 indices)",
      {"PERSEUS_DGC": "1", "PERSEUS_DGC_FP16_VALUES": "1", "PERSEUS_DGC_INT32_INDICES": "1"}),
 ]

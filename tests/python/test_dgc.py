@@ -1,7 +1,9 @@
-"""Deep gradient compression (seed 000's ``--dgc``, perseus.torch.dgc, docs/dgc.md):
-the selection and the settings in one process, then DistributedOptimizer on 2 and 3
-ranks against an independent simulation of every rank's DGC (workers/dgc.py), and
-perseusrun's flags reaching the ranks."""
+"""Seed 000's switches for DistributedOptimizer: deep gradient compression (``--dgc``,
+perseus.torch.dgc, docs/dgc.md): the selection and the settings in one process, then
+training on 2 and 3 ranks against an independent simulation of every rank's DGC
+(workers/dgc.py); the overlapped step (``--overlap-backward-and-step``,
+workers/overlap.py) against torch's optimizer on averaged gradients; and perseusrun's
+flags reaching the ranks."""
 
 import math
 import os
@@ -118,7 +120,9 @@ def dgc_env(**extra):
     (2, {"PERSEUS_DGC_MOMENTUM_MASKING": "0", "PERSEUS_CLIP_GRAD_FUNC": "norm",
          "PERSEUS_CLIP_GRAD_FUNC_PARAMS": "0.05"}),
     (2, {"PERSEUS_CLIP_GRAD_FUNC": "value", "PERSEUS_CLIP_GRAD_FUNC_PARAMS": "0.01"}),
-], ids=["plain", "nesterov-fp16-int32", "unmasked-clip-norm", "clip-value"])
+    (2, {"PERSEUS_OVERLAP_BACKWARD_AND_STEP": "1", "PERSEUS_CLIP_GRAD_FUNC": "value",
+         "PERSEUS_CLIP_GRAD_FUNC_PARAMS": "0.01"}),
+], ids=["plain", "nesterov-fp16-int32", "unmasked-clip-norm", "clip-value", "overlapped"])
 def test_dgc_training_matches_a_simulation_of_every_rank(run_workers, n, extra):
     run_workers(n, "dgc.py", "exact", env=dgc_env(**extra))
 
@@ -182,7 +186,11 @@ def test_perseusrun_flags_map_to_variables():
 
 @pytest.mark.parametrize("argv,fragments", [
     ("--compress-ratio 0.1 --sample-ratio 0.5", ["--compress-ratio, --sample-ratio",
-                                                  "add --dgc"]),
+                                                  "act only with --dgc"]),
+    ("--clip-grad-func value --clip-grad-func-params 1",
+     ["--clip-grad-func, --clip-grad-func-params",
+      "act only with --dgc or --overlap-backward-and-step"]),
+    ("--overlap-backward-and-step --clip-grad-func norm", ["needs PERSEUS_CLIP_GRAD_FUNC_PARAMS"]),
     ("--dgc --compress-ratio 2", ["PERSEUS_DGC_COMPRESS_RATIO", "'2'"]),
     ("--dgc --warmup-epochs 2 --warmup-coeff 0.5", ["has 1 ratios", "WARMUP_EPOCHS is 2"]),
     ("--dgc --fp16-values maybe", ["--fp16-values", "expected true or false"]),
@@ -201,3 +209,32 @@ def test_epoch_must_be_a_count():
     dgc.set_epoch(4)
     assert dgc.current_epoch() == 4
     dgc.set_epoch(0)
+
+
+OVERLAP = {"PERSEUS_OVERLAP_BACKWARD_AND_STEP": "1"}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind,n,extra", [
+    ("sgd", 2, {}),
+    ("adam", 3, {}),
+    ("sgd", 2, {"PERSEUS_CLIP_GRAD_FUNC": "norm", "PERSEUS_CLIP_GRAD_FUNC_PARAMS": "0.05"}),
+    ("adam", 2, {"PERSEUS_CLIP_GRAD_FUNC": "value", "PERSEUS_CLIP_GRAD_FUNC_PARAMS": "0.02"}),
+], ids=["sgd", "adam-3-ranks", "sgd-clip-norm", "adam-clip-value"])
+def test_overlapped_step_matches_averaged_gradients(run_workers, kind, n, extra):
+    """Seed 000's --overlap-backward-and-step: the last layer steps during backward, and
+    the models end as torch's optimizer on the averaged (clipped) gradients leaves them."""
+    out = run_workers(n, "overlap.py", kind, env=dict(OVERLAP, **extra))
+    assert out.count("stepped during backward 6 of 6") == n, out
+
+
+@pytest.mark.timeout(120)
+def test_overlapped_step_after_explicit_synchronize(run_workers):
+    run_workers(2, "overlap.py", "explicit", env=OVERLAP)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("extra", [{}, {"PERSEUS_ALLREDUCE_NANCHECK": "1"}],
+                         ids=["closure", "nancheck"])
+def test_overlap_refusals(run_workers, extra):
+    run_workers(2, "overlap.py", "refused", env=dict(OVERLAP, **extra))

@@ -1,7 +1,10 @@
-"""Deep gradient compression's settings (seed 000's ``--dgc`` and its options), read
-from ``PERSEUS_DGC*`` and ``PERSEUS_CLIP_GRAD_*`` without any framework, so perseusrun
-checks them before it starts a rank; and the epoch its warm-up follows. The method
-itself is in perseus.torch.dgc; docs/dgc.md has the whole story."""
+"""The settings of seed 000's switches: deep gradient compression (``--dgc`` and its
+options), the overlap of the step with the reductions (``--overlap-backward-and-step``)
+and their gradient clipping, read from ``PERSEUS_DGC*``,
+``PERSEUS_OVERLAP_BACKWARD_AND_STEP`` and ``PERSEUS_CLIP_GRAD_*`` without any framework,
+so perseusrun checks them before it starts a rank; and the epoch DGC's warm-up follows.
+DGC itself is in perseus.torch.dgc (docs/dgc.md), the overlap in
+perseus.torch.horovod.optimizer (docs/optimizers.md)."""
 
 import math
 import os
@@ -60,13 +63,15 @@ def _number(env, name, default, kind, ok, allowed):
 
 
 class Settings:
-    """DGC's settings, read and checked from the environment by :meth:`from_env`."""
+    """The settings of seed 000's switches: DGC's, the overlap of the step with the
+    reductions (``overlap``) and the clipping both use; read and checked from the
+    environment by :meth:`from_env`."""
 
     def __init__(self, on=False, compress_ratio=0.001, sample_ratio=0.01, strided_sample=True,
                  compress_upper_bound=1.3, compress_lower_bound=0.8, max_adaptation_iters=10,
                  resample=True, fp16_values=False, int32_indices=False, warmup_epochs=0,
                  warmup_coeff=None, momentum_masking=True, clip_grad_func=None,
-                 clip_grad_param=None):
+                 clip_grad_param=None, overlap=False):
         self.on = on
         self.compress_ratio = compress_ratio
         self.sample_ratio = sample_ratio
@@ -82,6 +87,7 @@ class Settings:
         self.momentum_masking = momentum_masking
         self.clip_grad_func = clip_grad_func
         self.clip_grad_param = clip_grad_param
+        self.overlap = overlap
 
     @classmethod
     def from_env(cls, env=None):
@@ -107,6 +113,7 @@ class Settings:
             warmup_epochs=_number(env, "PERSEUS_DGC_WARMUP_EPOCHS", 0, int,
                                   lambda v: 0 <= v <= 10000, "an integer from 0 to 10000"),
             momentum_masking=_bool_var(env, "PERSEUS_DGC_MOMENTUM_MASKING", True),
+            overlap=_bool_var(env, "PERSEUS_OVERLAP_BACKWARD_AND_STEP", False),
         )
         coeff = _text("PERSEUS_DGC_WARMUP_COEFF", env)
         if coeff:

@@ -106,10 +106,14 @@ _DGC_OPTIONS = [
      "the ratio of each warm-up epoch (default: rising exponentially)"),
     ("--momentum-masking", "PERSEUS_DGC_MOMENTUM_MASKING", _flag_bool,
      "clear the momentum of the entries sent (default true)"),
+]
+# Gradient clipping, for DGC or the overlapped step: (flag, variable, type, help).
+_CLIP_OPTIONS = [
     ("--clip-grad-func", "PERSEUS_CLIP_GRAD_FUNC", str,
-     "clip each rank's gradients before DGC accumulates them: norm or value"),
+     ("clip gradients within DGC (each rank's own, before it accumulates them) or within "
+      "the overlapped step (each averaged gradient before its update): norm or value")),
     ("--clip-grad-func-params", "PERSEUS_CLIP_GRAD_FUNC_PARAMS", str,
-     "the norm (divided by sqrt(NP)) or the value to clip at"),
+     "the norm (per tensor; divided by sqrt(NP) within DGC) or the value to clip at"),
 ]
 
 
@@ -125,7 +129,10 @@ def add_acceleration_flags(p):
     g.add_argument("--dgc", action="store_true",
                    help="deep gradient compression of torch SGD's weight gradients "
                         "(PERSEUS_DGC=1, docs/dgc.md)")
-    for flag, var, kind, text in _DGC_OPTIONS:
+    g.add_argument("--overlap-backward-and-step", action="store_true",
+                   help="each parameter steps as soon as its averaged gradient is there, "
+                        "during backward (PERSEUS_OVERLAP_BACKWARD_AND_STEP=1)")
+    for flag, var, kind, text in _DGC_OPTIONS + _CLIP_OPTIONS:
         if kind is _flag_bool:
             g.add_argument(flag, type=kind, metavar="BOOL", help=f"{text} ({var})")
         elif flag == "--warmup-coeff":
@@ -145,18 +152,24 @@ def acceleration_env(args):
         env["PERSEUS_ALLREDUCE_MODE"] = "1"
     if args.fuse_optimizer:
         env["PERSEUS_FUSED_OPTIMIZER"] = "1"
-    given = []
-    for flag, var, _, _ in _DGC_OPTIONS:
-        value = getattr(args, flag[2:].replace("-", "_"))
-        if value is not None:
-            env[var] = value
-            given.append(flag)
-    if given and not args.dgc:
-        raise ValueError(f"{', '.join(given)}: options of DGC, which is off: add --dgc")
+    if args.overlap_backward_and_step:
+        env["PERSEUS_OVERLAP_BACKWARD_AND_STEP"] = "1"
+    for options, wanted, needs in ((_DGC_OPTIONS, args.dgc, "--dgc"),
+                                   (_CLIP_OPTIONS, args.dgc or args.overlap_backward_and_step,
+                                    "--dgc or --overlap-backward-and-step")):
+        given = []
+        for flag, var, _, _ in options:
+            value = getattr(args, flag[2:].replace("-", "_"))
+            if value is not None:
+                env[var] = value
+                given.append(flag)
+        if given and not wanted:
+            raise ValueError(f"{', '.join(given)} act only with {needs}, which is not given")
     if args.dgc:
+        env["PERSEUS_DGC"] = "1"
+    if args.dgc or args.overlap_backward_and_step:
         from perseus.common.dgc import Settings
 
-        env["PERSEUS_DGC"] = "1"
         Settings.from_env(env)
     return env
 

@@ -136,7 +136,15 @@ class _DistributedOptimizer:
         self._p_to_group = {}
         self._group_counts = {}
         # PERSEUS_DGC: deep gradient compression of the weight gradients (perseus.torch.dgc).
-        self._dgc = self._dgc_state(_dgc.Settings.from_env())
+        seed_000 = _dgc.Settings.from_env()
+        self._dgc = self._dgc_state(seed_000)
+        # PERSEUS_OVERLAP_BACKWARD_AND_STEP: see _step_ready().
+        self._overlap = self._overlap_state(seed_000)
+        self._clip = None if self._dgc is not None or not seed_000.clip_grad_func \
+            else (seed_000.clip_grad_func, seed_000.clip_grad_param)
+        self._overlapped = set()
+        self._group_of = {_amp.working(p): i for i, group in enumerate(self.param_groups)
+                          for p in group["params"]}
         if size() > 1 or os.environ.get("HOROVOD_ELASTIC") == "1":
             self._register_hooks()
 
@@ -159,6 +167,23 @@ class _DistributedOptimizer:
                              f"{refused}")
         return _dgc.DGC(settings, self, rank())
 
+    def _overlap_state(self, settings):
+        """Whether each parameter steps as soon as its reduced gradient is there
+        (PERSEUS_OVERLAP_BACKWARD_AND_STEP=1), after checking what it cannot go with."""
+        if not settings.overlap:
+            return False
+        refused = None
+        if self._fused_optimizer or isinstance(self, _fused.FusedOptimizer):
+            refused = "the fused optimizer (seed 000: they are incompatible)"
+        elif self._amp:
+            refused = "an optimizer under aiak_amp_decorate (AMP O2)"
+        elif self._nancheck:
+            refused = "PERSEUS_ALLREDUCE_NANCHECK=1 (a late NaN would find weights updated)"
+        if refused:
+            raise ValueError("PERSEUS_OVERLAP_BACKWARD_AND_STEP=1 (perseusrun "
+                             f"--overlap-backward-and-step) does not go with {refused}")
+        return True
+
     def set_epoch(self, epoch):
         """Tell DGC's warm-up (PERSEUS_DGC_WARMUP_EPOCHS) the epoch now starting;
         ``DistributedSampler.set_epoch`` does it too."""
@@ -170,6 +195,7 @@ class _DistributedOptimizer:
         if self._dgc is not None:
             self._dgc.reset()
         self._handles = {}
+        self._overlapped.clear()
         self._synchronized = False
         self._should_synchronize = True
         self._accumulated = 0
@@ -341,6 +367,11 @@ class _DistributedOptimizer:
 
     def _make_hook(self, p):
         def hook(*_):
+            submit()
+            if self._overlap and self._handles:
+                self._step_ready()
+
+        def submit():
             self._auto_synchronized = False
             pending = p in self._handles and self._handles[p][0] is not None
             if pending and self._allreduce_delay[p] <= 0:
@@ -368,12 +399,10 @@ class _DistributedOptimizer:
 
         return hook
 
-    def synchronize(self):
-        """Wait for every gradient reduction (starting those not started yet)."""
-        if not self.process_set.included():
-            self._synchronized = True
-            return
-        completed = set()
+    def _start_all(self):
+        """Starts the reductions not started yet: of gradients backward did not produce
+        here (zeros), and of those held back by ``backward_passes_per_step``."""
+        completed = set(self._overlapped)
         for key in self._handles:
             completed.update(key) if isinstance(key, tuple) else completed.add(key)
         for p in self._requires_update - completed:
@@ -381,28 +410,42 @@ class _DistributedOptimizer:
         for p, (handle, _) in list(self._handles.items()):
             if handle is None:
                 self._handles[p] = self._allreduce_grad_async(p)
+
+    def _receive(self, key, handle, ctx):
+        """Waits for one reduction (of a parameter, or a tuple of them for a group) and
+        writes the result into the gradients; returns the parameters it wrote."""
+        if isinstance(key, tuple):
+            outputs = synchronize(handle)
+            for gp, output, gctx in zip(key, outputs, ctx):
+                self._allreduce_delay[gp] = self._passes_per_update()
+                self._restore(gp, output, gctx)
+            if key in self._group_counts:
+                self._group_counts[key] = 0
+            return list(key)
+        p = key
+        output = synchronize(handle)
+        self._allreduce_delay[p] = self._passes_per_update()
+        group = self._p_to_group.get(p)
+        if group is not None:
+            self._group_counts[group] = 0
+        if p.grad.is_sparse:
+            reduced = self._compression.decompress(output, ctx)
+            if not reduced.is_sparse:
+                reduced = reduced.to_sparse()
+            p.grad = reduced
+        else:
+            self._restore(p, output, ctx)
+        return [p]
+
+    def synchronize(self):
+        """Wait for every gradient reduction (starting those not started yet)."""
+        if not self.process_set.included():
+            self._synchronized = True
+            return
+        self._start_all()
         try:
-            for p, (handle, ctx) in self._handles.items():
-                if isinstance(p, tuple):
-                    outputs = synchronize(handle)
-                    for gp, output, gctx in zip(p, outputs, ctx):
-                        self._allreduce_delay[gp] = self._passes_per_update()
-                        self._restore(gp, output, gctx)
-                    if p in self._group_counts:
-                        self._group_counts[p] = 0
-                    continue
-                output = synchronize(handle)
-                self._allreduce_delay[p] = self._passes_per_update()
-                group = self._p_to_group.get(p)
-                if group is not None:
-                    self._group_counts[group] = 0
-                if p.grad.is_sparse:
-                    reduced = self._compression.decompress(output, ctx)
-                    if not reduced.is_sparse:
-                        reduced = reduced.to_sparse()
-                    p.grad = reduced
-                else:
-                    self._restore(p, output, ctx)
+            for key, (handle, ctx) in self._handles.items():
+                self._receive(key, handle, ctx)
         finally:
             self._handles.clear()
         self._updates += 1
@@ -411,6 +454,74 @@ class _DistributedOptimizer:
         if self._amp:
             _amp.move_grads(self)
         self._synchronized = True
+
+    def _step_ready(self, wait=False):
+        """PERSEUS_OVERLAP_BACKWARD_AND_STEP: steps the parameters whose reductions have
+        finished, during backward (called from the gradient hooks) and in ``step()``,
+        while the other reductions go on. A parameter's gradient is complete when its
+        hook runs, and no later part of backward reads its value, so it may change. With
+        ``wait``, every reduction is waited for, oldest first, and whatever has finished
+        meanwhile steps with it."""
+        while self._handles:
+            ready = [(k, h, c) for k, (h, c) in self._handles.items()
+                     if h is not None and h.poll()]
+            if not ready:
+                if not wait:
+                    return
+                key = next(k for k, (h, _) in self._handles.items() if h is not None)
+                ready = [(key, *self._handles[key])]
+            params = []
+            for key, handle, ctx in ready:
+                del self._handles[key]
+                params += self._receive(key, handle, ctx)
+            self._overlapped.update(params)
+            self._update(params)
+
+    def _update(self, params):
+        """One step of ``params`` alone (each parameter group narrowed to them for the
+        wrapped optimizer's step), after PERSEUS_CLIP_GRAD_FUNC clipped each gradient
+        (DGC clips its own, before accumulating)."""
+        if self._clip is not None:
+            func, limit = self._clip
+            for p in params:
+                if func == "value":
+                    torch.nn.utils.clip_grad_value_([p], limit)
+                else:
+                    torch.nn.utils.clip_grad_norm_([p], limit)
+        compressed = self._dgc.compressed if self._dgc is not None else {}
+        mine = {}
+        for p in params:
+            if p not in compressed:
+                mine.setdefault(self._group_of[p], []).append(p)
+        if mine:
+            held = [group["params"] for group in self.param_groups]
+            try:
+                for i, group in enumerate(self.param_groups):
+                    group["params"] = mine.get(i, [])
+                super().step()
+            finally:
+                for group, kept in zip(self.param_groups, held):
+                    group["params"] = kept
+        if compressed:
+            self._dgc.apply([p for p in params if p in compressed])
+
+    def _overlapped_step(self, closure):
+        """``step()`` under PERSEUS_OVERLAP_BACKWARD_AND_STEP: the parameters not stepped
+        during backward step as their reductions finish (or, after an explicit
+        ``synchronize()``, all at once)."""
+        if closure is not None:
+            raise ValueError("PERSEUS_OVERLAP_BACKWARD_AND_STEP=1: step(closure) is not "
+                             "supported (parameters step during backward)")
+        if (self._should_synchronize and not self._auto_synchronized
+                and self.process_set.included()):
+            self._start_all()
+            self._step_ready(wait=True)
+            self._updates += 1
+        rest = [p for p in self._requires_update
+                if p not in self._overlapped and p.grad is not None]
+        if rest:
+            self._update(rest)
+        self._overlapped.clear()
 
     def _amp_before_move(self):
         """Under AMP O2, called before the gradients move onto the masters
@@ -459,25 +570,34 @@ class _DistributedOptimizer:
         timed = self._perf_every > 0 and bool(self._hook_handles)
         if timed and self._last_step_end is not None:
             self._compute_times.append(entered - self._last_step_end)
+        if self._overlap and self._hook_handles:
+            self._overlapped_step(closure)
+            result = None
+        else:
+            result = self._synchronized_step(closure)
+        self._synchronized = False
+        self._auto_synchronized = False
+        if timed:
+            if len(self._compute_times) >= self._perf_every:
+                self._perf_check()
+            self._last_step_end = time.perf_counter()
+        return result
+
+    def _synchronized_step(self, closure):
+        """``step()`` once every reduction is waited for: the wrapped optimizer's step."""
         if self._should_synchronize and not self._auto_synchronized:
             if self._synchronized:
                 warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
                               "context after optimizer.synchronize(). This can cause training "
                               "slowdown. You may want to consider using "
                               "optimizer.skip_synchronize() context if you use "
-                              "optimizer.synchronize() in your code.")
+                              "optimizer.synchronize() in your code.", stacklevel=3)
             self.synchronize()
-        self._synchronized = False
-        self._auto_synchronized = False
         if self._amp:
             _amp.move_grads(self)
         result = self._wrapped_step(closure)
         if self._amp:
             _amp.copy_to_model(self)
-        if timed:
-            if len(self._compute_times) >= self._perf_every:
-                self._perf_check()
-            self._last_step_end = time.perf_counter()
         return result
 
     def _wrapped_step(self, closure):
@@ -515,7 +635,7 @@ class _DistributedOptimizer:
             if self._fused_refused != why:
                 self._fused_refused = why
                 warnings.warn(f"PERSEUS_FUSED_OPTIMIZER: {why}, so torch's own step runs",
-                              stacklevel=4)
+                              stacklevel=5)
         return base_step(closure)
 
     def zero_grad(self, *args, **kwargs):

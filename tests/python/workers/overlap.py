@@ -1,0 +1,153 @@
+"""PERSEUS_OVERLAP_BACKWARD_AND_STEP=1: parameters step as their reduced gradients arrive.
+
+Usage: overlap.py sgd|adam   6 steps of a 3-layer model whose first layer's backward is
+                             slow (0.3 s): after backward() returns, before step(), the
+                             last layer has already stepped; after the steps every rank
+                             equals one process that averaged the ranks' gradients and
+                             stepped torch's optimizer (Adam's step counts included), the
+                             per-tensor clipping of the environment too
+       overlap.py explicit   synchronize() and step() under skip_synchronize(): no
+                             parameter steps twice
+       overlap.py refused    step(closure) is refused, naming the switch; so is the
+                             switch itself under PERSEUS_ALLREDUCE_NANCHECK=1
+"""
+
+import os
+import sys
+import time
+
+import perseus.torch.horovod as hvd
+import torch
+from _helpers import close, done, raises
+
+STEPS, DIMS = 6, (12, 16, 16, 4)
+
+
+class SlowBackward(torch.autograd.Function):
+    """Identity forward; backward sleeps, so reductions started earlier can finish."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(0.3)
+        return grad
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(11)
+        self.layers = torch.nn.ModuleList(
+            torch.nn.Linear(a, b) for a, b in zip(DIMS, DIMS[1:]))
+
+    def forward(self, x):
+        x = self.layers[0](x)
+        x = SlowBackward.apply(torch.tanh(x))
+        for layer in self.layers[1:]:
+            x = layer(torch.tanh(x))
+        return x
+
+
+def batch(rank, step):
+    g = torch.Generator().manual_seed(100 * rank + step)
+    return torch.randn(8, DIMS[0], generator=g), torch.randn(8, DIMS[-1], generator=g)
+
+
+def make_optimizer(kind, params):
+    if kind == "adam":
+        return torch.optim.Adam(params, lr=0.01, weight_decay=1e-3)
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9, nesterov=True, weight_decay=1e-3)
+
+
+def clip(grads):
+    func = os.environ.get("PERSEUS_CLIP_GRAD_FUNC")
+    limit = float(os.environ.get("PERSEUS_CLIP_GRAD_FUNC_PARAMS", "0"))
+    for g in grads:
+        if func == "value":
+            g.clamp_(-limit, limit)
+        elif func == "norm":
+            g.mul_(min(1.0, limit / (float(g.norm()) + 1e-6)))
+
+
+def reference(kind, n):
+    """One process: the average of every rank's gradient, clipped per tensor, then
+    torch's own step."""
+    model = Net()
+    opt = make_optimizer(kind, model.parameters())
+    for step in range(STEPS):
+        grads = [torch.zeros_like(p) for p in model.parameters()]
+        for r in range(n):
+            model.zero_grad()
+            torch.nn.functional.mse_loss(model(batch(r, step)[0]), batch(r, step)[1]).backward()
+            for g, p in zip(grads, model.parameters()):
+                g += p.grad / n
+        clip(grads)
+        for g, p in zip(grads, model.parameters()):
+            p.grad = g
+        opt.step()
+    return model
+
+
+def train(kind, explicit=False):
+    n = hvd.size()
+    model = Net()
+    opt = hvd.DistributedOptimizer(make_optimizer(kind, model.parameters()),
+                                   named_parameters=model.named_parameters())
+    last = model.layers[-1].weight
+    moved_early = 0
+    for step in range(STEPS):
+        opt.zero_grad()
+        before = last.detach().clone()
+        x, y = batch(hvd.rank(), step)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        moved_early += int(not torch.equal(before, last.detach()))
+        if explicit:
+            opt.synchronize()
+            with opt.skip_synchronize():
+                opt.step()
+        else:
+            opt.step()
+    want = reference(kind, n)
+    for (name, p), q in zip(model.named_parameters(), want.parameters()):
+        close(p.detach(), q.detach(), name, rtol=1e-5, atol=1e-6)
+    if kind == "adam":
+        steps = {int(opt.state[p]["step"]) for p in model.parameters()}
+        assert steps == {STEPS}, steps
+    return moved_early
+
+
+def main():
+    mode = sys.argv[1]
+    hvd.init()
+    if mode in ("sgd", "adam"):
+        moved = train(mode)
+        # The last layer's reduction finishes while the slow first layer's backward runs.
+        assert moved == STEPS, f"the last layer stepped during backward {moved} of {STEPS}"
+        print(f"rank {hvd.rank()}: stepped during backward {moved} of {STEPS}", flush=True)
+    elif mode == "explicit":
+        train("sgd", explicit=True)
+    elif os.environ.get("PERSEUS_ALLREDUCE_NANCHECK") == "1":
+        model = Net()
+        with raises(ValueError, "PERSEUS_OVERLAP_BACKWARD_AND_STEP=1",
+                    "PERSEUS_ALLREDUCE_NANCHECK=1", what="overlap with the NaN check"):
+            hvd.DistributedOptimizer(make_optimizer("sgd", model.parameters()),
+                                     named_parameters=model.named_parameters())
+    else:
+        model = Net()
+        opt = hvd.DistributedOptimizer(make_optimizer("sgd", model.parameters()),
+                                       named_parameters=model.named_parameters())
+        torch.nn.functional.mse_loss(model(batch(0, 0)[0]), batch(0, 0)[1]).backward()
+        with raises(ValueError, "PERSEUS_OVERLAP_BACKWARD_AND_STEP=1", "step(closure)",
+                    what="a closure"):
+            opt.step(lambda: None)
+        opt.step()
+    r = hvd.rank()
+    hvd.shutdown()
+    done(r)
+
+
+if __name__ == "__main__":
+    main()
