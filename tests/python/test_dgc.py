@@ -141,6 +141,11 @@ def test_warmup_follows_the_sampler_epoch(run_workers):
 
 
 @pytest.mark.timeout(120)
+def test_state_dict_carries_what_dgc_holds_back(run_workers):
+    run_workers(2, "dgc.py", "resume", env=dgc_env())
+
+
+@pytest.mark.timeout(120)
 def test_only_sgd_is_compressed(run_workers):
     run_workers(2, "dgc.py", "refused", env={"PERSEUS_DGC": "1"})
 

@@ -129,10 +129,24 @@ class DGC:
                 if p.requires_grad and p.dim() > 1 and p.is_floating_point():
                     self.compressed[p] = group
 
-    def reset(self):
-        """Forget every momentum and velocity (a new state was loaded)."""
+    def state(self, positions):
+        """Momenta and velocities by the number of their parameter in ``positions``."""
+        index = {p: i for i, p in enumerate(positions)}
+        return {"momentum": {index[p]: u for p, u in self._u.items()},
+                "velocity": {index[p]: v for p, v in self._v.items()}}
+
+    def load(self, state, positions):
+        """Takes momenta and velocities from :meth:`state`'s form (copies); what
+        ``state`` lacks starts from zero."""
         self._u.clear()
         self._v.clear()
+        for mine, key in ((self._u, "momentum"), (self._v, "velocity")):
+            for i, t in state.get(key, {}).items():
+                p = positions[int(i)]
+                if p not in self.compressed or t.numel() != p.numel():
+                    raise ValueError(f"DGC state: entry {i} of {key!r} does not fit "
+                                     f"parameter {i} of this optimizer")
+                mine[p] = t.detach().to(p.device, torch.float32).reshape(-1).clone()
 
     def takes(self, p, grad):
         """Whether ``p``'s gradient ``grad`` goes compressed."""
@@ -175,8 +189,9 @@ class DGC:
         u = self._u.get(p)
         v = self._v.get(p)
         if v is None or v.shape != g.shape:
-            u = self._u[p] = torch.zeros_like(g)
             v = self._v[p] = torch.zeros_like(g)
+        if u is None or u.shape != g.shape:
+            u = self._u[p] = torch.zeros_like(g)
         if m:
             if dampening:
                 u.mul_(m).add_(g, alpha=1 - dampening)

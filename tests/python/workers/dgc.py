@@ -13,8 +13,13 @@ Usage: dgc.py exact      every rank's model after 6 steps equals an independent
                          non-zeros of one rank's selection follow the epoch set through
                          DistributedSampler.set_epoch, then the final ratio
        dgc.py refused    an Adam optimizer is refused with a message naming DGC's limit
+       dgc.py resume     the optimizer's state_dict carries what DGC holds back: 3 steps
+                         after a restore (in place, and into a new model and optimizer)
+                         equal the 3 steps taken without it; a torch SGD loads the same
+                         state; a state without DGC's part starts it from zero
 """
 
+import copy
 import math
 import os
 import sys
@@ -173,9 +178,55 @@ def refused():
                                  named_parameters=model.named_parameters())
 
 
+def resume():
+    def build():
+        model = make_model()
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9, weight_decay=WD),
+            named_parameters=model.named_parameters())
+        return model, opt
+
+    def steps(model, opt, first):
+        for step in range(first, first + 3):
+            opt.zero_grad()
+            loss_of(model, *batch(hvd.rank(), step)).backward()
+            opt.step()
+
+    model, opt = build()
+    steps(model, opt, 0)
+    saved = copy.deepcopy((model.state_dict(), opt.state_dict()))
+    held = saved[1]["perseus_dgc"]
+    assert set(held) == {"momentum", "velocity"} and set(held["velocity"]) == {0}, held.keys()
+    assert int((held["velocity"][0] != 0).sum()) > 0, "nothing held back after 3 steps"
+    steps(model, opt, 3)
+    want = model.weight.detach().clone()
+
+    model.load_state_dict(saved[0])
+    opt.load_state_dict(copy.deepcopy(saved[1]))
+    steps(model, opt, 3)
+    close(model.weight.detach(), want, "weight after an in-place restore", rtol=0, atol=0)
+
+    model2, opt2 = build()
+    model2.load_state_dict(saved[0])
+    opt2.load_state_dict(copy.deepcopy(saved[1]))
+    steps(model2, opt2, 3)
+    close(model2.weight.detach(), want, "weight after a restore into a new optimizer",
+          rtol=0, atol=0)
+
+    plain = torch.optim.SGD(make_model().parameters(), lr=LR, momentum=0.9)
+    plain.load_state_dict(copy.deepcopy(saved[1]))
+
+    no_dgc = {k: v for k, v in copy.deepcopy(saved[1]).items() if k != "perseus_dgc"}
+    model.load_state_dict(saved[0])
+    opt.load_state_dict(no_dgc)
+    steps(model, opt, 3)
+    assert not torch.equal(model.weight.detach(), want), "DGC's held-back state was not reset"
+
+
 def main():
     hvd.init()
-    {"exact": exact, "sampled": sampled, "warmup": warmup, "refused": refused}[sys.argv[1]]()
+    {"exact": exact, "sampled": sampled, "warmup": warmup, "refused": refused,
+     "resume": resume}[sys.argv[1]]()
     r = hvd.rank()
     hvd.shutdown()
     done(r)

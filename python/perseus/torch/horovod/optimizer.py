@@ -189,11 +189,28 @@ class _DistributedOptimizer:
         ``DistributedSampler.set_epoch`` does it too."""
         _dgc.set_epoch(epoch)
 
-    def load_state_dict(self, *args, **kwargs):
-        """Load optimizer state; pending gradient reductions are forgotten, and so is
-        what DGC held back."""
+    def _positions(self):
+        """Each parameter in the order torch's ``state_dict`` numbers them."""
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def state_dict(self, *args, **kwargs):
+        """The wrapped optimizer's state; under DGC also what each weight holds back
+        (``"perseus_dgc"``: momentum and velocity by parameter number), so a checkpoint
+        or an elastic commit resumes exactly."""
+        state = super().state_dict(*args, **kwargs)
         if self._dgc is not None:
-            self._dgc.reset()
+            state["perseus_dgc"] = self._dgc.state(self._positions())
+        return state
+
+    def load_state_dict(self, state_dict, *args, **kwargs):
+        """Load optimizer state; pending gradient reductions are forgotten. DGC's held
+        back gradients come back from ``"perseus_dgc"`` when the state has them, and are
+        cleared when it does not."""
+        held = state_dict.get("perseus_dgc") if isinstance(state_dict, dict) else None
+        if isinstance(state_dict, dict) and "perseus_dgc" in state_dict:
+            state_dict = {k: v for k, v in state_dict.items() if k != "perseus_dgc"}
+        if self._dgc is not None:
+            self._dgc.load(held or {}, self._positions())
         self._handles = {}
         self._overlapped.clear()
         self._synchronized = False
@@ -203,7 +220,7 @@ class _DistributedOptimizer:
         self._updates = 0
         for p in self._allreduce_delay:
             self._allreduce_delay[p] = self._passes_per_update()
-        super().load_state_dict(*args, **kwargs)
+        super().load_state_dict(state_dict, *args, **kwargs)
 
     def set_backward_passes_per_step(self, passes):
         """Change how many backward passes accumulate locally before gradients are reduced."""
