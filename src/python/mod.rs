@@ -2,6 +2,7 @@
 //! releases the GIL around every wait, and maps errors in `errors.rs`.
 //! Users reach these through `perseus.common`, never directly.
 
+mod dgc;
 mod dlpack;
 mod errors;
 mod kernels;
@@ -660,6 +661,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(stop_timeline, m)?)?;
     m.add_function(wrap_pyfunction!(timeline_path, m)?)?;
     m.add_function(wrap_pyfunction!(optim::optimizer_step, m)?)?;
+    m.add_function(wrap_pyfunction!(dgc::dgc_fold_select, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::gpu_cast, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::gpu_reduce, m)?)?;
     m.add_function(wrap_pyfunction!(kernels::gpu_scale, m)?)?;

@@ -243,3 +243,31 @@ def test_overlapped_step_after_explicit_synchronize(run_workers):
                          ids=["closure", "nancheck"])
 def test_overlap_refusals(run_workers, extra):
     run_workers(2, "overlap.py", "refused", env=dict(OVERLAP, **extra))
+
+
+def test_core_fold_select_matches_torch():
+    """_core.dgc_fold_select: one pass folds like torch's operations and finds what passes."""
+    from perseus import _core
+    from torch.utils.dlpack import to_dlpack as cap
+
+    gen = torch.Generator().manual_seed(5)
+    n = 200_003
+    for m, d, nesterov in [(0.0, 0.0, False), (0.9, 0.0, False), (0.9, 0.2, True)]:
+        g, u, v = (torch.randn(n, generator=gen) for _ in range(3))
+        ru, rv = u.clone(), v.clone()
+        dgc._fold(g, ru, rv, (m, d, nesterov))
+        out = torch.full((50_000,), -1, dtype=torch.int64)
+        count = _core.dgc_fold_select(cap(g), cap(u), cap(v), m, d, nesterov, 2.5, cap(out))
+        torch.testing.assert_close(u, ru)
+        torch.testing.assert_close(v, rv)
+        want = torch.nonzero(rv.abs() >= 2.5).view(-1)
+        assert count == want.numel() and count <= 50_000, (count, want.numel())
+        assert torch.equal(out[:count], want)
+    small = torch.empty(3, dtype=torch.int64)
+    assert _core.dgc_fold_select(cap(g), cap(u), cap(v), 0.0, 0.0, False, 0.0,
+                                 cap(small)) == n
+    with pytest.raises(TypeError, match="u is .*F64, not F32"):
+        _core.dgc_fold_select(cap(g), cap(u.double()), cap(v), 0.0, 0.0, False, 1.0, cap(out))
+    with pytest.raises(ValueError, match="hold 200003, 5 and 200003 elements"):
+        _core.dgc_fold_select(cap(g), cap(u[:5].clone()), cap(v), 0.0, 0.0, False, 1.0,
+                              cap(out))

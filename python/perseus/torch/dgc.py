@@ -17,8 +17,10 @@ it: multiplied by the upper bound while too many pass and by the lower bound whi
 few do, then halving the gap between a threshold that passed too many and one that
 passed too few. More than ``k`` that pass are cut to the top ``k`` of them with
 ``resample`` (at once, without adapting, when more than the upper bound pass), or to
-the first ``k`` without it. Every rank sends
-exactly ``k`` pairs (padded with zeros), so the gathered buffer has one known shape.
+the first ``k`` without it. Every rank sends exactly ``k`` pairs (padded with zeros), so
+the gathered buffer has one known shape. On the CPU the fold and the first threshold
+test are one pass of the core (``_core.dgc_fold_select``), with the threshold estimated
+from the sample as the fold will leave it.
 
 Settings come from ``PERSEUS_DGC*`` and ``PERSEUS_CLIP_GRAD_*`` (perseus.common.dgc;
 ``perseusrun --dgc --compress-ratio ...`` sets them; docs/dgc.md lists them all); a bad
@@ -29,7 +31,9 @@ import math
 import warnings
 
 import torch
+from torch.utils.dlpack import to_dlpack
 
+from perseus import _core
 from perseus.common.dgc import Settings, current_epoch, epoch_heard, set_epoch
 
 __all__ = ["DGC", "Settings", "current_epoch", "select", "set_epoch"]
@@ -55,27 +59,27 @@ def _patch_sampler():
     _sampler_patched[0] = True
 
 
-def select(importance, k, s, generator=None):
-    """Indices (int64) of at most ``k`` entries of the 1-D ``importance`` (magnitudes),
-    those of largest value as the settings ``s`` estimate them: exactly the top ``k``
-    when the sample would be the whole tensor, else a threshold read from a sample
-    and adapted (see the module's doc)."""
-    n = importance.numel()
-    if k >= n:
-        return torch.arange(n, device=importance.device)
-    samples = min(n, max(1, math.ceil(n * s.sample_ratio)))
-    if samples >= n:
-        return torch.topk(importance, k, sorted=False).indices
+def _positions(n, samples, s, generator, device):
+    """Where the sample of ``samples`` of ``n`` entries is taken: every stride-th from a
+    random start, or at random."""
     if s.strided_sample:
         stride = n // samples
         start = int(torch.randint(0, stride, (1,), generator=generator))
-        sample = importance[start::stride][:samples]
-    else:
-        picks = torch.randperm(n, generator=generator)[:samples].to(importance.device)
-        sample = importance[picks]
+        return slice(start, start + stride * samples, stride)
+    return torch.randperm(n, generator=generator)[:samples].to(device)
+
+
+def _estimate(sample, k, n):
+    """The threshold that passes ``k`` of ``n`` if the magnitudes ``sample`` are typical."""
+    samples = sample.numel()
     top = min(samples, max(1, math.ceil(samples * k / n)))
-    threshold = float(torch.topk(sample, top, sorted=False).values.min())
-    chosen = torch.nonzero(importance >= threshold).view(-1)
+    return float(torch.topk(sample, top, sorted=False).values.min())
+
+
+def _adapt(passing, magnitude, k, s, threshold, chosen):
+    """The adaptation of the module's doc, from ``threshold`` and the indices ``chosen``
+    that pass it: ``passing(t)`` gives the indices at or above ``t``, ``magnitude(i)``
+    the magnitudes of indices ``i``."""
     low, high = None, None  # thresholds known to pass too many, too few
     for _ in range(s.max_adaptation_iters):
         count = chosen.numel()
@@ -93,12 +97,49 @@ def select(importance, k, s, generator=None):
             threshold = threshold * s.compress_upper_bound
         else:
             threshold = threshold * s.compress_lower_bound
-        chosen = torch.nonzero(importance >= threshold).view(-1)
+        chosen = passing(threshold)
     if chosen.numel() > k:
         if not s.resample:
             return chosen[:k]
-        chosen = chosen[torch.topk(importance[chosen], k, sorted=False).indices]
+        chosen = chosen[torch.topk(magnitude(chosen), k, sorted=False).indices]
     return chosen
+
+
+def select(importance, k, s, generator=None):
+    """Indices (int64) of at most ``k`` entries of the 1-D ``importance`` (magnitudes),
+    those of largest value as the settings ``s`` estimate them: exactly the top ``k``
+    when the sample would be the whole tensor, else a threshold read from a sample
+    and adapted (see the module's doc)."""
+    n = importance.numel()
+    if k >= n:
+        return torch.arange(n, device=importance.device)
+    samples = min(n, max(1, math.ceil(n * s.sample_ratio)))
+    if samples >= n:
+        return torch.topk(importance, k, sorted=False).indices
+    sample = importance[_positions(n, samples, s, generator, importance.device)]
+    threshold = _estimate(sample, k, n)
+
+    def passing(t):
+        return torch.nonzero(importance >= t).view(-1)
+
+    return _adapt(passing, lambda i: importance[i], k, s, threshold, passing(threshold))
+
+
+def _fold(g, u, v, fold):
+    """The gradient ``g`` joins the momentum ``u`` and the velocity ``v`` in place, as
+    SGD's (momentum, dampening, nesterov) ``fold`` says."""
+    m, dampening, nesterov = fold
+    if not m:
+        v.add_(g)
+        return
+    if dampening:
+        u.mul_(m).add_(g, alpha=1 - dampening)
+    else:
+        torch.add(g, u, alpha=m, out=u)  # u = m u + g in one pass
+    if nesterov:
+        v.add_(g).add_(u, alpha=m)
+    else:
+        v.add_(u)
 
 
 class Sent:
@@ -184,25 +225,14 @@ class DGC:
         if wd:
             g.add_(p.detach().reshape(-1).to(torch.float32), alpha=wd)
         self._clip(g, size)
-        m = group.get("momentum", 0) or 0
-        dampening = group.get("dampening", 0) or 0
+        fold = (float(group.get("momentum", 0) or 0), float(group.get("dampening", 0) or 0),
+                bool(group.get("nesterov")))
         u = self._u.get(p)
         v = self._v.get(p)
         if v is None or v.shape != g.shape:
             v = self._v[p] = torch.zeros_like(g)
         if u is None or u.shape != g.shape:
             u = self._u[p] = torch.zeros_like(g)
-        if m:
-            if dampening:
-                u.mul_(m).add_(g, alpha=1 - dampening)
-            else:
-                torch.add(g, u, alpha=m, out=u)  # u = m u + g in one pass
-            if group.get("nesterov"):
-                v.add_(g).add_(u, alpha=m)
-            else:
-                v.add_(u)
-        else:
-            v.add_(g)
         n = v.numel()
         if self.s.warmup_epochs and not epoch_heard() and not self._warned:
             self._warned = True
@@ -212,7 +242,12 @@ class DGC:
                 "optimizer.set_epoch(epoch) at the start of each epoch, or the warm-up "
                 "never ends", stacklevel=2)
         k = min(n, max(1, math.ceil(n * self.s.ratio(current_epoch()))))
-        chosen = select(v.abs(), k, self.s, self._generator)
+        if g.device.type == "cpu" and g.is_contiguous():
+            chosen = self._fold_select_in_core(g, u, v, fold, k)
+        else:
+            _fold(g, u, v, fold)
+            chosen = select(v.abs(), k, self.s, self._generator)
+        m = fold[0]
         index_type = torch.int32 if self.s.int32_indices else torch.int64
         value_type = torch.float16 if self.s.fp16_values else torch.float32
         indices = torch.zeros(k, dtype=index_type, device=v.device)
@@ -225,6 +260,35 @@ class DGC:
             u[chosen] = 0
         packet = torch.cat([indices.view(torch.uint8), values.view(torch.uint8)])
         return packet, Sent(k)
+
+    def _fold_select_in_core(self, g, u, v, fold, k):
+        """The fold and the selection with the core's one-pass kernel
+        (``_core.dgc_fold_select``): the threshold is estimated from a sample of the
+        velocity as the fold will leave it, then one pass folds and finds what passes;
+        torch's operations adapt the threshold only when too many or too few did."""
+        n, s = v.numel(), self.s
+        samples = min(n, max(1, math.ceil(n * s.sample_ratio)))
+
+        def run(threshold, out):
+            return _core.dgc_fold_select(to_dlpack(g), to_dlpack(u), to_dlpack(v), *fold,
+                                         threshold, to_dlpack(out))
+
+        none = torch.empty(0, dtype=torch.int64)
+        if k >= n or samples >= n:
+            run(math.inf, none)
+            return select(v.abs(), k, s, self._generator)
+        at = _positions(n, samples, s, self._generator, v.device)
+        ahead = v[at].clone()
+        _fold(g[at], u[at].clone(), ahead, fold)
+        threshold = _estimate(ahead.abs(), k, n)
+        out = torch.empty(math.ceil(s.compress_upper_bound * k) + 1, dtype=torch.int64)
+        count = run(threshold, out)
+
+        def passing(t):
+            return torch.nonzero(v.abs() >= t).view(-1)
+
+        chosen = out[:count] if count <= out.numel() else passing(threshold)
+        return _adapt(passing, lambda i: v[i].abs(), k, s, threshold, chosen)
 
     def receive(self, p, gathered, sent, average):
         """Writes the sum (or with ``average`` the mean) of every rank's pairs from the
