@@ -162,6 +162,9 @@ class DGC:
         self._v = {}
         self._generator = torch.Generator().manual_seed(0x5EED + rank)
         self._warned = False
+        # How the pairs travel: the types of the indices and of the values.
+        self._index_type = torch.int32 if settings.int32_indices else torch.int64
+        self._value_type = torch.float16 if settings.fp16_values else torch.float32
         _patch_sampler()
         for group in optimizer.param_groups:
             if group.get("maximize"):
@@ -248,10 +251,8 @@ class DGC:
             _fold(g, u, v, fold)
             chosen = select(v.abs(), k, self.s, self._generator)
         m = fold[0]
-        index_type = torch.int32 if self.s.int32_indices else torch.int64
-        value_type = torch.float16 if self.s.fp16_values else torch.float32
-        indices = torch.zeros(k, dtype=index_type, device=v.device)
-        values = torch.zeros(k, dtype=value_type, device=v.device)
+        indices = torch.zeros(k, dtype=self._index_type, device=v.device)
+        values = torch.zeros(k, dtype=self._value_type, device=v.device)
         taken = chosen.numel()
         indices[:taken] = chosen
         values[:taken] = v[chosen]
@@ -293,11 +294,9 @@ class DGC:
     def receive(self, p, gathered, sent, average):
         """Writes the sum (or with ``average`` the mean) of every rank's pairs from the
         gathered ``[size, bytes]`` buffer into ``p.grad``, densely."""
-        index_type = torch.int32 if self.s.int32_indices else torch.int64
-        value_type = torch.float16 if self.s.fp16_values else torch.float32
-        cut = sent.k * torch.empty((), dtype=index_type).element_size()
-        indices = gathered[:, :cut].contiguous().view(index_type).reshape(-1).long()
-        values = gathered[:, cut:].contiguous().view(value_type).reshape(-1).float()
+        cut = sent.k * torch.empty((), dtype=self._index_type).element_size()
+        indices = gathered[:, :cut].contiguous().view(self._index_type).reshape(-1).long()
+        values = gathered[:, cut:].contiguous().view(self._value_type).reshape(-1).float()
         if average:
             values.div_(gathered.shape[0])
         grad = p.grad
