@@ -1,8 +1,10 @@
 """PyTorch DistributedDataParallel on the Perseus core (docs/ddp.md).
 
 ``import perseus`` (seed 003 asks for it before ``import torch``; after works too)
-and every ``DistributedDataParallel`` model built on torch's default process group
-has its gradient buckets averaged by Perseus instead of by the group's backend:
+and every ``DistributedDataParallel`` model, on torch's default process group or on
+a subgroup (``new_group``, ``new_subgroups``, a ``DeviceMesh`` dimension: each is
+reduced by a Perseus process set of the same ranks), has its gradient buckets
+averaged by Perseus instead of by the group's backend:
 the model, the optimizer, the launcher and the rest of torch.distributed stay as
 they are. A model on which the user registers a communication hook (before its
 first forward) keeps that hook. ``PERSEUS_DDP=0`` leaves DDP's communication to torch;
@@ -29,7 +31,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-__all__ = ["allreduce_hook", "completed", "enabled", "hooked", "init", "patch"]
+__all__ = ["allreduce_hook", "completed", "enabled", "hooked", "init", "patch",
+           "process_set_of"]
 
 # Variables by which Perseus's core finds its ranks without torch (config/topology.rs).
 _LAUNCHER_RANKS = ("PERSEUS_RANK", "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK",
@@ -39,6 +42,8 @@ _originals = {}
 _ids = itertools.count()
 _server = None  # the rendezvous this rank hosts when torch's group gave the ranks
 _store_rounds = itertools.count()
+_sets = {}  # a torch group's sorted global ranks -> the ProcessSet that reduces for it
+_synced = 0  # the Perseus generation (basics.generation) whose sets match torch's groups
 
 
 def enabled():
@@ -109,10 +114,12 @@ def _shared_secret(store, key, rank):
 
 
 def init():
-    """Start Perseus for the ranks of torch's default process group (collective; does
-    nothing when Perseus already runs with the same ranks). Building a DDP model calls
-    it; call it yourself before registering :func:`allreduce_hook` by hand with
-    ``PERSEUS_DDP=0``. Raises ``ValueError`` when the two disagree on the ranks."""
+    """Start Perseus for the ranks of torch's default process group, and give each of
+    torch's subgroups a Perseus process set of the same ranks (collective: every rank
+    calls it; it does nothing more when both are done). Groups created later on every
+    rank get theirs as they are created. Building a DDP model calls it; call it yourself
+    before registering :func:`allreduce_hook` by hand with ``PERSEUS_DDP=0``. Raises
+    ``ValueError`` when Perseus and torch disagree on the ranks."""
     from perseus.common import basics
 
     if not dist.is_available() or not dist.is_initialized():
@@ -131,6 +138,8 @@ def init():
             f"Perseus is rank {core.rank()} of {core.size()} but torch.distributed is rank "
             f"{rank} of {size}: the launcher's variables and init_process_group() disagree; "
             "give init_process_group() the launcher's ranks, or set PERSEUS_DDP=0")
+    if _synced != basics.generation():
+        _sync_groups()
 
 
 def _torch_env_missing(args, kwargs):
@@ -177,6 +186,85 @@ def _init_process_group(*args, **kwargs):
     return _originals["init_process_group"](*args, **kwargs)
 
 
+# --------------------------------------------------------------------------- subgroups
+
+def _world_group_ranks():
+    """torch's bookkeeping: each group this rank belongs to -> {global rank: group rank}."""
+    return getattr(dist.distributed_c10d._world, "pg_group_ranks", {})
+
+
+def _subgroups():
+    """The sorted global ranks of each torch group this rank belongs to, but the world."""
+    size = dist.get_world_size()
+    found = {tuple(sorted(ranks)) for ranks in list(_world_group_ranks().values())}
+    return sorted(ranks for ranks in found if len(ranks) < size)
+
+
+def _register(ranks):
+    """The process set of ``ranks``: one already registered (by this module or by
+    ``add_process_set``), or a new one. Registering is a collective of every rank, so
+    every rank calls this for the same ``ranks`` in the same order."""
+    from perseus.common import process_sets
+
+    ps = _sets.get(ranks)
+    if ps is None or ps.process_set_id is None:
+        same = [s for s in process_sets.process_sets() if tuple(s.ranks) == ranks]
+        ps = _sets[ranks] = same[0] if same else process_sets.add_process_set(list(ranks))
+    return ps
+
+
+def _sync_groups():
+    """Give every torch subgroup that exists now a Perseus process set (a collective:
+    each rank knows only the groups it belongs to, so the ranks exchange theirs first)."""
+    global _synced
+    from perseus.common import basics, objects
+
+    _sets.clear()
+    everyone = objects.allgather_object(_subgroups(), name="perseus.ddp.subgroups")
+    for ranks in sorted({tuple(r) for mine in everyone for r in mine}):
+        _register(ranks)
+    _synced = basics.generation()
+
+
+def _new_group_with_tag(*args, **kwargs):
+    """torch's group constructor (behind ``new_group``, ``new_subgroups`` and DeviceMesh);
+    once Perseus runs for DDP, a group every rank creates gets its process set at once."""
+    group = _originals["new_group_with_tag"](*args, **kwargs)
+    # _new_group_with_tag(ranks, timeout, backend, backend_options, pg_tag,
+    #                     use_local_synchronization, ...)
+    local = kwargs.get("use_local_synchronization", args[5] if len(args) > 5 else False)
+    if not local and _synced and _synced == _basics().generation():
+        ranks = kwargs.get("ranks", args[0] if args else None)
+        size = dist.get_world_size()
+        ranks = tuple(sorted(range(size) if ranks is None else ranks))
+        if len(ranks) < size:
+            _register(ranks)
+    return group
+
+
+def _basics():
+    from perseus.common import basics
+
+    return basics
+
+
+def process_set_of(group):
+    """The Perseus process set that reduces for torch process group ``group`` (``None``:
+    the default group), or ``None`` when Perseus has none for it: a group created with
+    ``use_local_synchronization=True`` or by ``split_group`` after Perseus started, which
+    not every rank saw."""
+    from perseus.torch.horovod import mpi_ops
+
+    default = dist.distributed_c10d._get_default_group()
+    if group is None or group is default:
+        return mpi_ops.global_process_set
+    ranks = tuple(sorted(dist.get_process_group_ranks(group)))
+    if len(ranks) == dist.get_world_size():
+        return mpi_ops.global_process_set
+    ps = _sets.get(ranks) if _synced == _basics().generation() else None
+    return ps if ps is not None and ps.process_set_id is not None else None
+
+
 # --------------------------------------------------------------------------- the hook
 
 class _Completer:
@@ -219,12 +307,13 @@ class _State:
     """Perseus's side of one DDP model: its tensors' name prefix, the hook choice, and
     PowerSGD's state when seed 001's AIAK_POWERSGD_COMPRESSION=1 asks for it."""
 
-    __slots__ = ("hooked", "powersgd", "prefix", "settled", "user_hook")
+    __slots__ = ("hooked", "powersgd", "prefix", "process_set", "settled", "user_hook")
 
-    def __init__(self, prefix, user_hook, powersgd=None):
+    def __init__(self, prefix, user_hook, powersgd=None, process_set=None):
         self.prefix = prefix
         self.user_hook = user_hook
         self.powersgd = powersgd
+        self.process_set = process_set  # None: the global set
         self.settled = False  # the first forward chose the hook
         self.hooked = False  # Perseus's hook is the model's
 
@@ -233,20 +322,21 @@ class _State:
 
 
 def allreduce_hook(state, bucket):
-    """DDP communication hook: average ``bucket``'s gradients over all ranks with Perseus.
+    """DDP communication hook: average ``bucket``'s gradients over the model's ranks with
+    Perseus.
 
     The reduction is a gradient one, so PERSEUS_ALLREDUCE_DTYPE, its gradient scale
     and PERSEUS_ALLREDUCE_MODE apply as for ``DistributedOptimizer``. ``state`` may be
-    ``None`` (``ddp.register_comm_hook(None, perseus.ddp.allreduce_hook)``; every
-    rank must register it on the same models in the same order); Perseus must be
-    running (see :func:`init`).
+    ``None`` (every rank) or a torch process group (its ranks), as for torch's own
+    ``allreduce_hook``: ``ddp.register_comm_hook(group, perseus.ddp.allreduce_hook)``;
+    every rank of the group must register it on the same models in the same order.
+    Perseus must be running (see :func:`init`).
     """
     from perseus.torch.horovod import mpi_ops
 
     buf = bucket.buffer()
     handle = mpi_ops.gradient_allreduce_async_(buf, f"{_prefix(state)}.bucket{bucket.index()}",
-                                               mpi_ops.Average, 1.0, 1.0,
-                                               mpi_ops.global_process_set)
+                                               mpi_ops.Average, 1.0, 1.0, _process_set(state))
 
     def finish():
         handle.wait()
@@ -259,7 +349,29 @@ def _prefix(state):
     if not _core().is_initialized():
         raise ValueError("Perseus is not initialized: call perseus.ddp.init() after "
                          "init_process_group() and before the first backward")
-    return state.prefix if isinstance(state, _State) else "ddp"
+    if isinstance(state, _State):
+        return state.prefix
+    if isinstance(state, dist.ProcessGroup):
+        return f"ddp.group{'.'.join(map(str, sorted(dist.get_process_group_ranks(state))))}"
+    return "ddp"
+
+
+def _process_set(state):
+    """The process set a hook's ``state`` reduces over (see :func:`allreduce_hook`)."""
+    from perseus.torch.horovod import mpi_ops
+
+    if isinstance(state, _State):
+        return state.process_set or mpi_ops.global_process_set
+    if isinstance(state, dist.ProcessGroup):
+        ps = process_set_of(state)
+        if ps is None:
+            raise ValueError(
+                f"Perseus has no process set for the process group of ranks "
+                f"{sorted(dist.get_process_group_ranks(state))}: call perseus.ddp.init() "
+                "on every rank before creating it, and create it on every rank "
+                "(use_local_synchronization=False)")
+        return ps
+    return mpi_ops.global_process_set
 
 
 def completed(buf, finish):
@@ -284,8 +396,6 @@ def _why_not(ddp):
         return "compiled autograd reduces through torch's functional collectives"
     if getattr(ddp, "_delay_all_reduce_all_params", False):
         return "it delays every allreduce to the end of backward"
-    if ddp.process_group is not dist.distributed_c10d._get_default_group():
-        return "it is built on a process group other than the default one"
     device = getattr(ddp, "device_type", "cpu")
     if device not in ("cpu", "cuda"):
         return f"its parameters are on {device}"
@@ -309,8 +419,17 @@ def _attach(ddp):
 
     on, rank, start = powersgd.settings()
     init()
+    ps = process_set_of(ddp.process_group)
+    if ps is None:
+        warnings.warn(
+            "perseus: this DistributedDataParallel keeps torch's allreduce: its process "
+            "group was created after Perseus started, by split_group or with "
+            "use_local_synchronization=True, so not every rank registered it with Perseus",
+            RuntimeWarning, stacklevel=3)
+        return
     ddp._perseus = _State(f"ddp{next(_ids)}", user_hook=bool(getattr(ddp, "_comm_hooks", ())),
-                          powersgd=powersgd.PowerSGD(rank, start) if on else None)
+                          powersgd=powersgd.PowerSGD(rank, start) if on else None,
+                          process_set=ps)
 
 
 def hooked(ddp):
@@ -365,11 +484,13 @@ def patch():
     if _originals or not dist.is_available():
         return
     cls = DistributedDataParallel
+    c10d = dist.distributed_c10d
     _originals.update(
         ddp_init=cls.__init__, ddp_forward=cls.forward,
         register_comm_hook=cls.register_comm_hook,
         register_builtin_comm_hook=cls._register_builtin_comm_hook,
-        init_process_group=dist.init_process_group)
+        init_process_group=dist.init_process_group,
+        new_group_with_tag=c10d._new_group_with_tag)
     for name, fn in (("__init__", _ddp_init), ("forward", _ddp_forward),
                      ("register_comm_hook", _register_comm_hook),
                      ("_register_builtin_comm_hook", _register_builtin_comm_hook)):
@@ -379,4 +500,7 @@ def patch():
     _init_process_group.__wrapped__ = dist.init_process_group
     _init_process_group.__doc__ = dist.init_process_group.__doc__
     dist.init_process_group = _init_process_group
-    dist.distributed_c10d.init_process_group = _init_process_group
+    c10d.init_process_group = _init_process_group
+    # new_group and the rest look it up in the module at each call
+    _new_group_with_tag.__wrapped__ = c10d._new_group_with_tag
+    c10d._new_group_with_tag = _new_group_with_tag

@@ -105,7 +105,7 @@ def hook(state, bucket):
         ps.step += 1
     if not compress:
         return ddp.allreduce_hook(state, bucket)
-    prefix = ddp._prefix(state)
+    prefix, process_set = ddp._prefix(state), ddp._process_set(state)
     buf, index = bucket.buffer(), bucket.index()
     error = ps.error(index, buf)
     buf.add_(error)
@@ -116,7 +116,7 @@ def hook(state, bucket):
 
     def average(flat, part):
         return mpi_ops.allreduce_async_(flat, name=f"{prefix}.bucket{index}.{part}",
-                                        op=mpi_ops.Average)
+                                        op=mpi_ops.Average, process_set=process_set)
 
     handle = average(first, "p")
 

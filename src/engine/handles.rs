@@ -121,11 +121,88 @@ impl Handles {
                         .unwrap_or_else(PoisonError::into_inner)
                         .0;
                     g.sleepers -= 1;
+                    if !matches!(g.slots.get(&id), Some(Slot::Pending)) {
+                        continue;
+                    }
+                    // Ask without the lock: `interrupted` may block (Python's lock, held
+                    // by a thread that is creating a handle and so waits for this one).
+                    drop(g);
                     if let Some(e) = interrupted() {
                         return Err(e);
                     }
+                    g = self.table();
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::mpsc;
+    use std::sync::Arc;
+    use std::thread;
+
+    #[test]
+    fn a_waiters_interrupt_check_does_not_hold_the_table() {
+        // The Python front-end's check takes the GIL; the thread holding the GIL may be
+        // creating a handle at that moment. Here a plain lock stands in for the GIL.
+        let handles = Arc::new(Handles::default());
+        let gil = Arc::new(Mutex::new(()));
+        let id = handles.create();
+        let held = gil.lock().unwrap();
+        let waiter = {
+            let (handles, gil) = (handles.clone(), gil.clone());
+            thread::spawn(move || {
+                handles.wait(id, Duration::from_millis(5), Duration::ZERO, || {
+                    drop(gil.lock().unwrap());
+                    None
+                })
+            })
+        };
+        thread::sleep(Duration::from_millis(50)); // the waiter now blocks on `gil`
+        let (tx, rx) = mpsc::channel();
+        let creator = {
+            let handles = handles.clone();
+            thread::spawn(move || tx.send(handles.create()).unwrap())
+        };
+        let created = rx.recv_timeout(Duration::from_secs(5));
+        drop(held);
+        assert!(
+            created.is_ok(),
+            "create() blocked behind a waiter's interrupt check"
+        );
+        handles.complete(
+            id,
+            Ok(Output {
+                value: 7,
+                ..Output::default()
+            }),
+        );
+        assert_eq!(waiter.join().unwrap().unwrap().value, 7);
+        creator.join().unwrap();
+    }
+
+    #[test]
+    fn an_interrupt_ends_the_wait_and_a_completion_ends_it_without_asking() {
+        let handles = Handles::default();
+        let id = handles.create();
+        let err = handles
+            .wait(id, Duration::from_millis(1), Duration::ZERO, || {
+                Some(PerseusError::Aborted("interrupted".into()))
+            })
+            .err()
+            .unwrap();
+        assert!(err.to_string().contains("interrupted"), "{err}");
+        handles.complete(id, Ok(Output::default()));
+        let asked = std::cell::Cell::new(0);
+        handles
+            .wait(id, Duration::from_millis(1), Duration::ZERO, || {
+                asked.set(asked.get() + 1);
+                None
+            })
+            .unwrap();
+        assert_eq!(asked.get(), 0);
     }
 }

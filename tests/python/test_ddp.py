@@ -108,6 +108,16 @@ def test_powersgd_of_rank_1_compresses_and_keeps_the_ranks_equal():
                         AIAK_START_COMPRESS_ITER=2), 2)
 
 
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("compression,env", [
+    ("plain", {}),
+    ("powersgd", {"AIAK_POWERSGD_COMPRESSION": 1, "AIAK_MATRIX_APPROXIMATION_RANK": 2,
+                  "AIAK_START_COMPRESS_ITER": 0}),
+])
+def test_ddp_on_subgroups_reduces_over_each_groups_ranks(compression, env):
+    assert_ok(*perseusrun("subgroups", compression, n=4, **env), 4)
+
+
 @pytest.mark.timeout(120)
 def test_a_rank_that_exits_fails_the_others_backward_naming_it():
     # Started directly: torchrun and perseusrun would stop the survivor themselves.

@@ -9,7 +9,9 @@ averaged by Perseus, and training gives what one process gets on the whole batch
 - ``user-hook``: a hook the user registers before the first forward is kept, and one
   registered after Perseus's is refused with a message saying why;
 - ``peer-exit``: rank 1 exits after 2 steps; every other rank's next backward must
-  raise an error naming the lost rank.
+  raise an error naming the lost rank;
+- ``subgroups plain|powersgd``: 4 ranks, DDP models on subgroups (data parallel in pairs),
+  each reduced by a Perseus process set of the group's ranks (see check_subgroups).
 Each rank starts from its own weights; DDP's broadcast gives them rank 0's.
 """
 
@@ -34,15 +36,15 @@ def model(seed):
                          nn.Linear(64, 1))
 
 
-def batch(n):
-    g = torch.Generator().manual_seed(7)
+def batch(n, data=7):
+    g = torch.Generator().manual_seed(data)
     x = torch.randn(ROWS * n, 5, generator=g)
     return x, x.sum(1, keepdim=True).sin()
 
 
-def train(net, rank, n, steps=STEPS, on_step=None):
+def train(net, rank, n, steps=STEPS, on_step=None, data=7):
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-    x, y = batch(n)
+    x, y = batch(n, data)
     rows = slice(rank * ROWS, (rank + 1) * ROWS)
     for step in range(steps):
         if on_step is not None:
@@ -52,11 +54,11 @@ def train(net, rank, n, steps=STEPS, on_step=None):
         opt.step()
 
 
-def reference(n):
+def reference(n, seed=100, data=7):
     """One process, the whole batch, rank 0's starting weights."""
-    net = model(100)
+    net = model(seed)
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-    x, y = batch(n)
+    x, y = batch(n, data)
     for _ in range(STEPS):
         opt.zero_grad()
         F.mse_loss(net(x), y).backward()
@@ -64,12 +66,12 @@ def reference(n):
     return net
 
 
-def check_trained(ddp, rank, n):
+def check_trained(ddp, rank, n, group=None, seed=100, data=7):
     flat = torch.cat([p.detach().flatten() for p in ddp.parameters()])
     gathered = [torch.zeros_like(flat) for _ in range(n)]
-    dist.all_gather(gathered, flat)
+    dist.all_gather(gathered, flat, group=group)
     assert all(torch.equal(gathered[0], g) for g in gathered), f"rank {rank}: models differ"
-    for p, q in zip(ddp.module.parameters(), reference(n).parameters()):
+    for p, q in zip(ddp.module.parameters(), reference(n, seed, data).parameters()):
         close(p.detach(), q.detach(), f"rank {rank}: the model after {STEPS} steps",
               rtol=1e-5, atol=1e-6)
 
@@ -143,9 +145,9 @@ def check_powersgd(expect):
     ROWS = 1 if expect == "exact" else ROWS
     dist.init_process_group("gloo")
     rank, n = dist.get_rank(), dist.get_world_size()
-    # under perseusrun torch's variables came from Perseus, through two broadcasts
-    before = _core.counters()["operations"] if _core.is_initialized() else 0
+    # building the model starts Perseus's side of DDP (which exchanges torch's groups)
     ddp = DDP(model(100 + rank))
+    before = _core.counters()["operations"]
     train(ddp, rank, n)
     assert pddp.hooked(ddp) and ddp._perseus.powersgd.step == STEPS
     ops = _core.counters()["operations"] - before
@@ -186,10 +188,74 @@ def check_peer_exit():
     os._exit(0)
 
 
+def check_subgroups(compression):
+    """Data parallel in pairs on 4 ranks. Pairs {0, 2} and {1, 3} exist before the first
+    DDP model starts Perseus's side of DDP (they are registered then); a DeviceMesh's
+    ``dp`` dimension, pairs {0, 1} and {2, 3}, is made after (registered as it is made).
+    Each pair trains on its own data from its first rank's weights, and must end as one
+    process on the pair's whole batch. A hook registered by hand with a group as its
+    state reduces over that group; a group made with use_local_synchronization=True
+    after the start stays with torch, with a warning saying why."""
+    import warnings
+
+    from perseus import _core
+    from perseus.common import process_sets
+    from torch.distributed.device_mesh import init_device_mesh
+
+    global ROWS
+    ROWS = 1 if compression == "powersgd" else ROWS  # rank-2 PowerSGD is exact on pairs
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    assert dist.get_world_size() == 4
+
+    def pair_trains(group, hook=None):
+        members = dist.get_process_group_ranks(group)
+        first, n = min(members), len(members)
+        before = _core.counters()["operations"] if _core.is_initialized() else 0
+        ddp = DDP(model(100 + rank), process_group=group, bucket_cap_mb=0.004)
+        if hook is not None:
+            ddp.register_comm_hook(group, hook)
+        me = sorted(members).index(rank)
+        train(ddp, me, n, data=7 + first)
+        check_trained(ddp, rank, n, group=group, seed=100 + first, data=7 + first)
+        return ddp, _core.counters()["operations"] - before
+
+    strided, _ = dist.new_subgroups_by_enumeration([[0, 2], [1, 3]])
+    ddp, ops = pair_trains(strided)
+    assert pddp.hooked(ddp), f"rank {rank}: Perseus did not take the pair's allreduce"
+    assert ddp._perseus.process_set.ranks == [rank % 2, rank % 2 + 2], ddp._perseus.process_set
+    assert ops >= STEPS, f"rank {rank}: Perseus ran {ops} collectives in {STEPS} steps"
+    if compression == "powersgd":
+        assert ddp._perseus.powersgd.step == STEPS
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    ddp, ops = pair_trains(mesh.get_group("dp"))
+    assert pddp.hooked(ddp) and ddp._perseus.process_set.ranks == [rank - rank % 2,
+                                                                   rank - rank % 2 + 1]
+    assert ops >= STEPS, f"rank {rank}: Perseus ran {ops} collectives on the mesh's pair"
+
+    # by hand, with the group as the hook's state (torch's own hooks take it so)
+    ddp, ops = pair_trains(mesh.get_group("pp"), hook=pddp.allreduce_hook)
+    assert not pddp.hooked(ddp) and ops >= STEPS, f"rank {rank}: {ops} collectives by hand"
+    ids = sorted(tuple(ps.ranks) for ps in process_sets.process_sets())
+    assert ids == [(0, 1), (0, 1, 2, 3), (0, 2), (1, 3), (2, 3)], ids
+
+    if rank in (0, 3):  # a pair no process set has
+        local = dist.new_group([0, 3], use_local_synchronization=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ddp, ops = pair_trains(local)
+        assert not pddp.hooked(ddp) and ops == 0, f"rank {rank}: {ops} collectives"
+        said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+        assert any("use_local_synchronization=True" in m for m in said), said
+    end(rank)
+
+
 if __name__ == "__main__":
     check = sys.argv[1]
     if check == "spawn":
         torch.multiprocessing.spawn(spawned, args=(2, int(sys.argv[2])), nprocs=2)
     else:
         {"train": check_train, "user-hook": check_user_hook, "peer-exit": check_peer_exit,
-         "powersgd": lambda: check_powersgd(sys.argv[2])}[check]()
+         "powersgd": lambda: check_powersgd(sys.argv[2]),
+         "subgroups": lambda: check_subgroups(sys.argv[2])}[check]()
