@@ -1,6 +1,7 @@
 """The effect of each PERSEUS_* performance switch, measured.
 
-    python benchmarks/switches.py [--quick] [--steps 40] [--size 64M] [--json PATH]
+    python benchmarks/switches.py [--quick] [--steps 40] [--size 64M] [--optimizer sgd|adam]
+                                  [--json PATH]
 
 Training: the communication-bound MLP of training.py on 2 ranks, once per switch
 setting, each against PERSEUS_ALLREDUCE_DTYPE=1 (float32 gradients, nothing else set) as
@@ -15,7 +16,9 @@ allreduce between two loopback "hosts" of one rank each (TCP only) with
 PERSEUS_ALLREDUCE_STREAMS=1, 2 and 4, and the share of the bytes the extra streams carried.
 Negotiation: small_ops.py's 100 asynchronous 4 KiB allreduces through perseus.torch.horovod,
 2 ranks, PERSEUS_OFFLINE_NEG=0 and 1, with the negotiation messages each rank sent and the
-tensors it ran without asking over the whole run. --part runs some sections only.
+tensors it ran without asking over the whole run. --part runs some sections only;
+--optimizer adam trains with Adam (a costlier step, which PERSEUS_OVERLAP_BACKWARD_AND_STEP
+may hide behind communication) instead of SGD with momentum.
 """
 
 import harness
@@ -94,15 +97,19 @@ def _run(label, script, impl, n, opts, env, timeout, hosts=None):
         return {"error": str(e).splitlines()[0]}
 
 
-def run(steps=40, size=64 << 20, quick=False, timeout=600, echo=True, parts=PARTS):
+def run(steps=40, size=64 << 20, quick=False, timeout=600, echo=True, parts=PARTS,
+        optimizer="sgd"):
     """Driver: every training variant, every across-hosts variant, every stream count."""
     timing = {"warmup": 1, "min_iters": 3, "max_iters": 5 if quick else 30,
               "budget": 0.2 if quick else 3.0}
     result = {"steps": steps, "batch": 16, "size": size, "hosts": HOSTS, "training": {},
-              "across": {}, "streams": {}}
+              "across": {}, "streams": {}, "optimizer": optimizer}
     for label, env in TRAINING if "training" in parts else []:
+        if optimizer != "sgd" and "PERSEUS_DGC" in env:
+            continue  # DGC takes SGD only
         result["training"][label] = _run(label, training.__file__, "hvd", 2,
-                                         {"steps": steps, "batch": 16}, env, timeout)
+                                         {"steps": steps, "batch": 16,
+                                          "optimizer": optimizer}, env, timeout)
     for label, env in ACROSS if "across" in parts else []:
         result["across"][label] = _run(label, __file__, "core", 4,
                                        {"size": size, "timing": timing}, env, timeout, HOSTS)
@@ -154,8 +161,9 @@ def sections(result):
         ratio = r["samples_per_s"] / base_sps if base_sps else None
         rows.append([label, f"{r['samples_per_s']:.1f}", harness.fmt(ratio, ".2f") + "×",
                      mib(r.get("bytes_per_step", 0))])
+    optimizer = {"sgd": "", "adam": ", Adam"}[result.get("optimizer", "sgd")]
     out = [] if not runs else [{"title": f"training, 2 ranks, one host: the MLP of training.py, batch "
-                     f"{result['batch']} per rank, {result['steps']} steps, per switch",
+                     f"{result['batch']} per rank, {result['steps']} steps{optimizer}, per switch",
             "headers": ["setting", "samples/s", "÷ baseline", "bytes sent per rank and step"],
             "rows": rows, "notes": notes}]
     rows, notes = [], []
@@ -210,10 +218,13 @@ def main(argv=None):
     p.add_argument("--size", type=harness.parse_size, help="allreduce bytes (default 64M)")
     p.add_argument("--part", choices=PARTS, action="append",
                    help="run this section only (repeatable; default all)")
+    p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd",
+                   help="the training section's optimizer (default sgd; DGC takes SGD only)")
     a = p.parse_args(argv)
     steps = a.steps or (5 if a.quick else 40)
     size = a.size or ((1 << 20) if a.quick else (64 << 20))
-    result = run(steps, size, a.quick, a.timeout, parts=a.part or PARTS)
+    result = run(steps, size, a.quick, a.timeout, parts=a.part or PARTS,
+                 optimizer=a.optimizer)
     harness.finish(result, a.json)
 
 

@@ -8,7 +8,8 @@ DistributedDataParallel on gloo.
 The model: dense layers 4096 -> 2048 -> 2048 -> 2048 -> 2048 -> 2048 -> 10 with ReLU, 25.2 M
 float32 parameters (100 MB of gradients a step), fed a small batch of random data, so a
 step is mostly gradient communication. Both jobs use the same model, initial weights,
-batch per rank, SGD with momentum, one intra-op thread per rank and the same number of
+batch per rank, SGD with momentum (opts ``optimizer``: ``adam`` for Adam, as
+switches.py --optimizer adam asks), one intra-op thread per rank and the same number of
 steps after 3 warm-up steps; samples/s = steps * batch * ranks / the slowest rank's time.
 """
 
@@ -37,7 +38,10 @@ def body(comm, opts):
     steps, batch = opts["steps"], opts["batch"]
     net = model()
     params = sum(p.numel() for p in net.parameters())
-    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    if opts.get("optimizer", "sgd") == "adam":
+        opt = torch.optim.Adam(net.parameters(), lr=1e-4)
+    else:
+        opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
     if comm.impl == "hvd":
         hvd = comm.hvd
         hvd.broadcast_parameters(net.state_dict(), root_rank=0)
