@@ -11,10 +11,12 @@ perseusrun with ``--rsh 'ip netns exec {host}'``, once per setting: float32 grad
 between the hosts (PERSEUS_ALLREDUCE_DTYPE=1, the baseline), the default (float16
 between hosts), the step overlapped with the reductions
 (PERSEUS_OVERLAP_BACKWARD_AND_STEP=1, float32), and DGC (PERSEUS_DGC=1 at ratio 0.001
-with float16 values and int32 indices); and the peer, torch DistributedDataParallel on gloo with one process in each
-namespace. ``--optimizer adam`` trains with Adam instead (a costlier step for the
-overlap to hide; DGC, which takes SGD only, is left out). Reported: samples/s, the ratio to the baseline, the bytes a Perseus rank
-sent per step (the engine's counters) and the final loss. Needs root, iproute2 and tc (tests/python/_netns.py).
+with float16 values and int32 indices); and the peer, torch DistributedDataParallel on
+gloo with one process in each namespace. ``--optimizer adam`` trains with Adam instead
+(a costlier step for the overlap to hide; DGC, which takes SGD only, is left out).
+Reported: samples/s, the ratio to the baseline, the bytes a Perseus rank sent per step
+(the engine's counters) and the final loss. Needs root, iproute2 and tc
+(tests/python/_netns.py).
 """
 
 import os

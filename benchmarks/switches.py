@@ -162,8 +162,9 @@ def sections(result):
         rows.append([label, f"{r['samples_per_s']:.1f}", harness.fmt(ratio, ".2f") + "×",
                      mib(r.get("bytes_per_step", 0))])
     optimizer = {"sgd": "", "adam": ", Adam"}[result.get("optimizer", "sgd")]
-    out = [] if not runs else [{"title": f"training, 2 ranks, one host: the MLP of training.py, batch "
-                     f"{result['batch']} per rank, {result['steps']} steps{optimizer}, per switch",
+    title = (f"training, 2 ranks, one host: the MLP of training.py, batch {result['batch']} "
+             f"per rank, {result['steps']} steps{optimizer}, per switch")
+    out = [] if not runs else [{"title": title,
             "headers": ["setting", "samples/s", "÷ baseline", "bytes sent per rank and step"],
             "rows": rows, "notes": notes}]
     rows, notes = [], []
