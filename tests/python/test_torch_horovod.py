@@ -36,6 +36,13 @@ def test_training(run_workers, n):
 
 
 @pytest.mark.timeout(120)
+def test_a_thread_waiting_long_does_not_block_the_ones_starting_operations(run_workers):
+    """A waiter's Ctrl-C check takes the GIL: it must not hold the engine's handle table
+    while it does, or the thread starting operations (holding the GIL) stops with it."""
+    run_workers(2, "threaded_wait.py", timeout=90)
+
+
+@pytest.mark.timeout(120)
 def test_timeline_of_every_rank_is_whole_after_exit_without_shutdown(run_workers, tmp_path):
     """One PERSEUS_TIMELINE path for all ranks: rank 0 writes it, rank r writes PATH.r,
     and both files are complete JSON though the script never called shutdown()."""
