@@ -233,7 +233,8 @@ def _new_group_with_tag(*args, **kwargs):
     # _new_group_with_tag(ranks, timeout, backend, backend_options, pg_tag,
     #                     use_local_synchronization, ...)
     local = kwargs.get("use_local_synchronization", args[5] if len(args) > 5 else False)
-    if not local and _synced and _synced == _basics().generation():
+    if (not local and _synced and _synced == _basics().generation()
+            and _core().is_initialized()):
         ranks = kwargs.get("ranks", args[0] if args else None)
         size = dist.get_world_size()
         ranks = tuple(sorted(range(size) if ranks is None else ranks))
