@@ -217,13 +217,13 @@ def _sync_groups():
     """Give every torch subgroup that exists now a Perseus process set (a collective:
     each rank knows only the groups it belongs to, so the ranks exchange theirs first)."""
     global _synced
-    from perseus.common import basics, objects
+    from perseus.common import objects
 
     _sets.clear()
     everyone = objects.allgather_object(_subgroups(), name="perseus.ddp.subgroups")
     for ranks in sorted({tuple(r) for mine in everyone for r in mine}):
         _register(ranks)
-    _synced = basics.generation()
+    _synced = _basics().generation()
 
 
 def _new_group_with_tag(*args, **kwargs):
@@ -233,8 +233,8 @@ def _new_group_with_tag(*args, **kwargs):
     # _new_group_with_tag(ranks, timeout, backend, backend_options, pg_tag,
     #                     use_local_synchronization, ...)
     local = kwargs.get("use_local_synchronization", args[5] if len(args) > 5 else False)
-    if (not local and _synced and _synced == _basics().generation()
-            and _core().is_initialized()):
+    # generation() is 0 before the first init, when _synced (0) matches but nothing runs
+    if not local and _synced == _basics().generation() and _core().is_initialized():
         ranks = kwargs.get("ranks", args[0] if args else None)
         size = dist.get_world_size()
         ranks = tuple(sorted(range(size) if ranks is None else ranks))
