@@ -2,8 +2,9 @@
 
 ``import perseus`` (seed 003 asks for it before ``import torch``; after works too)
 and every ``DistributedDataParallel`` model, on torch's default process group or on
-a subgroup (``new_group``, ``new_subgroups``, a ``DeviceMesh`` dimension: each is
-reduced by a Perseus process set of the same ranks), has its gradient buckets
+a subgroup (``new_group``, ``new_subgroups``, ``split_group``, a ``DeviceMesh``
+dimension: each is reduced by a Perseus process set of the same ranks, which the
+group's ranks register among themselves), has its gradient buckets
 averaged by Perseus instead of by the group's backend:
 the model, the optimizer, the launcher and the rest of torch.distributed stay as
 they are. A model on which the user registers a communication hook (before its
@@ -43,7 +44,7 @@ _ids = itertools.count()
 _server = None  # the rendezvous this rank hosts when torch's group gave the ranks
 _store_rounds = itertools.count()
 _sets = {}  # a torch group's sorted global ranks -> the ProcessSet that reduces for it
-_synced = 0  # the Perseus generation (basics.generation) whose sets match torch's groups
+_sets_generation = 0  # the Perseus generation (basics.generation) _sets belong to
 
 
 def enabled():
@@ -114,12 +115,11 @@ def _shared_secret(store, key, rank):
 
 
 def init():
-    """Start Perseus for the ranks of torch's default process group, and give each of
-    torch's subgroups a Perseus process set of the same ranks (collective: every rank
-    calls it; it does nothing more when both are done). Groups created later on every
-    rank get theirs as they are created. Building a DDP model calls it; call it yourself
-    before registering :func:`allreduce_hook` by hand with ``PERSEUS_DDP=0``. Raises
-    ``ValueError`` when Perseus and torch disagree on the ranks."""
+    """Start Perseus for the ranks of torch's default process group (collective: every
+    rank calls it; it does nothing once Perseus runs). Building a DDP model calls it;
+    call it yourself before registering :func:`allreduce_hook` by hand with
+    ``PERSEUS_DDP=0``. Raises ``ValueError`` when Perseus and torch disagree on the
+    ranks."""
     from perseus.common import basics
 
     if not dist.is_available() or not dist.is_initialized():
@@ -138,8 +138,6 @@ def init():
             f"Perseus is rank {core.rank()} of {core.size()} but torch.distributed is rank "
             f"{rank} of {size}: the launcher's variables and init_process_group() disagree; "
             "give init_process_group() the launcher's ranks, or set PERSEUS_DDP=0")
-    if _synced != basics.generation():
-        _sync_groups()
 
 
 def _torch_env_missing(args, kwargs):
@@ -188,61 +186,6 @@ def _init_process_group(*args, **kwargs):
 
 # --------------------------------------------------------------------------- subgroups
 
-def _world_group_ranks():
-    """torch's bookkeeping: each group this rank belongs to -> {global rank: group rank}."""
-    return getattr(dist.distributed_c10d._world, "pg_group_ranks", {})
-
-
-def _subgroups():
-    """The sorted global ranks of each torch group this rank belongs to, but the world."""
-    size = dist.get_world_size()
-    found = {tuple(sorted(ranks)) for ranks in list(_world_group_ranks().values())}
-    return sorted(ranks for ranks in found if len(ranks) < size)
-
-
-def _register(ranks):
-    """The process set of ``ranks``: one already registered (by this module or by
-    ``add_process_set``), or a new one. Registering is a collective of every rank, so
-    every rank calls this for the same ``ranks`` in the same order."""
-    from perseus.common import process_sets
-
-    ps = _sets.get(ranks)
-    if ps is None or ps.process_set_id is None:
-        same = [s for s in process_sets.process_sets() if tuple(s.ranks) == ranks]
-        ps = _sets[ranks] = same[0] if same else process_sets.add_process_set(list(ranks))
-    return ps
-
-
-def _sync_groups():
-    """Give every torch subgroup that exists now a Perseus process set (a collective:
-    each rank knows only the groups it belongs to, so the ranks exchange theirs first)."""
-    global _synced
-    from perseus.common import objects
-
-    _sets.clear()
-    everyone = objects.allgather_object(_subgroups(), name="perseus.ddp.subgroups")
-    for ranks in sorted({tuple(r) for mine in everyone for r in mine}):
-        _register(ranks)
-    _synced = _basics().generation()
-
-
-def _new_group_with_tag(*args, **kwargs):
-    """torch's group constructor (behind ``new_group``, ``new_subgroups`` and DeviceMesh);
-    once Perseus runs for DDP, a group every rank creates gets its process set at once."""
-    group = _originals["new_group_with_tag"](*args, **kwargs)
-    # _new_group_with_tag(ranks, timeout, backend, backend_options, pg_tag,
-    #                     use_local_synchronization, ...)
-    local = kwargs.get("use_local_synchronization", args[5] if len(args) > 5 else False)
-    # generation() is 0 before the first init, when _synced (0) matches but nothing runs
-    if not local and _synced == _basics().generation() and _core().is_initialized():
-        ranks = kwargs.get("ranks", args[0] if args else None)
-        size = dist.get_world_size()
-        ranks = tuple(sorted(range(size) if ranks is None else ranks))
-        if len(ranks) < size:
-            _register(ranks)
-    return group
-
-
 def _basics():
     from perseus.common import basics
 
@@ -251,9 +194,13 @@ def _basics():
 
 def process_set_of(group):
     """The Perseus process set that reduces for torch process group ``group`` (``None``:
-    the default group), or ``None`` when Perseus has none for it: a group created with
-    ``use_local_synchronization=True`` or by ``split_group`` after Perseus started, which
-    not every rank saw."""
+    the default group). The first call for a subgroup registers a set of its ranks:
+    a collective over those ranks alone (each calls it, as building a DDP model on the
+    group does; the other ranks take no part), so any group works, however torch made
+    it (``new_group``, ``use_local_synchronization=True``, ``split_group``, a
+    ``DeviceMesh`` dimension). A set of the same ranks registered already, with
+    ``hvd.add_process_set`` or by an earlier group, is reused. Perseus must be running
+    (see :func:`init`)."""
     from perseus.torch.horovod import mpi_ops
 
     default = dist.distributed_c10d._get_default_group()
@@ -262,8 +209,28 @@ def process_set_of(group):
     ranks = tuple(sorted(dist.get_process_group_ranks(group)))
     if len(ranks) == dist.get_world_size():
         return mpi_ops.global_process_set
-    ps = _sets.get(ranks) if _synced == _basics().generation() else None
-    return ps if ps is not None and ps.process_set_id is not None else None
+    if dist.get_rank() not in ranks:
+        raise ValueError(f"rank {dist.get_rank()} is not in the process group of ranks "
+                         f"{list(ranks)}, so it has no process set there")
+    return _set_of(ranks)
+
+
+def _set_of(ranks):
+    """The process set of ``ranks`` (sorted, holding this rank) in this generation of
+    Perseus: found, or registered by those ranks alone."""
+    global _sets_generation
+    from perseus.common import process_sets
+
+    generation = _basics().generation()
+    if _sets_generation != generation:
+        _sets.clear()
+        _sets_generation = generation
+    ps = _sets.get(ranks)
+    if ps is None or ps.process_set_id is None:
+        same = [s for s in process_sets.process_sets() if tuple(s.ranks) == ranks]
+        ps = _sets[ranks] = same[0] if same else process_sets.add_process_set(
+            list(ranks), members_only=True)
+    return ps
 
 
 # --------------------------------------------------------------------------- the hook
@@ -308,13 +275,15 @@ class _State:
     """Perseus's side of one DDP model: its tensors' name prefix, the hook choice, and
     PowerSGD's state when seed 001's AIAK_POWERSGD_COMPRESSION=1 asks for it."""
 
-    __slots__ = ("hooked", "powersgd", "prefix", "process_set", "settled", "user_hook")
+    __slots__ = ("group", "hooked", "powersgd", "prefix", "process_set", "settled",
+                 "user_hook")
 
-    def __init__(self, prefix, user_hook, powersgd=None, process_set=None):
+    def __init__(self, prefix, group, user_hook, powersgd=None):
         self.prefix = prefix
+        self.group = group  # torch's process group of the model
         self.user_hook = user_hook
         self.powersgd = powersgd
-        self.process_set = process_set  # None: the global set
+        self.process_set = None  # the group's, found at the first need
         self.settled = False  # the first forward chose the hook
         self.hooked = False  # Perseus's hook is the model's
 
@@ -362,16 +331,12 @@ def _process_set(state):
     from perseus.torch.horovod import mpi_ops
 
     if isinstance(state, _State):
-        return state.process_set or mpi_ops.global_process_set
-    if isinstance(state, dist.ProcessGroup):
-        ps = process_set_of(state)
-        if ps is None:
-            raise ValueError(
-                f"Perseus has no process set for the process group of ranks "
-                f"{sorted(dist.get_process_group_ranks(state))}: call perseus.ddp.init() "
-                "on every rank before creating it, and create it on every rank "
-                "(use_local_synchronization=False)")
+        ps = state.process_set
+        if ps is None or ps.process_set_id is None:  # or Perseus restarted since
+            ps = state.process_set = process_set_of(state.group)
         return ps
+    if isinstance(state, dist.ProcessGroup):
+        return process_set_of(state)
     return mpi_ops.global_process_set
 
 
@@ -420,17 +385,11 @@ def _attach(ddp):
 
     on, rank, start = powersgd.settings()
     init()
-    ps = process_set_of(ddp.process_group)
-    if ps is None:
-        warnings.warn(
-            "perseus: this DistributedDataParallel keeps torch's allreduce: its process "
-            "group was created after Perseus started, by split_group or with "
-            "use_local_synchronization=True, so not every rank registered it with Perseus",
-            RuntimeWarning, stacklevel=3)
-        return
-    ddp._perseus = _State(f"ddp{next(_ids)}", user_hook=bool(getattr(ddp, "_comm_hooks", ())),
-                          powersgd=powersgd.PowerSGD(rank, start) if on else None,
-                          process_set=ps)
+    ddp._perseus = _State(f"ddp{next(_ids)}", ddp.process_group,
+                          user_hook=bool(getattr(ddp, "_comm_hooks", ())),
+                          powersgd=powersgd.PowerSGD(rank, start) if on else None)
+    # Registers the group's set now, while every rank of the group builds the model.
+    _process_set(ddp._perseus)
 
 
 def hooked(ddp):
@@ -490,8 +449,7 @@ def patch():
         ddp_init=cls.__init__, ddp_forward=cls.forward,
         register_comm_hook=cls.register_comm_hook,
         register_builtin_comm_hook=cls._register_builtin_comm_hook,
-        init_process_group=dist.init_process_group,
-        new_group_with_tag=c10d._new_group_with_tag)
+        init_process_group=dist.init_process_group)
     for name, fn in (("__init__", _ddp_init), ("forward", _ddp_forward),
                      ("register_comm_hook", _register_comm_hook),
                      ("_register_builtin_comm_hook", _register_builtin_comm_hook)):
@@ -502,6 +460,3 @@ def patch():
     _init_process_group.__doc__ = dist.init_process_group.__doc__
     dist.init_process_group = _init_process_group
     c10d.init_process_group = _init_process_group
-    # new_group and the rest look it up in the module at each call
-    _new_group_with_tag.__wrapped__ = c10d._new_group_with_tag
-    c10d._new_group_with_tag = _new_group_with_tag

@@ -51,10 +51,20 @@ impl SetState {
     }
 }
 
+/// A process set that its own members are forming (FormProcessSet).
+struct Forming {
+    /// The name each member asked under, by position in the set.
+    names: Vec<Option<String>>,
+    since: Instant,
+    warned: bool,
+}
+
 /// The coordinator's state.
 pub struct Coordinator {
     fusion_threshold: usize,
     sets: BTreeMap<u32, SetState>,
+    /// Sets being formed by their members alone, by their sorted ranks.
+    forming: BTreeMap<Vec<usize>, Forming>,
     next_set_id: u32,
     seq: u64,
     shut: Vec<bool>,
@@ -76,7 +86,7 @@ impl Coordinator {
     /// waits for ranks.
     pub fn stall_watch(&self) -> bool {
         (self.stall.warn.is_some() || self.stall.fail.is_some())
-            && self.sets.values().any(|s| !s.pending.is_empty())
+            && (self.sets.values().any(|s| !s.pending.is_empty()) || !self.forming.is_empty())
     }
 
     /// Names some ranks asked for and others have not, waiting longer than
@@ -109,16 +119,29 @@ impl Coordinator {
                      (ranks {waiting:?} submitted it)",
                     waited.as_secs_f64()
                 );
-                if self.stall.warn.is_some_and(|w| waited >= w) && !p.warned {
-                    p.warned = true;
-                    found.warnings.push(what.clone());
-                }
-                if self.stall.fail.is_some_and(|f| waited >= f)
-                    && !worst.as_ref().is_some_and(|(w, _)| waited <= *w)
-                {
-                    worst = Some((waited, what));
-                }
+                self.stall
+                    .judge(waited, what, &mut p.warned, &mut found, &mut worst);
             }
+        }
+        for (ranks, f) in &mut self.forming {
+            let waited = now.saturating_duration_since(f.since);
+            let who = |asked: bool| -> Vec<usize> {
+                ranks
+                    .iter()
+                    .zip(&f.names)
+                    .filter(|(_, n)| n.is_some() == asked)
+                    .map(|(&m, _)| m)
+                    .collect()
+            };
+            let what = format!(
+                "form_process_set of ranks {ranks:?} has waited {:.0} s for ranks {:?} \
+                 (ranks {:?} asked for it)",
+                waited.as_secs_f64(),
+                who(false),
+                who(true)
+            );
+            self.stall
+                .judge(waited, what, &mut f.warned, &mut found, &mut worst);
         }
         if let Some((_, what)) = worst {
             let limit = self.stall.fail.unwrap_or_default().as_secs();
@@ -171,6 +194,7 @@ impl Coordinator {
         Coordinator {
             fusion_threshold,
             sets,
+            forming: BTreeMap::new(),
             next_set_id: 1,
             seq: 0,
             shut: vec![false; size],
@@ -190,6 +214,10 @@ impl Coordinator {
                 if let Some(d) = &mut self.offline {
                     d.ack(rank);
                 }
+                continue;
+            }
+            if req.kind == OpKind::FormProcessSet {
+                self.ask_to_form(rank, &req, &mut out);
                 continue;
             }
             let Some(set) = self.sets.get_mut(&req.process_set) else {
@@ -233,7 +261,9 @@ impl Coordinator {
         if let Some(d) = &mut self.offline {
             let joined = self.sets.values().any(|s| s.joined.contains(&true));
             d.watch(&mut out, !joined);
-            let quiet = !joined && self.sets.values().all(|s| s.pending.is_empty());
+            let quiet = !joined
+                && self.forming.is_empty()
+                && self.sets.values().all(|s| s.pending.is_empty());
             out.extend(d.settle(quiet));
         }
         out
@@ -349,6 +379,102 @@ impl Coordinator {
         }
         for id in removed {
             self.sets.remove(&id);
+        }
+        self.form_ready(out);
+    }
+
+    /// Records `rank`'s request to form the set of the ranks in `req.ints`.
+    fn ask_to_form(&mut self, rank: usize, req: &Request, out: &mut Outgoing) {
+        let ranks = match check_ranks(&req.ints, self.shut.len()) {
+            Ok(ranks) => ranks,
+            Err(message) => return out.push((vec![rank], error(req, message))),
+        };
+        let Some(idx) = ranks.iter().position(|&m| m == rank) else {
+            let message =
+                format!("rank {rank} cannot form process set {ranks:?}: only its members form it");
+            return out.push((vec![rank], error(req, message)));
+        };
+        let n = ranks.len();
+        let f = self.forming.entry(ranks).or_insert_with(|| Forming {
+            names: vec![None; n],
+            since: Instant::now(),
+            warned: false,
+        });
+        f.names[idx] = Some(req.name.clone());
+    }
+
+    /// Gives an id to each set that all its members asked to form, and fails
+    /// those that a member shut down without asking for.
+    fn form_ready(&mut self, out: &mut Outgoing) {
+        for (ranks, f) in std::mem::take(&mut self.forming) {
+            let asked = || {
+                ranks
+                    .iter()
+                    .zip(&f.names)
+                    .filter_map(|(&m, n)| Some((m, n.clone()?)))
+            };
+            if f.names.iter().all(Option::is_some) {
+                let id = self.next_set_id;
+                self.next_set_id += 1;
+                for (m, name) in asked() {
+                    let done = Response::Done {
+                        kind: OpKind::FormProcessSet,
+                        process_set: 0,
+                        name,
+                        value: id as i64,
+                    };
+                    out.push((vec![m], done));
+                }
+                self.sets.insert(id, SetState::new(ranks));
+                continue;
+            }
+            let gone: Vec<usize> = (ranks.iter().zip(&f.names))
+                .filter(|&(&m, n)| n.is_none() && self.shut[m])
+                .map(|(&m, _)| m)
+                .collect();
+            if gone.is_empty() {
+                self.forming.insert(ranks, f);
+                continue;
+            }
+            for (m, name) in asked() {
+                let message = format!(
+                    "form_process_set of ranks {ranks:?} can never complete: rank(s) {gone:?} \
+                     shut down without asking for it"
+                );
+                let names = vec![name];
+                out.push((
+                    vec![m],
+                    Response::Error {
+                        process_set: 0,
+                        names,
+                        message,
+                    },
+                ));
+            }
+        }
+    }
+}
+
+impl StallLimits {
+    /// Adds `what`, waiting for `waited`, to the warnings once (`warned`) when
+    /// it is past the warning limit, and keeps the longest wait past the
+    /// shutdown limit in `worst`.
+    fn judge(
+        &self,
+        waited: Duration,
+        what: String,
+        warned: &mut bool,
+        found: &mut Stalls,
+        worst: &mut Option<(Duration, String)>,
+    ) {
+        if self.warn.is_some_and(|w| waited >= w) && !*warned {
+            *warned = true;
+            found.warnings.push(what.clone());
+        }
+        if self.fail.is_some_and(|f| waited >= f)
+            && !worst.as_ref().is_some_and(|(w, _)| waited <= *w)
+        {
+            *worst = Some((waited, what));
         }
     }
 }
@@ -561,7 +687,11 @@ fn decide(
         }
         OpKind::AddProcessSet => done(-1),
         OpKind::RemoveProcessSet => done(first.ints.first().copied().unwrap_or(-1)),
-        OpKind::Barrier | OpKind::Shutdown | OpKind::Join | OpKind::OfflineAck => done(0),
+        OpKind::Barrier
+        | OpKind::Shutdown
+        | OpKind::Join
+        | OpKind::OfflineAck
+        | OpKind::FormProcessSet => done(0),
     }
 }
 

@@ -3,7 +3,9 @@
 
 use super::coordinator::Coordinator;
 use super::message::{OpKind, Request, Response};
+use crate::config::StallLimits;
 use crate::dtype::{DataType, ReduceOp};
+use std::time::{Duration, Instant};
 
 fn ar(name: &str, shape: &[i64]) -> Request {
     let mut r = Request::new(OpKind::Allreduce, name, 0);
@@ -293,15 +295,18 @@ fn device_is_answered_only_when_every_rank_sent_a_device_tensor() {
     assert_eq!(device_of(&out), vec![true, false]);
 }
 
-#[test]
-fn stalls_are_warned_once_then_abort_the_job() {
-    use crate::config::StallLimits;
-    use std::time::{Duration, Instant};
+/// A coordinator of `n` ranks that warns of a stall at 60 s and aborts at 120 s.
+fn watched(n: usize) -> Coordinator {
     let limits = StallLimits {
         warn: Some(Duration::from_secs(60)),
         fail: Some(Duration::from_secs(120)),
     };
-    let mut c = Coordinator::new(3, 1 << 20).with_stall_limits(limits);
+    Coordinator::new(n, 1 << 20).with_stall_limits(limits)
+}
+
+#[test]
+fn stalls_are_warned_once_then_abort_the_job() {
+    let mut c = watched(3);
     assert!(!c.stall_watch(), "nothing waits yet");
     let t0 = Instant::now();
     assert!(c.submit(0, vec![ar("stuck", &[2])]).is_empty());
@@ -341,7 +346,111 @@ fn stall_check_off_finds_nothing() {
     let mut c = Coordinator::new(2, 1 << 20);
     assert!(c.submit(0, vec![ar("x", &[2])]).is_empty());
     assert!(!c.stall_watch());
-    let t = std::time::Instant::now() + std::time::Duration::from_secs(1_000_000);
+    let t = Instant::now() + Duration::from_secs(1_000_000);
     let found = c.check_stalls(t);
     assert!(found.warnings.is_empty() && found.abort.is_empty());
+}
+
+fn form(ranks: &[i64]) -> Request {
+    let mut r = Request::new(OpKind::FormProcessSet, format!("form{ranks:?}"), 0);
+    r.ints = ranks.to_vec();
+    r
+}
+
+#[test]
+fn a_set_formed_by_its_members_alone_gets_an_id_only_they_hear_of() {
+    let mut c = Coordinator::new(4, 1 << 20);
+    // Rank 3 never takes part; ranks 1 and 2 form theirs in the meantime.
+    assert!(c.submit(0, vec![form(&[0, 2])]).is_empty());
+    assert!(c.submit(1, vec![form(&[1, 2])]).is_empty());
+    let out = c.submit(2, vec![form(&[1, 2]), form(&[0, 2])]);
+    let got: Vec<(Vec<usize>, i64)> = out
+        .iter()
+        .map(|(to, r)| match r {
+            Response::Done {
+                kind: OpKind::FormProcessSet,
+                process_set: 0,
+                value,
+                ..
+            } => (to.clone(), *value),
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    // Both became whole in one flush; the sets are taken in rank order.
+    assert_eq!(
+        got,
+        vec![(vec![0], 1), (vec![2], 1), (vec![1], 2), (vec![2], 2)]
+    );
+    // A set of every rank added afterwards takes the next id.
+    let mut add = Request::new(OpKind::AddProcessSet, "add_process_set.1", 0);
+    add.ints = vec![0, 1, 3];
+    for r in 0..3 {
+        assert!(c.submit(r, vec![add.clone()]).is_empty());
+    }
+    let out = c.submit(3, vec![add]);
+    assert!(
+        matches!(out[0].1, Response::Done { value: 3, .. }),
+        "{out:?}"
+    );
+    // The formed set negotiates among its members like any other.
+    let mut a = ar("s", &[1]);
+    a.process_set = 2;
+    assert!(c.submit(1, vec![a.clone()]).is_empty());
+    let out = c.submit(2, vec![a]);
+    assert_eq!(out.len(), 1);
+    assert_eq!(out[0].0, vec![1, 2]);
+    assert!(matches!(out[0].1, Response::Op { process_set: 2, .. }));
+}
+
+#[test]
+fn forming_a_set_fails_for_outsiders_bad_ranks_and_members_that_shut_down() {
+    let mut c = Coordinator::new(3, 1 << 20);
+    let out = c.submit(0, vec![form(&[1, 2])]);
+    assert_eq!(out[0].0, vec![0]);
+    assert!(
+        matches!(&out[0].1, Response::Error { message, .. } if message.contains("only its members")),
+        "{out:?}"
+    );
+    let out = c.submit(0, vec![form(&[0, 7])]);
+    assert!(
+        matches!(&out[0].1, Response::Error { message, .. } if message.contains("from 0 to 2")),
+        "{out:?}"
+    );
+    assert!(c.submit(0, vec![form(&[0, 1])]).is_empty());
+    let out = c.submit(1, vec![Request::new(OpKind::Shutdown, "shutdown.1", 0)]);
+    let errors: Vec<_> = out
+        .iter()
+        .filter_map(|(to, r)| match r {
+            Response::Error { names, message, .. } => Some((to.clone(), names.clone(), message)),
+            _ => None,
+        })
+        .collect();
+    assert_eq!(errors.len(), 1, "{out:?}");
+    let (to, names, message) = &errors[0];
+    assert_eq!((to, names), (&vec![0], &vec!["form[0, 1]".to_string()]));
+    assert!(
+        message.contains("ranks [0, 1]") && message.contains("rank(s) [1] shut down"),
+        "{message}"
+    );
+}
+
+#[test]
+fn a_set_formed_halfway_is_a_stall_naming_who_is_missing() {
+    let mut c = watched(3);
+    let t0 = Instant::now();
+    assert!(c.submit(2, vec![form(&[0, 2])]).is_empty());
+    assert!(c.stall_watch(), "a set being formed waits for ranks");
+    let late = c.check_stalls(t0 + Duration::from_secs(61));
+    assert_eq!(late.warnings.len(), 1, "{:?}", late.warnings);
+    let w = &late.warnings[0];
+    assert!(
+        w.contains("form_process_set of ranks [0, 2]")
+            && w.contains("for ranks [0]")
+            && w.contains("ranks [2] asked"),
+        "{w}"
+    );
+    let fail = c.check_stalls(t0 + Duration::from_secs(121));
+    assert_eq!(fail.abort.len(), 1);
+    assert_eq!(c.submit(0, vec![form(&[0, 2])]).len(), 2);
+    assert!(!c.stall_watch());
 }

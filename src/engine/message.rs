@@ -33,6 +33,9 @@ pub enum OpKind {
     /// This rank took the coordinator's offer to run a recorded schedule
     /// (PERSEUS_OFFLINE_NEG) and now holds its new requests.
     OfflineAck = 10,
+    /// Register a process set over its own members only: the others never
+    /// learn of it (torch's `use_local_synchronization=True` groups).
+    FormProcessSet = 11,
 }
 
 impl OpKind {
@@ -50,6 +53,7 @@ impl OpKind {
             8 => RemoveProcessSet,
             9 => Shutdown,
             10 => OfflineAck,
+            11 => FormProcessSet,
             _ => return Err(PerseusError::Protocol(format!("unknown op kind {c}"))),
         })
     }
@@ -69,6 +73,7 @@ impl OpKind {
             RemoveProcessSet => "remove_process_set",
             Shutdown => "shutdown",
             OfflineAck => "offline_ack",
+            FormProcessSet => "form_process_set",
         }
     }
 
@@ -101,8 +106,8 @@ pub struct Request {
     pub postscale: f64,
     /// Allgather: every rank must send the same shape (results are stacked).
     pub stack: bool,
-    /// Alltoall: rows for each destination; AddProcessSet: the member ranks;
-    /// RemoveProcessSet: the id.
+    /// Alltoall: rows for each destination; AddProcessSet and FormProcessSet:
+    /// the member ranks; RemoveProcessSet: the id.
     pub ints: Vec<i64>,
     /// Allreduce: encoding on the wire and shape across hosts.
     pub plan: Plan,
@@ -226,7 +231,7 @@ pub enum Response {
         process_set: u32,
         /// Name of the request it answers.
         name: String,
-        /// Join: last rank to join; AddProcessSet: the new id.
+        /// Join: last rank to join; AddProcessSet and FormProcessSet: the new id.
         value: i64,
     },
     /// From now on, every rank may send `id` instead of this request in full

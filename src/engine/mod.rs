@@ -1106,7 +1106,7 @@ impl State {
                     OpKind::Join => {
                         self.joined.remove(&ps);
                     }
-                    OpKind::AddProcessSet => {
+                    OpKind::AddProcessSet | OpKind::FormProcessSet => {
                         let ranks = req.ints.iter().map(|&r| r as usize).collect();
                         self.shared
                             .sets

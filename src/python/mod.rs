@@ -215,6 +215,20 @@ fn add_process_set(py: Python<'_>, ranks: Vec<i64>) -> PyResult<u32> {
     Ok(wait_for(py, &e, h)?.value as u32)
 }
 
+/// Registers a process set over its members only (a collective over
+/// `ranks`, which hold this rank); the other ranks never learn of it.
+/// Returns its id.
+#[pyfunction]
+fn form_process_set(py: Python<'_>, ranks: Vec<i64>) -> PyResult<u32> {
+    let e = engine()?;
+    // Named by its ranks, so that every member asks under the same name.
+    let name = format!("form_process_set{ranks:?}");
+    let mut req = Request::new(OpKind::FormProcessSet, name, 0);
+    req.ints = ranks;
+    let h = e.enqueue(req, None, None).map_err(to_py)?;
+    Ok(wait_for(py, &e, h)?.value as u32)
+}
+
 /// Removes a process set (collective over all ranks).
 #[pyfunction]
 fn remove_process_set(py: Python<'_>, id: u32) -> PyResult<()> {
@@ -641,6 +655,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_debug_panic, m)?)?;
     m.add_function(wrap_pyfunction!(set_fusion_threshold, m)?)?;
     m.add_function(wrap_pyfunction!(add_process_set, m)?)?;
+    m.add_function(wrap_pyfunction!(form_process_set, m)?)?;
     m.add_function(wrap_pyfunction!(remove_process_set, m)?)?;
     m.add_function(wrap_pyfunction!(process_set_ranks, m)?)?;
     m.add_function(wrap_pyfunction!(process_set_ids, m)?)?;

@@ -16,6 +16,8 @@ class ProcessSet:
     process_set_id = None
     ranks = None
     mpi_comm = None
+    #: Registered by its members alone (``add_process_set(..., members_only=True)``).
+    members_only = False
 
     def __init__(self, ranks):
         bad = "ProcessSet should be initialized with a list of process ranks"
@@ -137,17 +139,30 @@ def set_rank(process_set):
     return ranks.index(me)
 
 
-def add_process_set(process_set):
+def add_process_set(process_set, members_only=False):
     """Register a new process set on every rank (a collective: all ranks must call it).
 
     ``process_set`` is a :class:`ProcessSet` or a list of ranks; returns the
     registered ProcessSet.
+
+    ``members_only=True`` (a Perseus extension, like torch's
+    ``new_group(use_local_synchronization=True)``): only the set's own ranks call
+    it, a collective over them alone, and the other ranks never learn of the set.
+    Such a set stays until shutdown: ``remove_process_set`` refuses it.
     """
     if not isinstance(process_set, ProcessSet):
         process_set = ProcessSet(process_set)
     if not _core.is_initialized():
         raise ValueError("Perseus has not been initialized; use hvd.init().")
-    process_set.process_set_id = _core.add_process_set(list(process_set.ranks))
+    ranks = list(process_set.ranks)
+    if members_only:
+        if _core.rank() not in ranks:
+            raise ValueError(f"rank {_core.rank()} cannot add process set {ranks} with "
+                             "members_only=True: only its members call it")
+        process_set.process_set_id = _core.form_process_set(ranks)
+    else:
+        process_set.process_set_id = _core.add_process_set(ranks)
+    process_set.members_only = bool(members_only)
     _registry.setdefault(process_set.process_set_id, []).append(process_set)
     return process_set
 
@@ -161,6 +176,9 @@ def remove_process_set(process_set):
     pid = process_set.process_set_id
     if pid is None or pid == _GLOBAL_ID:
         return False
+    if process_set.members_only:
+        raise ValueError(f"{process_set} was added with members_only=True, which the other "
+                         "ranks never saw: it stays until shutdown and cannot be removed")
     _core.remove_process_set(pid)
     for ps in _registry.pop(pid, [process_set]):
         ps.invalidate()

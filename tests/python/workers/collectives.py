@@ -388,6 +388,36 @@ def check_process_sets(r, n, set_a, set_b):
     hvd.barrier()
 
 
+def check_members_only_sets(r, n):
+    """add_process_set(members_only=True): only the set's ranks call it (rank n - 1 sits
+    out), they use it as any set, and the other ranks never learn of it."""
+    ranks = list(range(n - 1))
+    known = sorted(ps.process_set_id for ps in process_sets())
+    if r in ranks:
+        ps = hvd.add_process_set(ranks, members_only=True)
+        assert ps.members_only and ps.included() and ps.process_set_id not in known, ps
+        close(hvd.allreduce(torch.full((2,), float(r + 1)), op=hvd.Sum, process_set=ps),
+              torch.full((2,), float(sum(i + 1 for i in ranks))), "members-only set sum")
+        assert hvd.allgather_object(r, process_set=ps) == ranks
+        with raises(ValueError, "members_only=True", "cannot be removed",
+                    what="removing a members-only set"):
+            hvd.remove_process_set(ps)
+        again = hvd.add_process_set(hvd.ProcessSet(ranks), members_only=True)
+        assert again.process_set_id not in known + [ps.process_set_id], again
+        close(hvd.broadcast(torch.full((2,), float(r)), 0, process_set=again),
+              torch.zeros(2), "second members-only set broadcast")
+    else:
+        with raises(ValueError, f"rank {r} cannot add process set {ranks}",
+                    "only its members", what="members-only set from a rank outside it"):
+            hvd.add_process_set(ranks, members_only=True)
+        assert sorted(ps.process_set_id for ps in process_sets()) == known
+    # A set every rank adds afterwards gets one id on all of them.
+    later = hvd.add_process_set([n - 1])
+    assert not later.members_only
+    assert hvd.allgather_object(later.process_set_id) == [later.process_set_id] * n
+    assert hvd.remove_process_set(later)
+
+
 def main():
     n_env = int(os.environ.get("PERSEUS_SIZE") or os.environ["HOROVOD_SIZE"])
     set_a = hvd.ProcessSet(range(n_env - 1))
@@ -414,6 +444,7 @@ def main():
     check_join(r, n)
     check_timeline(r, n)
     check_process_sets(r, n, set_a, set_b)
+    check_members_only_sets(r, n)
     hvd.shutdown()
     assert not hvd.is_initialized()
     done(r)

@@ -11,7 +11,8 @@ averaged by Perseus, and training gives what one process gets on the whole batch
 - ``peer-exit``: rank 1 exits after 2 steps; every other rank's next backward must
   raise an error naming the lost rank;
 - ``subgroups plain|powersgd``: 4 ranks, DDP models on subgroups (data parallel in pairs),
-  each reduced by a Perseus process set of the group's ranks (see check_subgroups).
+  however torch made them, each reduced by a Perseus process set that the group's ranks
+  register among themselves (see check_subgroups).
 Each rank starts from its own weights; DDP's broadcast gives them rank 0's.
 """
 
@@ -189,13 +190,14 @@ def check_peer_exit():
 
 
 def check_subgroups(compression):
-    """Data parallel in pairs on 4 ranks. Pairs {0, 2} and {1, 3} exist before the first
-    DDP model starts Perseus's side of DDP (they are registered then); a DeviceMesh's
-    ``dp`` dimension, pairs {0, 1} and {2, 3}, is made after (registered as it is made).
-    Each pair trains on its own data from its first rank's weights, and must end as one
-    process on the pair's whole batch. A hook registered by hand with a group as its
-    state reduces over that group; a group made with use_local_synchronization=True
-    after the start stays with torch, with a warning saying why."""
+    """Data parallel in pairs on 4 ranks: pairs {0, 2} and {1, 3} (new_subgroups), a
+    DeviceMesh's ``dp`` dimension (pairs {0, 1} and {2, 3}), its ``pp`` dimension with a
+    hook registered by hand with the group as its state, a pair {1, 2} from split_group
+    and, at the same time, a pair {0, 3} that only ranks 0 and 3 create
+    (use_local_synchronization=True). Each pair trains on its own data from its first
+    rank's weights, and must end as one process on the pair's whole batch. Each group's
+    ranks register its process set among themselves: a rank knows the sets of its own
+    groups and no others, and groups of the same ranks share one."""
     import warnings
 
     from perseus import _core
@@ -237,17 +239,28 @@ def check_subgroups(compression):
     # by hand, with the group as the hook's state (torch's own hooks take it so)
     ddp, ops = pair_trains(mesh.get_group("pp"), hook=pddp.allreduce_hook)
     assert not pddp.hooked(ddp) and ops >= STEPS, f"rank {rank}: {ops} collectives by hand"
-    ids = sorted(tuple(ps.ranks) for ps in process_sets.process_sets())
-    assert ids == [(0, 1), (0, 1, 2, 3), (0, 2), (1, 3), (2, 3)], ids
+    # the pp pairs are the strided ones: their set is reused
+    mine = sorted(tuple(ps.ranks) for ps in process_sets.process_sets())
+    strided_pair, dp_pair = (rank % 2, rank % 2 + 2), (rank - rank % 2, rank - rank % 2 + 1)
+    expect = sorted([(0, 1, 2, 3), strided_pair, dp_pair])
+    assert mine == expect, f"rank {rank}: {mine}"
 
-    if rank in (0, 3):  # a pair no process set has
-        local = dist.new_group([0, 3], use_local_synchronization=True)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            ddp, ops = pair_trains(local)
-        assert not pddp.hooked(ddp) and ops == 0, f"rank {rank}: {ops} collectives"
-        said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
-        assert any("use_local_synchronization=True" in m for m in said), said
+    # Made by every rank; then, while 1 and 2 train on theirs, 0 and 3 make a pair
+    # that ranks 1 and 2 never see, and train on it.
+    split = dist.split_group(split_ranks=[[1, 2]])
+    pair = (1, 2) if rank in (1, 2) else (0, 3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        group = split if rank in (1, 2) else dist.new_group([0, 3],
+                                                            use_local_synchronization=True)
+        ddp, ops = pair_trains(group)
+    said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert not said, f"rank {rank}: {said}"
+    assert pddp.hooked(ddp) and ops >= STEPS, f"rank {rank}: {ops} collectives on {pair}"
+    assert tuple(ddp._perseus.process_set.ranks) == pair, ddp._perseus.process_set
+    assert ddp._perseus.process_set.members_only
+    mine = sorted(tuple(ps.ranks) for ps in process_sets.process_sets())
+    assert mine == sorted(expect + [pair]), f"rank {rank}: {mine}"
     end(rank)
 
 
