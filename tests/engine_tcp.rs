@@ -23,6 +23,7 @@ fn config(rank: usize, size: usize, port: u16, shm: bool) -> Config {
         rendezvous: Some(("127.0.0.1".into(), port)),
         host_store: false,
         secret: "t".into(),
+        scope: String::new(),
         iface_addr: Some("127.0.0.1".into()),
         timeout: Duration::from_secs(20),
         fusion_threshold: 64 << 20,

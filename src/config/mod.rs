@@ -267,6 +267,9 @@ pub struct Config {
     pub host_store: bool,
     /// Job secret every connection must present (hex text, may be empty).
     pub secret: String,
+    /// Prefix of this rank's rendezvous keys (PERSEUS_RENDEZVOUS_SCOPE, set
+    /// by an elastic job for each round of its ranks; empty otherwise).
+    pub scope: String,
     /// Address to listen on and publish; `None` picks the route to the rendezvous.
     pub iface_addr: Option<String>,
     /// Peer timeout.
@@ -539,6 +542,7 @@ impl Config {
             rendezvous,
             host_store,
             secret: var("PERSEUS_SECRET").unwrap_or_default(),
+            scope: var("PERSEUS_RENDEZVOUS_SCOPE").unwrap_or_default(),
             iface_addr,
             timeout: Duration::from_secs(timeout),
             fusion_threshold,

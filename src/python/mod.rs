@@ -12,13 +12,14 @@ use crate::config::Config;
 use crate::dtype::ReduceOp;
 use crate::engine::{Engine, OpKind, Output, Request};
 use crate::error::PerseusError;
-use crate::rendezvous::StoreServer;
+use crate::rendezvous::{StoreClient, StoreServer};
 use errors::{to_py, GpuUnavailableError, HorovodInternalError};
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyBytes, PyDict};
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Once};
+use std::time::Duration;
 
 static ENGINE: Mutex<Option<Arc<Engine>>> = Mutex::new(None);
 static OUTPUTS: Mutex<Option<HashMap<u64, Output>>> = Mutex::new(None);
@@ -488,11 +489,66 @@ impl RendezvousServer {
         self.inner.as_ref().map(|s| s.keys()).unwrap_or_default()
     }
 
+    /// Publishes `key = value`, as a rank's `set` does.
+    fn set(&self, key: &str, value: &[u8]) {
+        if let Some(s) = &self.inner {
+            s.set(key, value);
+        }
+    }
+
+    /// The value of `key`, or None when nothing was published under it.
+    fn get<'py>(&self, py: Python<'py>, key: &str) -> Option<Bound<'py, PyBytes>> {
+        let v = self.inner.as_ref()?.get(key)?;
+        Some(PyBytes::new(py, &v))
+    }
+
     /// Stops the server.
     fn stop(&mut self) {
         if let Some(s) = self.inner.take() {
             s.stop();
         }
+    }
+}
+
+/// `t` seconds as a wait, within 0 and a day (NaN: no wait).
+fn seconds(t: f64) -> Duration {
+    Duration::try_from_secs_f64(t.clamp(0.0, 86_400.0)).unwrap_or_default()
+}
+
+/// A connection to a rendezvous store (an elastic rank asks its launcher for
+/// its place in each round this way).
+#[pyclass(module = "perseus._core")]
+struct RendezvousClient {
+    inner: Mutex<StoreClient>,
+}
+
+#[pymethods]
+impl RendezvousClient {
+    /// Connects to `host:port` within `timeout` seconds and proves it knows `secret`.
+    #[new]
+    fn new(py: Python<'_>, host: &str, port: u16, secret: &str, timeout: f64) -> PyResult<Self> {
+        let t = seconds(timeout);
+        let c = py
+            .detach(|| StoreClient::connect(host, port, secret, t))
+            .map_err(to_py)?;
+        Ok(RendezvousClient {
+            inner: Mutex::new(c),
+        })
+    }
+
+    /// Publishes `key = value`.
+    fn set(&self, py: Python<'_>, key: &str, value: &[u8]) -> PyResult<()> {
+        py.detach(|| self.inner.lock().unwrap().set(key, value))
+            .map_err(to_py)
+    }
+
+    /// Waits up to `timeout` seconds for `key` and returns its value.
+    fn get<'py>(&self, py: Python<'py>, key: &str, timeout: f64) -> PyResult<Bound<'py, PyBytes>> {
+        let t = seconds(timeout);
+        let v = py
+            .detach(|| self.inner.lock().unwrap().get(key, t))
+            .map_err(to_py)?;
+        Ok(PyBytes::new(py, &v))
     }
 }
 
@@ -640,6 +696,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(gpu_stream, m)?)?;
     m.add_function(wrap_pyfunction!(gpu_nccl_round_trip, m)?)?;
     m.add_class::<RendezvousServer>()?;
+    m.add_class::<RendezvousClient>()?;
     m.add_function(wrap_pyfunction!(init, m)?)?;
     m.add_function(wrap_pyfunction!(shutdown, m)?)?;
     m.add_function(wrap_pyfunction!(is_initialized, m)?)?;

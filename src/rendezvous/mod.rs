@@ -53,6 +53,24 @@ mod tests {
     }
 
     #[test]
+    fn the_host_publishes_and_reads_directly_and_waiting_clients_wake() {
+        let server = StoreServer::start("127.0.0.1:0", "k").unwrap();
+        let port = server.port();
+        let t = Duration::from_secs(5);
+        let getter = std::thread::spawn(move || {
+            let mut c = StoreClient::connect("127.0.0.1", port, "k", t).unwrap();
+            c.get("elastic/round/0", t).unwrap()
+        });
+        std::thread::sleep(Duration::from_millis(50));
+        assert_eq!(server.get("elastic/round/0"), None);
+        server.set("elastic/round/0", b"table");
+        assert_eq!(getter.join().unwrap(), b"table");
+        let mut c = StoreClient::connect("127.0.0.1", port, "k", t).unwrap();
+        c.set("elastic/ready/0/a", b"1").unwrap();
+        assert_eq!(server.get("elastic/ready/0/a"), Some(b"1".to_vec()));
+    }
+
+    #[test]
     fn wrong_secret_is_refused() {
         let server = StoreServer::start("127.0.0.1:0", "right").unwrap();
         let t = Duration::from_secs(2);

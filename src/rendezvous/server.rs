@@ -62,6 +62,19 @@ impl StoreServer {
         k
     }
 
+    /// Publishes `key = value` as a client's SET does (a launcher hands out
+    /// an elastic job's rounds this way); waiting GETs wake.
+    pub fn set(&self, key: &str, value: &[u8]) {
+        let mut map = self.store.map.lock().unwrap();
+        map.insert(key.to_string(), value.to_vec());
+        self.store.changed.notify_all();
+    }
+
+    /// The value of `key`, if published.
+    pub fn get(&self, key: &str) -> Option<Vec<u8>> {
+        self.store.map.lock().unwrap().get(key).cloned()
+    }
+
     /// The port it listens on.
     pub fn port(&self) -> u16 {
         self.port

@@ -75,13 +75,13 @@ pub fn connect_mesh(cfg: &Config) -> Result<MeshParts> {
         });
     };
     let mut store = StoreClient::connect(host, *port, &cfg.secret, timeout)?;
-    let gen = generation(host, *port, rank);
+    let gen = generation(host, *port, &cfg.scope, rank);
     let ip = local_addr(cfg, host)?;
     let listener = TcpListener::bind((ip, 0))?;
     let addr = listener.local_addr()?;
     let host = host_key(cfg);
     let entry = format!("{addr} {host} {}", cfg.streams);
-    store.set(&mesh_key(rank, gen), entry.as_bytes())?;
+    store.set(&mesh_key(&cfg.scope, rank, gen), entry.as_bytes())?;
     let mut peers = Vec::with_capacity(size);
     for p in 0..size {
         peers.push(if p == rank {
@@ -91,7 +91,7 @@ pub fn connect_mesh(cfg: &Config) -> Result<MeshParts> {
                 streams: cfg.streams,
             }
         } else {
-            published(&mut store, p, gen, timeout)?
+            published(&mut store, &cfg.scope, p, gen, timeout)?
         });
     }
     if let Some((p, other)) = peers
@@ -226,31 +226,35 @@ struct Published {
 /// rendezvous `host:port` before: every rank of a job calls init() and
 /// shutdown() together, so the counts agree, and each new connection reads
 /// only entries of its own round (never the addresses of closed listeners).
-fn generation(host: &str, port: u16, rank: usize) -> u64 {
-    static ROUNDS: Mutex<BTreeMap<(String, u16, usize), u64>> = Mutex::new(BTreeMap::new());
+fn generation(host: &str, port: u16, scope: &str, rank: usize) -> u64 {
+    type Key = (String, u16, String, usize);
+    static ROUNDS: Mutex<BTreeMap<Key, u64>> = Mutex::new(BTreeMap::new());
     let mut rounds = ROUNDS.lock().unwrap_or_else(PoisonError::into_inner);
-    let n = rounds.entry((host.to_string(), port, rank)).or_insert(0);
+    let key = (host.to_string(), port, scope.to_string(), rank);
+    let n = rounds.entry(key).or_insert(0);
     *n += 1;
     *n - 1
 }
 
 /// The key of `rank`'s entry in round `gen` (`mesh/<rank>` in the first,
-/// which the launcher watches to see ranks check in).
-fn mesh_key(rank: usize, gen: u64) -> String {
+/// which the launcher watches to see ranks check in), under `scope`
+/// (PERSEUS_RENDEZVOUS_SCOPE: an elastic job's round, where ranks change).
+fn mesh_key(scope: &str, rank: usize, gen: u64) -> String {
     match gen {
-        0 => format!("mesh/{rank}"),
-        g => format!("mesh/{rank}/{g}"),
+        0 => format!("{scope}mesh/{rank}"),
+        g => format!("{scope}mesh/{rank}/{g}"),
     }
 }
 
 /// Reads `peer`'s published entry ("address host-key streams") of round `gen`.
 fn published(
     store: &mut StoreClient,
+    scope: &str,
     peer: usize,
     gen: u64,
     timeout: Duration,
 ) -> Result<Published> {
-    let v = String::from_utf8_lossy(&store.get(&mesh_key(peer, gen), timeout)?).to_string();
+    let v = String::from_utf8_lossy(&store.get(&mesh_key(scope, peer, gen), timeout)?).to_string();
     let mut f = v.split(' ');
     let (addr, host, streams) = (f.next(), f.next(), f.next().and_then(|s| s.parse().ok()));
     match (addr, host, streams) {
@@ -307,8 +311,8 @@ fn open_segment(
 ) -> Result<Segment> {
     let (rdv_host, rdv_port) = cfg.rendezvous.clone().unwrap_or_default();
     let id = fnv(&format!(
-        "{}|{rdv_host}|{rdv_port}|{host}|{group:?}|{gen}",
-        cfg.secret
+        "{}|{rdv_host}|{rdv_port}|{}|{host}|{group:?}|{gen}",
+        cfg.secret, cfg.scope
     ));
     let rank = cfg.topology.rank;
     let leader = group[0];

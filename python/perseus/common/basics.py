@@ -34,6 +34,10 @@ def init(comm=None, process_sets=None):
     if iface:
         # NCCL reads its own variable when a communicator is formed (docs/gpu.md).
         os.environ.setdefault("NCCL_SOCKET_IFNAME", iface)
+    from perseus.common import elastic
+
+    if elastic.enabled():
+        elastic.join()  # this worker's ranks in the job's next round
     _core.init([ps.ranks for ps in sets] if sets else None)
     _config = dict(_core.config())
     _generation += 1

@@ -223,7 +223,39 @@ def _relay(stream, sink, prefix, lock):
                     pass  # the terminal went away: keep draining so the rank never blocks
 
 
-class Job:
+class Launcher:
+    """What a job runner shares: ``run()`` calls ``_run()`` with the signals caught and
+    ``_teardown()`` after; ``_say()`` writes a line to the launcher's stderr (``err``,
+    under ``_lock``)."""
+
+    _signal = None  # set by the signal handler, which takes no lock
+
+    def _say(self, message):
+        with self._lock:
+            try:
+                self.err.write(f"perseusrun: {message}\n".encode())
+                self.err.flush()
+            except (OSError, ValueError):
+                pass
+
+    def run(self):
+        """Run the job; returns the launcher's exit status."""
+        handlers = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in HANDLED_SIGNALS:
+                handlers[sig] = signal.signal(sig, self._on_signal)
+        try:
+            return self._run()
+        finally:
+            self._teardown()
+            for sig, handler in handlers.items():
+                signal.signal(sig, handler)
+
+    def _on_signal(self, signum, _frame):
+        self._signal = signum
+
+
+class Job(Launcher):
     """Runs ranks to completion; ``run()`` returns the launcher's exit status."""
 
     def __init__(self, ranks, output_dir=None, out=None, err=None, grace=GRACE_SECONDS,
@@ -238,30 +270,6 @@ class Job:
         self.grace = grace
         self._lock = threading.Lock()
         self._events = queue.Queue()
-        self._signal = None  # set by the signal handler, which takes no lock
-
-    def _say(self, message):
-        with self._lock:
-            try:
-                self.err.write(f"perseusrun: {message}\n".encode())
-                self.err.flush()
-            except (OSError, ValueError):
-                pass
-
-    def run(self):
-        handlers = {}
-        if threading.current_thread() is threading.main_thread():
-            for sig in HANDLED_SIGNALS:
-                handlers[sig] = signal.signal(sig, self._on_signal)
-        try:
-            return self._run()
-        finally:
-            self._teardown()
-            for sig, handler in handlers.items():
-                signal.signal(sig, handler)
-
-    def _on_signal(self, signum, _frame):
-        self._signal = signum
 
     def _run(self):
         if self.output_dir:
@@ -303,20 +311,24 @@ class Job:
         self._events.put((rank, rank.proc.wait()))
 
     def _teardown(self):
-        """SIGTERM every process group, SIGKILL what is left after the grace period."""
-        alive = [r for r in self.ranks if r.signal_group(signal.SIGTERM)]
-        deadline = time.monotonic() + self.grace
-        while alive and time.monotonic() < deadline:
-            time.sleep(0.05)
-            for r in alive:
-                r.proc.poll()  # reap the leader so an empty group reads as gone
-            alive = [r for r in alive if r.signal_group(0)]
+        teardown(self.ranks, self.grace)
+
+
+def teardown(ranks, grace):
+    """SIGTERM every rank's process group, SIGKILL what is left after ``grace`` seconds."""
+    alive = [r for r in ranks if r.signal_group(signal.SIGTERM)]
+    deadline = time.monotonic() + grace
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.05)
         for r in alive:
-            r.signal_group(signal.SIGKILL)
-        for r in self.ranks:
-            if r.proc is not None:
-                r.proc.wait()
-            r.close()
+            r.proc.poll()  # reap the leader so an empty group reads as gone
+        alive = [r for r in alive if r.signal_group(0)]
+    for r in alive:
+        r.signal_group(signal.SIGKILL)
+    for r in ranks:
+        if r.proc is not None:
+            r.proc.wait()
+        r.close()
 
 
 def spawn_launcher(argv, env):

@@ -11,6 +11,7 @@ import shutil
 import socket
 import sys
 
+from perseus.runner import elastic as _elastic
 from perseus.runner import hosts as _hosts
 from perseus.runner import job as _job
 
@@ -59,6 +60,20 @@ def build_parser():
     p.add_argument("--check-build", action="store_true",
                    help="print what this Perseus installation supports and exit")
     add_acceleration_flags(p)
+    el = p.add_argument_group("elastic training (docs/elastic.md)")
+    el.add_argument("--min-np", type=int, metavar="N",
+                    help="fewest workers the job goes on with (turns elastic mode on)")
+    el.add_argument("--max-np", type=int, metavar="N",
+                    help="most workers the job grows to as hosts appear")
+    el.add_argument("--host-discovery-script", metavar="SCRIPT",
+                    help="prints the usable hosts, one 'host' or 'host:slots' per line; "
+                         "run every second")
+    el.add_argument("--slots", type=int, default=1, metavar="N",
+                    help="slots of a host the discovery script prints without any")
+    el.add_argument("--elastic-timeout", type=float, default=600, metavar="SECONDS",
+                    help="how long the job waits for --min-np workers before failing")
+    el.add_argument("--reset-limit", type=int, metavar="N",
+                    help="most times the workers may re-form")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the program each rank runs")
     return p
 
@@ -199,7 +214,10 @@ def parse_args(argv=None):
         args.command = args.command[1:]
     if args.check_build:
         return args
-    if args.num_proc is None:
+    args.elastic = (args.min_np, args.max_np, args.host_discovery_script) != (None,) * 3
+    if args.elastic:
+        elastic_args(parser, args)
+    elif args.num_proc is None:
         parser.error("-np NP is required")
     if not args.command:
         parser.error("no command given: perseusrun -np NP COMMAND [ARG ...]")
@@ -210,6 +228,57 @@ def parse_args(argv=None):
     except ValueError as e:
         parser.error(str(e))
     return args
+
+
+def elastic_args(parser, args):
+    """Fill in and check -np, --min-np and --max-np of an elastic job."""
+    if args.mpi:
+        parser.error("elastic mode runs with Perseus's own launcher, not --mpi")
+    args.min_np = args.min_np or args.num_proc or 1
+    args.num_proc = args.num_proc or args.min_np
+    args.max_np = args.max_np or max(args.num_proc, args.min_np)
+    if not 1 <= args.min_np <= args.num_proc <= args.max_np:
+        parser.error(f"elastic mode needs 1 <= --min-np ({args.min_np}) <= -np "
+                     f"({args.num_proc}) <= --max-np ({args.max_np})")
+    if args.slots < 1:
+        parser.error("--slots must be positive")
+    if args.elastic_timeout <= 0:
+        parser.error("--elastic-timeout must be positive")
+
+
+def run_elastic(args, local_names):
+    """An elastic job (runner/elastic.py): hosts from --host-discovery-script, or the
+    fixed -H/--hostfile list (then only failures change the workers)."""
+    if args.host_discovery_script:
+        script, slots = args.host_discovery_script, args.slots
+        find = lambda: _elastic.discover(script, slots)
+    elif args.hosts or args.hostfile:
+        fixed = {h.name: h.slots for h in host_list(args)}
+        find = lambda: dict(fixed)
+    else:
+        fixed = {"localhost": args.max_np}
+        find = lambda: dict(fixed)
+    secret = secrets.token_hex(16)
+    first = find()
+    addr = rendezvous_address(args, sorted(first), local_names)
+    server = start_rendezvous(secret)
+    try:
+        env = job_env(args, addr, server.port)
+        env["PERSEUS_ELASTIC_TIMEOUT"] = f"{args.elastic_timeout:g}"
+
+        def launch(slot):
+            return make_ranks(args, [slot], env, secret, local_names)[0]
+
+        if args.verbose:
+            print(f"perseusrun: elastic, {args.min_np} to {args.max_np} workers; "
+                  f"rendezvous at {addr}:{server.port}", file=sys.stderr)
+        return _elastic.ElasticJob(
+            find, launch, server, args.min_np, args.max_np, args.num_proc,
+            elastic_timeout=args.elastic_timeout, reset_limit=args.reset_limit,
+            output_dir=args.output_filename,
+            fixed=not args.host_discovery_script).run()
+    finally:
+        server.stop()
 
 
 def host_list(args):
@@ -431,6 +500,8 @@ def main(argv=None):
     if args.check_build:
         return check_build()
     try:
+        if args.elastic:
+            return run_elastic(args, _hosts.local_names())
         hosts = host_list(args)
         slots = _hosts.place(hosts, args.num_proc)
         if args.mpi:

@@ -8,6 +8,7 @@ Typical use::
     opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
 """
 
+from perseus.torch.horovod import elastic
 from perseus.torch.horovod.compression import Compression
 from perseus.torch.horovod.functions import (
     allgather_object,
@@ -91,8 +92,8 @@ __all__ = [
     "alltoall", "alltoall_async", "barrier", "broadcast", "broadcast_", "broadcast_async",
     "broadcast_async_", "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters",
     "ccl_built",
-    "counters", "cross_rank", "cross_size", "cuda_built", "ddl_built", "global_process_set",
-    "gloo_built", "gloo_enabled", "grouped_allgather", "grouped_allgather_async",
+    "counters", "cross_rank", "cross_size", "cuda_built", "ddl_built", "elastic",
+    "global_process_set", "gloo_built", "gloo_enabled", "grouped_allgather", "grouped_allgather_async",
     "grouped_allreduce", "grouped_allreduce_", "grouped_allreduce_async",
     "grouped_allreduce_async_", "grouped_reducescatter", "grouped_reducescatter_async", "init",
     "is_homogeneous", "is_initialized", "join", "local_rank", "local_size", "mpi_built",

@@ -1,0 +1,217 @@
+"""Elastic training on the worker's side (seed 004; Horovod 0.28's elastic API).
+
+``perseusrun --min-np M --max-np X ...`` (runner/elastic.py) starts workers without
+ranks. Each ``init()`` of such a worker takes its place in a *round*: the launcher
+publishes each round's table at its rendezvous store (``elastic/round/<k>``: one line
+per worker, ``id rank size local_rank local_size cross_rank cross_size``), and the
+worker's connections are made under that round's keys (PERSEUS_RENDEZVOUS_SCOPE).
+
+A worker leaves a round by resetting (``shutdown()`` then ``init()``, which
+:func:`run` does after an error or a host change) and says so at the store
+(``elastic/ready/<k>/<id>``). The launcher publishes the next round once every live
+worker of the current one has said so or ended, so a round never waits for a worker
+that is gone, and no worker joins a round that still holds a dead one.
+
+State (:class:`State`, :class:`ObjectState`, the front-ends' subclasses) is what the
+training keeps across resets: ``commit()`` saves it and checks for host changes,
+``restore()`` rolls back to the last commit after an error, ``sync()`` sends rank 0's
+to every rank at the start of each round.
+"""
+
+import copy
+import functools
+import os
+import time
+
+from perseus import _core
+from perseus.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
+
+#: Set to "1" by perseusrun in the workers of an elastic job.
+ELASTIC_VAR = "PERSEUS_ELASTIC"
+
+_TOPOLOGY = ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE")
+
+_store = None  # this worker's connection to the launcher's rendezvous store
+_round = None  # the round this worker took part in last, and its table's host version
+_hosts_version = 0
+
+
+def enabled():
+    """True in a worker that perseusrun started with ``--min-np``/``--max-np``/
+    ``--host-discovery-script`` (an elastic job)."""
+    return os.environ.get(ELASTIC_VAR) == "1"
+
+
+def _timeout():
+    return float(os.environ.get("PERSEUS_ELASTIC_TIMEOUT") or 600)
+
+
+def _client():
+    global _store
+    if _store is None:
+        _store = _core.RendezvousClient(
+            os.environ["PERSEUS_RENDEZVOUS_ADDR"], int(os.environ["PERSEUS_RENDEZVOUS_PORT"]),
+            os.environ.get("PERSEUS_SECRET", ""), _timeout())
+    return _store
+
+
+def worker_id():
+    """This worker's name in the launcher's tables (``host[slot]``)."""
+    return os.environ["PERSEUS_ELASTIC_ID"]
+
+
+def parse_table(text):
+    """A round's table: ``{worker id: (rank, size, local_rank, local_size, cross_rank,
+    cross_size)}`` and the host version it was made with (its first line)."""
+    lines = text.splitlines()
+    version = int(lines[0].split()[1])
+    places = {}
+    for line in lines[1:]:
+        wid, *numbers = line.split()
+        places[wid] = tuple(int(x) for x in numbers)
+    return places, version
+
+
+def join():
+    """Take this worker's place in the next round that holds it (``init()`` calls it in
+    an elastic worker before the core starts): its ranks become the topology
+    variables, and its connections are made under the round's keys."""
+    global _round, _hosts_version
+    store, me = _client(), worker_id()
+    if _round is None:
+        k = int(os.environ.get("PERSEUS_ELASTIC_ROUND") or 0)
+    else:
+        store.set(f"elastic/ready/{_round}/{me}", b"1")
+        k = max(_round + 1, int(store.get("elastic/latest", _timeout())))
+    deadline = time.monotonic() + _timeout()
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            text = store.get(f"elastic/round/{k}", max(left, 0.0)).decode()
+        except HorovodInternalError:
+            raise HorovodInternalError(
+                f"elastic worker {me}: no round of the job took it within "
+                f"{_timeout():g} s (PERSEUS_ELASTIC_TIMEOUT)") from None
+        places, version = parse_table(text)
+        if me in places:
+            break
+        k += 1  # a round without this worker (the launcher is stopping it): the next
+    _round, _hosts_version = k, version
+    for name, value in zip(_TOPOLOGY, places[me]):
+        os.environ[f"PERSEUS_{name}"] = os.environ[f"HOROVOD_{name}"] = str(value)
+    os.environ["PERSEUS_RENDEZVOUS_SCOPE"] = f"elastic/{k}/"
+
+
+def hosts_changed():
+    """``None`` when the launcher's hosts are those of this worker's round, else
+    ``"added"`` or ``"removed"`` (read from the store; rank 0 asks for everyone)."""
+    text = _client().get("elastic/hosts", _timeout()).decode().split()
+    version, kind = int(text[0]), text[1]
+    return kind if version > _hosts_version else None
+
+
+class State:
+    """What training keeps across the resets of an elastic job.
+
+    Subclasses define ``save()``, ``restore()`` and ``sync()``. ``commit()`` saves and
+    then raises :class:`HostsUpdatedInterrupt` on every rank at once when the job's
+    hosts changed, so that the ranks re-form with the new ones at a known point.
+    """
+
+    def __init__(self, broadcast_object, rank):
+        self._broadcast_object = broadcast_object
+        self._rank = rank
+        self._reset_callbacks = []
+
+    def register_reset_callbacks(self, callbacks):
+        """Functions called after each reset (the number of ranks may have changed:
+        a learning rate scaled by it, a data sampler)."""
+        self._reset_callbacks.extend(callbacks)
+
+    def on_reset(self):
+        self.reset()
+        for callback in self._reset_callbacks:
+            callback()
+
+    def reset(self):
+        """Called after each reset, before the callbacks."""
+
+    def commit(self):
+        """Save the state, then check for host changes (which raise
+        :class:`HostsUpdatedInterrupt` on every rank)."""
+        self.save()
+        self.check_host_updates()
+
+    def check_host_updates(self):
+        """Raise :class:`HostsUpdatedInterrupt` on every rank when the launcher's hosts
+        changed since this round began (rank 0 reads the store and tells the rest)."""
+        if not enabled():
+            return
+        change = hosts_changed() if self._rank() == 0 else None
+        change = self._broadcast_object(change)
+        if change is not None:
+            # Only removed: every rank left holds the same state and needs no sync.
+            raise HostsUpdatedInterrupt(skip_sync=change == "removed")
+
+    def save(self):
+        raise NotImplementedError
+
+    def restore(self):
+        raise NotImplementedError
+
+    def sync(self):
+        raise NotImplementedError
+
+
+class ObjectState(State):
+    """State made of picklable attributes: ``ObjectState(bcast, rank, epoch=0, batch=0)``
+    gives ``state.epoch`` and ``state.batch``, saved by ``commit()``, restored by
+    ``restore()`` and sent from rank 0 by ``sync()``."""
+
+    def __init__(self, broadcast_object, rank, **kwargs):
+        super().__init__(broadcast_object, rank)
+        self._saved = copy.deepcopy(kwargs)
+        for name, value in kwargs.items():
+            setattr(self, name, value)
+
+    def save(self):
+        self._saved = {name: copy.deepcopy(getattr(self, name)) for name in self._saved}
+
+    def restore(self):
+        self._load_attributes()
+
+    def _load_attributes(self):
+        for name, value in self._saved.items():
+            setattr(self, name, copy.deepcopy(value))
+
+    def sync(self):
+        if self._saved:
+            self._saved = self._broadcast_object(self._saved)
+            self._load_attributes()  # only these: a subclass's restore() loads more
+
+
+def run_fn(func, reset):
+    """``func(state, ...)`` run elastically: each round starts with ``state.sync()``; an
+    error of a collective (a rank lost) restores the last commit, and a host change
+    (:class:`HostsUpdatedInterrupt`) keeps the state as it is; either way ``reset()``
+    re-forms the ranks and ``func`` runs again (perseusrun's ``--reset-limit`` caps
+    the number of rounds).
+
+    Unlike Horovod, a round after hosts were only removed syncs too (the interrupt's
+    ``skip_sync`` is not used): a data sampler's split must be agreed on again, and a
+    sync costs one broadcast of the state."""
+
+    @functools.wraps(func)
+    def wrapper(state, *args, **kwargs):
+        while True:
+            try:
+                state.sync()
+                return func(state, *args, **kwargs)
+            except HorovodInternalError:
+                state.restore()
+            except HostsUpdatedInterrupt:
+                pass
+            reset()
+            state.on_reset()
+
+    return wrapper

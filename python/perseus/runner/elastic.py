@@ -1,0 +1,299 @@
+"""perseusrun's elastic mode (seed 004; horovodrun's ``--min-np``, ``--max-np``,
+``--host-discovery-script``): a job that goes on when workers fail and grows when hosts
+appear.
+
+The launcher starts workers without ranks and hands out *rounds* at its rendezvous
+store (perseus.common.elastic has the worker's side): round ``k``'s table gives each
+worker of the round its ranks. A worker that fails (exits non-zero) has its host
+blacklisted, as Horovod does, and the workers left re-form once each has asked for
+the next round (after its collectives failed) or ended. Hosts that the discovery
+script adds get workers, up to ``--max-np``, at the next round; the running workers
+learn of them at their next ``state.commit()``. The job ends when its workers have
+ended: with success when they did, or fails when fewer than ``--min-np`` workers are
+left for ``--elastic-timeout`` seconds, or after ``--reset-limit`` rounds.
+"""
+
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+from perseus.runner import hosts as _hosts
+from perseus.runner import job as _job
+
+
+class DiscoveryError(RuntimeError):
+    """The discovery script failed or printed something else than hosts."""
+
+
+def discover(script, default_slots, timeout=30.0):
+    """Run the discovery script: one host per line, ``host`` or ``host:slots``
+    (``default_slots`` for the first form). Returns ``{host: slots}`` in its order."""
+    try:
+        out = subprocess.run(script, shell=True, capture_output=True, text=True,
+                             timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        raise DiscoveryError(f"{script!r} did not finish within {timeout:g} s") from None
+    if out.returncode != 0:
+        raise DiscoveryError(f"{script!r} failed with exit code {out.returncode}: "
+                             f"{out.stderr.strip()[-500:]}")
+    found = {}
+    for n, line in enumerate(out.stdout.splitlines(), start=1):
+        line = line.strip()
+        if not line:
+            continue
+        name, _, slots = line.partition(":")
+        where = f"{script!r}, line {n}"
+        host = _hosts._host(name.strip(), slots.strip() if slots else None, where)
+        found[host.name] = host.slots if slots else default_slots
+    return found
+
+
+@dataclass
+class WorkerSlot:
+    """Where a worker runs; ``env()`` gives what it starts with (no ranks: it takes
+    them from each round's table)."""
+
+    hostname: str
+    index: int
+    rank: int  # the worker's number in launch order: its output's prefix
+    round: int
+
+    @property
+    def id(self):
+        return f"{self.hostname}[{self.index}]"
+
+    def env(self):
+        return {"PERSEUS_ELASTIC": "1", "PERSEUS_ELASTIC_ID": self.id,
+                "PERSEUS_ELASTIC_ROUND": str(self.round),
+                "PERSEUS_HOSTNAME": self.hostname, "HOROVOD_HOSTNAME": self.hostname}
+
+
+def places(members):
+    """Each worker's ranks in a round of ``members`` (``(id, host)``, in rank order):
+    ``{id: (rank, size, local_rank, local_size, cross_rank, cross_size)}``, where a
+    host's ranks count locally in rank order and cross ranks count the hosts that
+    have a worker of the same local rank (Horovod's definitions)."""
+    size = len(members)
+    on_host = {}
+    local = []
+    for wid, host in members:
+        on_host.setdefault(host, []).append(wid)
+        local.append(len(on_host[host]) - 1)
+    order = list(on_host)  # hosts by their first rank
+    table = {}
+    for rank, ((wid, host), lr) in enumerate(zip(members, local)):
+        peers = [h for h in order if len(on_host[h]) > lr]
+        table[wid] = (rank, size, lr, len(on_host[host]), peers.index(host), len(peers))
+    return table
+
+
+def table_text(table, hosts_version):
+    lines = [f"hosts {hosts_version}"]
+    lines += [" ".join([wid, *map(str, p)]) for wid, p in
+              sorted(table.items(), key=lambda item: item[1][0])]
+    return "\n".join(lines) + "\n"
+
+
+class ElasticJob(_job.Launcher):
+    """Runs an elastic job to its end; ``run()`` returns the launcher's exit status.
+
+    ``find_hosts()`` returns ``{host: slots}`` (the discovery script, or the ``fixed``
+    host list); ``launch(slot)`` returns a started-able ``job.Rank`` for a
+    :class:`WorkerSlot`; ``server`` is the rendezvous store the workers use.
+    """
+
+    def __init__(self, find_hosts, launch, server, min_np, max_np, num_proc,
+                 elastic_timeout=600.0, reset_limit=None, interval=1.0, output_dir=None,
+                 out=None, err=None, grace=_job.GRACE_SECONDS, fixed=False):
+        self.find_hosts, self.launch, self.server = find_hosts, launch, server
+        self.fixed = fixed  # no discovery script: hosts never come back
+        self.min_np, self.max_np, self.num_proc = min_np, max_np, num_proc
+        self.elastic_timeout, self.reset_limit = elastic_timeout, reset_limit
+        self.interval, self.output_dir, self.grace = interval, output_dir, grace
+        self.out = out or sys.stdout.buffer
+        self.err = err or sys.stderr.buffer
+        self._lock = threading.Lock()
+        self._events = queue.Queue()
+        self.hosts = {}  # the latest discovery
+        self.blacklist = set()
+        self.workers = {}  # id -> job.Rank, while it runs
+        self.stopping = set()  # ids the launcher stopped
+        self.members = []  # the current round's worker ids, in rank order
+        self.round = -1
+        self.hosts_version = 0
+        self.launched = 0
+        self.finished = None  # the first worker that ended with success
+        self.status = 0
+
+    # ------------------------------------------------------------------ hosts
+
+    def _usable(self):
+        """Slots the job may use now: ``[(host, index)]`` in discovery order."""
+        return [(h, i) for h, n in self.hosts.items() if h not in self.blacklist
+                for i in range(n)]
+
+    def _discover(self):
+        try:
+            found = self.find_hosts()
+        except DiscoveryError as e:
+            self._say(f"host discovery: {e}; keeping the hosts found before")
+            return
+        if found == self.hosts:
+            return
+        before = set(self._usable())
+        self.hosts = found
+        after = set(self._usable())
+        gone = {f"{h}[{i}]" for h, i in before - after}
+        for wid in gone & set(self.workers):
+            self._stop(wid, "its host left the job")
+        added = bool(after - before)
+        if added or gone:
+            self.hosts_version += 1
+            kind = "added" if added else "removed"
+            self.server.set("elastic/hosts", f"{self.hosts_version} {kind}".encode())
+
+    # ------------------------------------------------------------------ workers
+
+    def _stop(self, wid, why):
+        rank = self.workers.get(wid)
+        if rank is not None and wid not in self.stopping:
+            self._say(f"stopping worker {wid}: {why}")
+            self.stopping.add(wid)
+            rank.signal_group(signal.SIGTERM)
+
+    def _start(self, host, index):
+        slot = WorkerSlot(host, index, self.launched, self.round)
+        self.launched += 1
+        rank = self.launch(slot)
+        rank.start(self.out, self.err, self._lock, self.output_dir)
+        self.workers[slot.id] = rank
+        threading.Thread(target=lambda: self._events.put((slot.id, rank.proc.wait())),
+                         daemon=True).start()
+        return slot.id
+
+    def _ended(self, wid, code):
+        rank = self.workers.pop(wid)
+        rank.close()
+        stopped = wid in self.stopping
+        self.stopping.discard(wid)
+        if code == 0:
+            if self.finished is None:
+                self.finished = wid
+            return
+        if stopped:
+            return
+        host = rank.slot.hostname
+        self._say(f"worker {wid} failed with {_job.describe_status(code)}; host {host} "
+                  "is blacklisted, and the job goes on without it")
+        if self.finished is not None and not self.status:
+            self.status = _job.exit_status(code)
+        self.blacklist.add(host)
+        for other in [w for w in self.workers if self.workers[w].slot.hostname == host]:
+            self._stop(other, f"host {host} is blacklisted")
+
+    # ------------------------------------------------------------------ rounds
+
+    def _ready(self):
+        """Members of the current round that asked for the next one."""
+        prefix = f"elastic/ready/{self.round}/"
+        published = self.server.keys()  # the store's sorted keys (not a dict)
+        return {k[len(prefix):] for k in published if k.startswith(prefix)}
+
+    def _round_over(self):
+        """True once every live member asked for the next round, and one did or a
+        member is gone."""
+        live = [w for w in self.members if w in self.workers]
+        ready = self._ready()
+        broken = bool(ready) or len(live) < len(self.members)
+        return broken and all(w in ready for w in live)
+
+    def _next_round(self, count):
+        """Publish the next round: the members still here, in their rank order, then new
+        workers on free slots, ``count`` in all at most. False when fewer than
+        ``--min-np`` are possible."""
+        keep = [w for w in self.members if w in self.workers and w not in self.stopping]
+        taken = set(self.workers)
+        free = [(h, i) for h, i in self._usable() if f"{h}[{i}]" not in taken]
+        new = free[:max(0, count - len(keep))]
+        if len(keep) + len(new) < self.min_np:
+            return False
+        self.round += 1
+        if self.reset_limit is not None and self.round > self.reset_limit:
+            raise _Stop(f"the job re-formed {self.round} times, more than --reset-limit "
+                        f"{self.reset_limit}; stopping it", 1)
+        # A new round has no use for workers left out of it (none, unless --max-np).
+        host_of = {w: self.workers[w].slot.hostname for w in keep}
+        self.members = keep + [f"{h}[{i}]" for h, i in new]
+        host_of.update({f"{h}[{i}]": h for h, i in new})
+        table = places([(w, host_of[w]) for w in self.members])
+        self.server.set(f"elastic/round/{self.round}",
+                        table_text(table, self.hosts_version).encode())
+        self.server.set("elastic/latest", str(self.round).encode())
+        for h, i in new:
+            self._start(h, i)
+        self._say(f"round {self.round}: {len(self.members)} workers "
+                  f"({', '.join(self.members)})")
+        return True
+
+    def _run(self):
+        self.server.set("elastic/hosts", b"0 none")
+        self._discover()
+        short_since = time.monotonic()
+        last_discovery = time.monotonic()
+        try:
+            while True:
+                if self._signal is not None:
+                    self._say(f"received {signal.Signals(self._signal).name}; "
+                              "stopping all workers")
+                    return 128 + self._signal
+                try:
+                    wid, code = self._events.get(timeout=0.1)
+                    self._ended(wid, code)
+                except queue.Empty:
+                    pass
+                if time.monotonic() - last_discovery >= self.interval:
+                    self._discover()
+                    last_discovery = time.monotonic()
+                if self.finished is not None:
+                    for wid in self._ready() & set(self.workers):
+                        self._stop(wid, f"the job is ending ({self.finished} ended with "
+                                   "success)")
+                    if not self.workers:
+                        return self.status
+                    continue
+                if self.round < 0 or self._round_over():
+                    target = self.num_proc if self.round < 0 else self.max_np
+                    if self._next_round(target):
+                        short_since = time.monotonic()
+                        continue
+                    left = len([w for w in self.members if w in self.workers])
+                    waited = time.monotonic() - short_since
+                    if waited > self.elastic_timeout or (self.fixed and not left):
+                        raise _Stop(
+                            f"{len(self._usable())} slots usable and {left} workers "
+                            f"left, fewer than --min-np {self.min_np} "
+                            + (f"for {self.elastic_timeout:g} s (--elastic-timeout); "
+                               if waited > self.elastic_timeout else
+                               "and no workers left on a fixed host list; ")
+                            + 
+                            f"blacklisted hosts: {sorted(self.blacklist) or 'none'}; "
+                            "stopping the job", 1)
+                else:
+                    short_since = time.monotonic()
+        except _Stop as e:
+            self._say(e.message)
+            return e.status
+
+    def _teardown(self):
+        _job.teardown(list(self.workers.values()), self.grace)
+
+
+class _Stop(Exception):
+    def __init__(self, message, status):
+        super().__init__(message)
+        self.message, self.status = message, status
+

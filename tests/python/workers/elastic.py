@@ -1,0 +1,66 @@
+"""An elastic job (perseusrun --min-np/--max-np): a scalar model trains STEPS steps, one
+commit per step, while workers fail or join; every rank must end with the model that
+STEPS steps give, whatever the number of ranks on the way.
+
+``elastic.py fail``: the worker with elastic id FAIL_ID (from the environment) exits
+with status 3 before step FAIL_AT of its first round; the others re-form and go on.
+``elastic.py grow HOSTS_FILE``: rank 0 appends a host to the discovery script's file
+after step GROW_AT; the job takes in the new worker at a commit after the launcher
+discovers it (each step sleeps STEP_SLEEP seconds, to give it the time).
+Each rank prints ``sizes <list>``: the number of ranks at each step.
+"""
+
+import os
+import sys
+import time
+
+import perseus.torch.horovod as hvd
+import torch
+from _helpers import done
+
+STEPS, LR = 12, 0.5
+
+
+def main():
+    mode = sys.argv[1]
+    hvd.init()
+    model = torch.nn.Linear(1, 1, bias=False)
+    torch.nn.init.zeros_(model.weight)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    state = hvd.elastic.TorchState(model, opt, step=0, sizes=[])
+    me = os.environ["PERSEUS_ELASTIC_ID"]
+    first_round = [True]
+    state.register_reset_callbacks([lambda: first_round.__setitem__(0, False)])
+
+    @hvd.elastic.run
+    def train(state):
+        while state.step < STEPS:
+            if (mode == "fail" and first_round[0] and me == os.environ["FAIL_ID"]
+                    and state.step == int(os.environ["FAIL_AT"])):
+                print(f"worker {me} fails at step {state.step}", flush=True)
+                os._exit(3)
+            opt.zero_grad()
+            # every rank's gradient is 1 (d/dw of w * 1), and so is their average
+            model(torch.ones(1, 1)).sum().backward()
+            grad = hvd.allreduce(model.weight.grad, name="grad")
+            model.weight.grad.copy_(grad)
+            opt.step()
+            state.sizes.append(hvd.size())
+            time.sleep(float(os.environ.get("STEP_SLEEP", "0")))  # time to discover hosts
+            state.step += 1
+            if mode == "grow" and hvd.rank() == 0 and state.step == int(os.environ["GROW_AT"]):
+                with open(sys.argv[2], "a") as f:
+                    f.write("127.0.0.3:1\n")
+            state.commit()
+
+    train(state)
+    w = model.weight.item()
+    assert abs(w + STEPS * LR) < 1e-6, f"worker {me}: w = {w}, not {-STEPS * LR}"
+    everyone = hvd.allgather_object((w, state.sizes))
+    assert all(x == everyone[0] for x in everyone), everyone
+    print(f"worker {me} rank {hvd.rank()} sizes {state.sizes}", flush=True)
+    done(hvd.rank())
+
+
+if __name__ == "__main__":
+    main()
