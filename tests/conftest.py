@@ -16,20 +16,22 @@ EXAMPLES = Path(__file__).parent.parent / "examples"
 
 @pytest.fixture
 def run_framework(request):
-    """``run_framework(n, worker, *args, env=None, hosts=None)``: the test directory's
-    ``workers/<worker>`` on n ranks; fails the test unless every rank exits 0 after its
-    OK mark. Returns stdout and stderr."""
+    """``run_framework(n, worker, *args, env=None, hosts=None, flags=(), oks=n)``: the
+    test directory's ``workers/<worker>`` on n ranks (more launcher ``flags``); fails the
+    test unless the launcher exits 0 and ``oks`` ranks print their OK mark. Returns
+    stdout and stderr."""
     workers = request.path.parent / "workers"
 
-    def run(n, worker, *args, env=None, timeout=240, hosts=None):
+    def run(n, worker, *args, env=None, timeout=240, hosts=None, flags=(), oks=None):
         rc, stdout, stderr = _launch.launch(n, workers / worker, *args, env=env,
-                                            timeout=timeout, hosts=hosts)
+                                            timeout=timeout, hosts=hosts, flags=flags)
         out = f"--- stdout ---\n{stdout}\n--- stderr ---\n{stderr}"
         if rc != 0:
             pytest.fail(f"{worker} on {n} ranks exited with {rc}\n{out}")
-        oks = (stdout + stderr).count(_launch.OK_MARK)
-        if oks != n:
-            pytest.fail(f"{worker}: {oks} of {n} ranks reported success\n{out}")
+        want = n if oks is None else oks
+        seen = (stdout + stderr).count(_launch.OK_MARK)
+        if seen != want:
+            pytest.fail(f"{worker}: {seen} ranks reported success, not {want}\n{out}")
         return f"{stdout}\n{stderr}"
 
     return run

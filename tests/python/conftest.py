@@ -12,14 +12,15 @@ WORKERS = Path(__file__).parent / "workers"
 OK_MARK = "WORKER OK"
 
 
-def launch(n, worker, *args, env=None, timeout=150, hosts=None):
+def launch(n, worker, *args, env=None, timeout=150, hosts=None, flags=()):
     """Run ``workers/<worker>`` on ``n`` ranks with the launcher; return
     ``(returncode, stdout, stderr)``. ``hosts`` (``-H``): loopback addresses such as
     ``127.0.0.1:2,127.0.0.2:2`` make separate "hosts" on this machine (each its own
     shared memory, TCP between them). On timeout the launcher's process group is
-    terminated (the launcher tears its ranks down) and the output so far returned."""
+    terminated (the launcher tears its ranks down) and the output so far returned.
+    ``flags``: more of the launcher's flags (``--min-np 2``)."""
     placement = ["-H", hosts] if hosts else []
-    cmd = [sys.executable, "-m", "perseus.runner.launch", "-np", str(n), *placement,
+    cmd = [sys.executable, "-m", "perseus.runner.launch", "-np", str(n), *placement, *flags,
            sys.executable, str(WORKERS / worker), *map(str, args)]
     full_env = dict(os.environ)
     full_env.update(env or {})

@@ -89,3 +89,15 @@ def test_the_sampler_splits_what_is_left_of_the_epoch_among_the_ranks():
     assert sorted(again) == list(range(10))
     shuffled = ElasticSampler(list(range(10)), seed=3)
     assert sorted(shuffled) == list(range(10)) and list(shuffled) != list(range(10))
+
+
+@pytest.mark.timeout(150)
+def test_the_elastic_example_trains_in_an_elastic_job():
+    example = Path(__file__).parents[2] / "examples" / "pytorch_elastic_mnist.py"
+    flags = ["-np", "2", "--min-np", "1", "--max-np", "2"]
+    cmd = [PY, "-m", "perseus.runner.launch", *flags, PY, str(example), "--epochs", "2",
+           "--train-size", "1200", "--test-size", "200"]
+    rc, out = run(cmd, clean_env(OMP_NUM_THREADS=1), timeout=120)
+    assert rc == 0 and "final loss" in out, f"exit {rc}\n{out}"
+    assert "round 0: 2 workers (localhost[0], localhost[1])" in out, out
+    assert "epoch 2: test loss" in out and "size 2" in out, out

@@ -58,3 +58,15 @@ def test_switches_apply_to_tf_gradients(run_framework):
 def test_examples_run(run_example, script, args, expect):
     """Each TensorFlow example trains on 2 ranks through the launcher and reports."""
     run_example(script, *args, expect=expect)
+
+
+def test_elastic_fit_goes_on_without_a_failed_worker(run_framework):
+    """perseusrun --min-np 2 on three "hosts": the worker of the first (rank 0) fails in
+    epoch 1; the two others go back to their commit at the end of epoch 0, re-form, and
+    end with the model of exactly 12 steps (docs/elastic.md)."""
+    out = run_framework(3, "elastic.py", hosts="127.0.0.1:1,127.0.0.2:1,127.0.0.3:1",
+                        flags=["--min-np", "2"], oks=2,
+                        env={"FAIL_ID": "127.0.0.1[0]", "GLOO_TIMEOUT_SECONDS": "30"})
+    assert "worker 127.0.0.1[0] failed with exit code 3" in out, out
+    assert "round 1: 2 workers (127.0.0.2[0], 127.0.0.3[0])" in out, out
+    assert out.count("of 2: w = -6.0") == 2, out

@@ -21,6 +21,7 @@ to every rank at the start of each round.
 import copy
 import functools
 import os
+import sys
 import time
 
 from perseus import _core
@@ -34,6 +35,10 @@ _TOPOLOGY = ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SI
 _store = None  # this worker's connection to the launcher's rendezvous store
 _round = None  # the round this worker took part in last, and its table's host version
 _hosts_version = 0
+
+
+class RoundTimeout(HorovodInternalError):
+    """No round of the job took this worker within PERSEUS_ELASTIC_TIMEOUT."""
 
 
 def enabled():
@@ -89,7 +94,7 @@ def join():
         try:
             text = store.get(f"elastic/round/{k}", max(left, 0.0)).decode()
         except HorovodInternalError:
-            raise HorovodInternalError(
+            raise RoundTimeout(
                 f"elastic worker {me}: no round of the job took it within "
                 f"{_timeout():g} s (PERSEUS_ELASTIC_TIMEOUT)") from None
         places, version = parse_table(text)
@@ -190,7 +195,29 @@ class ObjectState(State):
             self._load_attributes()  # only these: a subclass's restore() loads more
 
 
-def run_fn(func, reset):
+def _reset_until_joined(reset):
+    """``reset()``, again while it fails to connect a round (a worker of the round was
+    lost while it formed: the launcher then makes the next one); a worker that no round
+    takes (:class:`RoundTimeout`) gives up."""
+    while True:
+        try:
+            return reset()
+        except RoundTimeout:
+            raise
+        except HorovodInternalError as e:
+            print(f"perseus: elastic: joining round {_round} failed ({e}); trying the next",
+                  file=sys.stderr, flush=True)
+
+
+def reset():
+    """Leave the current round and join the next: ``shutdown()``, then ``init()``."""
+    from perseus.common import basics
+
+    basics.shutdown()
+    basics.init()
+
+
+def run_fn(func, reset=reset):
     """``func(state, ...)`` run elastically: each round starts with ``state.sync()``; an
     error of a collective (a rank lost) restores the last commit, and a host change
     (:class:`HostsUpdatedInterrupt`) keeps the state as it is; either way ``reset()``
@@ -211,7 +238,7 @@ def run_fn(func, reset):
                 state.restore()
             except HostsUpdatedInterrupt:
                 pass
-            reset()
+            _reset_until_joined(reset)
             state.on_reset()
 
     return wrapper

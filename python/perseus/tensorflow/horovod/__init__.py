@@ -14,6 +14,7 @@ Typical TF2 use::
 ``hvd.keras`` is :mod:`perseus.tensorflow.keras` (callbacks as ``hvd.keras.callbacks``).
 """
 
+from perseus.tensorflow.horovod import elastic
 from perseus.tensorflow.horovod.compression import Compression
 from perseus.tensorflow.horovod.functions import (
     BroadcastGlobalVariablesHook,
@@ -83,8 +84,8 @@ __all__ = [
     "PerseusInternalError", "ProcessSet", "Product", "Sum", "add_process_set", "allgather",
     "allgather_object", "allreduce", "alltoall", "barrier", "broadcast", "broadcast_",
     "broadcast_global_variables", "broadcast_object", "broadcast_variables", "ccl_built",
-    "counters", "cross_rank", "cross_size", "cuda_built", "ddl_built", "global_process_set",
-    "gloo_built", "gloo_enabled", "grouped_allgather", "grouped_allreduce",
+    "counters", "cross_rank", "cross_size", "cuda_built", "ddl_built", "elastic",
+    "global_process_set", "gloo_built", "gloo_enabled", "grouped_allgather", "grouped_allreduce",
     "grouped_reducescatter", "init", "is_homogeneous", "is_initialized", "join", "keras",
     "local_rank", "local_rank_op", "local_size", "local_size_op", "mpi_built", "mpi_enabled",
     "mpi_threads_supported", "nccl_built", "rank", "rank_op", "reducescatter",

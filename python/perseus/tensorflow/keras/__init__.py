@@ -48,7 +48,10 @@ from perseus.tensorflow.horovod import (
 )
 from perseus.tensorflow.horovod.gradients import GradientReducer
 from perseus.tensorflow.horovod.optimizer import _check_common, passes_per_step
-from perseus.tensorflow.keras import callbacks  # noqa: F401 - hvd.callbacks
+from perseus.tensorflow.keras import (
+    callbacks,  # noqa: F401 - hvd.callbacks
+    elastic,  # noqa: F401 - hvd.elastic
+)
 
 _LegacyOptimizer = tf.compat.v1.train.Optimizer
 _classes = {}  # optimizer class -> its distributed subclass

@@ -32,15 +32,10 @@ from perseus.torch.horovod.functions import broadcast_optimizer_state, broadcast
 __all__ = ["ElasticSampler", "ObjectState", "State", "TorchState", "run"]
 
 
-def _reset():
-    basics.shutdown()
-    basics.init()
-
-
 def run(func):
     """Decorate ``func(state, ...)`` to run elastically (see
     :func:`perseus.common.elastic.run_fn`)."""
-    return run_fn(func, _reset)
+    return run_fn(func)
 
 
 class TorchState(ObjectState):

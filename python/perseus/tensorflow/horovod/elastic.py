@@ -1,0 +1,110 @@
+"""``hvd.elastic`` for TensorFlow 2 (Horovod 0.28's ``horovod.tensorflow.elastic``):
+training that survives lost workers and takes in new ones, under
+``perseusrun --min-np M --max-np X`` (docs/elastic.md).
+
+Typical use::
+
+    @hvd.elastic.run
+    def train(state):
+        for state.batch in range(state.batch, batches):
+            step()
+            state.commit()
+
+    state = hvd.elastic.TensorFlowKerasState(model, optimizer, batch=0)
+    train(state)
+"""
+
+import functools
+
+import tensorflow as tf
+
+from perseus.common import basics
+from perseus.common.elastic import ObjectState, State, run_fn
+from perseus.common.exceptions import HorovodInternalError
+from perseus.common.objects import broadcast_object
+from perseus.tensorflow.horovod.functions import broadcast_variables
+
+__all__ = ["ObjectState", "State", "TensorFlowKerasState", "TensorFlowState", "run"]
+
+
+def run(func):
+    """Decorate ``func(state, ...)`` to run elastically (see
+    :func:`perseus.common.elastic.run_fn`). A collective's error inside a TensorFlow
+    function (``model.fit``'s step) reaches Python as a ``tf.errors.OpError`` that
+    carries the ``HorovodInternalError``; it is raised as the latter again, so that the
+    ranks re-form."""
+
+    @functools.wraps(func)
+    def unwrapped(state, *args, **kwargs):
+        try:
+            return func(state, *args, **kwargs)
+        except tf.errors.OpError as e:
+            if "HorovodInternalError" not in str(e.message):
+                raise
+            raise HorovodInternalError(e.message) from e
+
+    return run_fn(unwrapped)
+
+
+def _broadcast(obj):
+    return broadcast_object(obj, 0, name="elastic.state")
+
+
+class TensorFlowState(ObjectState):
+    """Variables (eager ``tf.Variable`` objects) and picklable attributes kept across
+    resets: ``commit()`` copies their values, ``restore()`` assigns the copies back,
+    ``sync()`` sends rank 0's to every rank."""
+
+    def __init__(self, variables=None, session=None, **kwargs):
+        if session is not None:
+            raise ValueError("Perseus's elastic state holds eager variables: a "
+                             "tf.compat.v1 session is not supported")
+        self._variable_list = list(variables or [])
+        self._values = []
+        super().__init__(_broadcast, basics.rank, **kwargs)
+        self._save_variables()
+
+    def _variables(self):
+        return self._variable_list
+
+    def _save_variables(self):
+        self._values = [v.numpy() for v in self._variables()]
+
+    def save(self):
+        self._save_variables()
+        super().save()
+
+    def restore(self):
+        for variable, value in zip(self._variables(), self._values):
+            variable.assign(value)
+        super().restore()
+
+    def sync(self):
+        variables = self._variables()
+        if variables:
+            broadcast_variables(variables, root_rank=0)
+        super().sync()
+        self._save_variables()  # a new rank's copy is rank 0's, not its own start
+
+
+class TensorFlowKerasState(TensorFlowState):
+    """A Keras model, its optimizer (``model.optimizer`` when not given) and picklable
+    attributes, kept across resets as :class:`TensorFlowState` keeps variables. The
+    optimizer's variables are created here if it has none yet, so that a new rank
+    holds the same list as rank 0 to receive its values."""
+
+    def __init__(self, model, optimizer=None, backend=None, **kwargs):
+        self.model = model
+        self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer",
+                                                                        None)
+        if self.optimizer is not None and not getattr(self.optimizer, "built", True):
+            self.optimizer.build(model.trainable_variables)
+        super().__init__(**kwargs)
+
+    def _variables(self):
+        variables = list(self.model.variables)
+        if self.optimizer is not None:
+            found = self.optimizer.variables
+            variables += list(found() if callable(found) else found)
+        return variables
+
