@@ -101,3 +101,10 @@ def test_the_elastic_example_trains_in_an_elastic_job():
     assert rc == 0 and "final loss" in out, f"exit {rc}\n{out}"
     assert "round 0: 2 workers (localhost[0], localhost[1])" in out, out
     assert "epoch 2: test loss" in out and "size 2" in out, out
+
+
+def test_a_worker_that_cannot_start_stops_the_job_naming_it():
+    cmd = [PY, "-m", "perseus.runner.launch", "-np", "1", "--min-np", "1", "/nonexistent/prog"]
+    rc, out = run(cmd, clean_env(), timeout=30)
+    assert rc == 127, f"exit {rc}\n{out}"
+    assert "cannot start worker localhost[0] (/nonexistent/prog): No such file" in out, out

@@ -13,6 +13,7 @@ ended: with success when they did, or fails when fewer than ``--min-np`` workers
 left for ``--elastic-timeout`` seconds, or after ``--reset-limit`` rounds.
 """
 
+import os
 import queue
 import signal
 import subprocess
@@ -169,7 +170,11 @@ class ElasticJob(_job.Launcher):
         slot = WorkerSlot(host, index, self.launched, self.round)
         self.launched += 1
         rank = self.launch(slot)
-        rank.start(self.out, self.err, self._lock, self.output_dir)
+        try:
+            rank.start(self.out, self.err, self._lock, self.output_dir)
+        except OSError as e:
+            raise _Stop(f"cannot start worker {slot.id} ({' '.join(rank.argv)}): "
+                        f"{e.strerror or e}; stopping the job", 127) from None
         self.workers[slot.id] = rank
         threading.Thread(target=lambda: self._events.put((slot.id, rank.proc.wait())),
                          daemon=True).start()
@@ -240,6 +245,8 @@ class ElasticJob(_job.Launcher):
         return True
 
     def _run(self):
+        if self.output_dir:
+            os.makedirs(self.output_dir, exist_ok=True)
         self.server.set("elastic/hosts", b"0 none")
         self._discover()
         short_since = time.monotonic()
