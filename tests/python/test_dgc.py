@@ -7,6 +7,7 @@ flags reaching the ranks."""
 
 import math
 import os
+import re
 import shlex
 import sys
 
@@ -230,7 +231,9 @@ def test_overlapped_step_matches_averaged_gradients(run_workers, kind, n, extra)
     """Seed 000's --overlap-backward-and-step: the last layer steps during backward, and
     the models end as torch's optimizer on the averaged (clipped) gradients leaves them."""
     out = run_workers(n, "overlap.py", kind, env=dict(OVERLAP, **extra))
-    assert out.count("stepped during backward 6 of 6") == n, out
+    # every rank, and the step during backward at least once (overlap.py says why not
+    # always)
+    assert len(re.findall(r"stepped during backward [1-6] of 6", out)) == n, out
 
 
 @pytest.mark.timeout(120)

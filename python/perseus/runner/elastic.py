@@ -230,7 +230,6 @@ class ElasticJob(_job.Launcher):
         if self.reset_limit is not None and self.round > self.reset_limit:
             raise _Stop(f"the job re-formed {self.round} times, more than --reset-limit "
                         f"{self.reset_limit}; stopping it", 1)
-        # A new round has no use for workers left out of it (none, unless --max-np).
         host_of = {w: self.workers[w].slot.hostname for w in keep}
         self.members = keep + [f"{h}[{i}]" for h, i in new]
         host_of.update({f"{h}[{i}]": h for h, i in new})
