@@ -43,8 +43,6 @@ _originals = {}
 _ids = itertools.count()
 _server = None  # the rendezvous this rank hosts when torch's group gave the ranks
 _store_rounds = itertools.count()
-_sets = {}  # a torch group's sorted global ranks -> the ProcessSet that reduces for it
-_sets_generation = 0  # the Perseus generation (basics.generation) _sets belong to
 
 
 def enabled():
@@ -186,12 +184,6 @@ def _init_process_group(*args, **kwargs):
 
 # --------------------------------------------------------------------------- subgroups
 
-def _basics():
-    from perseus.common import basics
-
-    return basics
-
-
 def process_set_of(group):
     """The Perseus process set that reduces for torch process group ``group`` (``None``:
     the default group). The first call for a subgroup registers a set of its ranks:
@@ -216,21 +208,15 @@ def process_set_of(group):
 
 
 def _set_of(ranks):
-    """The process set of ``ranks`` (sorted, holding this rank) in this generation of
-    Perseus: found, or registered by those ranks alone."""
-    global _sets_generation
+    """The registered process set of ``ranks`` (sorted, holding this rank), or a new one
+    that those ranks register alone. Perseus's registry is the only record: it forgets
+    its sets at ``shutdown()``, so a restarted Perseus registers them again."""
     from perseus.common import process_sets
 
-    generation = _basics().generation()
-    if _sets_generation != generation:
-        _sets.clear()
-        _sets_generation = generation
-    ps = _sets.get(ranks)
-    if ps is None or ps.process_set_id is None:
-        same = [s for s in process_sets.process_sets() if tuple(s.ranks) == ranks]
-        ps = _sets[ranks] = same[0] if same else process_sets.add_process_set(
-            list(ranks), members_only=True)
-    return ps
+    for ps in process_sets.process_sets():
+        if tuple(ps.ranks) == ranks:
+            return ps
+    return process_sets.add_process_set(list(ranks), members_only=True)
 
 
 # --------------------------------------------------------------------------- the hook
