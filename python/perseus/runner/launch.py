@@ -252,11 +252,10 @@ def run_elastic(args, local_names):
     if args.host_discovery_script:
         script, slots = args.host_discovery_script, args.slots
         find = lambda: _elastic.discover(script, slots)
-    elif args.hosts or args.hostfile:
-        fixed = {h.name: h.slots for h in host_list(args)}
-        find = lambda: dict(fixed)
-    else:
-        fixed = {"localhost": args.max_np}
+    else:  # -H/--hostfile, or up to --max-np workers on this machine
+        listed = (host_list(args) if args.hosts or args.hostfile
+                  else [_hosts.Host("localhost", args.max_np)])
+        fixed = {h.name: h.slots for h in listed}
         find = lambda: dict(fixed)
     secret = secrets.token_hex(16)
     first = find()
