@@ -4,22 +4,28 @@ others go on from their last commit; a host that appears gets a worker, which ta
 rank 0's state. Every rank must end with the model of all the steps, none lost or
 repeated."""
 
+import os
 import re
+import signal
+import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
-from _launch_helpers import OK_MARK, clean_env, run
+from _launch_helpers import OK_MARK, clean_env, run, stop_session
 
 pytest.importorskip("torch")
 
 PY = sys.executable
 WORKER = str(Path(__file__).parent / "workers" / "elastic.py")
+EXAMPLE = str(Path(__file__).parents[2] / "examples" / "pytorch_elastic_mnist.py")
 
 
 def perseusrun(flags, *check, timeout=150, **env):
     cmd = [PY, "-m", "perseus.runner.launch", *flags, PY, WORKER, *check]
-    return run(cmd, clean_env(OMP_NUM_THREADS=1, GLOO_TIMEOUT_SECONDS=20, **env),
+    return run(cmd, clean_env(**{"OMP_NUM_THREADS": 1, "GLOO_TIMEOUT_SECONDS": 20, **env}),
                timeout=timeout)
 
 
@@ -62,6 +68,60 @@ def test_too_few_workers_left_fails_the_job_naming_the_limit():
     assert "blacklisted hosts: ['127.0.0.2']" in out, out
 
 
+@pytest.mark.timeout(180)
+def test_a_failed_host_comes_back_after_its_cooldown():
+    flags = ["-np", "2", "--min-np", "1", "-H", "127.0.0.1:1,127.0.0.2:1",
+             "--blacklist-cooldown-range", "1", "30"]
+    rc, out = perseusrun(flags, "fail", FAIL_ID="127.0.0.2[0]", FAIL_AT=3, STEP_SLEEP=0.5)
+    assert rc == 0 and out.count(OK_MARK) == 2, f"exit {rc}\n{out}"
+    assert ("worker 127.0.0.2[0] failed with exit code 3; host 127.0.0.2 is blacklisted "
+            "for 1 s (--blacklist-cooldown-range)") in out, out
+    assert "host 127.0.0.2 is back from the blacklist" in out, out
+    assert "round 2: 2 workers (127.0.0.1[0], 127.0.0.2[0])" in out, out
+    (seen,) = sizes(out)  # 2 ranks, then 1 while the host cools down, then 2 again
+    ones = seen.count(1)
+    assert len(seen) == 12 and ones >= 1, out
+    assert seen == (2,) * 3 + (1,) * ones + (2,) * (9 - ones), out
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_that_never_checks_in_is_left_behind_after_the_start_timeout():
+    flags = ["-np", "3", "--min-np", "2", "-H", "127.0.0.1:1,127.0.0.2:1,127.0.0.3:1",
+             "--start-timeout", "12"]
+    # the others give up on round 0 after 6 s, and join round 1 once the launcher made it
+    rc, out = perseusrun(flags, "fail", HANG_ID="127.0.0.3[0]", FAIL_ID="none", FAIL_AT=0,
+                         GLOO_TIMEOUT_SECONDS=6)
+    assert rc == 0 and out.count(OK_MARK) == 2, f"exit {rc}\n{out}"
+    assert ("worker 127.0.0.3[0] did not check in at the rendezvous within 12 s "
+            "(--start-timeout); host 127.0.0.3 is blacklisted") in out, out
+    assert "could not form round 0" in out, out
+    assert "round 1: 2 workers (127.0.0.1[0], 127.0.0.2[0])" in out, out
+    assert sizes(out) == {(2,) * 12}, out
+
+
+def test_the_blacklist_cooldown_doubles_at_each_failure_up_to_its_maximum():
+    from perseus.runner.elastic import Blacklist
+
+    now = [100.0]
+    forever, cooling = Blacklist(clock=lambda: now[0]), Blacklist((2, 5), lambda: now[0])
+    assert forever.add("a") == float("inf") and "a" in forever
+    assert [cooling.add("b") for _ in range(3)] == [2, 4, 5]
+    assert cooling.hosts() == ["b"]
+    now[0] += 4.9
+    assert "b" in cooling and "c" not in cooling
+    now[0] += 0.2
+    assert "b" not in cooling and cooling.hosts() == [] and forever.hosts() == ["a"]
+
+
+def test_check_ins_are_read_under_their_rounds_scope():
+    from perseus.runner.elastic import mesh_rank
+
+    assert mesh_rank("elastic/3/mesh/2", "elastic/3/") == 2
+    assert mesh_rank("elastic/3/mesh/2/1", "elastic/3/") == 2  # a later generation
+    assert mesh_rank("elastic/13/mesh/2", "elastic/3/") is None
+    assert mesh_rank("elastic/3/mesh/x", "elastic/3/") is None
+
+
 def test_round_places_count_local_and_cross_ranks_as_horovod_does():
     from perseus.common.elastic import parse_table
     from perseus.runner.elastic import places, table_text
@@ -93,9 +153,8 @@ def test_the_sampler_splits_what_is_left_of_the_epoch_among_the_ranks():
 
 @pytest.mark.timeout(150)
 def test_the_elastic_example_trains_in_an_elastic_job():
-    example = Path(__file__).parents[2] / "examples" / "pytorch_elastic_mnist.py"
     flags = ["-np", "2", "--min-np", "1", "--max-np", "2"]
-    cmd = [PY, "-m", "perseus.runner.launch", *flags, PY, str(example), "--epochs", "2",
+    cmd = [PY, "-m", "perseus.runner.launch", *flags, PY, EXAMPLE, "--epochs", "2",
            "--train-size", "1200", "--test-size", "200"]
     rc, out = run(cmd, clean_env(OMP_NUM_THREADS=1), timeout=120)
     assert rc == 0 and "final loss" in out, f"exit {rc}\n{out}"
@@ -108,3 +167,53 @@ def test_a_worker_that_cannot_start_stops_the_job_naming_it():
     rc, out = run(cmd, clean_env(), timeout=30)
     assert rc == 127, f"exit {rc}\n{out}"
     assert "cannot start worker localhost[0] (/nonexistent/prog): No such file" in out, out
+
+
+def child_with_env(parent, name, value):
+    """The pid of ``parent``'s child process whose environment has ``name=value``."""
+    want = f"{name}={value}".encode()
+    for entry in os.listdir("/proc"):
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            if ppid == parent and want in Path(f"/proc/{entry}/environ").read_bytes().split(
+                    b"\0"):
+                return int(entry)
+        except (OSError, ValueError, IndexError):
+            continue
+    return None
+
+
+@pytest.mark.timeout(240)
+def test_the_example_goes_on_when_a_worker_is_killed_from_outside():
+    # SIGKILL, from outside, to the second worker once the first epoch ended: no exit
+    # handler runs, its sockets just close, in the middle of an allreduce or near one
+    flags = ["-np", "3", "--min-np", "2", "-H", "127.0.0.1:1,127.0.0.2:1,127.0.0.3:1"]
+    cmd = [PY, "-m", "perseus.runner.launch", *flags, PY, EXAMPLE, "--epochs", "3",
+           "--train-size", "2400", "--test-size", "200"]
+    proc = subprocess.Popen(cmd, env=clean_env(OMP_NUM_THREADS=1, GLOO_TIMEOUT_SECONDS=20),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    lines = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 150
+        while not any("epoch 1: test loss" in line for line in lines):
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)
+            time.sleep(0.1)
+        victim = child_with_env(proc.pid, "PERSEUS_ELASTIC_ID", "127.0.0.2[0]")
+        assert victim is not None, "".join(lines)
+        os.kill(victim, signal.SIGKILL)
+        rc = proc.wait(timeout=150)
+    except BaseException:
+        stop_session(proc)
+        raise
+    reader.join(10)
+    out = "".join(lines)
+    assert rc == 0, f"exit {rc}\n{out}"
+    assert "worker 127.0.0.2[0] failed with signal SIGKILL; host 127.0.0.2 is blacklisted" \
+        in out, out
+    assert "round 1: 2 workers (127.0.0.1[0], 127.0.0.3[0])" in out, out
+    assert re.search(r"epoch 1: .*size 3\)", out) and re.search(r"epoch 3: .*size 2\)", out), out
+    assert "final loss" in out, out

@@ -105,6 +105,9 @@ def test_parse_args_command_and_defaults():
     args = L.parse_args(["-np", "2", "-H", "a:1,b:1", "--", "python", "-c", "pass"])
     assert args.command == ["python", "-c", "pass"]
     assert L.host_list(args) == [H.Host("a", 1), H.Host("b", 1)]
+    args = L.parse_args(["--min-np", "2", "--blacklist-cooldown-range", "10", "100", "python"])
+    assert args.elastic and (args.min_np, args.num_proc, args.max_np) == (2, 2, 2)
+    assert args.cooldown == [10, 100] and args.command == ["python"]
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -112,6 +115,13 @@ def test_parse_args_command_and_defaults():
     (["-np", "2"], "no command given"),
     (["-np", "2", "-H", "a:2", "--hostfile", "f", "true"], "not allowed with"),
     (["-np", "2", "--gloo", "--mpi", "true"], "not allowed with"),
+    (["-np", "3", "--min-np", "4", "true"], "needs 1 <= --min-np (4) <= -np (3)"),
+    (["--min-np", "1", "--mpi", "true"], "not --mpi"),
+    (["--min-np", "1", "--elastic-timeout", "0", "true"], "--elastic-timeout must be"),
+    (["--min-np", "1", "--blacklist-cooldown-range", "5", "2", "true"],
+     "--blacklist-cooldown-range 5 2: needs 0 < MIN <= MAX seconds"),
+    (["-np", "1", "--blacklist-cooldown-range", "1", "2", "true"],
+     "--blacklist-cooldown-range is for elastic jobs"),
 ])
 def test_parse_args_errors(capsys, argv, message):
     with pytest.raises(SystemExit) as e:

@@ -1,6 +1,7 @@
 """Lifecycle and topology: ``init``, ``shutdown``, ranks and sizes, build queries."""
 
 import atexit
+import functools
 import os
 import sys
 
@@ -36,9 +37,11 @@ def init(comm=None, process_sets=None):
         os.environ.setdefault("NCCL_SOCKET_IFNAME", iface)
     from perseus.common import elastic
 
+    start = functools.partial(_core.init, [ps.ranks for ps in sets] if sets else None)
     if elastic.enabled():
-        elastic.join()  # this worker's ranks in the job's next round
-    _core.init([ps.ranks for ps in sets] if sets else None)
+        elastic.start(start)  # in the job's next round that forms
+    else:
+        start()
     _config = dict(_core.config())
     _generation += 1
     if _generation == 1:

@@ -25,12 +25,11 @@ import sys
 import time
 
 from perseus import _core
+from perseus import _topology as topology
 from perseus.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 
 #: Set to "1" by perseusrun in the workers of an elastic job.
 ELASTIC_VAR = "PERSEUS_ELASTIC"
-
-_TOPOLOGY = ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE", "CROSS_RANK", "CROSS_SIZE")
 
 _store = None  # this worker's connection to the launcher's rendezvous store
 _round = None  # the round this worker took part in last, and its table's host version
@@ -102,9 +101,24 @@ def join():
             break
         k += 1  # a round without this worker (the launcher is stopping it): the next
     _round, _hosts_version = k, version
-    for name, value in zip(_TOPOLOGY, places[me]):
-        os.environ[f"PERSEUS_{name}"] = os.environ[f"HOROVOD_{name}"] = str(value)
+    os.environ.update(topology.variables(**dict(zip(topology.NAMES, places[me]))))
     os.environ["PERSEUS_RENDEZVOUS_SCOPE"] = f"elastic/{k}/"
+
+
+def start(connect):
+    """Join the next round (:func:`join`) and ``connect()`` the core in it; while that
+    fails (a worker of the round was lost, or never came, while it formed: the
+    launcher then makes the next round), join the next. A worker that no round takes
+    (:class:`RoundTimeout`) gives up."""
+    while True:
+        join()
+        try:
+            return connect()
+        except HorovodInternalError as e:
+            print(f"perseus: elastic: worker {worker_id()} could not form round {_round} "
+                  f"({e}); joining the next", file=sys.stderr, flush=True)
+            if _core.is_initialized():
+                _core.shutdown()
 
 
 def hosts_changed():
@@ -195,20 +209,6 @@ class ObjectState(State):
             self._load_attributes()  # only these: a subclass's restore() loads more
 
 
-def _reset_until_joined(reset):
-    """``reset()``, again while it fails to connect a round (a worker of the round was
-    lost while it formed: the launcher then makes the next one); a worker that no round
-    takes (:class:`RoundTimeout`) gives up."""
-    while True:
-        try:
-            return reset()
-        except RoundTimeout:
-            raise
-        except HorovodInternalError as e:
-            print(f"perseus: elastic: joining round {_round} failed ({e}); trying the next",
-                  file=sys.stderr, flush=True)
-
-
 def reset():
     """Leave the current round and join the next: ``shutdown()``, then ``init()``."""
     from perseus.common import basics
@@ -238,7 +238,7 @@ def run_fn(func, reset=reset):
                 state.restore()
             except HostsUpdatedInterrupt:
                 pass
-            _reset_until_joined(reset)
+            reset()
             state.on_reset()
 
     return wrapper

@@ -5,14 +5,17 @@ appear.
 The launcher starts workers without ranks and hands out *rounds* at its rendezvous
 store (perseus.common.elastic has the worker's side): round ``k``'s table gives each
 worker of the round its ranks. A worker that fails (exits non-zero) has its host
-blacklisted, as Horovod does, and the workers left re-form once each has asked for
-the next round (after its collectives failed) or ended. Hosts that the discovery
+blacklisted, as Horovod does (for good, or for a while with
+``--blacklist-cooldown-range``), and so is the host of a worker that does not reach
+the rendezvous within ``--start-timeout``. The workers left re-form once each has
+asked for the next round (after its collectives failed) or ended. Hosts that the discovery
 script adds get workers, up to ``--max-np``, at the next round; the running workers
 learn of them at their next ``state.commit()``. The job ends when its workers have
 ended: with success when they did, or fails when fewer than ``--min-np`` workers are
 left for ``--elastic-timeout`` seconds, or after ``--reset-limit`` rounds.
 """
 
+import math
 import os
 import queue
 import signal
@@ -92,6 +95,45 @@ def places(members):
     return table
 
 
+class Blacklist:
+    """Hosts whose workers failed. Without ``cooldown`` a host stays blacklisted for
+    the rest of the job; with ``cooldown=(low, high)`` seconds
+    (``--blacklist-cooldown-range``) its n-th failure keeps it out for
+    ``low * 2**(n-1)`` seconds, ``high`` at most, and then it is usable again."""
+
+    def __init__(self, cooldown=None, clock=time.monotonic):
+        self.cooldown, self.clock = cooldown, clock
+        self.until = {}  # host -> when it comes back
+        self.failures = {}  # host -> how many times it was blacklisted
+
+    def add(self, host):
+        """Blacklist ``host``; returns for how many seconds (``math.inf``: for good)."""
+        n = self.failures[host] = self.failures.get(host, 0) + 1
+        wait = math.inf
+        if self.cooldown:
+            low, high = self.cooldown
+            wait = min(high, low * 2 ** min(n - 1, 62))
+        self.until[host] = self.clock() + wait
+        return wait
+
+    def __contains__(self, host):
+        return self.until.get(host, -math.inf) > self.clock()
+
+    def hosts(self):
+        """The hosts blacklisted now, sorted."""
+        return sorted(h for h in self.until if h in self)
+
+
+def mesh_rank(key, scope):
+    """The rank whose check-in ``key`` is under ``scope`` (``<scope>mesh/<rank>`` or
+    ``<scope>mesh/<rank>/<generation>``), else None."""
+    head = f"{scope}mesh/"
+    if not key.startswith(head):
+        return None
+    rank = key[len(head):].split("/", 1)[0]
+    return int(rank) if rank.isdigit() else None
+
+
 def table_text(table, hosts_version):
     lines = [f"hosts {hosts_version}"]
     lines += [" ".join([wid, *map(str, p)]) for wid, p in
@@ -109,22 +151,27 @@ class ElasticJob(_job.Launcher):
 
     def __init__(self, find_hosts, launch, server, min_np, max_np, num_proc,
                  elastic_timeout=600.0, reset_limit=None, interval=1.0, output_dir=None,
-                 out=None, err=None, grace=_job.GRACE_SECONDS, fixed=False):
+                 out=None, err=None, grace=_job.GRACE_SECONDS, fixed=False,
+                 start_timeout=None, cooldown=None):
         self.find_hosts, self.launch, self.server = find_hosts, launch, server
         self.fixed = fixed  # no discovery script: hosts never come back
         self.min_np, self.max_np, self.num_proc = min_np, max_np, num_proc
         self.elastic_timeout, self.reset_limit = elastic_timeout, reset_limit
         self.interval, self.output_dir, self.grace = interval, output_dir, grace
+        self.start_timeout = start_timeout  # seconds a new worker has to check in
         self.out = out or sys.stdout.buffer
         self.err = err or sys.stderr.buffer
         self._lock = threading.Lock()
         self._events = queue.Queue()
         self.hosts = {}  # the latest discovery
-        self.blacklist = set()
+        self.blacklist = Blacklist(cooldown)
+        self.seen = set()  # the usable slots the workers were last told of
         self.workers = {}  # id -> job.Rank, while it runs
         self.stopping = set()  # ids the launcher stopped
         self.members = []  # the current round's worker ids, in rank order
         self.round = -1
+        self.tables = {}  # round -> {worker id: its ranks}
+        self.starting = {}  # worker id -> (its first round, when it started)
         self.hosts_version = 0
         self.launched = 0
         self.finished = None  # the first worker that ended with success
@@ -138,24 +185,40 @@ class ElasticJob(_job.Launcher):
                 for i in range(n)]
 
     def _discover(self):
+        """Look for hosts, and tell the workers (``elastic/hosts``) when the usable
+        slots changed: hosts the script added or removed, or that came back from the
+        blacklist."""
         try:
-            found = self.find_hosts()
+            self.hosts = self.find_hosts()
         except DiscoveryError as e:
             self._say(f"host discovery: {e}; keeping the hosts found before")
-            return
-        if found == self.hosts:
-            return
-        before = set(self._usable())
-        self.hosts = found
-        after = set(self._usable())
-        gone = {f"{h}[{i}]" for h, i in before - after}
+        now = set(self._usable())
+        back = {h for h, _ in now - self.seen if h in self.blacklist.failures}
+        for host in sorted(back & set(self.hosts)):
+            self._say(f"host {host} is back from the blacklist")
+        gone = {f"{h}[{i}]" for h, i in self.seen - now}
         for wid in gone & set(self.workers):
             self._stop(wid, "its host left the job")
-        added = bool(after - before)
+        added = bool(now - self.seen)
+        self.seen = now
         if added or gone:
             self.hosts_version += 1
             kind = "added" if added else "removed"
             self.server.set("elastic/hosts", f"{self.hosts_version} {kind}".encode())
+
+    def _blacklist(self, host, why):
+        """Leave ``host`` out (its workers are stopped); the failure that led here
+        re-forms the job, so the workers need no news of it."""
+        if host in self.blacklist:
+            self._say(f"{why}; host {host} is blacklisted already")
+            return
+        wait = self.blacklist.add(host)
+        span = ("" if wait == math.inf else
+                f" for {wait:g} s (--blacklist-cooldown-range)")
+        self._say(f"{why}; host {host} is blacklisted{span}, and the job goes on without it")
+        self.seen = set(self._usable())
+        for other in [w for w in self.workers if self.workers[w].slot.hostname == host]:
+            self._stop(other, f"host {host} is blacklisted")
 
     # ------------------------------------------------------------------ workers
 
@@ -176,12 +239,14 @@ class ElasticJob(_job.Launcher):
             raise _Stop(f"cannot start worker {slot.id} ({' '.join(rank.argv)}): "
                         f"{e.strerror or e}; stopping the job", 127) from None
         self.workers[slot.id] = rank
+        self.starting[slot.id] = (self.round, time.monotonic())
         threading.Thread(target=lambda: self._events.put((slot.id, rank.proc.wait())),
                          daemon=True).start()
         return slot.id
 
     def _ended(self, wid, code):
         rank = self.workers.pop(wid)
+        self.starting.pop(wid, None)
         rank.close()
         stopped = wid in self.stopping
         self.stopping.discard(wid)
@@ -191,14 +256,30 @@ class ElasticJob(_job.Launcher):
             return
         if stopped:
             return
-        host = rank.slot.hostname
-        self._say(f"worker {wid} failed with {_job.describe_status(code)}; host {host} "
-                  "is blacklisted, and the job goes on without it")
         if self.finished is not None and not self.status:
             self.status = _job.exit_status(code)
-        self.blacklist.add(host)
-        for other in [w for w in self.workers if self.workers[w].slot.hostname == host]:
-            self._stop(other, f"host {host} is blacklisted")
+        self._blacklist(rank.slot.hostname,
+                        f"worker {wid} failed with {_job.describe_status(code)}")
+
+    def _check_starts(self):
+        """Blacklist the host of a worker that has not checked in at the rendezvous
+        (``mesh/<rank>`` under a round's scope) within ``--start-timeout``: it would
+        hold the others' round, and every round after, forever."""
+        if not self.starting or not self.start_timeout:
+            return
+        keys = self.server.keys()
+        for wid, (first, since) in list(self.starting.items()):
+            rounds = [r for r in range(first, self.round + 1) if wid in self.tables[r]]
+            ranks = {(r, self.tables[r][wid][0]) for r in rounds}
+            if any((r, mesh_rank(k, f"elastic/{r}/")) in ranks for r in rounds
+                   for k in keys):
+                del self.starting[wid]
+            elif time.monotonic() - since > self.start_timeout:
+                del self.starting[wid]
+                self._blacklist(
+                    self.workers[wid].slot.hostname,
+                    f"worker {wid} did not check in at the rendezvous within "
+                    f"{self.start_timeout:g} s (--start-timeout)")
 
     # ------------------------------------------------------------------ rounds
 
@@ -233,7 +314,7 @@ class ElasticJob(_job.Launcher):
         host_of = {w: self.workers[w].slot.hostname for w in keep}
         self.members = keep + [f"{h}[{i}]" for h, i in new]
         host_of.update({f"{h}[{i}]": h for h, i in new})
-        table = places([(w, host_of[w]) for w in self.members])
+        table = self.tables[self.round] = places([(w, host_of[w]) for w in self.members])
         self.server.set(f"elastic/round/{self.round}",
                         table_text(table, self.hosts_version).encode())
         self.server.set("elastic/latest", str(self.round).encode())
@@ -263,6 +344,7 @@ class ElasticJob(_job.Launcher):
                     pass
                 if time.monotonic() - last_discovery >= self.interval:
                     self._discover()
+                    self._check_starts()
                     last_discovery = time.monotonic()
                 if self.finished is not None:
                     for wid in self._ready() & set(self.workers):
@@ -278,15 +360,15 @@ class ElasticJob(_job.Launcher):
                         continue
                     left = len([w for w in self.members if w in self.workers])
                     waited = time.monotonic() - short_since
-                    if waited > self.elastic_timeout or (self.fixed and not left):
+                    hopeless = self.fixed and not left and not self.blacklist.cooldown
+                    if waited > self.elastic_timeout or hopeless:
                         raise _Stop(
                             f"{len(self._usable())} slots usable and {left} workers "
                             f"left, fewer than --min-np {self.min_np} "
                             + (f"for {self.elastic_timeout:g} s (--elastic-timeout); "
                                if waited > self.elastic_timeout else
                                "and no workers left on a fixed host list; ")
-                            + 
-                            f"blacklisted hosts: {sorted(self.blacklist) or 'none'}; "
+                            + f"blacklisted hosts: {self.blacklist.hosts() or 'none'}; "
                             "stopping the job", 1)
                 else:
                     short_since = time.monotonic()

@@ -4,6 +4,8 @@ import re
 import socket
 from dataclasses import dataclass
 
+from perseus._topology import NAMES, variables
+
 
 class HostError(ValueError):
     """A host list, host file or placement request that cannot be used."""
@@ -29,16 +31,9 @@ class Slot:
 
     def env(self):
         """The rank's topology variables, under PERSEUS_* and HOROVOD_* names."""
-        values = {
-            "RANK": self.rank, "SIZE": self.size,
-            "LOCAL_RANK": self.local_rank, "LOCAL_SIZE": self.local_size,
-            "CROSS_RANK": self.cross_rank, "CROSS_SIZE": self.cross_size,
-            "HOSTNAME": self.hostname,
-        }
-        env = {}
-        for key, value in values.items():
-            env["PERSEUS_" + key] = env["HOROVOD_" + key] = str(value)
-        return env
+        numbers = (self.rank, self.size, self.local_rank, self.local_size,
+                   self.cross_rank, self.cross_size)
+        return variables(**dict(zip(NAMES, numbers)), HOSTNAME=self.hostname)
 
 
 _HOST_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")

@@ -74,6 +74,10 @@ def build_parser():
                     help="how long the job waits for --min-np workers before failing")
     el.add_argument("--reset-limit", type=int, metavar="N",
                     help="most times the workers may re-form")
+    el.add_argument("--blacklist-cooldown-range", type=float, nargs=2,
+                    metavar=("MIN", "MAX"), dest="cooldown",
+                    help="a failed host comes back after MIN seconds, twice as many at "
+                    "each new failure, MAX at most (default: never)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the program each rank runs")
     return p
 
@@ -219,6 +223,9 @@ def parse_args(argv=None):
         elastic_args(parser, args)
     elif args.num_proc is None:
         parser.error("-np NP is required")
+    elif args.cooldown:
+        parser.error("--blacklist-cooldown-range is for elastic jobs (--min-np, --max-np "
+                     "or --host-discovery-script)")
     if not args.command:
         parser.error("no command given: perseusrun -np NP COMMAND [ARG ...]")
     if args.start_timeout <= 0:
@@ -244,6 +251,10 @@ def elastic_args(parser, args):
         parser.error("--slots must be positive")
     if args.elastic_timeout <= 0:
         parser.error("--elastic-timeout must be positive")
+    if args.cooldown and not 0 < args.cooldown[0] <= args.cooldown[1]:
+        low, high = args.cooldown
+        parser.error(f"--blacklist-cooldown-range {low:g} {high:g}: "
+                     "needs 0 < MIN <= MAX seconds")
 
 
 def run_elastic(args, local_names):
@@ -274,8 +285,8 @@ def run_elastic(args, local_names):
         return _elastic.ElasticJob(
             find, launch, server, args.min_np, args.max_np, args.num_proc,
             elastic_timeout=args.elastic_timeout, reset_limit=args.reset_limit,
-            output_dir=args.output_filename,
-            fixed=not args.host_discovery_script).run()
+            output_dir=args.output_filename, fixed=not args.host_discovery_script,
+            start_timeout=args.start_timeout, cooldown=args.cooldown).run()
     finally:
         server.stop()
 

@@ -7,6 +7,8 @@ with status 3 before step FAIL_AT of its first round; the others re-form and go 
 ``elastic.py grow HOSTS_FILE``: rank 0 appends a host to the discovery script's file
 after step GROW_AT; the job takes in the new worker at a commit after the launcher
 discovers it (each step sleeps STEP_SLEEP seconds, to give it the time).
+With HANG_ID set, that worker hangs before ``hvd.init()`` (the launcher must leave it
+behind after --start-timeout).
 Each rank prints ``sizes <list>``: the number of ranks at each step.
 """
 
@@ -23,12 +25,15 @@ STEPS, LR = 12, 0.5
 
 def main():
     mode = sys.argv[1]
+    me = os.environ["PERSEUS_ELASTIC_ID"]
+    if os.environ.get("HANG_ID") == me:
+        print(f"worker {me} hangs before init", flush=True)
+        time.sleep(600)
     hvd.init()
     model = torch.nn.Linear(1, 1, bias=False)
     torch.nn.init.zeros_(model.weight)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     state = hvd.elastic.TorchState(model, opt, step=0, sizes=[])
-    me = os.environ["PERSEUS_ELASTIC_ID"]
     first_round = [True]
     state.register_reset_callbacks([lambda: first_round.__setitem__(0, False)])
 
