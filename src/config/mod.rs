@@ -29,7 +29,7 @@ pub const PARAMS: &[Param] = &[
     Param {
         name: "GLOO_TIMEOUT_SECONDS",
         default: "60",
-        allowed: "an integer from 1 to 86400",
+        allowed: "an integer from 1 to 86400 (HOROVOD_GLOO_TIMEOUT_SECONDS is an alias)",
         doc: "seconds to wait for a peer (connect, rendezvous, each transfer) before failing",
     },
     Param {
@@ -345,6 +345,22 @@ fn allowed_of(name: &str) -> &'static str {
         .unwrap_or("see docs/environment.md")
 }
 
+/// The peer timeout in seconds: GLOO_TIMEOUT_SECONDS, else Horovod's
+/// HOROVOD_GLOO_TIMEOUT_SECONDS, else 60. A bad value names the variable it came from.
+fn peer_timeout() -> Result<u64> {
+    let name = ["GLOO_TIMEOUT_SECONDS", "HOROVOD_GLOO_TIMEOUT_SECONDS"]
+        .into_iter()
+        .find(|n| var(n).is_some())
+        .unwrap_or("GLOO_TIMEOUT_SECONDS");
+    match var(name) {
+        None => Ok(60),
+        Some(v) => match v.parse::<u64>() {
+            Ok(x) if (1..=86_400).contains(&x) => Ok(x),
+            _ => Err(invalid(name, &v, "an integer from 1 to 86400")),
+        },
+    }
+}
+
 /// Parses an integer variable within `[min, max]`.
 pub fn int_var(name: &str, default: u64, min: u64, max: u64) -> Result<u64> {
     match var(name) {
@@ -404,6 +420,7 @@ fn precedence_notes() -> Vec<String> {
     let pairs = [
         ("PERSEUS_ALLREDUCE_FUSION", "HOROVOD_FUSION_THRESHOLD"),
         ("PERSEUS_TIMELINE", "HOROVOD_TIMELINE"),
+        ("GLOO_TIMEOUT_SECONDS", "HOROVOD_GLOO_TIMEOUT_SECONDS"),
         ("PERSEUS_ALLREDUCE_MODE", "HOROVOD_HIERARCHICAL_ALLREDUCE"),
         ("PERSEUS_ALLREDUCE_MODE", "AIAK_HIERARCHICAL_ALLREDUCE"),
         (
@@ -531,7 +548,7 @@ impl Config {
         let topology = Topology::from_env()?;
         let iface_addr = listen_address(&topology)?;
         let (rendezvous, host_store) = rendezvous(&topology)?;
-        let timeout = int_var("GLOO_TIMEOUT_SECONDS", 60, 1, 86_400)?;
+        let timeout = peer_timeout()?;
         let fusion_threshold = int_var("HOROVOD_FUSION_THRESHOLD", 64 << 20, 0, u64::MAX)?;
         let cycle_ms = float_var("HOROVOD_CYCLE_TIME", 1.0)?;
         let cache_capacity = int_var("HOROVOD_CACHE_CAPACITY", 1024, 0, 1 << 24)? as usize;

@@ -35,6 +35,8 @@ from _launch_helpers import clean_env
     ("AIAK_FP16_COMPRESSION", "2"),
     ("AIAK_HIERARCHICAL_ALLREDUCE", "yes"),
     ("AIAK_FUSED_OPTIMIZER", "2"),
+    ("GLOO_TIMEOUT_SECONDS", "0"),
+    ("HOROVOD_GLOO_TIMEOUT_SECONDS", "5m"),
 ])
 def test_invalid_env_value_fails_init(run_workers, variable, value):
     run_workers(2, "bad_env.py", variable, env={variable: value}, timeout=60)
@@ -78,3 +80,22 @@ def test_seed_001s_switches_read_as_perseus_own(env, dtype, mode, fused):
                          capture_output=True, text=True, timeout=50, check=False)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == repr((dtype, mode, fused)), (env, out.stdout)
+
+
+TIMEOUT = ("from perseus.common import basics as c; c.init(); "
+           "print(c.config()['GLOO_TIMEOUT_SECONDS'])")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("env,seconds,note", [
+    ({}, "60", None),
+    ({"HOROVOD_GLOO_TIMEOUT_SECONDS": "300"}, "300", None),  # seed 004's job sets it
+    ({"GLOO_TIMEOUT_SECONDS": "20", "HOROVOD_GLOO_TIMEOUT_SECONDS": "300"}, "20",
+     "GLOO_TIMEOUT_SECONDS=20 takes precedence over HOROVOD_GLOO_TIMEOUT_SECONDS=300"),
+])
+def test_the_peer_timeout_reads_horovods_variable_too(env, seconds, note):
+    out = subprocess.run([sys.executable, "-c", TIMEOUT], env=clean_env(**env),
+                         capture_output=True, text=True, timeout=50, check=False)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == seconds, (env, out.stdout)
+    assert (note in out.stderr) if note else "takes precedence" not in out.stderr, out.stderr

@@ -20,7 +20,8 @@ pytest.importorskip("torch")
 
 PY = sys.executable
 WORKER = str(Path(__file__).parent / "workers" / "elastic.py")
-EXAMPLE = str(Path(__file__).parents[2] / "examples" / "pytorch_elastic_mnist.py")
+EXAMPLES = Path(__file__).parents[2] / "examples"
+EXAMPLE = str(EXAMPLES / "pytorch_elastic_mnist.py")
 
 
 def perseusrun(flags, *check, timeout=150, **env):
@@ -217,3 +218,23 @@ def test_the_example_goes_on_when_a_worker_is_killed_from_outside():
     assert "round 1: 2 workers (127.0.0.1[0], 127.0.0.3[0])" in out, out
     assert re.search(r"epoch 1: .*size 3\)", out) and re.search(r"epoch 3: .*size 2\)", out), out
     assert "final loss" in out, out
+
+
+@pytest.mark.timeout(180)
+def test_seed_004s_command_runs_the_elastic_synthetic_benchmark(tmp_path):
+    # seed 004's launcher line, its discovery script and its Horovod timeout variable
+    script = tmp_path / "discover_hosts.sh"
+    script.write_text("#!/bin/sh\necho localhost:3\n")
+    script.chmod(0o755)
+    cmd = [PY, "-m", "perseus.runner.launch", "-np", "3", "--min-np=1", "--max-np=5",
+           "--verbose", "--log-level=DEBUG", "--host-discovery-script", str(script),
+           PY, str(EXAMPLES / "pytorch_synthetic_benchmark_elastic.py"), "--num-iters=3",
+           "--num-batches-per-iter", "2", "--num-warmup-batches", "1", "--batch-size", "4",
+           "--image-size", "32"]
+    rc, out = run(cmd, clean_env(OMP_NUM_THREADS=1, HOROVOD_GLOO_TIMEOUT_SECONDS=300),
+                  timeout=150)
+    assert rc == 0, f"exit {rc}\n{out}"
+    assert "perseusrun: elastic, 1 to 5 workers" in out, out
+    assert "round 0: 3 workers (localhost[0], localhost[1], localhost[2])" in out, out
+    assert re.search(r"Iter #2: [0-9.]+ img/sec per CPU \(3 workers\)", out), out
+    assert re.search(r"Total img/sec on 3 CPU\(s\): [0-9.]+ \+-[0-9.]+", out), out

@@ -70,3 +70,16 @@ def test_elastic_fit_goes_on_without_a_failed_worker(run_framework):
     assert "worker 127.0.0.1[0] failed with exit code 3" in out, out
     assert "round 1: 2 workers (127.0.0.2[0], 127.0.0.3[0])" in out, out
     assert out.count("of 2: w = -6.0") == 2, out
+
+
+def test_elastic_session_goes_on_without_a_failed_worker(run_framework):
+    """The same with a tf.compat.v1 session: TensorFlowState(session=...) keeps the
+    graph's variables; rank 1's worker fails before step 6, and the two others go back
+    to the commit of step 4, variables included."""
+    out = run_framework(3, "elastic.py", "session",
+                        hosts="127.0.0.1:1,127.0.0.2:1,127.0.0.3:1",
+                        flags=["--min-np", "2"], oks=2,
+                        env={"FAIL_ID": "127.0.0.2[0]", "GLOO_TIMEOUT_SECONDS": "30"})
+    assert "worker 127.0.0.2[0] failed with exit code 3" in out, out
+    assert "round 1: 2 workers (127.0.0.1[0], 127.0.0.3[0])" in out, out
+    assert out.count("of 2: w = -6.0") == 2, out

@@ -14,6 +14,7 @@ Typical use::
     train(state)
 """
 
+import contextlib
 import functools
 
 import tensorflow as tf
@@ -36,14 +37,22 @@ def run(func):
 
     @functools.wraps(func)
     def unwrapped(state, *args, **kwargs):
-        try:
+        with _internal_errors():
             return func(state, *args, **kwargs)
-        except tf.errors.OpError as e:
-            if "HorovodInternalError" not in str(e.message):
-                raise
-            raise HorovodInternalError(e.message) from e
 
     return run_fn(unwrapped)
+
+
+@contextlib.contextmanager
+def _internal_errors():
+    """Raise a ``tf.errors.OpError`` that carries a ``HorovodInternalError`` (a
+    collective failed inside a TensorFlow function or a session's run) as the latter."""
+    try:
+        yield
+    except tf.errors.OpError as e:
+        if "HorovodInternalError" not in str(e.message):
+            raise
+        raise HorovodInternalError(e.message) from e
 
 
 def _broadcast(obj):
@@ -51,16 +60,31 @@ def _broadcast(obj):
 
 
 class TensorFlowState(ObjectState):
-    """Variables (eager ``tf.Variable`` objects) and picklable attributes kept across
-    resets: ``commit()`` copies their values, ``restore()`` assigns the copies back,
-    ``sync()`` sends rank 0's to every rank."""
+    """Variables and picklable attributes kept across resets: ``commit()`` copies the
+    variables' values, ``restore()`` assigns the copies back, ``sync()`` sends rank 0's
+    to every rank.
+
+    Eager: ``variables`` are ``tf.Variable`` objects. With ``session`` (a
+    ``tf.compat.v1`` session): the variables of its graph (its global variables when
+    none are given), read and written through ``session.run``. The ops that do so are
+    added to the graph here, so make the state once the variables are initialized and
+    before the graph is finalized (before a ``MonitoredTrainingSession``).
+    """
 
     def __init__(self, variables=None, session=None, **kwargs):
-        if session is not None:
-            raise ValueError("Perseus's elastic state holds eager variables: a "
-                             "tf.compat.v1 session is not supported")
-        self._variable_list = list(variables or [])
+        self.session = session
         self._values = []
+        if session is None:
+            self._variable_list = list(variables or [])
+        else:
+            with session.graph.as_default():
+                self._variable_list = list(variables if variables is not None
+                                           else tf.compat.v1.global_variables())
+                self._feeds = [tf.compat.v1.placeholder(v.dtype.base_dtype, v.shape)
+                               for v in self._variable_list]
+                self._assign = tf.group(*[v.assign(feed) for v, feed in
+                                          zip(self._variable_list, self._feeds)])
+                self._broadcast = broadcast_variables(self._variable_list, root_rank=0)
         super().__init__(_broadcast, basics.rank, **kwargs)
         self._save_variables()
 
@@ -68,21 +92,29 @@ class TensorFlowState(ObjectState):
         return self._variable_list
 
     def _save_variables(self):
-        self._values = [v.numpy() for v in self._variables()]
+        if self.session is not None:
+            self._values = self.session.run(self._variable_list)
+        else:
+            self._values = [v.numpy() for v in self._variables()]
 
     def save(self):
         self._save_variables()
         super().save()
 
     def restore(self):
-        for variable, value in zip(self._variables(), self._values):
-            variable.assign(value)
+        if self.session is not None:
+            self.session.run(self._assign, feed_dict=dict(zip(self._feeds, self._values)))
+        else:
+            for variable, value in zip(self._variables(), self._values):
+                variable.assign(value)
         super().restore()
 
     def sync(self):
-        variables = self._variables()
-        if variables:
-            broadcast_variables(variables, root_rank=0)
+        if self.session is not None:
+            with _internal_errors():
+                self.session.run(self._broadcast)
+        elif self._variables():
+            broadcast_variables(self._variables(), root_rank=0)
         super().sync()
         self._save_variables()  # a new rank's copy is rank 0's, not its own start
 
