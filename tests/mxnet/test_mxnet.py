@@ -46,3 +46,28 @@ def test_examples_run(run_example, script, expect):
     out = run_example(script, "--epochs", "1", expect=expect)
     accuracy = float(out.rsplit(expect, 1)[1].split()[0])
     assert accuracy > 0.5, f"{script} did not learn: accuracy {accuracy}\n{out}"
+
+
+def test_elastic_training_goes_on_without_a_failed_worker(run_framework):
+    """perseusrun --min-np 2 on three "hosts": the second host's worker fails before step
+    6; the others restore step 4's commit (weight, momentum, step counts) and end with
+    the model of exactly 12 steps (docs/elastic.md)."""
+    out = run_framework(3, "elastic.py", "fail", hosts="127.0.0.1:1,127.0.0.2:1,127.0.0.3:1",
+                        flags=["--min-np", "2"], oks=2,
+                        env={"FAIL_ID": "127.0.0.2[0]", "GLOO_TIMEOUT_SECONDS": "30"})
+    assert "worker 127.0.0.2[0] failed with exit code 3" in out, out
+    assert "round 1: 2 workers (127.0.0.1[0], 127.0.0.3[0])" in out, out
+    assert out.count("sizes [3, 3, 3, 3, 2, 2, 2, 2, 2, 2, 2, 2]") == 2, out
+
+
+def test_elastic_new_worker_takes_rank_0s_model_and_momentum(run_framework, tmp_path):
+    """A host that the discovery script adds after step 4 gets a worker at a commit; it
+    ends with the weight and momentum of every step, received from rank 0."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1:1\n127.0.0.2:1\n")
+    out = run_framework(2, "elastic.py", "grow", str(hosts), oks=3,
+                        flags=["--min-np", "2", "--max-np", "3", "--host-discovery-script",
+                               f"cat {hosts}"],
+                        env={"STEP_SLEEP": "0.4", "GLOO_TIMEOUT_SECONDS": "30"})
+    assert "round 1: 3 workers (127.0.0.1[0], 127.0.0.2[0], 127.0.0.3[0])" in out, out
+    assert out.count("WORKER OK") == 3, out

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from _launch_helpers import OK_MARK, clean_env, run, stop_session
+from _launch_helpers import OK_MARK, clean_env, free_port, run, stop_session
 
 pytest.importorskip("torch")
 
@@ -238,3 +238,18 @@ def test_seed_004s_command_runs_the_elastic_synthetic_benchmark(tmp_path):
     assert "round 0: 3 workers (localhost[0], localhost[1], localhost[2])" in out, out
     assert re.search(r"Iter #2: [0-9.]+ img/sec per CPU \(3 workers\)", out), out
     assert re.search(r"Total img/sec on 3 CPU\(s\): [0-9.]+ \+-[0-9.]+", out), out
+
+
+@pytest.mark.timeout(120)
+def test_torchrun_restarts_the_workers_and_they_go_on_from_rank_0s_checkpoint(tmp_path):
+    # torchrun's own fault tolerance: every worker restarts, and Perseus starts afresh
+    worker = Path(__file__).parent / "workers" / "torchrun_restart.py"
+    cmd = [PY, "-W", "ignore::FutureWarning", "-m", "torch.distributed.run",
+           "--nproc_per_node", "2", "--max-restarts", "1", "--master_port", str(free_port()),
+           str(worker), str(tmp_path / "ckpt")]
+    rc, out = run(cmd, clean_env(PERSEUS_MASTER_PORT=free_port(), OMP_NUM_THREADS=1),
+                  timeout=100)
+    assert rc == 0 and out.count(OK_MARK) == 2, f"exit {rc}\n{out}"
+    assert "rank 1 is gone" in out, out  # rank 0's error before torchrun stopped it
+    assert "attempt 1 rank 0 starts at step 4" in out, out
+    assert "attempt 1 rank 1 starts at step 4" in out, out

@@ -11,9 +11,11 @@ Two ways in, as Horovod and AIACC users know them:
   ``push(key, value, op=PerseusOp.Sum / Max / Min)``.
 
 ``PerseusSyncBatchNorm(comm_scope=0 or 1)`` normalizes with the batch statistics of the
-host's ranks or of every rank.
+host's ranks or of every rank. ``hvd.elastic`` (``run``, ``MXNetState``) trains through
+the resets of an elastic job (docs/elastic.md).
 """
 
+from perseus.mxnet import elastic
 from perseus.mxnet.compression import Compression
 from perseus.mxnet.functions import allgather_object, broadcast_object, broadcast_parameters
 from perseus.mxnet.kvstore import PerseusKVStore, PerseusOp, create
@@ -59,7 +61,7 @@ __all__ = [
     "HorovodInternalError", "Max", "Min", "PerseusKVStore", "PerseusOp", "PerseusSyncBatchNorm",
     "ProcessSet", "Product", "Sum", "add_process_set", "allgather", "allgather_object",
     "allreduce", "allreduce_", "alltoall", "barrier", "broadcast", "broadcast_",
-    "broadcast_object", "broadcast_parameters", "create", "cross_rank", "cross_size",
+    "broadcast_object", "broadcast_parameters", "create", "cross_rank", "cross_size", "elastic",
     "global_process_set", "grouped_allgather", "grouped_allreduce", "grouped_allreduce_",
     "init", "is_initialized", "join", "local_rank", "local_size", "rank", "reducescatter",
     "remove_process_set", "shutdown", "size",

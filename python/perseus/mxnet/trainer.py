@@ -96,13 +96,22 @@ class DistributedTrainer(mx.gluon.Trainer):
         check_optimizer_args(Average, gradient_predivide_factor, num_groups)
         if isinstance(optimizer, DistributedOptimizer):
             optimizer = optimizer._optimizer
-        super().__init__(params, optimizer, optimizer_params=optimizer_params, kvstore=None)
         self._compression = compression
         self._predivide = float(gradient_predivide_factor)
         self._prefix = prefix or "DistributedTrainer."
         self._process_set = process_set
-        # The sum over the ranks becomes their average through the optimizer's scale.
-        self._scale *= self._predivide / process_set_size(process_set)
+        super().__init__(params, optimizer, optimizer_params=optimizer_params, kvstore=None)
+
+    # The sum over the ranks becomes their average through the optimizer's scale, which
+    # gluon reads at each step: it follows the number of ranks, which an elastic job's
+    # resets change. gluon's own code sets the scale without the ranks.
+    @property
+    def _scale(self):
+        return self._unscaled * self._predivide / process_set_size(self._process_set)
+
+    @_scale.setter
+    def _scale(self, value):
+        self._unscaled = value
 
     def _allreduce_grads(self):
         if process_set_size(self._process_set) == 1:
