@@ -140,6 +140,7 @@ def test_the_sampler_splits_what_is_left_of_the_epoch_among_the_ranks():
 
     sampler = ElasticSampler(list(range(10)), shuffle=False)  # one rank: Perseus not started
     assert list(sampler) == list(range(10)) and len(sampler) == 10
+    assert sampler.get_indices(1, 3) == [3, 4, 5]
     sampler.record_batch(1, 3)  # the second batch of 3: indices 3, 4, 5
     saved = sampler.state_dict()
     assert saved == {"epoch": 0, "processed_indices": {3, 4, 5}}

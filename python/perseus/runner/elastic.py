@@ -8,8 +8,8 @@ worker of the round its ranks. A worker that fails (exits non-zero) has its host
 blacklisted, as Horovod does (for good, or for a while with
 ``--blacklist-cooldown-range``), and so is the host of a worker that does not reach
 the rendezvous within ``--start-timeout``. The workers left re-form once each has
-asked for the next round (after its collectives failed) or ended. Hosts that the discovery
-script adds get workers, up to ``--max-np``, at the next round; the running workers
+asked for the next round (after its collectives failed) or ended. Hosts that the
+discovery script adds get workers, up to ``--max-np``, at the next round; the running workers
 learn of them at their next ``state.commit()``. The job ends when its workers have
 ended: with success when they did, or fails when fewer than ``--min-np`` workers are
 left for ``--elastic-timeout`` seconds, or after ``--reset-limit`` rounds.
@@ -193,8 +193,7 @@ class ElasticJob(_job.Launcher):
         except DiscoveryError as e:
             self._say(f"host discovery: {e}; keeping the hosts found before")
         now = set(self._usable())
-        back = {h for h, _ in now - self.seen if h in self.blacklist.failures}
-        for host in sorted(back & set(self.hosts)):
+        for host in sorted({h for h, _ in now - self.seen if h in self.blacklist.failures}):
             self._say(f"host {host} is back from the blacklist")
         gone = {f"{h}[{i}]" for h, i in self.seen - now}
         for wid in gone & set(self.workers):
@@ -216,7 +215,7 @@ class ElasticJob(_job.Launcher):
         span = ("" if wait == math.inf else
                 f" for {wait:g} s (--blacklist-cooldown-range)")
         self._say(f"{why}; host {host} is blacklisted{span}, and the job goes on without it")
-        self.seen = set(self._usable())
+        self.seen = {(h, i) for h, i in self.seen if h != host}
         for other in [w for w in self.workers if self.workers[w].slot.hostname == host]:
             self._stop(other, f"host {host} is blacklisted")
 

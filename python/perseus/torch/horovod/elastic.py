@@ -110,10 +110,16 @@ class ElasticSampler(torch.utils.data.Sampler):
 
     def record_batch(self, batch_idx, batch_size):
         """Mark this rank's batch ``batch_idx`` (of ``batch_size`` samples) processed."""
+        self.record_indices(self.get_indices(batch_idx, batch_size))
+
+    def get_indices(self, batch_idx, batch_size):
+        """The dataset indices of this rank's batch ``batch_idx`` in the current split."""
         start = batch_idx * batch_size
-        self.record_indices(self.indices[start:start + batch_size])
+        return self.indices[start:start + batch_size]
 
     def record_indices(self, indices):
+        """Mark dataset ``indices`` processed (a batch that was not a slice of the
+        split, for example)."""
         self.processed_indices.update(indices)
 
     def state_dict(self):
