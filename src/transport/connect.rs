@@ -246,6 +246,10 @@ fn mesh_key(scope: &str, rank: usize, gen: u64) -> String {
     }
 }
 
+/// What a launcher publishes in place of a rank's entry when that rank will
+/// never publish one (an elastic job's worker that did not start): `gone <why>`.
+const GONE: &str = "gone ";
+
 /// Reads `peer`'s published entry ("address host-key streams") of round `gen`.
 fn published(
     store: &mut StoreClient,
@@ -255,6 +259,11 @@ fn published(
     timeout: Duration,
 ) -> Result<Published> {
     let v = String::from_utf8_lossy(&store.get(&mesh_key(scope, peer, gen), timeout)?).to_string();
+    if let Some(why) = v.strip_prefix(GONE) {
+        return Err(PerseusError::Peer(format!(
+            "rank {peer} will not join: {why}"
+        )));
+    }
     let mut f = v.split(' ');
     let (addr, host, streams) = (f.next(), f.next(), f.next().and_then(|s| s.parse().ok()));
     match (addr, host, streams) {

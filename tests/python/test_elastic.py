@@ -89,13 +89,27 @@ def test_a_failed_host_comes_back_after_its_cooldown():
 def test_a_worker_that_never_checks_in_is_left_behind_after_the_start_timeout():
     flags = ["-np", "3", "--min-np", "2", "-H", "127.0.0.1:1,127.0.0.2:1,127.0.0.3:1",
              "--start-timeout", "12"]
-    # the others give up on round 0 after 6 s, and join round 1 once the launcher made it
+    # the launcher tells the others, waiting for it, long before their own timeout (60 s)
     rc, out = perseusrun(flags, "fail", HANG_ID="127.0.0.3[0]", FAIL_ID="none", FAIL_AT=0,
-                         GLOO_TIMEOUT_SECONDS=6)
+                         GLOO_TIMEOUT_SECONDS=60)
     assert rc == 0 and out.count(OK_MARK) == 2, f"exit {rc}\n{out}"
     assert ("worker 127.0.0.3[0] did not check in at the rendezvous within 12 s "
             "(--start-timeout); host 127.0.0.3 is blacklisted") in out, out
-    assert "could not form round 0" in out, out
+    assert out.count("could not form round 0 (rank 2 will not join: worker 127.0.0.3[0] "
+                     "did not check in") == 2, out  # not their timeout's message
+    assert "round 1: 2 workers (127.0.0.1[0], 127.0.0.2[0])" in out, out
+    assert sizes(out) == {(2,) * 12}, out
+
+
+@pytest.mark.timeout(180)
+def test_a_worker_that_ends_before_it_checks_in_is_not_waited_for():
+    flags = ["-np", "3", "--min-np", "2", "-H", "127.0.0.1:1,127.0.0.2:1,127.0.0.3:1"]
+    rc, out = perseusrun(flags, "fail", CRASH_ID="127.0.0.3[0]", FAIL_ID="none", FAIL_AT=0,
+                         GLOO_TIMEOUT_SECONDS=60)
+    assert rc == 0 and out.count(OK_MARK) == 2, f"exit {rc}\n{out}"
+    assert "worker 127.0.0.3[0] failed with exit code 5; host 127.0.0.3 is blacklisted" in out
+    assert out.count("could not form round 0 (rank 2 will not join: worker 127.0.0.3[0] "
+                     "ended (exit code 5) before it checked in") == 2, out
     assert "round 1: 2 workers (127.0.0.1[0], 127.0.0.2[0])" in out, out
     assert sizes(out) == {(2,) * 12}, out
 

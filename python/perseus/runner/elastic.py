@@ -245,7 +245,9 @@ class ElasticJob(_job.Launcher):
 
     def _ended(self, wid, code):
         rank = self.workers.pop(wid)
-        self.starting.pop(wid, None)
+        if self.starting.pop(wid, None) is not None:
+            self._abandon(wid, f"worker {wid} ended ({_job.describe_status(code)}) before "
+                          "it checked in")
         rank.close()
         stopped = wid in self.stopping
         self.stopping.discard(wid)
@@ -275,10 +277,22 @@ class ElasticJob(_job.Launcher):
                 del self.starting[wid]
             elif time.monotonic() - since > self.start_timeout:
                 del self.starting[wid]
-                self._blacklist(
-                    self.workers[wid].slot.hostname,
-                    f"worker {wid} did not check in at the rendezvous within "
-                    f"{self.start_timeout:g} s (--start-timeout)")
+                why = (f"worker {wid} did not check in at the rendezvous within "
+                       f"{self.start_timeout:g} s (--start-timeout)")
+                self._abandon(wid, why)
+                self._blacklist(self.workers[wid].slot.hostname, why)
+
+    def _abandon(self, wid, why):
+        """Publish ``gone <why>`` as the check-in of ``wid``, a member of the current
+        round that never checked in and never will: the others, waiting for it, then
+        fail to connect at once, naming it, and move on to the next round."""
+        table = self.tables.get(self.round, {})
+        if wid not in table:
+            return
+        key = f"elastic/{self.round}/mesh/{table[wid][0]}"
+        published = self.server.keys()  # the store's sorted keys (not a dict)
+        if key not in published:
+            self.server.set(key, f"gone {why}".encode())
 
     # ------------------------------------------------------------------ rounds
 

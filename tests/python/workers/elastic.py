@@ -8,7 +8,7 @@ with status 3 before step FAIL_AT of its first round; the others re-form and go 
 after step GROW_AT; the job takes in the new worker at a commit after the launcher
 discovers it (each step sleeps STEP_SLEEP seconds, to give it the time).
 With HANG_ID set, that worker hangs before ``hvd.init()`` (the launcher must leave it
-behind after --start-timeout).
+behind after --start-timeout); with CRASH_ID, it exits with status 5 there.
 Each rank prints ``sizes <list>``: the number of ranks at each step.
 """
 
@@ -29,6 +29,9 @@ def main():
     if os.environ.get("HANG_ID") == me:
         print(f"worker {me} hangs before init", flush=True)
         time.sleep(600)
+    if os.environ.get("CRASH_ID") == me:
+        print(f"worker {me} exits before init", flush=True)
+        sys.exit(5)
     hvd.init()
     model = torch.nn.Linear(1, 1, bias=False)
     torch.nn.init.zeros_(model.weight)
