@@ -129,7 +129,7 @@ def test_the_blacklist_cooldown_doubles_at_each_failure_up_to_its_maximum():
 
 
 def test_check_ins_are_read_under_their_rounds_scope():
-    from perseus.runner.elastic import mesh_rank
+    from perseus.runner.job import mesh_rank
 
     assert mesh_rank("elastic/3/mesh/2", "elastic/3/") == 2
     assert mesh_rank("elastic/3/mesh/2/1", "elastic/3/") == 2  # a later generation

@@ -124,16 +124,6 @@ class Blacklist:
         return sorted(h for h in self.until if h in self)
 
 
-def mesh_rank(key, scope):
-    """The rank whose check-in ``key`` is under ``scope`` (``<scope>mesh/<rank>`` or
-    ``<scope>mesh/<rank>/<generation>``), else None."""
-    head = f"{scope}mesh/"
-    if not key.startswith(head):
-        return None
-    rank = key[len(head):].split("/", 1)[0]
-    return int(rank) if rank.isdigit() else None
-
-
 def table_text(table, hosts_version):
     lines = [f"hosts {hosts_version}"]
     lines += [" ".join([wid, *map(str, p)]) for wid, p in
@@ -272,7 +262,7 @@ class ElasticJob(_job.Launcher):
         for wid, (first, since) in list(self.starting.items()):
             rounds = [r for r in range(first, self.round + 1) if wid in self.tables[r]]
             ranks = {(r, self.tables[r][wid][0]) for r in rounds}
-            if any((r, mesh_rank(k, f"elastic/{r}/")) in ranks for r in rounds
+            if any((r, _job.mesh_rank(k, f"elastic/{r}/")) in ranks for r in rounds
                    for k in keys):
                 del self.starting[wid]
             elif time.monotonic() - since > self.start_timeout:

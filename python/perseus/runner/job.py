@@ -103,9 +103,19 @@ def exit_status(code):
     return 128 - code if code < 0 else code
 
 
+def mesh_rank(key, scope=""):
+    """The rank whose check-in ``key`` is under ``scope`` (``<scope>mesh/<rank>``, or
+    ``<scope>mesh/<rank>/<generation>`` after a re-init), else None."""
+    head = f"{scope}mesh/"
+    if not key.startswith(head):
+        return None
+    rank = key[len(head):].split("/", 1)[0]
+    return int(rank) if rank.isdigit() else None
+
+
 def checked_in_ranks(keys):
     """The ranks that published ``mesh/<rank>`` at the rendezvous (their init() began)."""
-    return {int(k[5:]) for k in keys if k.startswith("mesh/") and k[5:].isdigit()}
+    return {r for r in map(mesh_rank, keys) if r is not None}
 
 
 def describe_ranks(slots):
