@@ -24,13 +24,18 @@ pub struct Param {
     pub doc: &'static str,
 }
 
+/// PERSEUS_ALLREDUCE_NANCHECK, and seed 003's spelling of it, read as an alias.
+const NANCHECK: &str = "PERSEUS_ALLREDUCE_NANCHECK";
+const NANCHECK_ALIAS: &str = "PERSEUS_ALLREDUCE_NANHECK";
+
 /// The tunables the core honours today.
 pub const PARAMS: &[Param] = &[
     Param {
         name: "GLOO_TIMEOUT_SECONDS",
         default: "60",
-        allowed: "an integer from 1 to 86400 (HOROVOD_GLOO_TIMEOUT_SECONDS is an alias)",
-        doc: "seconds to wait for a peer (connect, rendezvous, each transfer) before failing",
+        allowed: "an integer from 1 to 86400",
+        doc: "seconds to wait for a peer (connect, rendezvous, each transfer) before failing \
+              (HOROVOD_GLOO_TIMEOUT_SECONDS is an alias)",
     },
     Param {
         name: "HOROVOD_FUSION_THRESHOLD",
@@ -100,7 +105,8 @@ pub const PARAMS: &[Param] = &[
         default: "0",
         allowed: "0 or 1",
         doc: "1: a NaN or Inf in a reduced gradient raises an error naming the tensor and the \
-              ranks it came from; the step is not applied",
+              ranks it came from; the step is not applied (PERSEUS_ALLREDUCE_NANHECK, seed \
+              003's spelling, is an alias)",
     },
     Param {
         name: "PERSEUS_ALLREDUCE_DTYPE",
@@ -345,18 +351,16 @@ fn allowed_of(name: &str) -> &'static str {
         .unwrap_or("see docs/environment.md")
 }
 
-/// The peer timeout in seconds: GLOO_TIMEOUT_SECONDS, else Horovod's
-/// HOROVOD_GLOO_TIMEOUT_SECONDS, else 60. A bad value names the variable it came from.
-fn peer_timeout() -> Result<u64> {
-    let name = ["GLOO_TIMEOUT_SECONDS", "HOROVOD_GLOO_TIMEOUT_SECONDS"]
-        .into_iter()
-        .find(|n| var(n).is_some())
-        .unwrap_or("GLOO_TIMEOUT_SECONDS");
-    match var(name) {
-        None => Ok(60),
-        Some(v) => match v.parse::<u64>() {
-            Ok(x) if (1..=86_400).contains(&x) => Ok(x),
-            _ => Err(invalid(name, &v, "an integer from 1 to 86400")),
+/// Parses the first of `names` that is set as an integer within `[min, max]`, as
+/// [`int_var`] does; later names are aliases (another spelling of the same setting).
+/// A bad value names the variable it came from; the allowed values are the first name's.
+fn aliased_int_var(names: &[&str], default: u64, min: u64, max: u64) -> Result<u64> {
+    let name = names.iter().copied().find(|n| var(n).is_some());
+    match name.zip(name.and_then(var)) {
+        None => Ok(default),
+        Some((name, v)) => match v.parse::<u64>() {
+            Ok(x) if (min..=max).contains(&x) => Ok(x),
+            _ => Err(invalid(name, &v, allowed_of(names[0]))),
         },
     }
 }
@@ -419,6 +423,7 @@ const UNAUTHENTICATED: &str = "warning: PERSEUS_SECRET is not set, so this job i
 fn precedence_notes() -> Vec<String> {
     let pairs = [
         ("PERSEUS_ALLREDUCE_FUSION", "HOROVOD_FUSION_THRESHOLD"),
+        (NANCHECK, NANCHECK_ALIAS),
         ("PERSEUS_TIMELINE", "HOROVOD_TIMELINE"),
         ("GLOO_TIMEOUT_SECONDS", "HOROVOD_GLOO_TIMEOUT_SECONDS"),
         ("PERSEUS_ALLREDUCE_MODE", "HOROVOD_HIERARCHICAL_ALLREDUCE"),
@@ -548,7 +553,12 @@ impl Config {
         let topology = Topology::from_env()?;
         let iface_addr = listen_address(&topology)?;
         let (rendezvous, host_store) = rendezvous(&topology)?;
-        let timeout = peer_timeout()?;
+        let timeout = aliased_int_var(
+            &["GLOO_TIMEOUT_SECONDS", "HOROVOD_GLOO_TIMEOUT_SECONDS"],
+            60,
+            1,
+            86_400,
+        )?;
         let fusion_threshold = int_var("HOROVOD_FUSION_THRESHOLD", 64 << 20, 0, u64::MAX)?;
         let cycle_ms = float_var("HOROVOD_CYCLE_TIME", 1.0)?;
         let cache_capacity = int_var("HOROVOD_CACHE_CAPACITY", 1024, 0, 1 << 24)? as usize;
@@ -576,7 +586,7 @@ impl Config {
                 .chain(unauthenticated.then(|| UNAUTHENTICATED.to_string()))
                 .collect(),
             accumulate_n_steps: int_var("PERSEUS_ACCUMULATE_N_STEPS", 1, 1, 1024)? as u32,
-            nancheck: int_var("PERSEUS_ALLREDUCE_NANCHECK", 0, 0, 1)? == 1,
+            nancheck: aliased_int_var(&[NANCHECK, NANCHECK_ALIAS], 0, 0, 1)? == 1,
             plan: gradient_plan()?,
             offline_neg: int_var("PERSEUS_OFFLINE_NEG", 0, 0, 1)? == 1,
             streams: int_var("PERSEUS_ALLREDUCE_STREAMS", 4, 1, 12)? as usize,

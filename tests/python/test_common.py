@@ -37,6 +37,7 @@ from _launch_helpers import clean_env
     ("AIAK_FUSED_OPTIMIZER", "2"),
     ("GLOO_TIMEOUT_SECONDS", "0"),
     ("HOROVOD_GLOO_TIMEOUT_SECONDS", "5m"),
+    ("PERSEUS_ALLREDUCE_NANHECK", "yes"),
 ])
 def test_invalid_env_value_fails_init(run_workers, variable, value):
     run_workers(2, "bad_env.py", variable, env={variable: value}, timeout=60)
@@ -82,20 +83,27 @@ def test_seed_001s_switches_read_as_perseus_own(env, dtype, mode, fused):
     assert out.stdout.strip() == repr((dtype, mode, fused)), (env, out.stdout)
 
 
-TIMEOUT = ("from perseus.common import basics as c; c.init(); "
-           "print(c.config()['GLOO_TIMEOUT_SECONDS'])")
+SETTING = ("import sys; from perseus.common import basics as c; c.init(); "
+           "print(c.config()[sys.argv[1]])")
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("env,seconds,note", [
-    ({}, "60", None),
-    ({"HOROVOD_GLOO_TIMEOUT_SECONDS": "300"}, "300", None),  # seed 004's job sets it
-    ({"GLOO_TIMEOUT_SECONDS": "20", "HOROVOD_GLOO_TIMEOUT_SECONDS": "300"}, "20",
-     "GLOO_TIMEOUT_SECONDS=20 takes precedence over HOROVOD_GLOO_TIMEOUT_SECONDS=300"),
+@pytest.mark.parametrize("name,env,value,note", [
+    ("GLOO_TIMEOUT_SECONDS", {}, "60", None),
+    # seed 004's job sets Horovod's name
+    ("GLOO_TIMEOUT_SECONDS", {"HOROVOD_GLOO_TIMEOUT_SECONDS": "300"}, "300", None),
+    ("GLOO_TIMEOUT_SECONDS", {"GLOO_TIMEOUT_SECONDS": "20", "HOROVOD_GLOO_TIMEOUT_SECONDS": "300"},
+     "20", "GLOO_TIMEOUT_SECONDS=20 takes precedence over HOROVOD_GLOO_TIMEOUT_SECONDS=300"),
+    ("PERSEUS_ALLREDUCE_NANCHECK", {}, "0", None),
+    # seed 003 spells it NANHECK
+    ("PERSEUS_ALLREDUCE_NANCHECK", {"PERSEUS_ALLREDUCE_NANHECK": "1"}, "1", None),
+    ("PERSEUS_ALLREDUCE_NANCHECK",
+     {"PERSEUS_ALLREDUCE_NANCHECK": "0", "PERSEUS_ALLREDUCE_NANHECK": "1"}, "0",
+     "PERSEUS_ALLREDUCE_NANCHECK=0 takes precedence over PERSEUS_ALLREDUCE_NANHECK=1"),
 ])
-def test_the_peer_timeout_reads_horovods_variable_too(env, seconds, note):
-    out = subprocess.run([sys.executable, "-c", TIMEOUT], env=clean_env(**env),
+def test_settings_read_their_other_spelling_too(name, env, value, note):
+    out = subprocess.run([sys.executable, "-c", SETTING, name], env=clean_env(**env),
                          capture_output=True, text=True, timeout=50, check=False)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == seconds, (env, out.stdout)
+    assert out.stdout.strip() == value, (env, out.stdout)
     assert (note in out.stderr) if note else "takes precedence" not in out.stderr, out.stderr

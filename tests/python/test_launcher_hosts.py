@@ -160,9 +160,12 @@ def test_remote_script_keeps_secret_off_the_command_line():
     script = J.remote_script(["python", "a b.py"], {"PERSEUS_RANK": "1"}, "/w d")
     assert "cd '/w d'" in script and "PERSEUS_RANK=1 python 'a b.py'" in script
     assert "read -r PERSEUS_SECRET" in script
-    assert "PERSEUS_SECRET" not in J.forwarded_env({"PERSEUS_SECRET": "x", "HOROVOD_A": "1",
-                                                    "HOME": "/root"})
-    assert J.forwarded_env({"HOROVOD_A": "1", "HOME": "/root"}) == {"HOROVOD_A": "1"}
+    launcher = {"PERSEUS_SECRET": "x", "HOROVOD_A": "1", "PATH": "/venv/bin:/bin",
+                "MXNET_USE_OPERATOR_TUNING": "0", "HOSTNAME": "launcher", "PWD": "/w",
+                "OLDPWD": "/", "SHLVL": "2", "_": "/bin/perseusrun",
+                "SSH_CONNECTION": "a b c d", "BASH_FUNC_f%%": "() { :; }"}
+    assert J.forwarded_env(launcher) == {"HOROVOD_A": "1", "PATH": "/venv/bin:/bin",
+                                         "MXNET_USE_OPERATOR_TUNING": "0"}
 
 
 def test_describe_status():

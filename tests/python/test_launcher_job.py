@@ -36,9 +36,9 @@ PIDS = textwrap.dedent("""
 """)
 
 
-def launch(args, timeout=60, **kw):
+def launch(args, timeout=60, env=None, **kw):
     return subprocess.run(LAUNCH + args, capture_output=True, text=True, timeout=timeout,
-                          env=ENV, check=False, **kw)
+                          env=env or ENV, check=False, **kw)
 
 
 def alive(pid):
@@ -174,7 +174,8 @@ def test_signal_to_launcher_stops_the_job(tmp_path, sig):
 
 REMOTE_WORKER = PIDS + textwrap.dedent("""
     print(os.environ["PERSEUS_HOSTNAME"], os.environ.get("FAKE_HOST"), os.getcwd(),
-          len(os.environ["PERSEUS_SECRET"]), flush=True)
+          len(os.environ["PERSEUS_SECRET"]), os.environ.get("MXNET_USE_OPERATOR_TUNING"),
+          os.environ.get("SSH_CONNECTION"), flush=True)
     write_pids()
     if rank == 2:  # fail once the others are up
         while not all(os.path.exists(os.path.join(sys.argv[1], f"pid.{r}")) for r in (0, 1)):
@@ -186,14 +187,17 @@ REMOTE_WORKER = PIDS + textwrap.dedent("""
 
 @pytest.mark.timeout(60)
 def test_remote_hosts_through_rsh_prefix(tmp_path):
+    # The fake remote shell starts from an empty environment, as ssh would: what the
+    # remote ranks have, the launcher sent (all but what describes its own shell).
     r = launch(["-np", "3", "-H", "localhost:1,nodeA:2", "--network-interface", "lo",
-                "--rsh", "env FAKE_HOST={host}", sys.executable, "-c", REMOTE_WORKER,
-                str(tmp_path)], cwd=str(tmp_path))
+                "--rsh", "env -i FAKE_HOST={host}", sys.executable, "-c", REMOTE_WORKER,
+                str(tmp_path)], cwd=str(tmp_path),
+               env=dict(ENV, MXNET_USE_OPERATOR_TUNING="0", SSH_CONNECTION="10.0.0.9 1 10.0.0.1 22"))
     assert r.returncode == 4 and "rank 2 (host nodeA)" in r.stderr
     lines = sorted(r.stdout.splitlines())
-    assert lines == [f"[0]<stdout>:localhost None {tmp_path} 32",
-                     f"[1]<stdout>:nodeA nodeA {tmp_path} 32",
-                     f"[2]<stdout>:nodeA nodeA {tmp_path} 32"]
+    assert lines == [f"[0]<stdout>:localhost None {tmp_path} 32 0 10.0.0.9 1 10.0.0.1 22",
+                     f"[1]<stdout>:nodeA nodeA {tmp_path} 32 0 None",
+                     f"[2]<stdout>:nodeA nodeA {tmp_path} 32 0 None"]
     assert_all_gone(pids_in(tmp_path))
 
 

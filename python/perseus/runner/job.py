@@ -20,16 +20,20 @@ HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # The launcher's exit status when ranks did not check in within the start timeout.
 START_TIMEOUT_STATUS = 1
 
-# Environment variables a remote rank inherits from the launcher (besides its own).
-_FORWARDED_PREFIXES = ("PERSEUS_", "HOROVOD_", "AIAK_", "GLOO_", "NCCL_", "OMP_")
-_FORWARDED_NAMES = ("PYTHONPATH", "PYTHONUNBUFFERED", "CUDA_VISIBLE_DEVICES")
+# Variables of the launcher's environment a remote rank does not get: the secret (sent on
+# stdin), and those that describe the launcher's own shell and host, not the job.
+_LOCAL_ONLY_NAMES = frozenset(
+    ("PERSEUS_SECRET", "HOSTNAME", "PWD", "OLDPWD", "SHLVL", "_"))
+_LOCAL_ONLY_PREFIXES = ("BASH_FUNC_", "SSH_")
 
 
 def forwarded_env(environ):
-    """The part of the launcher's environment a remote rank gets (never the secret)."""
+    """The part of the launcher's environment a remote rank gets, as under Horovod: all of
+    it (PATH, LD_LIBRARY_PATH, the frameworks' variables...) but the secret and what
+    describes the launcher's shell and host (``HOSTNAME``, ``PWD``, ``SSH_*``...)."""
     return {k: v for k, v in environ.items()
-            if (k.startswith(_FORWARDED_PREFIXES) or k in _FORWARDED_NAMES)
-            and k != "PERSEUS_SECRET"}
+            if k not in _LOCAL_ONLY_NAMES and not k.startswith(_LOCAL_ONLY_PREFIXES)
+            and k.isprintable() and "=" not in k and k}
 
 
 def remote_script(command, env, cwd):
