@@ -222,16 +222,25 @@ pub const PARAMS: &[Param] = &[
     Param {
         name: "PERSEUS_STALL_CHECK_TIME_SECONDS",
         default: "60",
-        allowed: "an integer number of seconds from 0 (off) to 86400",
+        allowed: "an integer number of seconds from 0 (off) to 86400 \
+                  (HOROVOD_STALL_CHECK_TIME_SECONDS is an alias)",
         doc: "rank 0 warns about a collective some ranks have waited on this long, naming \
               it and the ranks that have not submitted it",
     },
     Param {
         name: "PERSEUS_STALL_SHUTDOWN_TIME_SECONDS",
         default: "0",
-        allowed: "an integer number of seconds from 0 (never) to 86400",
+        allowed: "an integer number of seconds from 0 (never) to 86400 \
+                  (HOROVOD_STALL_SHUTDOWN_TIME_SECONDS is an alias)",
         doc: "a collective some ranks have waited on this long fails the job on every rank \
               with an error naming it and the missing ranks",
+    },
+    Param {
+        name: "HOROVOD_STALL_CHECK_DISABLE",
+        default: "",
+        allowed: "0 or 1",
+        doc: "Horovod's switch: 1 turns the stall warning off unless \
+              PERSEUS_STALL_CHECK_TIME_SECONDS is set",
     },
     Param {
         name: "PERSEUS_TIMELINE",
@@ -365,6 +374,37 @@ fn aliased_int_var(names: &[&str], default: u64, min: u64, max: u64) -> Result<u
     }
 }
 
+/// The stall check's limits: PERSEUS_STALL_CHECK_TIME_SECONDS and
+/// PERSEUS_STALL_SHUTDOWN_TIME_SECONDS, else Horovod's HOROVOD_STALL_CHECK_TIME_SECONDS
+/// and HOROVOD_STALL_SHUTDOWN_TIME_SECONDS; Horovod's HOROVOD_STALL_CHECK_DISABLE=1 turns
+/// the warning off unless PERSEUS_STALL_CHECK_TIME_SECONDS is set.
+fn stall_limits() -> Result<StallLimits> {
+    let disabled = var("PERSEUS_STALL_CHECK_TIME_SECONDS").is_none()
+        && int_var("HOROVOD_STALL_CHECK_DISABLE", 0, 0, 1)? == 1;
+    let warn = aliased_int_var(
+        &[
+            "PERSEUS_STALL_CHECK_TIME_SECONDS",
+            "HOROVOD_STALL_CHECK_TIME_SECONDS",
+        ],
+        60,
+        0,
+        86_400,
+    )?;
+    let fail = aliased_int_var(
+        &[
+            "PERSEUS_STALL_SHUTDOWN_TIME_SECONDS",
+            "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS",
+        ],
+        0,
+        0,
+        86_400,
+    )?;
+    Ok(StallLimits {
+        warn: if disabled { None } else { seconds(warn) },
+        fail: seconds(fail),
+    })
+}
+
 /// Parses an integer variable within `[min, max]`.
 pub fn int_var(name: &str, default: u64, min: u64, max: u64) -> Result<u64> {
     match var(name) {
@@ -424,6 +464,15 @@ fn precedence_notes() -> Vec<String> {
     let pairs = [
         ("PERSEUS_ALLREDUCE_FUSION", "HOROVOD_FUSION_THRESHOLD"),
         (NANCHECK, NANCHECK_ALIAS),
+        (
+            "PERSEUS_STALL_CHECK_TIME_SECONDS",
+            "HOROVOD_STALL_CHECK_TIME_SECONDS",
+        ),
+        (
+            "PERSEUS_STALL_SHUTDOWN_TIME_SECONDS",
+            "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS",
+        ),
+        ("PERSEUS_ALLREDUCE_STREAMS", "HOROVOD_NUM_NCCL_STREAMS"),
         ("PERSEUS_TIMELINE", "HOROVOD_TIMELINE"),
         ("GLOO_TIMEOUT_SECONDS", "HOROVOD_GLOO_TIMEOUT_SECONDS"),
         ("PERSEUS_ALLREDUCE_MODE", "HOROVOD_HIERARCHICAL_ALLREDUCE"),
@@ -596,16 +645,13 @@ impl Config {
                     [int_var("PERSEUS_NCCL_ENABLE", 0, 0, 1)? as usize],
             },
             nccl_nonblocking: int_var("PERSEUS_NCCL_NONBLOCKING", 0, 0, 1)? == 1,
-            nccl_channels: int_var("PERSEUS_ALLREDUCE_STREAMS", 1, 1, 12)? as usize,
-            stall: StallLimits {
-                warn: seconds(int_var("PERSEUS_STALL_CHECK_TIME_SECONDS", 60, 0, 86_400)?),
-                fail: seconds(int_var(
-                    "PERSEUS_STALL_SHUTDOWN_TIME_SECONDS",
-                    0,
-                    0,
-                    86_400,
-                )?),
-            },
+            nccl_channels: aliased_int_var(
+                &["PERSEUS_ALLREDUCE_STREAMS", "HOROVOD_NUM_NCCL_STREAMS"],
+                1,
+                1,
+                12,
+            )? as usize,
+            stall: stall_limits()?,
             downsample_n: int_var("PERSEUS_DOWNSAMPLE_N_ELEMENTS", 1, 1, 1024)? as u32,
             gradient_momentum: match float_var("PERSEUS_GRADIENT_MOMENTUM", 1.0)? {
                 m if m <= 1.0 => m,
@@ -704,6 +750,8 @@ impl Config {
                 "PERSEUS_NCCL_NONBLOCKING",
                 u8::from(self.nccl_nonblocking).to_string(),
             ),
+            // NCCL communicators per process set (PERSEUS_ALLREDUCE_STREAMS when set).
+            ("HOROVOD_NUM_NCCL_STREAMS", self.nccl_channels.to_string()),
             (
                 "PERSEUS_STALL_CHECK_TIME_SECONDS",
                 self.stall.warn.map_or(0, |d| d.as_secs()).to_string(),

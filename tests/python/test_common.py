@@ -38,6 +38,9 @@ from _launch_helpers import clean_env
     ("GLOO_TIMEOUT_SECONDS", "0"),
     ("HOROVOD_GLOO_TIMEOUT_SECONDS", "5m"),
     ("PERSEUS_ALLREDUCE_NANHECK", "yes"),
+    ("HOROVOD_STALL_CHECK_DISABLE", "yes"),
+    ("HOROVOD_STALL_CHECK_TIME_SECONDS", "-1"),
+    ("HOROVOD_NUM_NCCL_STREAMS", "13"),
 ])
 def test_invalid_env_value_fails_init(run_workers, variable, value):
     run_workers(2, "bad_env.py", variable, env={variable: value}, timeout=60)
@@ -100,6 +103,18 @@ SETTING = ("import sys; from perseus.common import basics as c; c.init(); "
     ("PERSEUS_ALLREDUCE_NANCHECK",
      {"PERSEUS_ALLREDUCE_NANCHECK": "0", "PERSEUS_ALLREDUCE_NANHECK": "1"}, "0",
      "PERSEUS_ALLREDUCE_NANCHECK=0 takes precedence over PERSEUS_ALLREDUCE_NANHECK=1"),
+    # Horovod's stall check and NCCL stream variables (horovodrun's flags set them)
+    ("PERSEUS_STALL_CHECK_TIME_SECONDS", {"HOROVOD_STALL_CHECK_TIME_SECONDS": "7"}, "7", None),
+    ("PERSEUS_STALL_CHECK_TIME_SECONDS", {"HOROVOD_STALL_CHECK_DISABLE": "1"}, "0", None),
+    ("PERSEUS_STALL_CHECK_TIME_SECONDS",
+     {"HOROVOD_STALL_CHECK_DISABLE": "1", "PERSEUS_STALL_CHECK_TIME_SECONDS": "9"}, "9", None),
+    ("PERSEUS_STALL_SHUTDOWN_TIME_SECONDS", {"HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "30"},
+     "30", None),
+    ("HOROVOD_NUM_NCCL_STREAMS", {}, "1", None),
+    ("HOROVOD_NUM_NCCL_STREAMS", {"HOROVOD_NUM_NCCL_STREAMS": "5"}, "5", None),
+    ("HOROVOD_NUM_NCCL_STREAMS",
+     {"PERSEUS_ALLREDUCE_STREAMS": "2", "HOROVOD_NUM_NCCL_STREAMS": "5"}, "2",
+     "PERSEUS_ALLREDUCE_STREAMS=2 takes precedence over HOROVOD_NUM_NCCL_STREAMS=5"),
 ])
 def test_settings_read_their_other_spelling_too(name, env, value, note):
     out = subprocess.run([sys.executable, "-c", SETTING, name], env=clean_env(**env),

@@ -12,6 +12,7 @@ import socket
 import sys
 
 from perseus.runner import elastic as _elastic
+from perseus.runner import horovod_flags as _hvd_flags
 from perseus.runner import hosts as _hosts
 from perseus.runner import job as _job
 
@@ -25,18 +26,20 @@ def build_parser():
               "COMMAND [ARG ...]",
         description="Start a Perseus (Horovod-compatible) training job: NP copies of "
                     "COMMAND, one per rank, placed host by host.")
+    p.add_argument("-v", "--version", action="version", version=_version(),
+                   help="print Perseus's version and exit")
     p.add_argument("-np", "--num-proc", type=int, dest="num_proc", metavar="NP",
                    help="number of ranks to start")
     where = p.add_mutually_exclusive_group()
     where.add_argument("-H", "--hosts", metavar="HOSTS",
                        help="hosts and their slots: host1:2,host2:4 (default localhost:NP)")
-    where.add_argument("--hostfile", metavar="FILE",
+    where.add_argument("-hostfile", "--hostfile", metavar="FILE",
                        help="file of 'host slots=N' or 'host:N' lines; # starts a comment")
     backend = p.add_mutually_exclusive_group()
     backend.add_argument("--gloo", action="store_true",
                          help="start ranks with perseusrun itself (the default)")
     backend.add_argument("--mpi", action="store_true", help="start ranks with mpirun")
-    p.add_argument("--network-interface", metavar="IFACE",
+    p.add_argument("--network-interface", "--network-interfaces", metavar="IFACE",
                    help="interfaces (comma-separated; on each host the first that exists "
                         "is used) that ranks listen on and this machine's rendezvous is "
                         "reached at (PERSEUS_GLOO_NETWORK_INTERFACE; default: the address "
@@ -45,8 +48,9 @@ def build_parser():
                    help="seconds every rank has to check in at the rendezvous (reach "
                         "hvd.init()); ranks that do not, e.g. on an unreachable host, are "
                         "named and the job is stopped (default 30)")
-    p.add_argument("--ssh-port", type=int, metavar="PORT", help="ssh port of remote hosts")
-    p.add_argument("--ssh-identity-file", metavar="FILE", help="ssh private key")
+    p.add_argument("-p", "--ssh-port", type=int, metavar="PORT",
+                   help="ssh port of remote hosts")
+    p.add_argument("-i", "--ssh-identity-file", metavar="FILE", help="ssh private key")
     p.add_argument("--rsh", default=os.environ.get("PERSEUS_RSH"), metavar="PREFIX",
                    help="command prefix that runs a command on a remote host, {host} "
                         "standing for the host, e.g. 'ip netns exec {host}' "
@@ -54,12 +58,11 @@ def build_parser():
     p.add_argument("--output-filename", metavar="DIR",
                    help="write each rank's output to DIR/rank.N.log instead of the terminal")
     p.add_argument("--verbose", action="store_true", help="print placement and commands")
-    p.add_argument("--log-level", choices=["TRACE", "DEBUG", "INFO", "WARNING", "ERROR",
-                                           "FATAL"],
-                   type=str.upper, help="log level of the ranks' Perseus core")
-    p.add_argument("--check-build", action="store_true",
+    p.add_argument("--log-level", choices=_hvd_flags.LOG_LEVELS, type=str.upper, help="log level of the ranks' Perseus core")
+    p.add_argument("-cb", "--check-build", action="store_true",
                    help="print what this Perseus installation supports and exit")
     add_acceleration_flags(p)
+    _hvd_flags.add_horovod_flags(p)
     el = p.add_argument_group("elastic training (docs/elastic.md)")
     el.add_argument("--min-np", type=int, metavar="N",
                     help="fewest workers the job goes on with (turns elastic mode on)")
@@ -68,7 +71,7 @@ def build_parser():
     el.add_argument("--host-discovery-script", metavar="SCRIPT",
                     help="prints the usable hosts, one 'host' or 'host:slots' per line; "
                          "run every second")
-    el.add_argument("--slots", type=int, default=1, metavar="N",
+    el.add_argument("--slots", "--slots-per-host", type=int, default=1, metavar="N",
                     help="slots of a host the discovery script prints without any")
     el.add_argument("--elastic-timeout", type=float, default=600, metavar="SECONDS",
                     help="how long the job waits for --min-np workers before failing")
@@ -80,6 +83,12 @@ def build_parser():
                     "each new failure, MAX at most (default: never)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="the program each rank runs")
     return p
+
+
+def _version():
+    import perseus
+
+    return f"Perseus {perseus.__version__}"
 
 
 def _is_number(text):
@@ -231,7 +240,9 @@ def parse_args(argv=None):
     if args.start_timeout <= 0:
         parser.error("--start-timeout must be positive")
     try:
+        _hvd_flags.apply_config_file(args)
         acceleration_env(args)
+        _hvd_flags.horovod_env(args)
     except ValueError as e:
         parser.error(str(e))
     return args
@@ -368,6 +379,7 @@ def job_env(args, addr, port):
         env["PERSEUS_LOG_LEVEL"] = env["HOROVOD_LOG_LEVEL"] = args.log_level
     if args.network_interface:
         env["PERSEUS_GLOO_NETWORK_INTERFACE"] = args.network_interface
+    env.update(_hvd_flags.horovod_env(args))
     env.update(acceleration_env(args))
     return env
 
@@ -442,8 +454,9 @@ def run_mpi(args, hosts, slots):
     try:
         env = dict(job_env(args, addr, server.port), PERSEUS_SECRET=secret,
                    PERSEUS_MPI_PLACEMENT=placement)
-        cmd = [mpirun, "-np", str(args.num_proc), "-H", placement,
-               "--map-by", "slot", "--bind-to", "none"]
+        binding = (shlex.split(args.binding_args) if args.binding_args
+                   else ["--map-by", "slot", "--bind-to", "none"])
+        cmd = [mpirun, "-np", str(args.num_proc), "-H", placement, *binding]
         if os.geteuid() == 0:
             cmd.append("--allow-run-as-root")
         cmd += ["--output-filename", args.output_filename] if args.output_filename \
@@ -453,6 +466,7 @@ def run_mpi(args, hosts, slots):
                     "--mca", "btl_tcp_if_include", args.network_interface]
         for name in sorted(set(env) | set(_job.forwarded_env(os.environ))):
             cmd += ["-x", name]
+        cmd += shlex.split(args.mpi_args or "")
         cmd += [sys.executable, "-m", "perseus.runner.mpi_rank", *args.command]
         if args.verbose:
             print(f"perseusrun: {shlex.join(cmd)}", file=sys.stderr)
@@ -509,6 +523,10 @@ def main(argv=None):
     args = parse_args(argv)
     if args.check_build:
         return check_build()
+    unused = _hvd_flags.without_effect(args)
+    if unused:
+        print(f"perseusrun: warning: no effect in Perseus: {'; '.join(unused)}",
+              file=sys.stderr)
     try:
         if args.elastic:
             return run_elastic(args, _hosts.local_names())

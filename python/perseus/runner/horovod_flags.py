@@ -1,0 +1,259 @@
+"""horovodrun's own flags, taken by ``perseusrun`` too (Horovod 0.28's names).
+
+Each tuning flag becomes the variable the ranks' core reads (Horovod's name where the
+core reads it, else Perseus's); the mpirun flags shape ``--mpi``'s command line; flags
+of Horovod features Perseus does not have (autotuning, hierarchical allgather...) are
+accepted, so Horovod command lines run unchanged, and named in one warning.
+``--config-file`` reads the same settings from Horovod's YAML file, flags given on the
+command line winning. See docs/launching.md, "horovodrun's flags".
+"""
+
+import argparse
+
+_MIB = 1 << 20
+# The core's log levels (--log-level).
+LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
+
+# (flag, argparse type, help): flags whose value becomes one variable, see _VARIABLES.
+_VALUED = [
+    ("--fusion-threshold-mb", int, ("largest fused buffer in MiB; 0 disables fusion "
+     "(HOROVOD_FUSION_THRESHOLD, in bytes)")),
+    ("--cycle-time-ms", float, ("how long new requests wait while others are in flight "
+     "(HOROVOD_CYCLE_TIME)")),
+    ("--cache-capacity", int, ("tensor signatures the response cache holds "
+     "(HOROVOD_CACHE_CAPACITY)")),
+    ("--timeline-filename", str, ("write a Chrome-trace timeline to this file "
+     "(HOROVOD_TIMELINE)")),
+    ("--stall-check-warning-time-seconds", int, ("warn about a collective some ranks have "
+     "waited on this long (PERSEUS_STALL_CHECK_TIME_SECONDS)")),
+    ("--stall-check-shutdown-time-seconds", int, ("fail the job when a collective has "
+     "waited this long (PERSEUS_STALL_SHUTDOWN_TIME_SECONDS)")),
+    ("--num-nccl-streams", int, ("NCCL communicators per process set for CUDA tensors "
+     "(HOROVOD_NUM_NCCL_STREAMS)")),
+    ("--gloo-timeout-seconds", int, "seconds to wait for a peer (GLOO_TIMEOUT_SECONDS)"),
+]
+
+# dest -> (variable, value of the flag's value as the variable's text, (low, high)).
+_VARIABLES = {
+    "fusion_threshold_mb": ("HOROVOD_FUSION_THRESHOLD", lambda v: str(v * _MIB), (0, 1 << 20)),
+    "cycle_time_ms": ("HOROVOD_CYCLE_TIME", lambda v: f"{v:g}", (0, 60_000)),
+    "cache_capacity": ("HOROVOD_CACHE_CAPACITY", str, (0, 1 << 24)),
+    "timeline_filename": ("HOROVOD_TIMELINE", str, None),
+    "stall_check_warning_time_seconds": ("PERSEUS_STALL_CHECK_TIME_SECONDS", str,
+                                         (0, 86_400)),
+    "stall_check_shutdown_time_seconds": ("PERSEUS_STALL_SHUTDOWN_TIME_SECONDS", str,
+                                          (0, 86_400)),
+    "num_nccl_streams": ("HOROVOD_NUM_NCCL_STREAMS", str, (1, 12)),
+    "gloo_timeout_seconds": ("GLOO_TIMEOUT_SECONDS", str, (1, 86_400)),
+}
+
+# Settings of Horovod features Perseus does not have: dest -> why they change nothing.
+_NO_EFFECT = {
+    "hierarchical_allgather": "allgather has no hierarchical variant here",
+    "autotune": "Perseus does not autotune: the fusion threshold and cycle time are used "
+                "as given",
+    "timeline_mark_cycles": "the timeline has no cycle marks",
+    "mpi_threads_disable": "Perseus's traffic does not go through MPI",
+    "thread_affinity": "the engine's threads are not pinned",
+    "log_with_timestamp": "the ranks' log lines have no timestamps",
+    "prefix_output_with_timestamp": "output lines are prefixed by rank only",
+}
+_AUTOTUNE_OPTIONS = ("log_file", "warmup_samples", "steps_per_sample",
+                     "bayes_opt_max_samples", "gaussian_process_noise")
+
+# Horovod's YAML file (--config-file): section -> key -> dest.
+_CONFIG_KEYS = {
+    "params": {"fusion_threshold_mb": "fusion_threshold_mb",
+               "cycle_time_ms": "cycle_time_ms", "cache_capacity": "cache_capacity",
+               "hierarchical_allreduce": "hierarchical_allreduce",
+               "hierarchical_allgather": "hierarchical_allgather"},
+    "autotune": {"enabled": "autotune", "log_file": "autotune_log_file",
+                 "warmup_samples": "autotune_warmup_samples",
+                 "steps_per_sample": "autotune_steps_per_sample",
+                 "bayes_opt_max_samples": "autotune_bayes_opt_max_samples",
+                 "gaussian_process_noise": "autotune_gaussian_process_noise"},
+    "timeline": {"filename": "timeline_filename", "mark_cycles": "timeline_mark_cycles"},
+    "stall_check": {"enabled": "stall_check",
+                    "warning_time_seconds": "stall_check_warning_time_seconds",
+                    "shutdown_time_seconds": "stall_check_shutdown_time_seconds"},
+    "library_options": {"mpi_threads_disable": "mpi_threads_disable",
+                        "num_nccl_streams": "num_nccl_streams",
+                        "thread_affinity": "thread_affinity",
+                        "gloo_timeout_seconds": "gloo_timeout_seconds"},
+    "logging": {"level": "log_level"},
+}
+
+
+def add_horovod_flags(p):
+    """horovodrun's tuning, stall check, timeline, library and autotune flags."""
+    g = p.add_argument_group("horovodrun's flags (Horovod 0.28; docs/launching.md)")
+    g.add_argument("--config-file", metavar="FILE",
+                   help="Horovod's YAML file of these settings; flags given win")
+    for flag, kind, text in _VALUED:
+        g.add_argument(flag, type=kind, metavar="N" if kind is not str else "FILE", help=text)
+    hier = g.add_mutually_exclusive_group()
+    hier.add_argument("--hierarchical-allreduce", action="store_true", default=None,
+                      help="hierarchical allreduce (HOROVOD_HIERARCHICAL_ALLREDUCE=1)")
+    hier.add_argument("--no-hierarchical-allreduce", dest="hierarchical_allreduce",
+                      action="store_false", help="flat allreduce (=0)")
+    stall = g.add_mutually_exclusive_group()
+    stall.add_argument("--no-stall-check", dest="stall_check", action="store_false",
+                       default=None, help="no stall warning (HOROVOD_STALL_CHECK_DISABLE=1)")
+    stall.add_argument("--stall-check", dest="stall_check", action="store_true",
+                       help=argparse.SUPPRESS)
+    g.add_argument("--mpi-args", metavar="ARGS", help="more arguments for mpirun (--mpi)")
+    g.add_argument("--binding-args", metavar="ARGS",
+                   help="mpirun's binding arguments instead of '--bind-to none' (--mpi)")
+    g.add_argument("--tcp", action="store_true",
+                   help="accepted: Perseus's traffic between hosts is TCP anyway")
+    g.add_argument("--disable-cache", action="store_true",
+                   help="accepted: perseusrun keeps no cache of host checks")
+    g.add_argument("--jsrun", action="store_true", help=argparse.SUPPRESS)
+    no = p.add_argument_group("horovodrun's flags of features Perseus does not have: "
+                              "accepted, named in a warning, no effect")
+    allgather = no.add_mutually_exclusive_group()
+    allgather.add_argument("--hierarchical-allgather", action="store_true", default=None)
+    allgather.add_argument("--no-hierarchical-allgather", dest="hierarchical_allgather",
+                           action="store_false")
+    no.add_argument("--autotune", action="store_true", default=None)
+    for option in _AUTOTUNE_OPTIONS:
+        no.add_argument("--autotune-" + option.replace("_", "-"), dest="autotune_" + option,
+                        metavar="VALUE", help=argparse.SUPPRESS)
+    no.add_argument("--timeline-mark-cycles", action="store_true", default=None)
+    no.add_argument("--mpi-threads-disable", action="store_true", default=None)
+    no.add_argument("--thread-affinity", metavar="N", help=argparse.SUPPRESS)
+    stamps = no.add_mutually_exclusive_group()
+    stamps.add_argument("--log-with-timestamp", action="store_true", default=None)
+    stamps.add_argument("--log-without-timestamp", "--log-hide-timestamp",
+                        dest="log_with_timestamp", action="store_false")
+    no.add_argument("-prefix-timestamp", "--prefix-output-with-timestamp",
+                    dest="prefix_output_with_timestamp", action="store_true", default=None)
+
+
+def apply_config_file(args):
+    """Fills the settings of ``args.config_file`` that no flag gave; ``ValueError`` names
+    a file that cannot be read, or a section or key Horovod's file does not have."""
+    if not args.config_file:
+        return
+    try:
+        with open(args.config_file) as f:
+            text = f.read()
+    except OSError as e:
+        raise ValueError(f"--config-file {args.config_file}: {e.strerror}") from None
+    config = _read_yaml(text, args.config_file)
+    for section, values in config.items():
+        keys = _CONFIG_KEYS.get(section)
+        if keys is None or not isinstance(values, dict):
+            raise ValueError(f"--config-file {args.config_file}: unknown section "
+                             f"{section!r} (known: {', '.join(_CONFIG_KEYS)})")
+        for key, value in values.items():
+            if key not in keys:
+                raise ValueError(f"--config-file {args.config_file}: unknown key "
+                                 f"{section}.{key} (known: {', '.join(keys)})")
+            dest = keys[key]
+            if getattr(args, dest, None) is None:
+                if dest == "log_level":
+                    value = str(value).upper()
+                    if value not in LOG_LEVELS:
+                        raise ValueError(f"--config-file {args.config_file}: logging.level "
+                                         f"{value!r} is none of {', '.join(LOG_LEVELS)}")
+                setattr(args, dest, value)
+
+
+def _read_yaml(text, path):
+    """Horovod's configuration file: PyYAML's reading when it is installed, else the
+    two-level mapping of scalars that file is (``section:`` then indented ``key: value``
+    lines, ``#`` comments)."""
+    try:
+        import yaml
+    except ImportError:
+        yaml = None
+    if yaml is not None:
+        try:
+            config = yaml.safe_load(text) or {}
+        except yaml.YAMLError as e:
+            raise ValueError(f"--config-file {path}: {e}") from None
+        if not isinstance(config, dict):
+            raise ValueError(f"--config-file {path}: not a mapping of sections")
+        return config
+    config, section = {}, None
+    for number, line in enumerate(text.splitlines(), 1):
+        body = line.split("#", 1)[0].rstrip()
+        if not body:
+            continue
+        key, colon, value = body.strip().partition(":")
+        if not colon or not key:
+            raise ValueError(f"--config-file {path}, line {number}: expected 'key: value'")
+        if body[0] not in " \t":
+            if value.strip():
+                raise ValueError(f"--config-file {path}, line {number}: a section "
+                                 f"({key}:) has its keys on the lines below")
+            section = config.setdefault(key, {})
+        elif section is None:
+            raise ValueError(f"--config-file {path}, line {number}: a key outside a section")
+        else:
+            section[key.strip()] = _scalar(value.strip())
+    return config
+
+
+def _scalar(text):
+    """A YAML scalar of Horovod's file: a number, a boolean, null or a string."""
+    low = text.lower()
+    if low in ("true", "yes", "on"):
+        return True
+    if low in ("false", "no", "off"):
+        return False
+    if low in ("", "null", "~"):
+        return None
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text.strip("'\"")
+
+
+def horovod_env(args):
+    """The variables of the horovodrun flags given; ``ValueError`` names a flag whose
+    value the ranks would refuse, or flags that contradict each other."""
+    env = {}
+    for dest, (var, text, bounds) in _VARIABLES.items():
+        value = getattr(args, dest)
+        if value is None:
+            continue
+        flag = "--" + dest.replace("_", "-")
+        if bounds and not bounds[0] <= value <= bounds[1]:
+            raise ValueError(f"{flag} {value}: must be from {bounds[0]} to {bounds[1]}")
+        env[var] = text(value)
+    if args.hierarchical_allreduce is not None:
+        if args.nccl_hierarchical_allreduce and not args.hierarchical_allreduce:
+            raise ValueError("--no-hierarchical-allreduce contradicts "
+                             "--nccl-hierarchical-allreduce")
+        env["HOROVOD_HIERARCHICAL_ALLREDUCE"] = "1" if args.hierarchical_allreduce else "0"
+    if args.stall_check is False:
+        if args.stall_check_warning_time_seconds is not None:
+            raise ValueError("--no-stall-check contradicts --stall-check-warning-time-seconds")
+        env["HOROVOD_STALL_CHECK_DISABLE"] = "1"
+    if not args.mpi:
+        given = [f for f, v in (("--mpi-args", args.mpi_args),
+                                ("--binding-args", args.binding_args)) if v]
+        if given:
+            raise ValueError(f"{', '.join(given)} act only with --mpi, which is not given")
+    if args.jsrun:
+        raise ValueError("--jsrun: Perseus does not start jobs through IBM's jsrun; use "
+                         "perseusrun (default) or --mpi")
+    return env
+
+
+def without_effect(args):
+    """The settings given that change nothing here, each with why (for one warning)."""
+    said = []
+    for dest, why in _NO_EFFECT.items():
+        # False asks for what Perseus does anyway (no autotuning, no hierarchical allgather).
+        given = [dest] if getattr(args, dest) not in (None, False) else []
+        if dest == "autotune":
+            given += [f"autotune_{o}" for o in _AUTOTUNE_OPTIONS
+                      if getattr(args, f"autotune_{o}") is not None]
+        if given:
+            said.append(f"{', '.join('--' + d.replace('_', '-') for d in given)} ({why})")
+    return said
