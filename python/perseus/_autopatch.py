@@ -1,5 +1,6 @@
 """What ``import perseus`` sets up: once torch is imported, its DistributedDataParallel
-reduces gradients through Perseus (:mod:`perseus.ddp`, docs/ddp.md).
+reduces gradients through Perseus (:mod:`perseus.ddp`, docs/ddp.md), and seed 001's
+names are in torch's namespaces (:mod:`perseus.aiak`).
 
 Nothing here imports torch. When torch is already imported the patch applies at
 once; otherwise a finder on ``sys.meta_path`` waits for torch's own import to
@@ -21,6 +22,13 @@ def _after_torch():
         ddp.patch()
     except Exception as e:  # noqa: BLE001 - reported, never raised into torch's import
         warnings.warn(f"perseus: DistributedDataParallel keeps torch's communication: {e}",
+                      RuntimeWarning, stacklevel=2)
+    try:
+        from perseus import aiak
+
+        aiak.install()
+    except Exception as e:  # noqa: BLE001 - as above
+        warnings.warn(f"perseus: seed 001's names are not in torch's namespaces: {e}",
                       RuntimeWarning, stacklevel=2)
 
 

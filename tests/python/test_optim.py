@@ -268,3 +268,10 @@ def test_the_fused_step_on_the_gpu_is_ordered_with_torchs_stream():
 def test_fused_optimizer_through_distributed_optimizer_on_cuda_tensors(run_workers):
     run_workers(2, "fused_optimizer.py", "cuda",
                 env={"PERSEUS_FUSED_OPTIMIZER": "1", "CUDA_VISIBLE_DEVICES": "0"})
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_seed_001s_ddp_script_with_aiak_fused_optimizer(run_workers, fused):
+    # seed 001 sets AIAK_FUSED_OPTIMIZER=1 for DDP jobs, with no hvd.DistributedOptimizer
+    run_workers(2, "aiak_names.py", "fused" if fused else "torch",
+                env={"AIAK_FUSED_OPTIMIZER": "1"} if fused else None)

@@ -11,7 +11,7 @@ import warnings
 import perseus.torch.horovod as hvd
 import torch
 import torch.nn.functional as F
-from _helpers import close, count_fused_steps, done, small_mlp, step_batch
+from _helpers import close, count_fused_steps, done, small_mlp, step_batch, torch_own_step
 from perseus.torch import amp
 from torch import nn
 
@@ -49,7 +49,7 @@ def reference(n):
             m.grad = p.grad.float() / SCALE
             p.grad = None
         torch.nn.utils.clip_grad_norm_(masters, MAX_NORM)
-        opt.step()
+        torch_own_step(opt)
         with torch.no_grad():
             for p, m in pairs:
                 p.copy_(m)

@@ -9,7 +9,7 @@ import perseus.torch.horovod as hvd
 import perseus.torch.optim as fused
 import torch
 import torch.nn.functional as F
-from _helpers import close, count_fused_steps, done, small_mlp, step_batch
+from _helpers import close, count_fused_steps, done, small_mlp, step_batch, torch_own_step
 
 STEPS, ROWS = 4, 5
 # "cuda" as the first argument: the model trains on the GPU (the reference on the CPU).
@@ -23,13 +23,13 @@ def batch(n, step):
     return step_batch(n, ROWS, step)
 
 
-def train(net, opt, rows, n):
+def train(net, opt, rows, n, step_fn=None):
     device = next(net.parameters()).device
     for step in range(STEPS):
         x, y = (t.to(device) for t in batch(n, step))
         opt.zero_grad()
         F.mse_loss(net(x[rows]), y[rows]).backward()
-        opt.step()
+        (step_fn or opt.step)()
 
 
 calls = count_fused_steps()
@@ -38,7 +38,9 @@ calls = count_fused_steps()
 def check(make_opt, what, expect_fused):
     r, n = hvd.rank(), hvd.size()
     ref = model()
-    train(ref, make_opt(ref.parameters()), slice(None), n)
+    ref_opt = make_opt(ref.parameters())
+    train(ref, ref_opt, slice(None), n,
+          None if isinstance(ref_opt, fused.FusedOptimizer) else lambda: torch_own_step(ref_opt))
     net = model().to(DEVICE)
     before = len(calls)
     opt = hvd.DistributedOptimizer(make_opt(net.parameters()),
