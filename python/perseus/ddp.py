@@ -368,7 +368,9 @@ def _attach(ddp):
                       RuntimeWarning, stacklevel=3)
         return
     from perseus import powersgd
+    from perseus.common.gradients import warn_unapplied
 
+    warn_unapplied("DistributedDataParallel", fused_applies=True)
     on, rank, start = powersgd.settings()
     init()
     ddp._perseus = _State(f"ddp{next(_ids)}", ddp.process_group,

@@ -122,3 +122,24 @@ def test_settings_read_their_other_spelling_too(name, env, value, note):
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == value, (env, out.stdout)
     assert (note in out.stderr) if note else "takes precedence" not in out.stderr, out.stderr
+
+
+def test_accelerations_a_front_end_does_not_apply_are_named_once():
+    from perseus.common.gradients import warn_unapplied
+
+    env = {"PERSEUS_DGC": "1", "PERSEUS_OVERLAP_BACKWARD_AND_STEP": "0",
+           "AIAK_FUSED_OPTIMIZER": "1"}
+    with pytest.warns(RuntimeWarning) as seen:
+        assert warn_unapplied("the test's trainer", environ=env) == [
+            "PERSEUS_DGC", "PERSEUS_FUSED_OPTIMIZER"]
+    assert [str(w.message) for w in seen] == [
+        ("PERSEUS_DGC=1 (--dgc) acts on torch's hvd.DistributedOptimizer only: the test's "
+         "trainer trains without it"),
+        ("PERSEUS_FUSED_OPTIMIZER=1 (--fuse-optimizer) acts on torch's "
+         "hvd.DistributedOptimizer only: the test's trainer trains without it")]
+    assert warn_unapplied("the test's trainer", environ=env) == []  # once per process
+    # DDP takes the fused step (import perseus), so only DGC is named there
+    with pytest.warns(RuntimeWarning, match="the test's DDP trains without it"):
+        assert warn_unapplied("the test's DDP", fused_applies=True,
+                              environ=dict(env, PERSEUS_FUSED_OPTIMIZER="1")) == ["PERSEUS_DGC"]
+    assert warn_unapplied("a plain job", environ={}) == []

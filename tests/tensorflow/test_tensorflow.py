@@ -83,3 +83,19 @@ def test_elastic_session_goes_on_without_a_failed_worker(run_framework):
     assert "worker 127.0.0.2[0] failed with exit code 3" in out, out
     assert "round 1: 2 workers (127.0.0.1[0], 127.0.0.3[0])" in out, out
     assert out.count("of 2: w = -6.0") == 2, out
+
+
+def test_horovod_additions(run_framework):
+    """process_set_included_op, broadcast_object_fn, PartialDistributedGradientTape,
+    register_local_var (Keras and tf.compat.v1 optimizers) and SyncBatchNormalization
+    (uneven per-rank batches against one process on the whole batch: outputs, moving
+    statistics, gradients and one training step)."""
+    run_framework(2, "additions.py")
+
+
+def test_keras_additions(run_framework, tmp_path):
+    """hvd.keras reducescatter, start/stop_timeline, the capability checks,
+    PartialDistributedOptimizer (fit and accumulated passes) and BestModelCheckpoint."""
+    run_framework(2, "keras_additions.py", tmp_path)
+    # Each rank named its checkpoints after itself: rank 0's alone exist.
+    assert sorted(p.name for p in tmp_path.glob("m*.*")) == ["max.0.weights.h5", "min.0.keras"]

@@ -11,6 +11,34 @@ from perseus.common.basics import local_rank
 from perseus.common.objects import allgather_object
 from perseus.common.ops import Adasum, Average
 
+# Seed 000's accelerations that only torch's hvd.DistributedOptimizer applies:
+# (variable, its perseusrun flag).
+_TORCH_OPTIMIZER_ONLY = (("PERSEUS_DGC", "--dgc"),
+                         ("PERSEUS_OVERLAP_BACKWARD_AND_STEP", "--overlap-backward-and-step"))
+_FUSED = ("PERSEUS_FUSED_OPTIMIZER", "--fuse-optimizer")
+_warned_unapplied = set()
+
+
+def warn_unapplied(where, fused_applies=False, environ=None):
+    """Warn, once per process and setting, about seed 000's accelerations that are set
+    but that ``where`` (e.g. "TensorFlow's DistributedOptimizer") does not apply: DGC and
+    the overlapped step (torch's hvd.DistributedOptimizer only), and the fused optimizer
+    unless ``fused_applies``. Returns the variables warned about."""
+    environ = os.environ if environ is None else environ
+    wanted = list(_TORCH_OPTIMIZER_ONLY) + ([] if fused_applies else [_FUSED])
+    said = []
+    for var, flag in wanted:
+        value = environ.get(var)
+        if var == _FUSED[0] and value is None:
+            value = environ.get("AIAK_FUSED_OPTIMIZER")
+        if value != "1" or (where, var) in _warned_unapplied:
+            continue
+        _warned_unapplied.add((where, var))
+        said.append(var)
+        warnings.warn(f"{var}=1 ({flag}) acts on torch's hvd.DistributedOptimizer only: "
+                      f"{where} trains without it", RuntimeWarning, stacklevel=3)
+    return said
+
 
 def check_optimizer_args(op, gradient_predivide_factor, num_groups, stacklevel=3):
     """Horovod's checks of a DistributedOptimizer's reduction arguments."""

@@ -10,6 +10,11 @@ Two ways in, as Horovod and AIACC users know them:
   with ``kv.local_rank``, ``init(key, value, param_only=False)`` and
   ``push(key, value, op=PerseusOp.Sum / Max / Min)``.
 
+``DistributedTrainer`` and ``DistributedOptimizer`` honour the PERSEUS_* gradient switches
+(NaN check, accumulation, down-sampling, perf check, fusion); the KVStore takes MXNet's
+``set_gradient_compression``. ``start_timeline`` / ``stop_timeline`` and Horovod's
+capability checks (``mpi_built``, ``nccl_built``, ...) are here too.
+
 ``PerseusSyncBatchNorm(comm_scope=0 or 1)`` normalizes with the batch statistics of the
 host's ranks or of every rank. ``hvd.elastic`` (``run``, ``MXNetState``) trains through
 the resets of an elastic job (docs/elastic.md).
@@ -36,22 +41,35 @@ from perseus.mxnet.mpi_ops import (
     barrier,
     broadcast,
     broadcast_,
+    ccl_built,
     cross_rank,
     cross_size,
+    cuda_built,
+    ddl_built,
     global_process_set,
+    gloo_built,
+    gloo_enabled,
     grouped_allgather,
     grouped_allreduce,
     grouped_allreduce_,
+    grouped_reducescatter,
     init,
     is_initialized,
     join,
     local_rank,
     local_size,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
     rank,
     reducescatter,
     remove_process_set,
+    rocm_built,
     shutdown,
     size,
+    start_timeline,
+    stop_timeline,
 )
 from perseus.mxnet.sync_batch_norm import PerseusSyncBatchNorm
 from perseus.mxnet.trainer import DistributedOptimizer, DistributedTrainer
@@ -61,8 +79,10 @@ __all__ = [
     "HorovodInternalError", "Max", "Min", "PerseusKVStore", "PerseusOp", "PerseusSyncBatchNorm",
     "ProcessSet", "Product", "Sum", "add_process_set", "allgather", "allgather_object",
     "allreduce", "allreduce_", "alltoall", "barrier", "broadcast", "broadcast_",
-    "broadcast_object", "broadcast_parameters", "create", "cross_rank", "cross_size", "elastic",
-    "global_process_set", "grouped_allgather", "grouped_allreduce", "grouped_allreduce_",
-    "init", "is_initialized", "join", "local_rank", "local_size", "rank", "reducescatter",
-    "remove_process_set", "shutdown", "size",
+    "broadcast_object", "broadcast_parameters", "ccl_built", "create", "cross_rank", "cross_size",
+    "cuda_built", "ddl_built", "elastic", "global_process_set", "gloo_built", "gloo_enabled",
+    "grouped_allgather", "grouped_allreduce", "grouped_allreduce_", "grouped_reducescatter",
+    "init", "is_initialized", "join", "local_rank", "local_size", "mpi_built", "mpi_enabled",
+    "mpi_threads_supported", "nccl_built", "rank", "reducescatter", "remove_process_set",
+    "rocm_built", "shutdown", "size", "start_timeline", "stop_timeline",
 ]

@@ -76,6 +76,9 @@ class MXNetState(ObjectState):
         opt = self.trainer._optimizer
         opt._index_update_count = dict(saved["counts"])
         opt.num_update = saved["num_update"]
+        reset = getattr(self.trainer, "_reset_gradient_state", None)
+        if reset is not None:
+            reset()
 
     def _save_model(self):
         self._values = {name: data.asnumpy() for name, data in self._data().items()}

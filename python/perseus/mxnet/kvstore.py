@@ -9,15 +9,23 @@ update to the weight and ``pull`` returns the weight. Keys initialized with
 (feature maps, statistics, anything reduced once): ``pull`` returns the last reduction.
 Usable from the Module API (``mod.fit(kvstore=kv)``) and gluon
 (``Trainer(params, opt, kvstore=kv)``).
+
+Sums pushed to weight keys are gradients: they travel as ``PERSEUS_ALLREDUCE_DTYPE``
+says, and ``set_gradient_compression`` quantizes them as MXNet's ``2bit`` and ``1bit``
+compressions do, sending the packed codes. ``param_only`` keys and Max / Min pushes are
+reduced exactly.
 """
 
+import math
 import pickle
 
 import mxnet as mx
+import numpy as np
 
 from perseus.common import basics
 from perseus.common import ops as _ops
-from perseus.mxnet.mpi_ops import allreduce_, barrier, broadcast_
+from perseus.common.process_sets import global_process_set
+from perseus.mxnet.mpi_ops import _allgather, _allreduce_into, barrier, broadcast_
 
 
 class PerseusOp:
@@ -32,6 +40,91 @@ def _as_list(x):
     return list(x) if isinstance(x, (list, tuple)) else [x]
 
 
+class LowBitCompression:
+    """MXNet's gradient compression with error feedback, for one store.
+
+    ``2bit``: each pushed value plus its key's residual becomes +threshold (when it
+    reaches ``threshold``), -threshold (when it reaches ``-threshold``) or 0, and the
+    residual keeps the difference. ``1bit``: it becomes +1 (above ``threshold``) or -1,
+    and the residual keeps the difference. The codes travel packed (4 or 8 to a byte) in
+    an allgather, and every rank decodes and sums them.
+    """
+
+    TYPES = ("2bit", "1bit")
+
+    def __init__(self, kind, threshold):
+        self.kind = kind
+        self.threshold = np.float32(threshold)
+        self._residuals = {}  # key -> float32 numpy residual
+
+    def __repr__(self):
+        return f"LowBitCompression({self.kind!r}, threshold={float(self.threshold)})"
+
+    def quantize(self, key, values):
+        """The packed codes (uint8) of float32 ``values`` (flat numpy) plus the key's
+        residual, which keeps what the codes leave out."""
+        residual = self._residuals.get(key)
+        if residual is None or residual.shape != values.shape:
+            residual = np.zeros_like(values)
+            self._residuals[key] = residual
+        residual += values
+        t = self.threshold
+        if self.kind == "1bit":
+            up = residual > t
+            residual[up] -= np.float32(1)
+            residual[~up] += np.float32(1)
+            return np.packbits(up)
+        up = residual >= t
+        down = residual <= -t
+        residual[up] -= t
+        residual[down] += t
+        codes = up.astype(np.uint8) | (down.astype(np.uint8) << 1)
+        codes = np.concatenate([codes, np.zeros(-codes.size % 4, np.uint8)]).reshape(-1, 4)
+        return (codes[:, 0] | (codes[:, 1] << 2) | (codes[:, 2] << 4)
+                | (codes[:, 3] << 6)).astype(np.uint8)
+
+    def decode_sum(self, gathered, count):
+        """The sum over the ranks of the values that the rows of ``gathered`` (one row of
+        packed codes per rank) stand for: ``count`` float32 values."""
+        if self.kind == "1bit":
+            bits = np.unpackbits(gathered, axis=1)[:, :count].astype(np.int32)
+            return (2 * bits - 1).sum(axis=0).astype(np.float32)
+        codes = (gathered[:, :, None] >> np.array([0, 2, 4, 6], np.uint8)) & 3
+        codes = codes.reshape(gathered.shape[0], -1)[:, :count]
+        steps = (codes == 1).sum(axis=0) - (codes == 2).sum(axis=0)
+        return steps.astype(np.float32) * self.threshold
+
+
+def _compression_from(params):
+    """The compression that MXNet's ``compression_params`` ask for (None: 'none')."""
+    if not isinstance(params, dict):
+        raise TypeError(f"set_gradient_compression takes a dict such as "
+                        f"{{'type': '2bit', 'threshold': 0.5}}, got {type(params).__name__}")
+    unknown = sorted(set(params) - {"type", "threshold"})
+    if unknown:
+        raise ValueError(f"set_gradient_compression: unknown parameter(s) {unknown}; "
+                         f"only 'type' and 'threshold' exist")
+    if "type" not in params:
+        raise ValueError("set_gradient_compression needs a 'type': 'none', '2bit' or '1bit'")
+    kind = params["type"]
+    if kind == "none":
+        return None
+    if kind not in LowBitCompression.TYPES:
+        raise ValueError(f"unknown gradient compression type {kind!r}: "
+                         f"'none', '2bit' or '1bit'")
+    raw = params.get("threshold", 0.5)
+    try:
+        threshold = float(raw)
+    except (TypeError, ValueError):
+        raise ValueError(f"gradient compression threshold must be a number, "
+                         f"got {raw!r}") from None
+    if not math.isfinite(threshold):
+        raise ValueError(f"gradient compression threshold must be finite, got {raw!r}")
+    if kind == "2bit" and threshold <= 0:
+        raise ValueError(f"2bit gradient compression needs a threshold > 0, got {raw!r}")
+    return LowBitCompression(kind, threshold)
+
+
 @mx.kvstore.KVStoreBase.register
 class PerseusKVStore(mx.kvstore.KVStoreBase):
     """See the module documentation; made by :func:`create`."""
@@ -42,6 +135,7 @@ class PerseusKVStore(mx.kvstore.KVStoreBase):
         self._store = {}  # key -> NDArray (this rank's copy)
         self._param_only = set()
         self._updater = None
+        self._compression = None
 
     # ------------------------------------------------------------------ identity
 
@@ -93,12 +187,31 @@ class PerseusKVStore(mx.kvstore.KVStoreBase):
                 self._param_only.discard(k)
 
     def _reduce(self, key, values, op):
-        """The local sum of ``values`` (one per device), then the reduction across ranks."""
+        """The local sum of ``values`` (one per device), then the reduction across ranks.
+        Sums for weight keys are gradients; with a gradient compression set, their
+        quantized codes travel instead."""
         values = _as_list(values)
         total = values[0].copy()
         for v in values[1:]:
             total += v.as_in_context(total.context)
-        return allreduce_(total, op=op, name=self._name(key))
+        gradient = op == _ops.Sum and key not in self._param_only
+        if gradient and self._compression is not None and total.size > 0:
+            return self._compressed_sum(key, total)
+        return _allreduce_into(total, total, self._name(key), op, 1.0, 1.0, global_process_set,
+                               gradient).wait()
+
+    def _compressed_sum(self, key, total):
+        """The sum over the ranks of the quantized ``total``: each rank's packed codes are
+        gathered, decoded and added up."""
+        if np.dtype(total.dtype) != np.float32:
+            raise TypeError(f"kvstore: {self._compression.kind} gradient compression takes "
+                            f"float32 values (as MXNet's); key {key!r} holds "
+                            f"{np.dtype(total.dtype).name}")
+        codes = self._compression.quantize(key, total.asnumpy().reshape(-1))
+        gathered = _allgather(mx.nd.array(codes, dtype=np.uint8), self._name(key) + ".codes",
+                              global_process_set, True).wait()
+        summed = self._compression.decode_sum(gathered.asnumpy(), total.size)
+        return mx.nd.array(summed.reshape(total.shape), ctx=total.context, dtype=np.float32)
 
     def push(self, key, value, priority=0, op=PerseusOp.Sum):
         """Reduce ``value`` (an NDArray, or a list of them summed locally first) across the
@@ -134,6 +247,22 @@ class PerseusKVStore(mx.kvstore.KVStoreBase):
         """``init`` with rank 0's value, then ``pull`` it into ``out``."""
         self.init(key, value)
         self.pull(key, out, priority)
+
+    # ------------------------------------------------------------------ compression
+
+    def set_gradient_compression(self, compression_params):
+        """Quantize pushed gradients, as MXNet's kvstore does (call it on every rank):
+        ``{'type': '2bit', 'threshold': t}`` sends each value plus its residual as
+        +t, 0 or -t, ``{'type': '1bit', 'threshold': t}`` as +1 (above t) or -1, and the
+        quantization error stays in a per-key residual for the next push;
+        ``{'type': 'none'}`` turns it off. ``threshold`` defaults to 0.5.
+
+        Applies to Sum pushes to weight keys (not ``param_only`` keys, not Max / Min).
+        The codes travel packed, 4 (2bit) or 8 (1bit) to a byte, in an allgather: each
+        rank sends 1/16 (1/32) of a float32 value's bytes per value to each other rank.
+        Raises ``ValueError`` naming an unknown type or parameter or a bad threshold.
+        """
+        self._compression = _compression_from(compression_params)
 
     # ------------------------------------------------------------------ optimizer
 

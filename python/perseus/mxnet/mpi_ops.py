@@ -17,13 +17,23 @@ import numpy as np
 from perseus.common import basics as _basics
 from perseus.common import ops as _ops
 from perseus.common.basics import (  # noqa: F401 - re-exported
+    ccl_built,
     cross_rank,
     cross_size,
+    cuda_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
     init,
     is_initialized,
     local_rank,
     local_size,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
     rank,
+    rocm_built,
     shutdown,
     size,
 )
@@ -35,6 +45,7 @@ from perseus.common.process_sets import (  # noqa: F401 - re-exported
     global_process_set,
     remove_process_set,
 )
+from perseus.common.timeline import start_timeline, stop_timeline  # noqa: F401 - re-exported
 
 _SUPPORTED_DTYPES = (np.uint8, np.int8, np.int32, np.int64, np.float16, np.float32, np.float64,
                      np.bool_)
@@ -221,31 +232,57 @@ def broadcast_(tensor, root_rank, name=None, priority=0, process_set=global_proc
 # --------------------------------------------------------------------------- alltoall, reducescatter
 
 def alltoall(tensor, splits=None, name=None, priority=0, process_set=global_process_set):
-    """Send ``splits[i]`` rows (dim 0) of ``tensor`` to rank i of the set; returns
-    ``(received rows, received_splits)`` (an int32 NDArray), as the other front-ends."""
+    """Send ``splits[i]`` rows (dim 0) of ``tensor`` to rank i of the set (without
+    ``splits``: equal blocks, dim 0 divisible by the set size).
+
+    Returns, as Horovod 0.28's MXNet alltoall: with ``splits`` given, ``(received rows,
+    received_splits)``, the rows each rank sent here as an int32 NDArray; without
+    ``splits``, the received rows alone.
+    """
     _check(tensor)
-    if splits is not None:
+    want_splits = splits is not None
+    if want_splits:
         splits = [int(s) for s in (splits.asnumpy() if isinstance(splits, mx.nd.NDArray)
                                    else splits)]
 
     def finish(h):
-        return (_imported(h, tensor.context),
-                mx.nd.array(h.recv_splits(), ctx=tensor.context, dtype=np.int32))
+        out = _imported(h, tensor.context)
+        if not want_splits:
+            return out
+        return out, mx.nd.array(h.recv_splits(), ctx=tensor.context, dtype=np.int32)
 
     src, cap = _readable(tensor)
     return _ops.alltoall_async(cap, splits=splits, name=name, process_set=process_set,
                                keep=(tensor, src), finish=finish).wait()
 
 
-def reducescatter(tensor, op=Average, name=None, priority=0, process_set=global_process_set,
-                  prescale_factor=1.0, postscale_factor=1.0):
-    """Reduce ``tensor`` over the set; returns this rank's block of dim-0 rows (the first
-    ``d0 % size`` ranks get one more)."""
+def _reducescatter(tensor, op, name, process_set, prescale_factor, postscale_factor):
     src, cap = _readable(_check(tensor))
     return _ops.reducescatter_async(
         cap, name=name, op=op, prescale_factor=prescale_factor,
         postscale_factor=postscale_factor, process_set=process_set, keep=(tensor, src),
-        finish=lambda h: _imported(h, tensor.context)).wait()
+        finish=lambda h: _imported(h, tensor.context))
+
+
+def reducescatter(tensor, op=Average, name=None, priority=0, process_set=global_process_set,
+                  prescale_factor=1.0, postscale_factor=1.0):
+    """Reduce ``tensor`` over the set; returns this rank's block of dim-0 rows (the first
+    ``d0 % size`` ranks get one more)."""
+    return _reducescatter(tensor, op, name, process_set, prescale_factor,
+                          postscale_factor).wait()
+
+
+def grouped_reducescatter(tensors, op=Average, name=None, priority=0,
+                          process_set=global_process_set, prescale_factor=1.0,
+                          postscale_factor=1.0):
+    """Reduce-scatter each NDArray of a list as one group; returns the list of this
+    rank's blocks, as :func:`reducescatter` gives them."""
+    if not isinstance(tensors, (list, tuple)):
+        raise TypeError(f"grouped_reducescatter takes a list of NDArrays, "
+                        f"got {type(tensors).__name__}")
+    return _ops.GroupHandle([
+        _reducescatter(t, op, n, process_set, prescale_factor, postscale_factor)
+        for t, n in zip(tensors, _group_names(name, len(tensors)))]).wait()
 
 
 def join():

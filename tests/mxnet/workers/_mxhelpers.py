@@ -11,3 +11,17 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.append(str(Path(__file__).parents[2] / "python" / "workers"))
 from _helpers import close_array as close  # noqa: F401 - re-exported
 from _helpers import done, raises, regression_batch  # noqa: F401 - re-exported
+
+
+def make_net():
+    """The workers' small regression net, with the same start on every rank."""
+    import mxnet as mx
+    import numpy as np
+
+    net = mx.gluon.nn.HybridSequential()
+    net.add(mx.gluon.nn.Dense(3, activation="tanh", in_units=5), mx.gluon.nn.Dense(1, in_units=3))
+    rng = np.random.RandomState(7)
+    net.initialize()
+    for p in net.collect_params().values():
+        p.set_data(mx.nd.array(rng.randn(*p.shape) * 0.5))
+    return net

@@ -68,7 +68,10 @@ def main():
     hvd.broadcast_(b, root_rank=0)
     close(b, [0.0, 7.0], "broadcast_ written back into the array")
 
-    got, received = hvd.alltoall(on_device(np.full([2 * n], float(r))))
+    got = hvd.alltoall(on_device(np.full([2 * n], float(r))))
+    close(got, np.repeat(np.arange(n), 2), "alltoall without splits")
+    check_context(got, "alltoall without splits")
+    got, received = hvd.alltoall(on_device(np.full([2 * n], float(r))), splits=[2] * n)
     close(got, np.repeat(np.arange(n), 2), "alltoall")
     close(received, np.full(n, 2), "alltoall splits")
     check_context(got, "alltoall")

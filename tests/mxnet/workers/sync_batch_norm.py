@@ -1,6 +1,7 @@
 """PerseusSyncBatchNorm against a reference computed on the gathered batch: outputs, input
 gradients and running statistics, with comm_scope=1 (every rank) and comm_scope=0 (the
-ranks of this host; run with -H 127.0.0.1:2,127.0.0.2:1 the hosts differ)."""
+ranks of this host; run with -H 127.0.0.1:2,127.0.0.2:1 the hosts differ), as a Block and
+after hybridize()."""
 
 import _mxhelpers  # noqa: F401 - environment first
 import mxnet as mx
@@ -30,7 +31,7 @@ def reference(xs, ws, mine):
             var.reshape(-1).asnumpy())
 
 
-def check(scope, members, r):
+def check(scope, members, r, hybridize):
     rng = np.random.RandomState(r)
     x_np = rng.randn(*SHAPE).astype(np.float32) * (r + 1) + r
     w_np = np.random.RandomState(100 + r).randn(*SHAPE).astype(np.float32)
@@ -40,13 +41,15 @@ def check(scope, members, r):
                                                 [ws[i] for i in members], members.index(r))
     bn = hvd.PerseusSyncBatchNorm(comm_scope=scope, momentum=0.9, epsilon=EPS)
     bn.initialize()
+    if hybridize:
+        bn.hybridize()
     x = mx.nd.array(x_np)
     x.attach_grad()
     with mx.autograd.record():
         y = bn(x)
         loss = (y * mx.nd.array(w_np)).sum()
     loss.backward()
-    what = f"comm_scope={scope}"
+    what = f"comm_scope={scope}, hybridized={hybridize}"
     close(y, y_ref, f"{what}: output", 1e-4, 1e-4)
     close(x.grad, g_ref, f"{what}: input gradient", 1e-3, 1e-4)
     close(bn.running_mean.data(), 0.1 * mean_ref, f"{what}: running mean", 1e-4, 1e-5)
@@ -60,9 +63,10 @@ def check(scope, members, r):
 def main():
     hvd.init()
     r, n = hvd.rank(), hvd.size()
-    check(1, list(range(n)), r)
     hosts = hvd.allgather_object(hvd.cross_rank())
-    check(0, [i for i in range(n) if hosts[i] == hosts[r]], r)
+    for hybridize in (False, True):
+        check(1, list(range(n)), r, hybridize)
+        check(0, [i for i in range(n) if hosts[i] == hosts[r]], r, hybridize)
     with raises(ValueError, "comm_scope", what="a bad comm_scope"):
         hvd.PerseusSyncBatchNorm(comm_scope=2)
     hvd.shutdown()

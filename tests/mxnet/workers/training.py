@@ -7,7 +7,7 @@ import _mxhelpers  # noqa: F401 - environment first
 import mxnet as mx
 import numpy as np
 import perseus.mxnet as hvd
-from _mxhelpers import close, done, raises, regression_batch
+from _mxhelpers import close, done, make_net, raises, regression_batch
 
 ROWS = 4  # per rank
 STEPS = 3
@@ -16,16 +16,6 @@ OPT = {"learning_rate": 0.1, "momentum": 0.9}
 
 def shard(a, r):
     return a[r * ROWS:(r + 1) * ROWS]
-
-
-def make_net():
-    net = mx.gluon.nn.HybridSequential()
-    net.add(mx.gluon.nn.Dense(3, activation="tanh", in_units=5), mx.gluon.nn.Dense(1, in_units=3))
-    rng = np.random.RandomState(7)  # the same start on every rank
-    net.initialize()
-    for p in net.collect_params().values():
-        p.set_data(mx.nd.array(rng.randn(*p.shape) * 0.5))
-    return net
 
 
 def train_gluon(trainer_for, xs, ys, batch):

@@ -119,15 +119,21 @@ def alltoall_reducescatter(r, n):
     x = tf.constant(np.arange(rows, dtype=np.float32).reshape(rows, 1) + 100 * r)
     offset = sum(splits[:r])
     want = np.concatenate([np.arange(offset, offset + r + 1) + 100 * i for i in range(n)])
-    for mode, f in modes(lambda v: hvd.alltoall(v, splits=splits)):
-        out, received = f(x)
-        close(out, want.reshape(-1, 1), f"alltoall {mode}")
-        close(received, np.full(n, r + 1), f"alltoall received splits {mode}")
-        assert received.dtype == tf.int32
+    # With splits (a list or a tensor): (output, received_splits), as Horovod 0.28.
+    for given in (splits, tf.constant(splits, tf.int64)):
+        for mode, f in modes(lambda v, given=given: hvd.alltoall(v, splits=given)):
+            result = f(x)
+            assert isinstance(result, tuple) and len(result) == 2, type(result)
+            out, received = result
+            close(out, want.reshape(-1, 1), f"alltoall {mode}")
+            close(received, np.full(n, r + 1), f"alltoall received splits {mode}")
+            assert received.dtype == tf.int32
+    # Without splits: the output tensor alone, dim 0 split equally.
     for mode, f in modes(lambda v: hvd.alltoall(v)):
-        out, received = f(tf.fill([2 * n], float(r)))
-        close(out, np.repeat(np.arange(n), 2), f"alltoall equal {mode}")
-        close(received, np.full(n, 2), f"alltoall equal splits {mode}")
+        out = f(tf.reshape(tf.range(2.0 * n) + 100 * r, [2 * n, 1]))
+        assert isinstance(out, tf.Tensor), f"alltoall without splits {mode}: {type(out)}"
+        close(out, np.concatenate([np.array([2 * r, 2 * r + 1]) + 100 * i for i in range(n)])
+              .reshape(-1, 1), f"alltoall equal {mode}")
     d0 = 2 * n + 1
     for mode, f in modes(lambda v: hvd.reducescatter(v, op=hvd.Sum)):
         out = f(tf.fill([d0, 2], float(r + 1)))
@@ -169,12 +175,26 @@ def gradients(r, n):
 
     def a2a_grad(w):
         with tf.GradientTape() as tape:
-            out, _ = hvd.alltoall(w)
-            loss = tf.reduce_sum(out * (r + 1))
+            loss = tf.reduce_sum(hvd.alltoall(w) * (r + 1))
         return tape.gradient(loss, w)
     for mode, g in modes(a2a_grad):
         close(g(tf.Variable(tf.zeros([2 * n]))), np.repeat(np.arange(1, n + 1), 2),
               f"alltoall gradient {mode}")
+
+    # Uneven splits: rank r sends j + 1 rows to rank j and receives r + 1 from each;
+    # the gradient of row i (sent to rank j) is rank j's weight for it.
+    rows = n * (n + 1) // 2
+    splits = list(range(1, n + 1))
+
+    def a2a_splits_grad(w):
+        with tf.GradientTape() as tape:
+            out, _ = hvd.alltoall(w, splits=splits)
+            loss = tf.reduce_sum(out * (r + 1))
+        return tape.gradient(loss, w)
+    for mode, g in modes(a2a_splits_grad):
+        close(g(tf.Variable(tf.zeros([rows, 2]))),
+              np.repeat(np.repeat(np.arange(1, n + 1), splits), 2).reshape(rows, 2),
+              f"alltoall gradient with splits {mode}")
 
     def rs_grad(w):
         with tf.GradientTape() as tape:

@@ -14,7 +14,7 @@ NOT_INIT = "not been initialized"
 
 def before_init():
     assert not hvd.is_initialized()
-    for fn in (hvd.rank, hvd.size, hvd.local_rank, hvd.barrier):
+    for fn in (hvd.rank, hvd.size, hvd.local_rank, hvd.barrier, hvd.process_set_included_op):
         with raises(ValueError, NOT_INIT, what=f"{fn.__name__} before init"):
             fn()
     t = tf.ones(2)

@@ -71,10 +71,13 @@ def main():
     close(b, [float(n - 1), 7.0], "broadcast")
     check_device(b, "broadcast")
 
-    got, received = hvd.alltoall(on_device(np.full([2 * n], float(r))))
+    got = hvd.alltoall(on_device(np.full([2 * n], float(r))))
     close(got, np.repeat(np.arange(n), 2), "alltoall")
-    close(received, np.full(n, 2), "alltoall splits")
     check_device(got, "alltoall")
+    got, received = hvd.alltoall(on_device(np.full([2 * n], float(r))), splits=[2] * n)
+    close(got, np.repeat(np.arange(n), 2), "alltoall with splits")
+    close(received, np.full(n, 2), "alltoall splits")
+    check_device(got, "alltoall with splits")
 
     rs = hvd.reducescatter(on_device(np.full([2 * n, 2], float(r + 1))), op=hvd.Sum)
     close(rs, np.full((2, 2), n * (n + 1) / 2), "reducescatter")

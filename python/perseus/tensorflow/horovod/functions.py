@@ -8,7 +8,7 @@ from perseus.common.process_sets import global_process_set
 from perseus.tensorflow.horovod.mpi_ops import broadcast_
 
 __all__ = ["BroadcastGlobalVariablesHook", "allgather_object", "broadcast_global_variables",
-           "broadcast_object", "broadcast_variables"]
+           "broadcast_object", "broadcast_object_fn", "broadcast_variables"]
 
 
 def broadcast_variables(variables, root_rank, process_set=global_process_set):
@@ -27,7 +27,8 @@ def broadcast_variables(variables, root_rank, process_set=global_process_set):
 def broadcast_global_variables(root_rank):
     """The op that overwrites every global variable with ``root_rank``'s (graph mode only).
 
-    Run it once after the variables are initialized: ``sess.run(hvd.broadcast_global_variables(0))``.
+    Run it once after the variables are initialized:
+    ``sess.run(hvd.broadcast_global_variables(0))``.
     """
     if tf.executing_eagerly():
         raise RuntimeError(
@@ -42,6 +43,20 @@ def broadcast_object(obj, root_rank=0, session=None, name=None, process_set=glob
     ``session`` is accepted for compatibility: objects travel at once, outside graphs.
     """
     return _broadcast_object(obj, root_rank, name=name, process_set=process_set)
+
+
+def broadcast_object_fn(root_rank=0, session=None, name=None, process_set=global_process_set):
+    """A function ``fn(obj)`` that sends ``obj`` from ``root_rank`` to every rank of the set
+    and returns it, as :func:`broadcast_object` with these arguments does; call it any
+    number of times (on every rank of the set each time). ``session`` is accepted for
+    compatibility."""
+    root_rank = int(root_rank)
+    name = name or "broadcast_object_fn"
+
+    def broadcast_fn(obj):
+        return _broadcast_object(obj, root_rank, name=name, process_set=process_set)
+
+    return broadcast_fn
 
 
 def allgather_object(obj, session=None, name=None, process_set=global_process_set):

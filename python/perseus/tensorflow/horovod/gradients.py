@@ -27,6 +27,7 @@ from perseus.common.gradients import (
     perf_check,
     raise_nonfinite,
     scale_factors,
+    warn_unapplied,
 )
 from perseus.common.ops import Average, Sum, check_op
 from perseus.common.process_sets import process_set_size
@@ -62,6 +63,7 @@ class GradientReducer:
         self.process_set = process_set if process_set is not None else global_process_set
         self.generation = generation()
         self._switches = Switches(_config())
+        warn_unapplied("TensorFlow's DistributedOptimizer and DistributedGradientTape")
         self._nancheck = self._switches.nancheck
         self._downsample_n = self._switches.downsample_n
         self._momentum = self._switches.momentum
@@ -188,3 +190,56 @@ def _finite(t):
 def set_size_scale(process_set):
     """1 / the set's size: how Horovod scales the gradients of local (unreduced) sources."""
     return 1.0 / process_set_size(process_set)
+
+
+class LocalVariables:
+    """The variables whose gradients stay on their rank (Horovod's local sources/vars).
+
+    Held by identity, with a reference, so a registered variable's id is never reused.
+    """
+
+    def __init__(self):
+        self._vars = {}
+
+    def add(self, var, what):
+        """Register ``var``; ``what`` names the caller in the error for a non-variable."""
+        if var is None or isinstance(var, (tf.Tensor, tf.IndexedSlices)) or not hasattr(
+                var, "assign"):
+            raise TypeError(f"{what} takes a variable (tf.Variable or keras.Variable), got "
+                            f"{type(var).__name__}")
+        self._vars[id(var)] = var
+
+    def __contains__(self, var):
+        return id(var) in self._vars
+
+    def __len__(self):
+        return len(self._vars)
+
+
+def reduce_except_local(reducer, grads, variables, local, scale_local):
+    """``reducer.reduce`` of the gradients of the variables not in ``local``; the local
+    ones stay as they are, multiplied by 1 / the set's size when ``scale_local`` (as
+    Horovod does, so that a learning rate scaled by the size suits them too).
+
+    ``variables`` (one per gradient) may be None when ``local`` is empty.
+    """
+    grads = list(grads)
+    if not local:
+        return reducer.reduce(grads, variables)
+    variables = list(variables)
+    shared = [i for i, v in enumerate(variables) if v not in local]
+    reduced = reducer.reduce([grads[i] for i in shared], [variables[i] for i in shared])
+    out = list(grads)
+    for i, r in zip(shared, reduced):
+        out[i] = r
+    if scale_local:
+        scale = set_size_scale(reducer.process_set)
+        for i, v in enumerate(variables):
+            if v in local and out[i] is not None:
+                g = out[i]
+                if isinstance(g, tf.IndexedSlices):
+                    out[i] = tf.IndexedSlices(g.values * tf.cast(scale, g.values.dtype),
+                                              g.indices, g.dense_shape)
+                else:
+                    out[i] = g * tf.cast(scale, g.dtype)
+    return out

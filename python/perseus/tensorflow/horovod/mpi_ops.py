@@ -10,6 +10,7 @@ reduce-scatter, the gathered gradient.
 
 import tensorflow as tf
 
+from perseus import _core
 from perseus.common import basics as _basics
 from perseus.common import ops as _ops
 from perseus.common.basics import (  # noqa: F401 - re-exported
@@ -34,12 +35,6 @@ from perseus.common.basics import (  # noqa: F401 - re-exported
     shutdown,
     size,
 )
-
-
-def cuda_built():
-    """False: Perseus's NCCL path serves PyTorch's CUDA tensors only; TensorFlow's GPU
-    tensors cross through host memory (docs/gpu.md)."""
-    return False
 from perseus.common.exceptions import (  # noqa: F401 - re-exported
     HorovodInternalError,
     HostsUpdatedInterrupt,
@@ -52,11 +47,18 @@ from perseus.common.process_sets import (  # noqa: F401 - re-exported
     global_process_set,
     remove_process_set,
 )
+from perseus.common.process_sets import process_set_id as _ps_id
 from perseus.common.process_sets import process_set_size as _ps_size
 from perseus.common.process_sets import set_rank as _set_rank
 from perseus.common.timeline import start_timeline, stop_timeline  # noqa: F401
 from perseus.tensorflow.horovod import bridge as _bridge
 from perseus.tensorflow.horovod.compression import Compression
+
+
+def cuda_built():
+    """False: Perseus's NCCL path serves PyTorch's CUDA tensors only; TensorFlow's GPU
+    tensors cross through host memory (docs/gpu.md)."""
+    return False
 
 
 def _rows_shape(shape):
@@ -305,10 +307,12 @@ def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
 
 def alltoall(tensor, splits=None, name=None, ignore_name_scope=False,
              process_set=global_process_set):
-    """Send ``splits[i]`` rows (dim 0) of ``tensor`` to rank i of the set, in order;
-    returns ``(received rows, received_splits)`` as Horovod 0.28 does.
+    """Send ``splits[i]`` rows (dim 0) of ``tensor`` to rank i of the set, in order.
 
-    Without ``splits`` dim 0 is split equally. Differentiable in the tensor.
+    Returns the rows received (concatenated in rank order) and, when ``splits`` is
+    given, also the int32 tensor of how many rows came from each rank: ``output`` or
+    ``(output, received_splits)``, as Horovod 0.28 does. Without ``splits`` dim 0 is
+    split equally. Differentiable in the tensor (the gradient is the reverse alltoall).
     """
     t = _bridge.as_tensor(tensor)
     set_size = _ps_size(process_set)
@@ -334,11 +338,14 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False,
         received.set_shape([set_size])
 
         def grad(dy, _dsplits=None):
+            # Each rank sends back what it received from each rank.
             back, _ = alltoall(dy, received, process_set=process_set)
             return back
         return (out, received), grad
 
     out, received = exchange(t)
+    if splits is None:
+        return out
     return out, tf.stop_gradient(received)
 
 
@@ -434,3 +441,23 @@ def local_size_op(name=None):
 def local_rank_op(name=None):
     """This rank's index on its host, as an int32 tensor."""
     return tf.constant(local_rank(), tf.int32, name=name)
+
+
+def process_set_included_op(process_set_id=0, name=None):
+    """Whether this rank belongs to a process set, as an int32 tensor: 1 or 0.
+
+    ``process_set_id`` is the set's id (``ProcessSet.process_set_id``; a registered
+    ``ProcessSet`` is taken too). Where Horovod returns a negative error code, this
+    raises ``ValueError``: before ``init()``, or for an id no set has.
+    """
+    _basics.check_initialized()
+    if isinstance(process_set_id, ProcessSet):
+        process_set_id = _ps_id(process_set_id)
+    if isinstance(process_set_id, bool) or not isinstance(process_set_id, int):
+        raise TypeError(f"process_set_id must be an int (or a ProcessSet), got "
+                        f"{type(process_set_id).__name__}")
+    if process_set_id not in _core.process_set_ids():
+        raise ValueError(f"no process set has id {process_set_id} (registered ids: "
+                         f"{sorted(_core.process_set_ids())})")
+    included = rank() in _core.process_set_ranks(process_set_id)
+    return tf.constant(int(included), tf.int32, name=name)

@@ -9,7 +9,11 @@ from perseus.common.gradients import check_optimizer_args
 from perseus.common.ops import Average
 from perseus.common.process_sets import global_process_set
 from perseus.tensorflow.horovod.compression import Compression
-from perseus.tensorflow.horovod.gradients import GradientReducer, set_size_scale
+from perseus.tensorflow.horovod.gradients import (
+    GradientReducer,
+    LocalVariables,
+    reduce_except_local,
+)
 
 _LegacyOptimizer = tf.compat.v1.train.Optimizer
 
@@ -106,22 +110,33 @@ class LocalAggregation:
 class _DistributedLegacyOptimizer(_LegacyOptimizer):
     """A ``tf.compat.v1.train.Optimizer`` whose ``compute_gradients`` averages across ranks."""
 
-    def __init__(self, optimizer, name, use_locking, reducer, aggregation):
+    def __init__(self, optimizer, name, use_locking, reducer, aggregation, scale_local):
         name = name or f"Distributed{type(optimizer).__name__}"
         super().__init__(name=name, use_locking=use_locking)
         self._optimizer = optimizer
         self._reducer = reducer
         self._aggregation = aggregation
+        self._local_vars = LocalVariables()
+        self._scale_local = scale_local
+
+    def register_local_var(self, var):
+        """Keep ``var``'s gradient local: it is not reduced (only divided by the set's size
+        when ``scale_local_gradients``). Register it on every rank, before the first
+        ``compute_gradients``."""
+        self._local_vars.add(var, "register_local_var")
+
+    def _reduce(self, grads, variables):
+        return reduce_except_local(self._reducer, grads, variables, self._local_vars,
+                                   self._scale_local)
 
     def compute_gradients(self, *args, **kwargs):
         """The wrapped optimizer's gradients, averaged over the ranks."""
         pairs = self._optimizer.compute_gradients(*args, **kwargs)
         grads, variables = [g for g, _ in pairs], [v for _, v in pairs]
         if self._aggregation is None:
-            reduced = self._reducer.reduce(grads, variables)
+            reduced = self._reduce(grads, variables)
         else:
-            reduced = self._aggregation.reduce(
-                grads, lambda gs: self._reducer.reduce(gs, variables))
+            reduced = self._aggregation.reduce(grads, lambda gs: self._reduce(gs, variables))
         return list(zip(reduced, variables))
 
     def apply_gradients(self, *args, **kwargs):
@@ -166,7 +181,9 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
         num_groups, groups: accepted for compatibility: every gradient of a step is
             submitted together and the core fuses them.
         process_set: the ranks that average gradients together.
-        device_dense, device_sparse, use_locking, scale_local_gradients: as Horovod.
+        scale_local_gradients: divide the gradients of variables registered with
+            ``register_local_var`` (which are not reduced) by the set's size.
+        device_dense, device_sparse, use_locking: as Horovod.
     """
     _check_common(op, gradient_predivide_factor, num_groups, groups)
     if not isinstance(optimizer, _LegacyOptimizer):
@@ -182,7 +199,8 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
                               sparse_as_dense, process_set)
     passes, average = passes_per_step(backward_passes_per_step, average_aggregated_gradients)
     aggregation = LocalAggregation(passes, average) if passes > 1 else None
-    return _DistributedLegacyOptimizer(optimizer, name, use_locking, reducer, aggregation)
+    return _DistributedLegacyOptimizer(optimizer, name, use_locking, reducer, aggregation,
+                                       scale_local_gradients)
 
 
 class _DistributedGradientTape(tf.GradientTape):
@@ -193,24 +211,14 @@ class _DistributedGradientTape(tf.GradientTape):
         """The tape's gradients, averaged over the ranks (local sources only scaled)."""
         grads = super().gradient(target, sources, output_gradients, unconnected_gradients)
         flat_sources = tf.nest.flatten(sources)
-        flat_grads = tf.nest.flatten(grads)
-        local = self._perseus_local
-        shared = [i for i, s in enumerate(flat_sources) if id(s) not in local]
-        reduced = self._perseus_reducer.reduce([flat_grads[i] for i in shared],
-                                               [flat_sources[i] for i in shared])
-        out = list(flat_grads)
-        for i, r in zip(shared, reduced):
-            out[i] = r
-        if self._perseus_scale_local and local:
-            scale = set_size_scale(self._perseus_reducer.process_set)
-            for i, s in enumerate(flat_sources):
-                if id(s) in local and out[i] is not None:
-                    out[i] = out[i] * scale
+        out = reduce_except_local(self._perseus_reducer, tf.nest.flatten(grads), flat_sources,
+                                  self._perseus_local, self._perseus_scale_local)
         return tf.nest.pack_sequence_as(grads, out)
 
     def register_local_source(self, source):
-        """Exclude ``source`` (a variable) from the reduction: its gradient stays local."""
-        self._perseus_local.add(id(source))
+        """Exclude ``source`` (a variable) from the reduction: its gradient stays local
+        (divided by the set's size when ``scale_local_gradients``)."""
+        self._perseus_local.add(source, "register_local_source")
 
 
 # Tapes are made anew every step: the state the switches keep across steps (down-sampling
@@ -246,6 +254,47 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="",
     tape.__dict__.update(gradtape.__dict__)
     tape._perseus_reducer = _tape_reducer(compression, op, gradient_predivide_factor,
                                           sparse_as_dense, process_set)
-    tape._perseus_local = set()
+    tape._perseus_local = LocalVariables()
     tape._perseus_scale_local = scale_local_gradients
+    return tape
+
+
+def local_layer_variables(local_layers):
+    """The trainable variables of ``local_layers`` (a Keras layer, a list of them, or
+    None), checked: Horovod's ``local_layers`` argument."""
+    import keras
+
+    if local_layers is None:
+        return []
+    if isinstance(local_layers, keras.layers.Layer):
+        local_layers = [local_layers]
+    try:
+        local_layers = list(local_layers)
+    except TypeError:
+        raise ValueError(f"local_layers must be a Keras layer or a list of them, got "
+                         f"{type(local_layers).__name__}") from None
+    bad = [type(layer).__name__ for layer in local_layers
+           if not isinstance(layer, keras.layers.Layer)]
+    if bad:
+        raise ValueError(f"All local layers must be of tf.keras.layers.Layer type; got "
+                         f"{', '.join(bad)}")
+    return [v for layer in local_layers for v in layer.trainable_weights]
+
+
+def PartialDistributedGradientTape(gradtape, device_dense="", device_sparse="",
+                                   compression=Compression.none, sparse_as_dense=False,
+                                   op=Average, gradient_predivide_factor=1.0, num_groups=0,
+                                   groups=None, process_set=global_process_set,
+                                   local_layers=None, scale_local_gradients=True):
+    """A :func:`DistributedGradientTape` whose ``local_layers`` (a Keras layer or a list
+    of them) keep their gradients local: their trainable variables are registered as
+    local sources, not reduced, and divided by the set's size when
+    ``scale_local_gradients``. Every other argument as DistributedGradientTape.
+    """
+    local_vars = local_layer_variables(local_layers)
+    tape = DistributedGradientTape(
+        gradtape, device_dense, device_sparse, compression, sparse_as_dense, op,
+        gradient_predivide_factor, num_groups, groups, process_set, scale_local_gradients)
+    for v in local_vars:
+        tape.register_local_source(v)
     return tape

@@ -32,22 +32,42 @@ from perseus.tensorflow.horovod import (  # noqa: F401 - re-exported
     add_process_set,
     allgather_object,
     broadcast_object,
+    ccl_built,
     cross_rank,
     cross_size,
+    cuda_built,
+    ddl_built,
+    gloo_built,
+    gloo_enabled,
     init,
     is_initialized,
     local_rank,
     local_size,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
     rank,
     remove_process_set,
+    rocm_built,
     shutdown,
     size,
+    start_timeline,
+    stop_timeline,
 )
 from perseus.tensorflow.horovod import (
     global_process_set as _global,
 )
-from perseus.tensorflow.horovod.gradients import GradientReducer
-from perseus.tensorflow.horovod.optimizer import _check_common, passes_per_step
+from perseus.tensorflow.horovod.gradients import (
+    GradientReducer,
+    LocalVariables,
+    reduce_except_local,
+)
+from perseus.tensorflow.horovod.optimizer import (
+    _check_common,
+    local_layer_variables,
+    passes_per_step,
+)
 from perseus.tensorflow.keras import (
     callbacks,  # noqa: F401 - hvd.callbacks
     elastic,  # noqa: F401 - hvd.elastic
@@ -60,6 +80,15 @@ _classes = {}  # optimizer class -> its distributed subclass
 class _DistributedKerasOptimizer:
     """Mixed into a Keras optimizer's class (see :func:`DistributedOptimizer`)."""
 
+    def register_local_var(self, var):
+        """Keep ``var``'s gradient local: it is not reduced (only divided by the set's size
+        when ``scale_local_gradients``). Register it on every rank, before training."""
+        self._perseus_local.add(var, "register_local_var")
+
+    def _perseus_reduce(self, grads, variables):
+        return reduce_except_local(self._perseus_reducer, grads, variables,
+                                   self._perseus_local, self._perseus_scale_local)
+
     def apply(self, grads, trainable_variables=None):
         """Average the gradients over the ranks, then apply them (every
         ``backward_passes_per_step``-th call when passes are accumulated)."""
@@ -68,14 +97,26 @@ class _DistributedKerasOptimizer:
         if self._perseus_passes == 1:
             variables = (trainable_variables if trainable_variables is not None
                          else list(self._trainable_variables))
-            grads = self._perseus_reducer.reduce(list(grads), variables)
+            grads = self._perseus_reduce(list(grads), variables)
         return super().apply(grads, trainable_variables)
+
+    def _backend_apply_gradients(self, grads, trainable_variables):
+        # Remembered for _clip_gradients, which Keras calls without the variables (set
+        # past Keras' attribute tracking, which would take them for optimizer state).
+        object.__setattr__(self, "_perseus_step_variables", list(trainable_variables))
+        return super()._backend_apply_gradients(grads, trainable_variables)
 
     def _clip_gradients(self, grads):
         # With gradient_accumulation_steps (backward_passes_per_step > 1) Keras calls this
         # on update steps only, with the passes' mean: reduce that.
         if self._perseus_passes > 1:
-            grads = self._perseus_reducer.reduce(list(grads), None)
+            variables = getattr(self, "_perseus_step_variables", None)
+            if variables is None or len(variables) != len(grads):
+                if len(self._perseus_local):
+                    raise RuntimeError("cannot tell the local variables' gradients apart: "
+                                       "Keras passed gradients without their variables")
+                variables = None
+            grads = self._perseus_reduce(list(grads), variables)
             if not self._perseus_average:
                 scale = float(self._perseus_passes)
                 grads = [g if g is None else g * tf.cast(scale, g.dtype) for g in grads]
@@ -92,10 +133,12 @@ def _distributed_class(base):
     return cls
 
 
-def _attach(optimizer, reducer, passes, average):
+def _attach(optimizer, reducer, passes, average, scale_local=True):
     optimizer._perseus_reducer = reducer
     optimizer._perseus_passes = passes
     optimizer._perseus_average = average
+    optimizer._perseus_local = LocalVariables()
+    optimizer._perseus_scale_local = bool(scale_local)
 
 
 def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="",
@@ -109,8 +152,10 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     ``backward_passes_per_step`` > 1 accumulates that many steps locally (Keras'
     ``gradient_accumulation_steps``) and reduces once; the aggregate is their sum, as
     in Horovod, or their mean with ``average_aggregated_gradients``.
-    ``PERSEUS_ACCUMULATE_N_STEPS`` sets it (averaging) when left at 1. Other arguments
-    as :func:`perseus.tensorflow.horovod.DistributedOptimizer`.
+    ``PERSEUS_ACCUMULATE_N_STEPS`` sets it (averaging) when left at 1.
+    ``register_local_var(var)`` on the result keeps a variable's gradient local
+    (divided by the set's size when ``scale_local_gradients``). Other arguments as
+    :func:`perseus.tensorflow.horovod.DistributedOptimizer`.
     """
     if isinstance(optimizer, _LegacyOptimizer):
         return _hvd.DistributedOptimizer(
@@ -118,7 +163,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
             backward_passes_per_step=backward_passes_per_step, op=op,
             gradient_predivide_factor=gradient_predivide_factor,
             average_aggregated_gradients=average_aggregated_gradients, groups=groups,
-            process_set=process_set)
+            process_set=process_set, scale_local_gradients=scale_local_gradients)
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(f"expected a Keras optimizer or a tf.compat.v1.train.Optimizer, got "
                         f"{type(optimizer).__name__}")
@@ -136,7 +181,31 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     wrapped = _distributed_class(type(optimizer)).from_config(config)
     reducer = GradientReducer("DistributedOptimizer", compression, op, gradient_predivide_factor,
                               sparse_as_dense, process_set)
-    _attach(wrapped, reducer, passes, average)
+    _attach(wrapped, reducer, passes, average, scale_local_gradients)
+    return wrapped
+
+
+def PartialDistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="",
+                                compression=Compression.none, sparse_as_dense=False,
+                                gradient_predivide_factor=1.0, op=Average,
+                                backward_passes_per_step=1, average_aggregated_gradients=False,
+                                groups=None, process_set=global_process_set, local_layers=None,
+                                scale_local_gradients=True):
+    """A :func:`DistributedOptimizer` whose ``local_layers`` (a Keras layer or a list of
+    them) are trained on each rank's own gradients: their trainable variables are
+    registered with ``register_local_var``, so their gradients are not reduced (and are
+    divided by the set's size when ``scale_local_gradients``). Other arguments as
+    DistributedOptimizer.
+    """
+    local_vars = local_layer_variables(local_layers)
+    wrapped = DistributedOptimizer(
+        optimizer, name=name, compression=compression, sparse_as_dense=sparse_as_dense,
+        gradient_predivide_factor=gradient_predivide_factor, op=op,
+        backward_passes_per_step=backward_passes_per_step,
+        average_aggregated_gradients=average_aggregated_gradients, groups=groups,
+        process_set=process_set, scale_local_gradients=scale_local_gradients)
+    for v in local_vars:
+        wrapped.register_local_var(v)
     return wrapped
 
 
@@ -167,6 +236,12 @@ def allgather(value, name=None):
 def broadcast(value, root_rank, name=None):
     """``root_rank``'s value on every rank; returns a numpy value."""
     return _hvd.broadcast(tf.constant(value), root_rank, name=name).numpy()
+
+
+def reducescatter(value, name=None, op=Average):
+    """Reduce a value (array or tensor) over the ranks (``Average`` or ``Sum``) and return
+    this rank's block of dim-0 rows (see ``hvd.reducescatter``), as a numpy value."""
+    return _hvd.reducescatter(tf.constant(value), name=name, op=op).numpy()
 
 
 def load_model(filepath, custom_optimizers=None, custom_objects=None,

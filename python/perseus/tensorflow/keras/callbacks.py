@@ -5,10 +5,11 @@ import numpy as np
 import tensorflow as tf
 
 from perseus.common.ops import Average
-from perseus.tensorflow.horovod import allreduce, broadcast_variables, size
+from perseus.tensorflow.horovod import allreduce, broadcast_variables, rank, size
 
-__all__ = ["BroadcastGlobalVariablesCallback", "LearningRateScheduleCallback",
-           "LearningRateWarmupCallback", "MetricAverageCallback"]
+__all__ = ["BestModelCheckpoint", "BroadcastGlobalVariablesCallback",
+           "LearningRateScheduleCallback", "LearningRateWarmupCallback",
+           "MetricAverageCallback"]
 
 
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
@@ -143,3 +144,50 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
                 print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to "
                       f"{self.initial_lr:g}.")
         super().on_epoch_end(epoch, logs)
+
+
+class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
+    """A ``ModelCheckpoint`` that keeps the best model only (``save_best_only=True``) and
+    writes it on rank 0 only: the other ranks never touch the file.
+
+    ``monitor`` and ``mode`` (``"auto"``, ``"min"``, ``"max"``) choose what "best"
+    means, as in Keras; put :class:`MetricAverageCallback` before this callback to
+    judge on the ranks' average. Horovod's signature has no path: give it with
+    ``filepath=`` (a ``.keras`` file, or ``.weights.h5`` with ``save_weights_only``) or
+    set ``.filepath`` before ``fit``.
+    """
+
+    def __init__(self, monitor="val_loss", verbose=0, mode="auto", save_freq="epoch", *,
+                 filepath=None, save_weights_only=False):
+        # Keras checks the path's extension at construction; one set later is checked
+        # when training begins.
+        placeholder = "best.weights.h5" if save_weights_only else "best.keras"
+        super().__init__(filepath=placeholder if filepath is None else filepath,
+                         monitor=monitor, verbose=verbose, save_best_only=True,
+                         save_weights_only=save_weights_only, mode=mode, save_freq=save_freq)
+        if filepath is None:
+            self.filepath = None
+
+    def on_train_begin(self, logs=None):
+        """Check the path (on every rank, so that all of them stop alike)."""
+        if self.filepath is None:
+            raise ValueError("BestModelCheckpoint has no file to write: pass filepath= or "
+                             "set its .filepath before fit")
+        path = str(self.filepath)
+        exts = (".weights.h5",) if self.save_weights_only else (".keras", ".h5")
+        if not path.endswith(exts):
+            raise ValueError(f"BestModelCheckpoint's filepath must end in {' or '.join(exts)}"
+                             f"{' (save_weights_only=True)' if self.save_weights_only else ''},"
+                             f" got {path!r}")
+        self.filepath = path
+        super().on_train_begin(logs)
+
+    def on_train_batch_end(self, batch, logs=None):
+        """Rank 0: save when ``save_freq`` batches have passed and the model improved."""
+        if rank() == 0:
+            super().on_train_batch_end(batch, logs)
+
+    def on_epoch_end(self, epoch, logs=None):
+        """Rank 0: save at the end of an epoch where the model improved."""
+        if rank() == 0:
+            super().on_epoch_end(epoch, logs)

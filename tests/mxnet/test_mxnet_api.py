@@ -1,0 +1,51 @@
+"""perseus.mxnet against Horovod 0.28's MXNet API (alltoall's return forms,
+grouped_reducescatter, the timeline, the capability checks), the PERSEUS_* gradient
+switches in DistributedTrainer and DistributedOptimizer, and the KVStore's gradient
+pushes (compression, PERSEUS_ALLREDUCE_DTYPE), on 2 ranks (workers/)."""
+
+import pytest
+
+
+def test_alltoall_forms_grouped_reducescatter_timeline_capabilities(run_framework, tmp_path):
+    """alltoall returns the rows alone without splits and (rows, received splits) with
+    them; grouped_reducescatter's values, scale factors and errors; start/stop_timeline
+    write the collective run between them and nothing after; the capability checks."""
+    run_framework(2, "api.py", str(tmp_path))
+
+
+@pytest.mark.parametrize("mode, env", [
+    ("nancheck", {"PERSEUS_ALLREDUCE_NANCHECK": "1"}),
+    ("accumulate", {"PERSEUS_ACCUMULATE_N_STEPS": "2"}),
+    ("downsample", {"PERSEUS_DOWNSAMPLE_N_ELEMENTS": "2", "PERSEUS_GRADIENT_MOMENTUM": "0.5"}),
+])
+def test_gradient_switches(run_framework, mode, env):
+    """NaN check: FloatingPointError on every rank naming the parameter and rank 1, weights
+    unchanged (both parameters of the step, through MXNet's Updater), the next step
+    ordinary; accumulation: odd calls leave the weights alone, even calls equal one step on
+    both calls' rows; down-sampling: the weights of the rotating half-sends with the
+    residual decayed by 0.5, computed here for every rank."""
+    run_framework(2, "switches.py", mode, env=env)
+
+
+def test_perf_check_names_the_slow_rank(run_framework):
+    """PERSEUS_PERF_CHECK_N_STEPS=2 with DistributedTrainer: rank 1 computes 0.3 s longer
+    each step and says so; rank 0 does not."""
+    out = run_framework(2, "switches.py", "perfcheck", env={"PERSEUS_PERF_CHECK_N_STEPS": "2"})
+    assert "PERSEUS_PERF_CHECK_N_STEPS: this rank" in out, out
+    assert "local rank 1) computed" in out, out
+    assert "local rank 0) computed" not in out, out
+
+
+def test_kvstore_gradient_compression(run_framework):
+    """set_gradient_compression: 2bit and 1bit sums equal a reference quantizer with a
+    residual over three pushes, a list of device values is quantized once, param_only
+    keys and Max stay exact, the packed codes send 1/16 of float32's bytes (2 ranks),
+    'none' turns it off, bad parameters raise naming them, and gluon.Trainer's
+    compression_params reach the store."""
+    run_framework(2, "kvstore_gradients.py", "compression")
+
+
+def test_kvstore_pushes_are_gradients(run_framework):
+    """PERSEUS_ALLREDUCE_DTYPE=0: a Sum push to a weight key travels as float16; a
+    param_only key and a Max push stay exact."""
+    run_framework(2, "kvstore_gradients.py", "dtype", env={"PERSEUS_ALLREDUCE_DTYPE": "0"})
