@@ -50,6 +50,18 @@ if ! command -v mpirun >/dev/null; then
     fi
 fi
 
+# mpi4py for the test of mpirun jobs on several hosts without PERSEUS_MASTER_ADDR (rank 0's
+# address then comes through MPI): kept beside the virtual environments, not in them.
+mpi4py_dir="$PERSEUS_CACHE/mpi4py-4.1.2"
+if command -v mpirun >/dev/null && [[ ! -d $mpi4py_dir/mpi4py ]]; then
+    step "mpi4py for the mpirun tests"
+    "$python" -m pip install --disable-pip-version-check --quiet --target "$mpi4py_dir.tmp" \
+        mpi4py==4.1.2 && mv "$mpi4py_dir.tmp" "$mpi4py_dir" \
+        || echo "test.sh: cannot install mpi4py: its mpirun test skips" >&2
+    rm -rf "$mpi4py_dir.tmp"
+fi
+export PERSEUS_TEST_MPI4PY="$mpi4py_dir"
+
 # pytest's status 5 means it collected nothing: a failure here too.
 run_pytest() {
     local status=0

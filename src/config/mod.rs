@@ -574,10 +574,17 @@ fn rendezvous(t: &Topology) -> Result<(Option<(String, u16)>, bool)> {
                 .or_else(slurm)
                 .or_else(one_host)
                 .ok_or_else(|| {
+                    let mpi = matches!(t.launcher, Launcher::OpenMpi | Launcher::Mpich);
                     PerseusError::InvalidArgument(format!(
                         "a job of {} ranks on several hosts needs the address of rank 0: set \
-                         PERSEUS_MASTER_ADDR (or MASTER_ADDR), or start it with perseusrun",
-                        t.size
+                         PERSEUS_MASTER_ADDR (or MASTER_ADDR), or start it with perseusrun{}",
+                        t.size,
+                        if mpi {
+                            ", or install mpi4py (under mpirun rank 0's host is then found \
+                             through MPI)"
+                        } else {
+                            ""
+                        }
                     ))
                 })?;
             Ok((Some((host, port)), t.rank == 0))

@@ -46,6 +46,48 @@ def test_mpirun():
     check_results(*run(cmd, env), ONE_HOST, "mpirun")
 
 
+def mpi4py_path():
+    """Where mpi4py can be imported from: PERSEUS_TEST_MPI4PY (scripts/test.sh installs
+    it there), else this Python's own; None when neither has it."""
+    given = os.environ.get("PERSEUS_TEST_MPI4PY")
+    if given and os.path.isdir(os.path.join(given, "mpi4py")):
+        return given
+    try:
+        import mpi4py
+    except ImportError:
+        return None
+    return os.path.dirname(os.path.dirname(mpi4py.__file__))
+
+
+def mpirun_two_hosts(mode, extra_path=None):
+    workers = os.path.join(os.path.dirname(str(WORKER)), "")
+    path = os.pathsep.join(p for p in (clean_env()["PYTHONPATH"], workers, extra_path) if p)
+    env = clean_env(PERSEUS_MASTER_PORT=free_port(), OMPI_ALLOW_RUN_AS_ROOT=1,
+                    OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1, PYTHONPATH=path, OMP_NUM_THREADS=1)
+    cmd = ["mpirun", "-np", "2", "--oversubscribe", "--bind-to", "none"]
+    if os.geteuid() == 0:
+        cmd.append("--allow-run-as-root")
+    cmd += ["-x", "PYTHONPATH", "-x", "PERSEUS_MASTER_PORT", "-x", "OMP_NUM_THREADS", PY,
+            os.path.join(workers, "mpi_hosts.py"), mode]
+    rc, out = run(cmd, env, timeout=90)
+    assert rc == 0 and out.count("WORKER OK") == 2, out
+
+
+@pytest.mark.timeout(120)
+@needs_mpirun
+def test_mpirun_on_several_hosts_without_master_addr_names_the_cures():
+    mpirun_two_hosts("without-mpi4py")
+
+
+@pytest.mark.timeout(120)
+@needs_mpirun
+@pytest.mark.skipif(mpi4py_path() is None,
+                    reason="needs mpi4py (scripts/test.sh installs it for the tests)")
+def test_mpirun_on_several_hosts_finds_rank_0_through_mpi4py():
+    # seed 003's mpirun command lines give no PERSEUS_MASTER_ADDR
+    mpirun_two_hosts("with-mpi4py", mpi4py_path())
+
+
 @pytest.mark.timeout(60)
 @needs_mpirun
 def test_perseusrun_mpi():

@@ -41,7 +41,7 @@ def init(comm=None, process_sets=None):
     if elastic.enabled():
         elastic.start(start)  # in the job's next round that forms
     else:
-        start()
+        _start_knowing_rank0(start)
     _config = dict(_core.config())
     _generation += 1
     if _generation == 1:
@@ -50,6 +50,20 @@ def init(comm=None, process_sets=None):
         for note in _core.config_notes():
             print(f"perseus: {note}", file=sys.stderr, flush=True)
     _process_sets._after_init(sets)
+
+
+def _start_knowing_rank0(start):
+    """``start()``; where mpirun spread the job over hosts without telling the ranks
+    where rank 0 is, rank 0 tells them through MPI (mpi4py) and the start is retried
+    (the core refused before any connection, on every rank alike)."""
+    from perseus.common import mpi_address
+
+    try:
+        start()
+    except ValueError as e:
+        if mpi_address.RANK0_UNKNOWN not in str(e) or not mpi_address.learn_rank0_address():
+            raise
+        start()
 
 
 def _close_timeline():

@@ -11,6 +11,7 @@ import shutil
 import socket
 import sys
 
+from perseus import _netif
 from perseus.runner import elastic as _elastic
 from perseus.runner import horovod_flags as _hvd_flags
 from perseus.runner import hosts as _hosts
@@ -312,20 +313,11 @@ def host_list(args):
 
 def interface_address(names):
     """The IPv4 address of the first of the comma-separated interfaces that has one."""
-    import fcntl
-    import struct
-
-    why = []
-    for name in (n.strip() for n in names.split(",") if n.strip()):
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            try:
-                packed = fcntl.ioctl(s.fileno(), 0x8915,  # SIOCGIFADDR
-                                     struct.pack("256s", name.encode()[:15]))
-                return socket.inet_ntoa(packed[20:24])
-            except OSError as e:
-                why.append(f"{name}: {e.strerror}")
-    raise _hosts.HostError(
-        f"--network-interface {names}: no IPv4 address on this machine ({'; '.join(why)})")
+    address, why = _netif.first_ipv4(names)
+    if address is None:
+        raise _hosts.HostError(
+            f"--network-interface {names}: no IPv4 address on this machine ({why})")
+    return address
 
 
 def route_source_address(host):
