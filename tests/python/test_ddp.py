@@ -54,6 +54,24 @@ def test_the_ddp_example_trains_through_perseus():
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("ddp", ["1", "0"])
+def test_seed_003s_ddp_benchmark_under_torch_distributed_launch(ddp):
+    # seed 003, 2.1.2: the DDP benchmark started by torch.distributed.launch (which passes
+    # --local-rank); PERSEUS_DDP=0 measures torch's own communication with the same script
+    example = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "examples",
+                           "pytorch_ddp_benchmark.py")
+    cmd = [PY, "-W", "ignore::FutureWarning", "-m", "torch.distributed.launch",
+           "--nproc_per_node=2", "--nnodes=1", "--node_rank=0", "--master_addr=localhost",
+           f"--master_port={free_port()}", example, "--num-iters", "2",
+           "--num-batches-per-iter", "2", "--num-warmup-batches", "1", "--batch-size", "8"]
+    rc, out = run(cmd, clean_env(PERSEUS_MASTER_PORT=free_port(), OMP_NUM_THREADS=1,
+                                 PERSEUS_DDP=ddp), timeout=100)
+    reducer = "Perseus" if ddp == "1" else "torch"
+    assert rc == 0 and f"2 processes; gradients reduced by {reducer}" in out, out
+    assert "Iter #1:" in out and "Total img/sec on 2 CPU(s)" in out, out
+
+
+@pytest.mark.timeout(120)
 def test_perseusrun_gives_init_process_group_its_variables():
     # three ranks: the average is not a single addition
     assert_ok(*perseusrun("train", n=3), 3)
