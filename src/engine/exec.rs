@@ -8,7 +8,9 @@ use super::tensor::{OwnedTensor, TensorView};
 use crate::collective::{self, Comm};
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::{PerseusError, Result};
-use crate::kernels::{clock, copy_scaled, first_nonfinite, from_half, scale, to_half, AlignedBuf};
+use crate::kernels::{
+    adasum, clock, copy_scaled, first_nonfinite, from_half, scale, to_half, AlignedBuf,
+};
 use crate::plan::{Encoding, Mode, Plan};
 use std::ops::Range;
 use std::time::Instant;
@@ -193,6 +195,9 @@ impl Allreduce<'_> {
     /// Runs the plan; a compressed run whose float16 sum is not finite is
     /// redone exactly from the inputs, which nothing has written yet.
     fn run(&self, plan: &Plan, bufs: &mut Buffers) -> (Result<()>, Option<(Vec<usize>, bool)>) {
+        if self.op == ReduceOp::Adasum {
+            return (self.adasum(bufs), None);
+        }
         let hosts = collective::hosts_of(self.comm);
         let hier = plan.mode != Mode::Flat && collective::fits(&hosts);
         let compress = self.dtype == DataType::F32
@@ -388,6 +393,46 @@ impl Allreduce<'_> {
         if let Some(b) = borrowed {
             bufs.fusion = b;
         }
+        r
+    }
+
+    /// Adasum (kernels/adasum.rs), tensor by tensor: every rank's prescaled
+    /// tensors (zeros where it has joined) are gathered, then each rank combines
+    /// them by the same tree, so all get identical results. Exact: no float16
+    /// and no hierarchy (the combination needs every rank's whole tensor).
+    fn adasum(&self, bufs: &mut Buffers) -> Result<()> {
+        let (n, me) = (self.comm.size(), self.comm.rank());
+        let total: usize = self.sizes.iter().sum();
+        let mut fusion = std::mem::take(&mut bufs.fusion);
+        fusion.resize(total * n);
+        let buf = fusion.as_mut_slice();
+        let t = Instant::now();
+        self.fuse_into(
+            &mut buf[me * total..(me + 1) * total],
+            self.pre,
+            &self.all(),
+        );
+        bufs.mark("FUSE", t);
+        let r = bufs.transfer(|_| collective::allgatherv(self.comm, buf, &vec![total; n]));
+        if r.is_ok() {
+            let t = Instant::now();
+            for (i, range) in self.layout(&self.all()) {
+                let parts = (0..n)
+                    .map(|k| {
+                        let part = &buf[k * total + range.start..k * total + range.end];
+                        adasum::to_f64(part, self.dtype).expect("checked floating at submission")
+                    })
+                    .collect();
+                let combined = adasum::tree(parts);
+                if let Some(out) = self.output(i) {
+                    // SAFETY: the front-end keeps the tensor alive until completion,
+                    // and only the engine thread writes it until then.
+                    adasum::write_f64(unsafe { out.bytes_mut() }, &combined, self.dtype, self.post);
+                }
+            }
+            bufs.mark("COMPLETE", t);
+        }
+        bufs.fusion = fusion;
         r
     }
 

@@ -447,10 +447,20 @@ fn lost_coordinator(why: &str) -> PerseusError {
 
 /// Checks what one rank can check alone, so the error is raised at the call.
 fn check_locally(req: &Request, set_size: usize) -> Result<()> {
-    if req.op == ReduceOp::Adasum {
+    let floating = matches!(
+        req.dtype,
+        DataType::F16 | DataType::BF16 | DataType::F32 | DataType::F64
+    );
+    if req.op == ReduceOp::Adasum && req.kind == OpKind::Reducescatter {
         return Err(PerseusError::InvalidArgument(
-            "Adasum is not supported by Perseus".into(),
+            "reducescatter takes Sum or Average; Adasum is an allreduce op".into(),
         ));
+    }
+    if req.op == ReduceOp::Adasum && req.kind == OpKind::Allreduce && !floating {
+        return Err(PerseusError::UnsupportedType(format!(
+            "Adasum reduces floating-point tensors only, not {}",
+            req.dtype.name()
+        )));
     }
     if req.dtype == DataType::Bool && req.op == ReduceOp::Average && req.kind.has_data() {
         return Err(PerseusError::UnsupportedType(

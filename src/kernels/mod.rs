@@ -3,6 +3,7 @@
 //! [`DataType`]; each kernel casts them to typed slices once and runs a plain
 //! loop the compiler vectorises. Half types go through `f32` in blocks.
 
+pub mod adasum;
 mod aligned;
 pub mod clock;
 mod convert;
@@ -56,7 +57,7 @@ macro_rules! int_reduce {
                 .for_each(|(a, b)| *a = a.wrapping_mul(*b)),
             ReduceOp::Min => d.iter_mut().zip(s).for_each(|(a, b)| *a = (*a).min(*b)),
             ReduceOp::Max => d.iter_mut().zip(s).for_each(|(a, b)| *a = (*a).max(*b)),
-            ReduceOp::Adasum => unreachable!("Adasum is rejected before any kernel runs"),
+            ReduceOp::Adasum => unreachable!("Adasum is combined by kernels::adasum"),
         }
     }};
 }
@@ -79,7 +80,7 @@ where
                 *a = *b
             }
         }),
-        ReduceOp::Adasum => unreachable!("Adasum is rejected before any kernel runs"),
+        ReduceOp::Adasum => unreachable!("Adasum is combined by kernels::adasum"),
     }
 }
 

@@ -28,6 +28,14 @@ def test_errors(run_workers, n):
     run_workers(n, "errors.py")
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_adasum(run_workers, n):
+    """allreduce(op=Adasum) against a NumPy reference of Horovod's rule (3: not a power of
+    two, the last rank's tensor joins at the top)."""
+    run_workers(n, "adasum.py")
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("n", SIZES)
 def test_training(run_workers, n):

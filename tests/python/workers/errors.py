@@ -38,12 +38,14 @@ def bad_arguments(r, n):
         hvd.allreduce([1.0, 2.0])
     with raises(ValueError, "Perseus handles CPU and CUDA tensors", what="tensor on another device"):
         hvd.allreduce(torch.zeros(2, device="meta"))
-    with raises(NotImplementedError, "Adasum is not supported by Perseus yet", what="Adasum"):
-        hvd.allreduce(torch.ones(2), op=hvd.Adasum)
-    with raises(NotImplementedError, "Adasum is not supported by Perseus yet", what="Adasum"):
-        hvd.allreduce_async_(torch.ones(2), op=hvd.Adasum)
+    with raises(TypeError, "Adasum reduces floating-point tensors only, not int32",
+                what="Adasum of integers"):
+        hvd.allreduce(torch.ones(2, dtype=torch.int32), op=hvd.Adasum)
+    with raises(ValueError, "Adasum is an allreduce op", what="Adasum reducescatter"):
+        hvd.reducescatter(torch.ones(2 * n), op=hvd.Adasum)
     model = torch.nn.Linear(2, 2)
-    with raises(NotImplementedError, "Adasum", what="DistributedOptimizer Adasum"):
+    with raises(NotImplementedError, "hvd.allreduce(..., op=hvd.Adasum) is",
+                what="DistributedOptimizer Adasum"):
         hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), op=hvd.Adasum)
     with raises(ValueError, what="unknown op"):
         hvd.allreduce(torch.ones(2), op=17)
