@@ -15,20 +15,14 @@ Names torch has already are left alone.
 """
 
 import functools
-import os
 import warnings
-
-
-def fused_optimizer_wanted(environ=os.environ):
-    """Whether the environment asks for the fused optimizer step."""
-    value = environ.get("PERSEUS_FUSED_OPTIMIZER", environ.get("AIAK_FUSED_OPTIMIZER", "0"))
-    return value.strip() == "1"
 
 
 def install():
     """Set the names in torch's namespaces (idempotent)."""
     import torch
 
+    from perseus.common.gradients import fused_optimizer_wanted
     from perseus.torch import amp, optim
 
     for name, value in (("aiak_amp_decorate", amp.amp_decorate),

@@ -16,6 +16,14 @@ from perseus.common.ops import Adasum, Average
 _TORCH_OPTIMIZER_ONLY = (("PERSEUS_DGC", "--dgc"),
                          ("PERSEUS_OVERLAP_BACKWARD_AND_STEP", "--overlap-backward-and-step"))
 _FUSED = ("PERSEUS_FUSED_OPTIMIZER", "--fuse-optimizer")
+
+
+def fused_optimizer_wanted(environ=None):
+    """Whether the environment asks for the fused optimizer step: PERSEUS_FUSED_OPTIMIZER,
+    else seed 001's AIAK_FUSED_OPTIMIZER (the core's precedence, before any init)."""
+    environ = os.environ if environ is None else environ
+    value = environ.get("PERSEUS_FUSED_OPTIMIZER", environ.get("AIAK_FUSED_OPTIMIZER", "0"))
+    return value.strip() == "1"
 _warned_unapplied = set()
 
 
@@ -28,10 +36,9 @@ def warn_unapplied(where, fused_applies=False, environ=None):
     wanted = list(_TORCH_OPTIMIZER_ONLY) + ([] if fused_applies else [_FUSED])
     said = []
     for var, flag in wanted:
-        value = environ.get(var)
-        if var == _FUSED[0] and value is None:
-            value = environ.get("AIAK_FUSED_OPTIMIZER")
-        if value != "1" or (where, var) in _warned_unapplied:
+        on = (fused_optimizer_wanted(environ) if var == _FUSED[0]
+              else environ.get(var) == "1")
+        if not on or (where, var) in _warned_unapplied:
             continue
         _warned_unapplied.add((where, var))
         said.append(var)

@@ -14,38 +14,31 @@ _MIB = 1 << 20
 # The core's log levels (--log-level).
 LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
 
-# (flag, argparse type, help): flags whose value becomes one variable, see _VARIABLES.
+# Flags whose value becomes one variable: (flag, argparse type, variable, the variable's
+# text of the value, (low, high) or None, help).
 _VALUED = [
-    ("--fusion-threshold-mb", int, ("largest fused buffer in MiB; 0 disables fusion "
-     "(HOROVOD_FUSION_THRESHOLD, in bytes)")),
-    ("--cycle-time-ms", float, ("how long new requests wait while others are in flight "
-     "(HOROVOD_CYCLE_TIME)")),
-    ("--cache-capacity", int, ("tensor signatures the response cache holds "
-     "(HOROVOD_CACHE_CAPACITY)")),
-    ("--timeline-filename", str, ("write a Chrome-trace timeline to this file "
-     "(HOROVOD_TIMELINE)")),
-    ("--stall-check-warning-time-seconds", int, ("warn about a collective some ranks have "
-     "waited on this long (PERSEUS_STALL_CHECK_TIME_SECONDS)")),
-    ("--stall-check-shutdown-time-seconds", int, ("fail the job when a collective has "
-     "waited this long (PERSEUS_STALL_SHUTDOWN_TIME_SECONDS)")),
-    ("--num-nccl-streams", int, ("NCCL communicators per process set for CUDA tensors "
-     "(HOROVOD_NUM_NCCL_STREAMS)")),
-    ("--gloo-timeout-seconds", int, "seconds to wait for a peer (GLOO_TIMEOUT_SECONDS)"),
+    ("--fusion-threshold-mb", int, "HOROVOD_FUSION_THRESHOLD", lambda v: str(v * _MIB),
+     (0, 1 << 20), "largest fused buffer in MiB (set in bytes); 0 disables fusion"),
+    ("--cycle-time-ms", float, "HOROVOD_CYCLE_TIME", lambda v: f"{v:g}", (0, 60_000),
+     "how long new requests wait while others are in flight"),
+    ("--cache-capacity", int, "HOROVOD_CACHE_CAPACITY", str, (0, 1 << 24),
+     "tensor signatures the response cache holds"),
+    ("--timeline-filename", str, "HOROVOD_TIMELINE", str, None,
+     "write a Chrome-trace timeline to this file"),
+    ("--stall-check-warning-time-seconds", int, "PERSEUS_STALL_CHECK_TIME_SECONDS", str,
+     (0, 86_400), "warn about a collective some ranks have waited on this long"),
+    ("--stall-check-shutdown-time-seconds", int, "PERSEUS_STALL_SHUTDOWN_TIME_SECONDS", str,
+     (0, 86_400), "fail the job when a collective has waited this long"),
+    ("--num-nccl-streams", int, "HOROVOD_NUM_NCCL_STREAMS", str, (1, 12),
+     "NCCL communicators per process set for CUDA tensors"),
+    ("--gloo-timeout-seconds", int, "GLOO_TIMEOUT_SECONDS", str, (1, 86_400),
+     "seconds to wait for a peer"),
 ]
 
-# dest -> (variable, value of the flag's value as the variable's text, (low, high)).
-_VARIABLES = {
-    "fusion_threshold_mb": ("HOROVOD_FUSION_THRESHOLD", lambda v: str(v * _MIB), (0, 1 << 20)),
-    "cycle_time_ms": ("HOROVOD_CYCLE_TIME", lambda v: f"{v:g}", (0, 60_000)),
-    "cache_capacity": ("HOROVOD_CACHE_CAPACITY", str, (0, 1 << 24)),
-    "timeline_filename": ("HOROVOD_TIMELINE", str, None),
-    "stall_check_warning_time_seconds": ("PERSEUS_STALL_CHECK_TIME_SECONDS", str,
-                                         (0, 86_400)),
-    "stall_check_shutdown_time_seconds": ("PERSEUS_STALL_SHUTDOWN_TIME_SECONDS", str,
-                                          (0, 86_400)),
-    "num_nccl_streams": ("HOROVOD_NUM_NCCL_STREAMS", str, (1, 12)),
-    "gloo_timeout_seconds": ("GLOO_TIMEOUT_SECONDS", str, (1, 86_400)),
-}
+
+def _dest(flag):
+    return flag.lstrip("-").replace("-", "_")
+
 
 # Settings of Horovod features Perseus does not have: dest -> why they change nothing.
 _NO_EFFECT = {
@@ -89,8 +82,9 @@ def add_horovod_flags(p):
     g = p.add_argument_group("horovodrun's flags (Horovod 0.28; docs/launching.md)")
     g.add_argument("--config-file", metavar="FILE",
                    help="Horovod's YAML file of these settings; flags given win")
-    for flag, kind, text in _VALUED:
-        g.add_argument(flag, type=kind, metavar="N" if kind is not str else "FILE", help=text)
+    for flag, kind, var, _, _, text in _VALUED:
+        g.add_argument(flag, type=kind, metavar="N" if kind is not str else "FILE",
+                       help=f"{text} ({var})")
     hier = g.add_mutually_exclusive_group()
     hier.add_argument("--hierarchical-allreduce", action="store_true", default=None,
                       help="hierarchical allreduce (HOROVOD_HIERARCHICAL_ALLREDUCE=1)")
@@ -217,11 +211,10 @@ def horovod_env(args):
     """The variables of the horovodrun flags given; ``ValueError`` names a flag whose
     value the ranks would refuse, or flags that contradict each other."""
     env = {}
-    for dest, (var, text, bounds) in _VARIABLES.items():
-        value = getattr(args, dest)
+    for flag, _, var, text, bounds, _ in _VALUED:
+        value = getattr(args, _dest(flag))
         if value is None:
             continue
-        flag = "--" + dest.replace("_", "-")
         if bounds and not bounds[0] <= value <= bounds[1]:
             raise ValueError(f"{flag} {value}: must be from {bounds[0]} to {bounds[1]}")
         env[var] = text(value)
