@@ -33,7 +33,7 @@ step "cargo clippy (python and cuda features, as the wheel is built)"
 PYO3_PYTHON="$python" cargo clippy --release --features python,cuda -- -D warnings
 
 lint=()
-for dir in python tests examples benchmarks; do
+for dir in python tests benchmarks; do
     if [[ -d $dir ]]; then lint+=("$dir"); fi
 done
 step "ruff check ${lint[*]}"

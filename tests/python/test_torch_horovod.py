@@ -36,6 +36,15 @@ def test_adasum(run_workers, n):
     run_workers(n, "adasum.py")
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("n", SIZES)
+def test_adasum_optimizer(run_workers, n):
+    """DistributedOptimizer(op=Adasum): local steps, weight changes combined by Adasum,
+    against a replay of every rank's step (Adam, SGD over 2 passes, fp16, a process set
+    on 3 ranks), and its refusals."""
+    run_workers(n, "adasum_optimizer.py")
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("n", SIZES)
 def test_training(run_workers, n):

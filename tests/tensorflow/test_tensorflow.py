@@ -49,7 +49,7 @@ def test_switches_apply_to_tf_gradients(run_framework):
 
 
 @pytest.mark.parametrize("script, args, expect", [
-    ("tensorflow2_keras_mnist.py", ["--epochs", "1", "--train-size", "512"], "final loss"),
+    ("tensorflow_keras_mnist.py", ["--epochs", "1", "--train-size", "512"], "final loss"),
     ("tensorflow_mnist_session.py", ["--steps", "20"], "final accuracy"),
     ("tensorflow_mnist_estimator.py", ["--steps", "20"], "checkpoints in"),
     ("tensorflow2_synthetic_benchmark.py", ["--num-iters", "1", "--num-batches-per-iter", "2",

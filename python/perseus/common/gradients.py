@@ -9,7 +9,7 @@ import warnings
 
 from perseus.common.basics import local_rank
 from perseus.common.objects import allgather_object
-from perseus.common.ops import Adasum, Average
+from perseus.common.ops import Average
 
 # Seed 000's accelerations that only torch's hvd.DistributedOptimizer applies:
 # (variable, its perseusrun flag).
@@ -49,11 +49,6 @@ def warn_unapplied(where, fused_applies=False, environ=None):
 
 def check_optimizer_args(op, gradient_predivide_factor, num_groups, stacklevel=3):
     """Horovod's checks of a DistributedOptimizer's reduction arguments."""
-    if op == Adasum:
-        raise NotImplementedError(
-            "DistributedOptimizer(op=Adasum) is not supported by Perseus yet (Horovod's "
-            "steps each rank locally and combines the weight changes); hvd.allreduce(..., "
-            "op=hvd.Adasum) is")
     if not gradient_predivide_factor > 0:
         raise ValueError(f"gradient_predivide_factor must be > 0, got {gradient_predivide_factor}")
     if gradient_predivide_factor != 1.0 and op != Average:

@@ -1,26 +1,13 @@
 """hvd.allreduce(op=hvd.Adasum) on every rank: each tensor combines as Horovod's Adasum
 (pairs of ranks in rank order, level by level), checked against a NumPy reference of
-the rule written here, for float64, float32 and float16, fused (grouped), in place,
+the rule (_adasum_rule.py), for float64, float32 and float16, fused (grouped), in place,
 with the pre- and postscale, and identical bits on every rank."""
 
 import numpy as np
 import perseus.torch.horovod as hvd
 import torch
+from _adasum_rule import reference
 from _helpers import close, done
-
-
-def pair(a, b):
-    dot = float(a @ b)
-    aa, bb = float(a @ a), float(b @ b)
-    return (1 - dot / (2 * aa) if aa else 1) * a + (1 - dot / (2 * bb) if bb else 1) * b
-
-
-def reference(parts):
-    level = [p.astype(np.float64).ravel() for p in parts]
-    while len(level) > 1:
-        level = [pair(level[i], level[i + 1]) if i + 1 < len(level) else level[i]
-                 for i in range(0, len(level), 2)]
-    return level[0]
 
 
 def inputs(rank, shape, seed):

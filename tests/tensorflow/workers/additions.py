@@ -1,13 +1,15 @@
 """perseus.tensorflow.horovod's Horovod 0.28 additions on n ranks: process_set_included_op,
 broadcast_object_fn, PartialDistributedGradientTape, DistributedOptimizer's
-register_local_var (Keras and tf.compat.v1), and SyncBatchNormalization's statistics,
-moving averages and gradients against one process normalizing the whole batch."""
+register_local_var (Keras and tf.compat.v1), SyncBatchNormalization's statistics,
+moving averages and gradients against one process normalizing the whole batch, and
+op=Adasum on gradients (tape and Keras optimizer) against the NumPy rule."""
 
 import _tfhelpers  # noqa: F401 - quiets TensorFlow's logging first
 import keras
 import numpy as np
 import perseus.tensorflow.horovod as hvd
 import tensorflow as tf
+from _adasum_rule import reference as adasum_reference
 from _tfhelpers import check_local_update, close, done, raises
 
 
@@ -102,6 +104,40 @@ def partial_tape(r, n):
         hvd.PartialDistributedGradientTape(tf.GradientTape(), local_layers=3)
     with raises(TypeError, "register_local_source takes a variable", what="a tensor source"):
         hvd.DistributedGradientTape(tf.GradientTape()).register_local_source(tf.ones(2))
+
+
+def adasum_gradients(r, n):
+    """DistributedGradientTape(op=Adasum) and a Keras DistributedOptimizer(op=Adasum):
+    each gradient becomes the Adasum of the ranks' gradients (Horovod's TF behaviour),
+    eagerly and in a tf.function; the tf.compat.v1 optimizer refuses it."""
+    model, _, _ = two_layer_model(3)
+    x, y = rank_batch(r)
+    everyone = hvd.allgather_object([g.numpy() for g in local_grads(model, x, y)])
+    want = [adasum_reference([e[i] for e in everyone]).reshape(everyone[0][i].shape)
+            for i in range(len(everyone[0]))]
+
+    def tape_step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean((model(x) - y) ** 2)
+        tape = hvd.DistributedGradientTape(tape, op=hvd.Adasum)
+        return tape.gradient(loss, model.trainable_variables)
+
+    for mode, f in modes(tape_step):
+        for v, g, w in zip(model.trainable_variables, f(), want):
+            close(g, w, f"Adasum tape {v.path} {mode}", 1e-5, 1e-6)
+    # Adasum is not the average here: the check can fail.
+    mean = np.mean([e[0] for e in everyone], axis=0)
+    assert not np.allclose(want[0], mean, rtol=1e-3), "Adasum equals the mean"
+    before = [v.numpy() for v in model.trainable_variables]
+    lr = 0.1
+    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(lr), op=hvd.Adasum)
+    opt.apply(local_grads(model, x, y), model.trainable_variables)
+    for v, b, w in zip(model.trainable_variables, before, want):
+        close(v, b - lr * w, f"Adasum Keras step {v.path}", 1e-5, 1e-6)
+    with raises(NotImplementedError, "tf.compat.v1.train optimizer is not supported",
+                "DistributedGradientTape(op=hvd.Adasum)", what="v1 optimizer Adasum"):
+        hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1),
+                                 op=hvd.Adasum)
 
 
 def register_local_var_keras(r, n):
@@ -271,6 +307,7 @@ def main():
     partial_tape(r, n)
     register_local_var_keras(r, n)
     register_local_var_legacy(r, n)
+    adasum_gradients(r, n)
     sync_batch_norm_stats(r, n)
     sync_batch_norm_training_step(r, n)
     sync_batch_norm_arguments()

@@ -36,10 +36,6 @@ def bad_arguments(r, n):
                 tf.function(lambda v, fn=fn, args=args: fn(v, *args))(bad)
     with raises(TypeError, "Adasum reduces floating-point tensors only", what="Adasum"):
         hvd.allreduce(tf.ones(2, dtype=tf.int32), op=hvd.Adasum)
-    with raises(NotImplementedError, "Adasum", what="DistributedOptimizer Adasum"):
-        hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), op=hvd.Adasum)
-    with raises(NotImplementedError, "Adasum", what="DistributedGradientTape Adasum"):
-        hvd.DistributedGradientTape(tf.GradientTape(), op=hvd.Adasum)
     with raises(ValueError, "unknown reduce op", what="unknown op"):
         hvd.allreduce(tf.ones(2), op=17)
     with raises(ValueError, "gradient_predivide_factor", what="predivide with Sum"):

@@ -29,7 +29,7 @@ from perseus.common.gradients import (
     scale_factors,
     warn_unapplied,
 )
-from perseus.common.ops import Average, Sum, check_op
+from perseus.common.ops import Adasum, Average, Sum, check_op
 from perseus.common.process_sets import process_set_size
 from perseus.tensorflow.horovod import bridge as _bridge
 from perseus.tensorflow.horovod.mpi_ops import _sparse_allreduce, allreduce_now
@@ -56,8 +56,8 @@ class GradientReducer:
         self.compression = compression
         check_optimizer_args(op, gradient_predivide_factor, 0)
         self.op = check_op(op)
-        if self.op not in (Average, Sum):
-            raise ValueError("gradients can be reduced with Average or Sum only")
+        if self.op not in (Average, Sum, Adasum):
+            raise ValueError("gradients can be reduced with Average, Sum or Adasum only")
         self.predivide = float(gradient_predivide_factor)
         self.sparse_as_dense = sparse_as_dense
         self.process_set = process_set if process_set is not None else global_process_set
@@ -90,7 +90,8 @@ class GradientReducer:
             if g is None:
                 continue
             if isinstance(g, tf.IndexedSlices):
-                if not self.sparse_as_dense:
+                # Adasum combines whole tensors: sparse gradients go dense.
+                if not self.sparse_as_dense and self.op != Adasum:
                     out[i] = _sparse_allreduce(g, f"{self.prefix}.{i}.{name}", self.op,
                                                self.process_set)
                     continue

@@ -6,7 +6,7 @@ import tensorflow as tf
 from perseus.common.basics import config as _config
 from perseus.common.basics import generation
 from perseus.common.gradients import check_optimizer_args
-from perseus.common.ops import Average
+from perseus.common.ops import Adasum, Average
 from perseus.common.process_sets import global_process_set
 from perseus.tensorflow.horovod.compression import Compression
 from perseus.tensorflow.horovod.gradients import (
@@ -175,7 +175,9 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
         backward_passes_per_step: gradients of that many calls are summed locally
             (averaged with ``average_aggregated_gradients``) and reduced once.
             ``PERSEUS_ACCUMULATE_N_STEPS`` sets it (averaging) when left at 1.
-        op: ``Average`` (default) or ``Sum``.
+        op: ``Average`` (default), ``Sum``, or ``Adasum`` (the gradients combined by
+            Adasum, as Horovod's Keras optimizer does; not for a ``tf.compat.v1``
+            optimizer, whose Horovod version combines weight changes instead).
         gradient_predivide_factor: with ``Average``, divide by this factor before the
             sum and by ``size / factor`` after it.
         num_groups, groups: accepted for compatibility: every gradient of a step is
@@ -195,6 +197,12 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
             backward_passes_per_step=backward_passes_per_step,
             average_aggregated_gradients=average_aggregated_gradients, groups=groups,
             process_set=process_set, scale_local_gradients=scale_local_gradients)
+    if op == Adasum:
+        raise NotImplementedError(
+            "DistributedOptimizer(op=Adasum) of a tf.compat.v1.train optimizer is not "
+            "supported: Horovod's steps each rank locally and combines the weight changes. "
+            "DistributedGradientTape(op=hvd.Adasum) and a Keras optimizer's "
+            "DistributedOptimizer(op=hvd.Adasum) combine the gradients by Adasum")
     reducer = GradientReducer("DistributedOptimizer", compression, op, gradient_predivide_factor,
                               sparse_as_dense, process_set)
     passes, average = passes_per_step(backward_passes_per_step, average_aggregated_gradients)

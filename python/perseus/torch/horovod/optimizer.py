@@ -21,9 +21,11 @@ from perseus.common.process_sets import global_process_set
 from perseus.torch import amp as _amp
 from perseus.torch import dgc as _dgc
 from perseus.torch import optim as _fused
+from perseus.torch.horovod.adasum import _DistributedAdasumOptimizer
 from perseus.torch.horovod.compression import Compression
 from perseus.torch.horovod.functions import broadcast_object
 from perseus.torch.horovod.mpi_ops import (
+    Adasum,
     Average,
     gradient_allreduce_async_,
     rank,
@@ -32,6 +34,7 @@ from perseus.torch.horovod.mpi_ops import (
     stacked_allgather_async,
     synchronize,
 )
+from perseus.torch.horovod.parameter_names import parameter_names
 
 
 class _Sampled:
@@ -75,27 +78,8 @@ class _DistributedOptimizer:
         # arrive on, and are reduced as, the model's half-precision parameters.
         self._amp = _amp.is_decorated(self)
         self._auto_synchronized = False
-        if named_parameters is not None:
-            named_parameters = list(named_parameters)
-        else:
-            named_parameters = [(f"allreduce.noname.{i}.{j}", _amp.working(v))
-                                for i, group in enumerate(self.param_groups)
-                                for j, v in enumerate(group["params"])]
-        if any(not isinstance(p, tuple) for p in named_parameters):
-            raise ValueError("named_parameters should be a sequence of tuples (name, parameter), "
-                             "usually produced by model.named_parameters().")
-        names = [k for k, _ in named_parameters]
-        dups = sorted({k for k in names if names.count(k) > 1})
-        if dups:
-            raise ValueError("Parameter names in named_parameters must be unique. "
-                             f"Found duplicates: {', '.join(dups)}")
-        all_ids = {id(_amp.working(v)) for group in self.param_groups for v in group["params"]}
-        unnamed = all_ids - {id(v) for _, v in named_parameters}
-        if unnamed:
-            raise ValueError("named_parameters was specified, but one or more model parameters "
-                             f"were not named. Python object ids: {', '.join(map(str, unnamed))}")
-
-        self._parameter_names = {v: k for k, v in named_parameters}
+        self._parameter_names = parameter_names(self.param_groups, named_parameters,
+                                                _amp.working)
         switches = Switches(_config())
         # PERSEUS_ACCUMULATE_N_STEPS: step() applies every N-th call (see step()).
         self._accumulate = switches.accumulate
@@ -122,7 +106,7 @@ class _DistributedOptimizer:
             total = sum(w.numel() * w.element_size() for w in working)
             set_fusion_threshold(switches.fusion_threshold(total))
         self.backward_passes_per_step = backward_passes_per_step
-        self._allreduce_delay = {v: self._passes_per_update() for _, v in named_parameters}
+        self._allreduce_delay = {v: self._passes_per_update() for v in self._parameter_names}
         self.op = op
         self.gradient_predivide_factor = gradient_predivide_factor
         self.sparse_as_dense = sparse_as_dense
@@ -686,7 +670,9 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         named_parameters: ``model.named_parameters()``, to name the allreduces.
         compression: ``Compression.none`` or ``Compression.fp16`` for the wire.
         backward_passes_per_step: backward passes accumulated locally per step.
-        op: ``Average`` (default) or ``Sum`` (``Adasum`` is not supported yet).
+        op: ``Average`` (default), ``Sum``, or ``Adasum``: each rank then steps on its
+            own gradients and the weight changes combine by Adasum
+            (:mod:`perseus.torch.horovod.adasum`; not with AMP O2's masters).
         gradient_predivide_factor: with ``Average``, divide gradients by this factor
             before the sum and by ``size / factor`` after it.
         num_groups: deprecated, use ``groups``.
@@ -715,10 +701,37 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
             groups = None
 
     base = optimizer.__class__
+    if op == Adasum:
+        return _adasum_optimizer(optimizer, named_parameters, compression,
+                                 backward_passes_per_step, process_set)
     cls = type(base.__name__, (_DistributedOptimizer, base), {"__module__": __name__})
     wrapped = cls(optimizer.param_groups, named_parameters, compression,
                   backward_passes_per_step, op, gradient_predivide_factor, groups,
                   sparse_as_dense, process_set)
+    wrapped.defaults = optimizer.defaults
+    wrapped.state.update(optimizer.state)
+    return wrapped
+
+
+def _adasum_optimizer(optimizer, named_parameters, compression, backward_passes_per_step,
+                      process_set):
+    """``DistributedOptimizer(op=Adasum)``, after refusing what it cannot go with."""
+    refused = None
+    seed_000 = _dgc.Settings.from_env()
+    if _amp.is_decorated(optimizer):
+        refused = "an optimizer under aiak_amp_decorate (AMP O2): its masters are not the " \
+                  "model's weights"
+    elif seed_000.on:
+        refused = "PERSEUS_DGC=1: DGC compresses gradients, Adasum combines weight changes"
+    elif seed_000.overlap:
+        refused = "PERSEUS_OVERLAP_BACKWARD_AND_STEP=1: the Adasum step reduces weight " \
+                  "changes after the local step"
+    if refused:
+        raise ValueError(f"DistributedOptimizer(op=Adasum) does not go with {refused}")
+    base = optimizer.__class__
+    cls = type(base.__name__, (_DistributedAdasumOptimizer, base), {"__module__": __name__})
+    wrapped = cls(optimizer.param_groups, named_parameters, compression,
+                  backward_passes_per_step, process_set)
     wrapped.defaults = optimizer.defaults
     wrapped.state.update(optimizer.state)
     return wrapped

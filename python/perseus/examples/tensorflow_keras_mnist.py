@@ -1,6 +1,6 @@
 """Keras training with Perseus' Horovod API: model.fit on every rank, one import changed.
 
-    perseusrun -np 2 python examples/tensorflow2_keras_mnist.py --epochs 3
+    perseusrun -np 2 python examples/tensorflow_keras_mnist.py --epochs 3
 
 A small CNN on the synthetic MNIST-like set of synthetic_mnist.py. Each rank takes
 its shard of the training set; DistributedOptimizer averages the gradients; the

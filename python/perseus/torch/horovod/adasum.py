@@ -1,0 +1,106 @@
+"""``DistributedOptimizer(op=Adasum)``: each rank steps on its own gradients, then the
+ranks' weight changes combine by Adasum (Horovod's delta optimizer).
+
+One step, for every parameter ``w`` that requires a gradient::
+
+    start = w                 # the same on every rank
+    w = wrapped_step(w, g)    # the wrapped optimizer, on this rank's gradient only
+    w = start + Adasum(w - start)
+
+Adasum (``allreduce(op=Adasum)``, docs/core-api.md) adds orthogonal changes and averages
+parallel ones, so the learning rate is the one of a single rank. The optimizer's own
+state (momentum, Adam's moments) stays each rank's own, as under Horovod.
+
+Unlike Horovod, which steps each parameter from its gradient hook with the other
+parameters hidden from the optimizer, the wrapped optimizer takes one whole step in
+``step()``: optimizers that look at all parameters at once (a global norm) keep their
+meaning. The weight changes go out together there, fused by the core.
+"""
+
+import warnings
+from contextlib import contextmanager
+
+import torch
+
+from perseus.common.basics import config as _config
+from perseus.common.gradients import Switches
+from perseus.common.ops import Adasum
+from perseus.common.process_sets import global_process_set
+from perseus.torch.horovod.mpi_ops import allreduce_async_, synchronize
+from perseus.torch.horovod.parameter_names import parameter_names
+
+
+def unapplied_switches(switches):
+    """The PERSEUS_* gradient switches that are set but act on gradient allreduces, which
+    the Adasum optimizer does not make (it reduces weight changes)."""
+    return [var for var, on in (
+        ("PERSEUS_ACCUMULATE_N_STEPS", switches.accumulate > 1),
+        ("PERSEUS_ALLREDUCE_NANCHECK", switches.nancheck),
+        ("PERSEUS_DOWNSAMPLE_N_ELEMENTS", switches.downsample_n > 1),
+        ("PERSEUS_PERF_CHECK_N_STEPS", switches.perf_every > 0),
+    ) if on]
+
+
+class _DistributedAdasumOptimizer:
+    """Mixed into the wrapped optimizer's class for ``op=Adasum`` (see the module)."""
+
+    def __init__(self, params, named_parameters, compression, backward_passes_per_step=1,
+                 process_set=global_process_set):
+        super().__init__(params)
+        self._parameter_names = parameter_names(self.param_groups, named_parameters)
+        self._compression = compression
+        self.backward_passes_per_step = backward_passes_per_step
+        self.op = Adasum
+        self.process_set = process_set
+        # Each parameter's value before the local step, kept between steps (no allocation
+        # per step).
+        self._starts = {}
+        unapplied = unapplied_switches(Switches(_config()))
+        if unapplied:
+            warnings.warn(f"{', '.join(unapplied)} act on gradient allreduces: "
+                          "DistributedOptimizer(op=Adasum) reduces weight changes and trains "
+                          "without them", RuntimeWarning, stacklevel=3)
+
+    def set_backward_passes_per_step(self, passes):
+        """Backward passes accumulated locally per step (gradients add up in ``.grad``
+        until ``step()``)."""
+        self.backward_passes_per_step = passes
+
+    def synchronize(self):
+        """Nothing to wait for: the weight changes are reduced inside ``step()``."""
+
+    @contextmanager
+    def skip_synchronize(self):
+        raise AssertionError("Skipping synchronization is not supported when using the "
+                             "Adasum optimizer: its step() reduces the weight changes")
+        yield  # pragma: no cover
+
+    def _trainable(self):
+        return [p for group in self.param_groups for p in group["params"] if p.requires_grad]
+
+    def step(self, closure=None):
+        """The wrapped optimizer's step on this rank's gradients, then the weights of every
+        rank set to the start plus the Adasum of the ranks' changes."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        params = self._trainable()
+        with torch.no_grad():
+            for p in params:
+                start = self._starts.get(p)
+                if start is None or start.shape != p.shape or start.dtype != p.dtype:
+                    self._starts[p] = start = torch.empty_like(p)
+                start.copy_(p)
+            super().step()
+            pending = []
+            for p in params:
+                delta = p.sub(self._starts[p])
+                wire, ctx = self._compression.compress(delta)
+                handle = allreduce_async_(wire, name=f"adasum.{self._parameter_names[p]}",
+                                          op=Adasum, process_set=self.process_set)
+                pending.append((p, handle, ctx))
+            for p, handle, ctx in pending:
+                combined = self._compression.decompress(synchronize(handle), ctx)
+                p.copy_(self._starts[p].add_(combined.to(p.dtype)))
+        return loss

@@ -1,0 +1,82 @@
+"""The wheel as a user installs it: built by maturin, installed into a bare directory, it
+imports without the repository, carries `perseusrun` and the example scripts in
+`perseus/examples/` (seed 003 §2.1.2: "the package path contains example code"), and an
+example runs from there on 2 ranks."""
+
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "python" / "perseus" / "examples"
+
+# The seed's command for finding the examples of the installed package.
+SEED_CD = ('cd `echo $(python -c "import perseus; print(perseus)") | cut -d\\\' -f 4 '
+           '| sed "s/__init__.py//"`examples/ && pwd')
+
+
+def _run(cmd, **kwargs):
+    """``cmd`` run to its end, its output captured as text; the caller checks the status."""
+    return subprocess.run(cmd, check=False, capture_output=True, text=True, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory):
+    """A wheel built from this checkout with the cargo target directory the suite shares
+    (scripts/test.sh exports it), so only the crate itself is compiled again."""
+    if shutil.which("cargo") is None:
+        pytest.skip("no cargo: cannot build the wheel")
+    out = tmp_path_factory.mktemp("wheel")
+    env = dict(os.environ)
+    cache = Path(os.environ.get("PERSEUS_CACHE", Path.home() / ".cache" / "perseus"))
+    env.setdefault("CARGO_TARGET_DIR", str(cache / "target"))
+    proc = _run([sys.executable, "-m", "maturin", "build", "--release", "--out", str(out)],
+                cwd=ROOT, env=env, timeout=1500)
+    assert proc.returncode == 0, f"maturin build failed\n{proc.stdout}\n{proc.stderr}"
+    wheels = list(out.glob("perseus-*.whl"))
+    assert len(wheels) == 1, wheels
+    return wheels[0]
+
+
+def test_the_wheel_carries_the_core_the_launcher_and_every_example(wheel):
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert "perseus/_core.abi3.so" in names
+    shipped = {n.split("/", 2)[2] for n in names
+               if n.startswith("perseus/examples/") and "__pycache__" not in n}
+    in_tree = {p.name for p in EXAMPLES.iterdir() if p.suffix in (".py", ".md")}
+    assert "pytorch_ddp_benchmark.py" in in_tree and "tensorflow_keras_mnist.py" in in_tree
+    assert shipped == in_tree
+    entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
+    text = zipfile.ZipFile(wheel).read(entry_points).decode().replace(" ", "")
+    assert "perseusrun=perseus.runner.launch:main" in text
+
+
+def test_the_installed_wheel_runs_an_example_from_its_own_directory(wheel, tmp_path):
+    site = tmp_path / "site"
+    proc = _run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
+                 "--disable-pip-version-check", "--target", str(site), str(wheel)], timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    # Only the installed copy: no PYTHONPATH into the repository, a directory outside it.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(site)
+    env["PATH"] = f"{site / 'bin'}:{Path(sys.executable).parent}:{env.get('PATH', '')}"
+    found = _run(["bash", "-c", SEED_CD], cwd=tmp_path, env=env, timeout=120)
+    assert found.returncode == 0, found.stderr
+    where = Path(found.stdout.strip())
+    assert where == site / "perseus" / "examples"
+    launcher = site / "bin" / "perseusrun"
+    assert launcher.exists()
+    run = _run([str(launcher), "-np", "2", "-H", "localhost:2", sys.executable,
+                "pytorch_mnist.py", "--epochs", "1", "--train-size", "512", "--test-size", "256"],
+               cwd=where, env=env, timeout=240)
+    assert run.returncode == 0, f"{run.stdout}\n{run.stderr}"
+    assert "[0]<stdout>:final loss" in run.stdout, run.stdout
+    # Both ranks ran the installed core, not the repository's.
+    probe = _run([sys.executable, "-c", "import perseus._core as c; print(c.__file__)"],
+                 cwd=tmp_path, env=env, timeout=60)
+    assert probe.stdout.strip().startswith(str(site)), probe
