@@ -7,10 +7,12 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import zipfile
 from pathlib import Path
 
 import pytest
+from _launch_helpers import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "python" / "perseus" / "examples"
@@ -80,3 +82,58 @@ def test_the_installed_wheel_runs_an_example_from_its_own_directory(wheel, tmp_p
     probe = _run([sys.executable, "-c", "import perseus._core as c; print(c.__file__)"],
                  cwd=tmp_path, env=env, timeout=60)
     assert probe.stdout.strip().startswith(str(site)), probe
+
+
+PLAIN_DDP = """\
+import os, sys
+import torch
+import torch.distributed as dist
+from torch import nn
+
+dist.init_process_group("gloo")
+model = nn.parallel.DistributedDataParallel(nn.Linear(4, 2))
+model(torch.ones(3, 4)).sum().backward()
+hooked = "perseus" in sys.modules and sys.modules["perseus.ddp"].hooked(model)
+print(f"rank {dist.get_rank()}: perseus imported {'perseus' in sys.modules}, "
+      f"gradients through perseus {hooked}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_seed_001s_variables_alone_bring_perseus_into_a_plain_ddp_script(wheel, tmp_path):
+    """Seed 001: its variables act "without modifying the code". The wheel's
+    perseus_aiak_activation.pth imports perseus at start-up when one is set (and only
+    then), so a DDP script that never names perseus reduces through it."""
+    venv = tmp_path / "venv"
+    made = _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], timeout=120)
+    assert made.returncode == 0, made.stderr
+    python = venv / "bin" / "python"
+    where = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    purelib = Path(_run([str(python), "-c", where], timeout=60).stdout.strip())
+    proc = _run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
+                 "--disable-pip-version-check", "--target", str(purelib), str(wheel)],
+                timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert (purelib / "perseus_aiak_activation.pth").exists()
+    # torch from the suite's environment, after the wheel's own .pth ran
+    (purelib / "zz-test-torch.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    env = {k: v for k, v in os.environ.items()
+           if k != "PYTHONPATH" and not k.startswith(("AIAK_", "PERSEUS_"))}
+    probe = "import sys; print('perseus' in sys.modules)"
+    for value, imported in (("1", "True"), ("0", "False"), (None, "False")):
+        extra = {} if value is None else {"AIAK_FP16_COMPRESSION": value}
+        out = _run([str(python), "-c", probe], env={**env, **extra}, cwd=tmp_path, timeout=60)
+        assert out.stdout.strip() == imported, (value, out.stdout, out.stderr)
+    script = tmp_path / "plain_ddp.py"
+    script.write_text(PLAIN_DDP)
+    for var in ("AIAK_FP16_COMPRESSION", "AIAK_HIERARCHICAL_ALLREDUCE", None):
+        extra = {} if var is None else {var: "1"}
+        run = _run([str(python), "-W", "ignore::FutureWarning", "-m", "torch.distributed.run",
+                    "--nproc_per_node", "2", "--master_port", str(free_port()), str(script)],
+                   env={**env, **extra, "OMP_NUM_THREADS": "1"}, cwd=tmp_path, timeout=120)
+        assert run.returncode == 0, f"{var}\n{run.stdout}\n{run.stderr}"
+        on = "True" if var else "False"
+        for r in (0, 1):
+            assert f"rank {r}: perseus imported {on}, gradients through perseus {on}" \
+                in run.stdout, (var, run.stdout, run.stderr)
+
