@@ -7,7 +7,7 @@ import statistics
 import sys
 import warnings
 
-from perseus.common.basics import local_rank
+from perseus.common.basics import config, local_rank
 from perseus.common.objects import allgather_object
 from perseus.common.ops import Average
 
@@ -77,6 +77,25 @@ class Switches:
         if self.fusion < 0:
             return None
         return 0 if self.fusion == 0 else -(-gradient_bytes // self.fusion)
+
+
+def warn_adasum_unapplied(stacklevel=3, cfg=None):
+    """Warn about the PERSEUS_* gradient switches that are set (in ``cfg``, default the
+    engine's configuration) but act on gradient allreduces, which a
+    DistributedOptimizer(op=Adasum) does not make (it reduces weight changes). Returns the
+    variables warned about."""
+    switches = Switches(config() if cfg is None else cfg)
+    unapplied = [var for var, on in (
+        ("PERSEUS_ACCUMULATE_N_STEPS", switches.accumulate > 1),
+        ("PERSEUS_ALLREDUCE_NANCHECK", switches.nancheck),
+        ("PERSEUS_DOWNSAMPLE_N_ELEMENTS", switches.downsample_n > 1),
+        ("PERSEUS_PERF_CHECK_N_STEPS", switches.perf_every > 0),
+    ) if on]
+    if unapplied:
+        warnings.warn(f"{', '.join(unapplied)} act on gradient allreduces: "
+                      "DistributedOptimizer(op=Adasum) reduces weight changes and trains "
+                      "without them", RuntimeWarning, stacklevel=stacklevel)
+    return unapplied
 
 
 def scale_factors(op, gradient_predivide_factor, local=1.0):

@@ -109,7 +109,7 @@ def partial_tape(r, n):
 def adasum_gradients(r, n):
     """DistributedGradientTape(op=Adasum) and a Keras DistributedOptimizer(op=Adasum):
     each gradient becomes the Adasum of the ranks' gradients (Horovod's TF behaviour),
-    eagerly and in a tf.function; the tf.compat.v1 optimizer refuses it."""
+    eagerly and in a tf.function."""
     model, _, _ = two_layer_model(3)
     x, y = rank_batch(r)
     everyone = hvd.allgather_object([g.numpy() for g in local_grads(model, x, y)])
@@ -134,10 +134,97 @@ def adasum_gradients(r, n):
     opt.apply(local_grads(model, x, y), model.trainable_variables)
     for v, b, w in zip(model.trainable_variables, before, want):
         close(v, b - lr * w, f"Adasum Keras step {v.path}", 1e-5, 1e-6)
-    with raises(NotImplementedError, "tf.compat.v1.train optimizer is not supported",
-                "DistributedGradientTape(op=hvd.Adasum)", what="v1 optimizer Adasum"):
+
+
+# Horovod's delta optimizer: rank k's gradient of w is the constant ADASUM_GRADS(k)[i].
+ADASUM_SHAPES = ((3,), (2, 2))
+
+
+def adasum_grads(k):
+    rng = np.random.RandomState(60 + k)
+    return [rng.randn(*shape).astype(np.float32) for shape in ADASUM_SHAPES]
+
+
+class DeltaReplay:
+    """Every rank's local steps (SGD with ``momentum``, TensorFlow's rule: accum = mu *
+    accum + g, w -= lr * accum) replayed in NumPy; every ``passes``-th step the weight
+    changes since the cycle's start combine by the Adasum rule."""
+
+    def __init__(self, n, start, lr, momentum, passes):
+        self.n, self.lr, self.mu, self.passes = n, lr, momentum, passes
+        self.start = [np.array(w, np.float64) for w in start]
+        self.w = [[w.copy() for w in self.start] for _ in range(n)]
+        self.acc = [[np.zeros_like(w) for w in self.start] for _ in range(n)]
+        self.calls = 0
+
+    def step(self):
+        for k in range(self.n):
+            for i, g in enumerate(adasum_grads(k)):
+                self.acc[k][i] = self.mu * self.acc[k][i] + g
+                self.w[k][i] = self.w[k][i] - self.lr * self.acc[k][i]
+        self.calls += 1
+        if self.calls % self.passes == 0:
+            for i, s in enumerate(self.start):
+                s += adasum_reference([self.w[k][i] - s for k in range(self.n)]).reshape(s.shape)
+            self.w = [[s.copy() for s in self.start] for _ in range(self.n)]
+
+
+def adasum_legacy_session(r, n):
+    """A tf.compat.v1 optimizer under op=Adasum in a session: Momentum, 2 local steps per
+    combination, over 2 cycles; the weights in between are each rank's own."""
+    graph = tf.Graph()
+    init = [np.arange(3, dtype=np.float32), np.ones((2, 2), np.float32)]
+    with graph.as_default():
+        ws = [tf.compat.v1.get_variable(f"w{i}", initializer=tf.constant(v))
+              for i, v in enumerate(init)]
+        loss = tf.add_n([tf.reduce_sum(w * g) for w, g in zip(ws, adasum_grads(r))])
+        opt = hvd.DistributedOptimizer(tf.compat.v1.train.MomentumOptimizer(0.1, 0.9),
+                                       op=hvd.Adasum, backward_passes_per_step=2)
+        train = opt.minimize(loss)
+        replay = DeltaReplay(n, init, 0.1, 0.9, 2)
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            for step in range(1, 5):
+                sess.run(train)
+                replay.step()
+                got = sess.run(ws)
+                for i, (g, w) in enumerate(zip(got, replay.w[r])):
+                    close(g, w, f"v1 Adasum session, step {step}, w{i}", 1e-5, 1e-6)
+    everyone = hvd.allgather_object([g.tobytes() for g in got])
+    assert all(e == everyone[0] for e in everyone), "the combined weights differ in bits"
+    # The ranks' changes are not parallel: Adasum is neither their sum nor their mean.
+    start = [np.array(v, np.float64) for v in init]
+    changes = [-0.1 * (1 + 0.9 + 1) * adasum_grads(k)[0] for k in range(n)]
+    assert not np.allclose(got[0], start[0] + np.mean(changes, axis=0), rtol=1e-3)
+    assert not np.allclose(got[0], start[0] + np.sum(changes, axis=0), rtol=1e-3)
+
+
+def adasum_legacy_eager(r, n):
+    """The same optimizer eagerly and in a tf.function (one combination per step), and on
+    the float16 wire; average_aggregated_gradients is refused."""
+    for mode, wire, tol in (("eager", hvd.Compression.none, 1e-5),
+                            ("tf.function", hvd.Compression.none, 1e-5),
+                            ("eager, fp16 wire", hvd.Compression.fp16, 2e-3)):
+        init = [np.full(shape, 0.5, np.float32) for shape in ADASUM_SHAPES]
+        ws = [tf.Variable(v) for v in init]
+        opt = hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.2),
+                                       op=hvd.Adasum, compression=wire)
+
+        def step(opt=opt, ws=ws):
+            opt.apply_gradients(zip([tf.constant(g) for g in adasum_grads(r)], ws))
+
+        run = tf.function(step) if mode == "tf.function" else step
+        replay = DeltaReplay(n, init, 0.2, 0.0, 1)
+        for i in range(2):
+            run()
+            replay.step()
+            for j, (v, w) in enumerate(zip(ws, replay.w[r])):
+                close(v, w, f"v1 Adasum {mode}, step {i + 1}, w{j}", tol, tol)
+    with raises(ValueError, "average_aggregated_gradients=True",
+                what="Adasum with averaged passes"):
         hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1),
-                                 op=hvd.Adasum)
+                                 op=hvd.Adasum, backward_passes_per_step=2,
+                                 average_aggregated_gradients=True)
 
 
 def register_local_var_keras(r, n):
@@ -308,6 +395,8 @@ def main():
     register_local_var_keras(r, n)
     register_local_var_legacy(r, n)
     adasum_gradients(r, n)
+    adasum_legacy_session(r, n)
+    adasum_legacy_eager(r, n)
     sync_batch_norm_stats(r, n)
     sync_batch_norm_training_step(r, n)
     sync_batch_norm_arguments()

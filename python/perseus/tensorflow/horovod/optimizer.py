@@ -8,12 +8,14 @@ from perseus.common.basics import generation
 from perseus.common.gradients import check_optimizer_args
 from perseus.common.ops import Adasum, Average
 from perseus.common.process_sets import global_process_set
+from perseus.tensorflow.horovod.adasum import DistributedAdasumLegacyOptimizer
 from perseus.tensorflow.horovod.compression import Compression
 from perseus.tensorflow.horovod.gradients import (
     GradientReducer,
     LocalVariables,
     reduce_except_local,
 )
+from perseus.tensorflow.horovod.legacy import WrappedLegacyOptimizer
 
 _LegacyOptimizer = tf.compat.v1.train.Optimizer
 
@@ -107,13 +109,26 @@ class LocalAggregation:
         return tf.cond(self._is_step, do, tf.no_op)
 
 
-class _DistributedLegacyOptimizer(_LegacyOptimizer):
+def _adasum_legacy(optimizer, name, use_locking, compression, backward_passes_per_step,
+                   average_aggregated_gradients, process_set):
+    """The delta optimizer of a ``tf.compat.v1`` optimizer under ``op=Adasum``."""
+    if average_aggregated_gradients:
+        raise ValueError("DistributedOptimizer(op=Adasum) does not take "
+                         "average_aggregated_gradients=True: its backward passes are local "
+                         "steps, whose weight changes add up")
+    passes = int(backward_passes_per_step)
+    if passes < 1:
+        raise ValueError(f"backward_passes_per_step must be >= 1, got {passes}")
+    return DistributedAdasumLegacyOptimizer(optimizer, name, use_locking, compression, passes,
+                                            process_set)
+
+
+class _DistributedLegacyOptimizer(WrappedLegacyOptimizer):
     """A ``tf.compat.v1.train.Optimizer`` whose ``compute_gradients`` averages across ranks."""
 
     def __init__(self, optimizer, name, use_locking, reducer, aggregation, scale_local):
         name = name or f"Distributed{type(optimizer).__name__}"
-        super().__init__(name=name, use_locking=use_locking)
-        self._optimizer = optimizer
+        super().__init__(optimizer, name, use_locking)
         self._reducer = reducer
         self._aggregation = aggregation
         self._local_vars = LocalVariables()
@@ -145,18 +160,6 @@ class _DistributedLegacyOptimizer(_LegacyOptimizer):
             return self._optimizer.apply_gradients(*args, **kwargs)
         return self._aggregation.apply(lambda: self._optimizer.apply_gradients(*args, **kwargs))
 
-    def get_slot(self, *args, **kwargs):
-        """The wrapped optimizer's slot."""
-        return self._optimizer.get_slot(*args, **kwargs)
-
-    def get_slot_names(self, *args, **kwargs):
-        """The wrapped optimizer's slot names."""
-        return self._optimizer.get_slot_names(*args, **kwargs)
-
-    def variables(self, *args, **kwargs):
-        """The wrapped optimizer's variables."""
-        return self._optimizer.variables(*args, **kwargs)
-
 
 def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="",
                          device_sparse="", compression=Compression.none, sparse_as_dense=False,
@@ -175,9 +178,10 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
         backward_passes_per_step: gradients of that many calls are summed locally
             (averaged with ``average_aggregated_gradients``) and reduced once.
             ``PERSEUS_ACCUMULATE_N_STEPS`` sets it (averaging) when left at 1.
-        op: ``Average`` (default), ``Sum``, or ``Adasum`` (the gradients combined by
-            Adasum, as Horovod's Keras optimizer does; not for a ``tf.compat.v1``
-            optimizer, whose Horovod version combines weight changes instead).
+        op: ``Average`` (default), ``Sum``, or ``Adasum``. With a Keras optimizer,
+            Adasum combines the gradients; with a ``tf.compat.v1`` optimizer, as in
+            Horovod, each rank steps locally and the weight changes are combined every
+            ``backward_passes_per_step`` steps (perseus.tensorflow.horovod.adasum).
         gradient_predivide_factor: with ``Average``, divide by this factor before the
             sum and by ``size / factor`` after it.
         num_groups, groups: accepted for compatibility: every gradient of a step is
@@ -198,11 +202,9 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
             average_aggregated_gradients=average_aggregated_gradients, groups=groups,
             process_set=process_set, scale_local_gradients=scale_local_gradients)
     if op == Adasum:
-        raise NotImplementedError(
-            "DistributedOptimizer(op=Adasum) of a tf.compat.v1.train optimizer is not "
-            "supported: Horovod's steps each rank locally and combines the weight changes. "
-            "DistributedGradientTape(op=hvd.Adasum) and a Keras optimizer's "
-            "DistributedOptimizer(op=hvd.Adasum) combine the gradients by Adasum")
+        return _adasum_legacy(optimizer, name, use_locking, compression,
+                              backward_passes_per_step, average_aggregated_gradients,
+                              process_set)
     reducer = GradientReducer("DistributedOptimizer", compression, op, gradient_predivide_factor,
                               sparse_as_dense, process_set)
     passes, average = passes_per_step(backward_passes_per_step, average_aggregated_gradients)

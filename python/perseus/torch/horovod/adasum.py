@@ -17,28 +17,15 @@ parameters hidden from the optimizer, the wrapped optimizer takes one whole step
 meaning. The weight changes go out together there, fused by the core.
 """
 
-import warnings
 from contextlib import contextmanager
 
 import torch
 
-from perseus.common.basics import config as _config
-from perseus.common.gradients import Switches
+from perseus.common.gradients import warn_adasum_unapplied
 from perseus.common.ops import Adasum
 from perseus.common.process_sets import global_process_set
 from perseus.torch.horovod.mpi_ops import allreduce_async_, synchronize
 from perseus.torch.horovod.parameter_names import parameter_names
-
-
-def unapplied_switches(switches):
-    """The PERSEUS_* gradient switches that are set but act on gradient allreduces, which
-    the Adasum optimizer does not make (it reduces weight changes)."""
-    return [var for var, on in (
-        ("PERSEUS_ACCUMULATE_N_STEPS", switches.accumulate > 1),
-        ("PERSEUS_ALLREDUCE_NANCHECK", switches.nancheck),
-        ("PERSEUS_DOWNSAMPLE_N_ELEMENTS", switches.downsample_n > 1),
-        ("PERSEUS_PERF_CHECK_N_STEPS", switches.perf_every > 0),
-    ) if on]
 
 
 class _DistributedAdasumOptimizer:
@@ -55,11 +42,7 @@ class _DistributedAdasumOptimizer:
         # Each parameter's value before the local step, kept between steps (no allocation
         # per step).
         self._starts = {}
-        unapplied = unapplied_switches(Switches(_config()))
-        if unapplied:
-            warnings.warn(f"{', '.join(unapplied)} act on gradient allreduces: "
-                          "DistributedOptimizer(op=Adasum) reduces weight changes and trains "
-                          "without them", RuntimeWarning, stacklevel=3)
+        warn_adasum_unapplied(stacklevel=4)
 
     def set_backward_passes_per_step(self, passes):
         """Backward passes accumulated locally per step (gradients add up in ``.grad``
