@@ -1,4 +1,9 @@
-"""PERSEUS_OFFLINE_NEG through perseusrun, 2 and 3 ranks, shared memory and TCP."""
+"""PERSEUS_OFFLINE_NEG through perseusrun, 2 and 3 ranks, shared memory and TCP; and
+training-like steps through every negotiation path (the coordinator, the response cache,
+the offline schedule, no fusion, streams and the hierarchy across loopback hosts)."""
+
+import json
+import re
 
 import pytest
 
@@ -10,3 +15,42 @@ pytest.importorskip("torch")
 def test_offline_negotiation(run_workers, n, shm):
     """Steps run offline once stable; every change falls back with correct results."""
     run_workers(n, "offline.py", env={"PERSEUS_OFFLINE_NEG": "1", "PERSEUS_SHM": shm})
+
+
+_COUNTERS = re.compile(r"rank (\d+): (\d+) steps checked; events .*; counters (\{.*\})")
+
+# (ranks, hosts, environment, steps, what the counters must show). Rank 0 sends no
+# requests (its coordinator is in its engine), so its cache_hits stay 0.
+_STEP_CONFIGS = {
+    "negotiated": (3, None, {}, 80, lambda c: c["cache_hits"] > 0 or c["rank"] == 0),
+    "offline": (3, None, {"PERSEUS_OFFLINE_NEG": "1"}, 80,
+                lambda c: c["negotiations_skipped"] > 0),
+    "no-cache-no-fusion": (3, None, {"PERSEUS_OFFLINE_NEG": "1", "HOROVOD_CACHE_CAPACITY": "0",
+                                     "HOROVOD_FUSION_THRESHOLD": "0"}, 80,
+                           lambda c: c["negotiations_skipped"] > 0 and c["cache_hits"] == 0
+                           and c["fused_buffers"] == 0),
+    "streams-across-hosts": (2, "127.0.0.1:1,127.0.0.2:1",
+                             {"PERSEUS_OFFLINE_NEG": "1", "PERSEUS_ALLREDUCE_STREAMS": "2"}, 80,
+                             lambda c: c["bytes_extra_streams"] > 0
+                             and c["negotiations_skipped"] > 0),
+    "hierarchical": (4, "127.0.0.1:2,127.0.0.2:2",
+                     {"PERSEUS_OFFLINE_NEG": "1", "HOROVOD_HIERARCHICAL_ALLREDUCE": "1"}, 30,
+                     lambda c: c["bytes_inter_host"] > 0 and c["bytes_intra_host"] > 0),
+}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("config", list(_STEP_CONFIGS))
+def test_training_like_steps_through_every_negotiation_path(run_workers, config):
+    """Repeated steps of stable names (the response cache, the offline schedule) broken by
+    irregular steps (an extra, missing or reshaped tensor, a barrier, a broadcast, an
+    allgather, a process set), submitted in a different order on every rank: every result
+    is checked on every rank, and the counters show that the path under test ran."""
+    n, hosts, env, steps, shows = _STEP_CONFIGS[config]
+    args = [str(steps)] + (["--striped"] if config == "streams-across-hosts" else [])
+    out = run_workers(n, "steps_soak.py", *args, env=env, hosts=hosts, timeout=220)
+    found = {int(m[1]): (int(m[2]), json.loads(m[3])) for m in _COUNTERS.finditer(out)}
+    assert sorted(found) == list(range(n)), out
+    for rank, (checked, counters) in found.items():
+        assert checked == steps, out
+        assert shows(dict(counters, rank=rank)), f"rank {rank} under {config}: {counters}"
