@@ -3,8 +3,9 @@
 Import a front-end to train: ``import perseus.torch.horovod as hvd`` (PyTorch).
 ``import perseus`` alone makes torch's DistributedDataParallel reduce its gradients
 through Perseus once torch is imported (perseus.ddp, docs/ddp.md; ``PERSEUS_DDP=0``
-turns that off). This package itself imports nothing heavy: no framework and not
-the native core.
+turns that off). ``perseus.run(func, np=...)`` runs a function as a job (Horovod's
+``horovod.run``, docs/launching.md). This package itself imports nothing heavy: no
+framework and not the native core.
 """
 
 from perseus import _autopatch
@@ -12,3 +13,12 @@ from perseus import _autopatch
 __version__ = "0.1.0"
 
 _autopatch.install()
+
+
+def __getattr__(name):
+    # perseus.run (Horovod's horovod.run) loads the launcher only when asked for.
+    if name == "run":
+        from perseus.runner.run_function import run
+
+        return run
+    raise AttributeError(f"module 'perseus' has no attribute {name!r}")

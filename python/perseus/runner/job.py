@@ -284,6 +284,8 @@ class Job(Launcher):
         self.grace = grace
         self._lock = threading.Lock()
         self._events = queue.Queue()
+        #: (rank, how it ended) of the rank whose failure stopped the job, else None.
+        self.failed = None
 
     def _run(self):
         if self.output_dir:
@@ -316,6 +318,7 @@ class Job(Launcher):
             running -= 1
             finished.add(rank.slot.rank)
             if code != 0:
+                self.failed = (rank.slot.rank, describe_status(code))
                 self._say(f"rank {rank.slot.rank} (host {rank.slot.hostname}) failed with "
                           f"{describe_status(code)}; stopping the other ranks")
                 return exit_status(code)

@@ -411,11 +411,18 @@ def checkin_source(server):
     return lambda: _job.checked_in_ranks(keys())
 
 
-def run_gloo(args, slots, local_names):
+def run_gloo(args, slots, local_names, exchange=None):
+    """Runs the job with perseusrun's own launcher; returns its exit status.
+
+    ``exchange`` (perseus.run): called with the rendezvous server before any rank
+    starts; what it returns is called with the exit status and the job's first failure
+    (``Job.failed``) once every rank is done, while the server still holds what the
+    ranks published."""
     secret = secrets.token_hex(16)
     addr = rendezvous_address(args, sorted({s.hostname for s in slots}), local_names)
     server = start_rendezvous(secret)
     try:
+        collect = exchange(server) if exchange else None
         env = job_env(args, addr, server.port)
         ranks = make_ranks(args, slots, env, secret, local_names)
         if args.verbose:
@@ -425,9 +432,12 @@ def run_gloo(args, slots, local_names):
                       f"{s.local_size}, cross {s.cross_rank}/{s.cross_size}): "
                       f"{shlex.join(r.argv)}", file=sys.stderr)
             print(f"perseusrun: rendezvous at {addr}:{server.port}", file=sys.stderr)
-        return _job.Job(ranks, output_dir=args.output_filename,
-                        checked_in=checkin_source(server),
-                        start_timeout=args.start_timeout).run()
+        job = _job.Job(ranks, output_dir=args.output_filename,
+                       checked_in=checkin_source(server), start_timeout=args.start_timeout)
+        status = job.run()
+        if collect:
+            collect(status, job.failed)
+        return status
     finally:
         server.stop()
 

@@ -9,7 +9,7 @@ left out, a changed shape, a barrier, a broadcast, an allgather, or allreduces o
 process set (alone or beside the step's). The values are small integers, so sums are
 exact and every result is compared bit for bit (averages within one rounding).
 
-Usage: steps_soak.py STEPS [--striped]; prints the engine's counters at the end.
+Usage: steps_soak.py STEPS [--striped] [--seed N]; prints the engine's counters at the end.
 """
 
 import json
@@ -119,7 +119,8 @@ def check(what, got, want, step, r):
 
 
 def main():
-    steps, seed = int(sys.argv[1]), 3
+    steps = int(sys.argv[1])
+    seed = int(sys.argv[sys.argv.index("--seed") + 1]) if "--seed" in sys.argv else 3
     if "--striped" in sys.argv:
         MODEL.update(STRIPED)
     os.environ["PERSEUS_CHANGE_HVD_ALLGATHER"] = "1"  # the allgather's rows differ by rank

@@ -1,0 +1,78 @@
+"""perseus.run (Horovod's horovod.run): a Python function run on every rank of a job
+that perseusrun's launcher starts, its results back by rank, failures named."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from _launch_helpers import clean_env
+
+pytest.importorskip("torch")
+
+DRIVER = Path(__file__).parent / "workers" / "run_function_driver.py"
+
+
+def drive(mode, timeout=120):
+    """Runs the driver script in MODE; returns (what it printed after RUN-RESULT, all
+    its output)."""
+    proc = subprocess.run([sys.executable, str(DRIVER), mode], env=clean_env(),
+                          capture_output=True, text=True, timeout=timeout, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RUN-RESULT "))
+    return json.loads(line[len("RUN-RESULT "):]), out
+
+
+@pytest.mark.timeout(150)
+def test_results_come_back_by_rank_from_functions_of_the_main_script():
+    got, out = drive("results")
+    # 3 ranks on two loopback hosts (1 + 2); each summed rank + 1 over the job: 6 * 2 + 1.
+    # Cross ranks count the ranks of one local rank: rank 2 is the only local rank 1.
+    assert [(g["rank"], g["size"], g["local_rank"], g["cross_rank"], g["value"])
+            for g in got] == [(0, 3, 0, 0, 13.0), (1, 3, 0, 1, 13.0), (2, 3, 1, 0, 13.0)], out
+    assert len({g["pid"] for g in got}) == 3, got
+
+
+@pytest.mark.timeout(150)
+def test_a_module_function_runs_in_processes_of_its_own():
+    (driver, *ranks), out = drive("pids")
+    assert len(ranks) == 2 and len({driver, *ranks}) == 3, out
+
+
+@pytest.mark.timeout(150)
+def test_a_rank_that_raises_fails_the_run_with_its_traceback():
+    message, _ = drive("raises")
+    assert message.startswith("RuntimeError: perseus.run: the job failed (exit status 1): "
+                              "rank 1 failed first, with exit code 1\nrank 1 raised:\n"
+                              "Traceback"), message
+    assert 'in fails_on_rank_1\n    raise ValueError("rank 1 cannot go on")\n' \
+        'ValueError: rank 1 cannot go on\n' in message, message
+    assert message.endswith("\nrank 0 returned nothing: stopped with the job before it "
+                            "finished"), message
+
+
+@pytest.mark.timeout(150)
+def test_a_rank_that_dies_is_named():
+    message, _ = drive("exits")
+    assert message == ("RuntimeError: perseus.run: the job failed (exit status 3): rank 2 "
+                       "failed first, with exit code 3, before it reported\nranks 0, 1 "
+                       "returned nothing: stopped with the job before they finished"), message
+
+
+@pytest.mark.timeout(150)
+def test_arguments_it_cannot_run_are_refused_naming_why():
+    got, _ = drive("refusals")
+    assert got["np"] == "ValueError: perseus.run needs np, a number of ranks >= 1, got 0", got
+    assert got["mpi"].startswith("ValueError: perseus.run starts ranks with perseusrun's "
+                                 "own launcher; for mpirun"), got
+    assert "elastic jobs start from a script with perseusrun --min-np" in got["elastic"], got
+    assert got["hosts"] == ("HostError: -np 4 is more than the 2 slots available "
+                            "(localhost:2); add hosts or slots"), got
+    try:
+        import cloudpickle  # noqa: F401
+    except ImportError:
+        assert "install cloudpickle to send lambdas" in got["lambda"], got
+    else:
+        assert got["lambda"] == "no error", got

@@ -1,0 +1,78 @@
+"""A driver that calls perseus.run (Horovod's horovod.run) with functions defined here,
+in the main script, and prints what came back as one JSON line after RUN-RESULT.
+
+Usage: run_function_driver.py MODE (results, pids, raises, exits, refusals)
+"""
+
+import json
+import os
+import sys
+import time
+
+import perseus
+
+
+class Summary:
+    """A result of a class defined in the main script: it comes back as one."""
+
+    def __init__(self, **fields):
+        self.fields = fields
+
+
+def train(scale, offset=0):
+    import perseus.torch.horovod as hvd
+    import torch
+
+    hvd.init()
+    total = hvd.allreduce(torch.tensor([float(hvd.rank() + 1)]), op=hvd.Sum)
+    return Summary(rank=hvd.rank(), size=hvd.size(), local_rank=hvd.local_rank(),
+                   cross_rank=hvd.cross_rank(), value=float(total) * scale + offset,
+                   pid=os.getpid())
+
+
+def fails_on_rank_1():
+    """Rank 1 raises at once; rank 0 is still working when the job stops."""
+    if os.environ["PERSEUS_RANK"] == "1":
+        raise ValueError("rank 1 cannot go on")
+    time.sleep(60)
+
+
+def rank_2_exits():
+    """Rank 2 dies without a word; the others are still working when the job stops."""
+    if os.environ["PERSEUS_RANK"] == "2":
+        os._exit(3)
+    time.sleep(60)
+
+
+def error_of(call):
+    try:
+        call()
+    except (RuntimeError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def main(mode):
+    if mode == "results":
+        got = perseus.run(train, args=(2.0,), kwargs={"offset": 1}, np=3,
+                          hosts="127.0.0.1:1,127.0.0.2:2")
+        out = [s.fields for s in got]
+    elif mode == "pids":
+        out = [os.getpid()] + perseus.run(os.getpid, num_proc=2)
+    elif mode == "raises":
+        out = error_of(lambda: perseus.run(fails_on_rank_1, np=2))
+    elif mode == "exits":
+        out = error_of(lambda: perseus.run(rank_2_exits, np=3))
+    else:
+        out = {
+            "np": error_of(lambda: perseus.run(train, np=0)),
+            "mpi": error_of(lambda: perseus.run(train, np=2, use_mpi=True)),
+            "elastic": error_of(lambda: perseus.run(train, min_np=1, max_np=2)),
+            "hosts": error_of(lambda: perseus.run(train, np=4, hosts="localhost:2")),
+            "lambda": error_of(lambda: perseus.run(lambda: 1, np=1)),
+        }
+    print("RUN-RESULT " + json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
