@@ -62,6 +62,14 @@ def test_a_rank_that_dies_is_named():
 
 
 @pytest.mark.timeout(150)
+def test_rank_output_reaches_text_streams_without_a_byte_buffer():
+    """Jupyter's sys.stdout has no .buffer: the ranks' lines still reach it."""
+    got, _ = drive("text-output")
+    assert got == {"stdout": ["[0]<stdout>:rank 0 speaks", "[1]<stdout>:rank 1 speaks"],
+                   "stderr": ["[0]<stderr>:to stderr", "[1]<stderr>:to stderr"]}, got
+
+
+@pytest.mark.timeout(150)
 def test_arguments_it_cannot_run_are_refused_naming_why():
     got, _ = drive("refusals")
     assert got["np"] == "ValueError: perseus.run needs np, a number of ranks >= 1, got 0", got

@@ -149,8 +149,8 @@ class ElasticJob(_job.Launcher):
         self.elastic_timeout, self.reset_limit = elastic_timeout, reset_limit
         self.interval, self.output_dir, self.grace = interval, output_dir, grace
         self.start_timeout = start_timeout  # seconds a new worker has to check in
-        self.out = out or sys.stdout.buffer
-        self.err = err or sys.stderr.buffer
+        self.out = out or _job.byte_sink(sys.stdout)
+        self.err = err or _job.byte_sink(sys.stderr)
         self._lock = threading.Lock()
         self._events = queue.Queue()
         self.hosts = {}  # the latest discovery

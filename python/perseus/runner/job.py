@@ -224,6 +224,26 @@ class Rank:
             self._log.close()
 
 
+class _TextSink:
+    """Bytes written to a text stream that has no byte buffer under it (a notebook's
+    output, an io.StringIO)."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, data):
+        self._stream.write(data.decode(errors="replace"))
+
+    def flush(self):
+        self._stream.flush()
+
+
+def byte_sink(stream):
+    """Where the rank's output bytes go for text stream ``stream``: its byte buffer,
+    or, where it has none (Jupyter's output), the stream itself, the bytes decoded."""
+    return getattr(stream, "buffer", None) or _TextSink(stream)
+
+
 def _relay(stream, sink, prefix, lock):
     with stream:
         for line in iter(stream.readline, b""):
@@ -279,8 +299,8 @@ class Job(Launcher):
         # (seconds) every rank must be seen, or end without error, within that time.
         self.checked_in, self.start_timeout = checked_in, start_timeout
         self.output_dir = output_dir
-        self.out = out or sys.stdout.buffer
-        self.err = err or sys.stderr.buffer
+        self.out = out or byte_sink(sys.stdout)
+        self.err = err or byte_sink(sys.stderr)
         self.grace = grace
         self._lock = threading.Lock()
         self._events = queue.Queue()
@@ -361,7 +381,7 @@ def supervise(proc, watch=None, grace=GRACE_SECONDS, err=None):
     (a ``StartWatch``) fails, or 128 + N on signal N. In the last two cases ``proc`` gets
     SIGTERM (it stops its ranks), and its process group SIGKILL after ``grace`` seconds.
     """
-    err = err or sys.stderr.buffer
+    err = err or byte_sink(sys.stderr)
     received = []
     handlers = {}
     if threading.current_thread() is threading.main_thread():

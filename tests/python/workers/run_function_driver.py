@@ -1,9 +1,10 @@
 """A driver that calls perseus.run (Horovod's horovod.run) with functions defined here,
 in the main script, and prints what came back as one JSON line after RUN-RESULT.
 
-Usage: run_function_driver.py MODE (results, pids, raises, exits, refusals)
+Usage: run_function_driver.py MODE (results, pids, raises, exits, text-output, refusals)
 """
 
+import io
 import json
 import os
 import sys
@@ -44,6 +45,11 @@ def rank_2_exits():
     time.sleep(60)
 
 
+def speak():
+    print(f"rank {os.environ['PERSEUS_RANK']} speaks", flush=True)
+    print("to stderr", file=sys.stderr, flush=True)
+
+
 def error_of(call):
     try:
         call()
@@ -63,6 +69,14 @@ def main(mode):
         out = error_of(lambda: perseus.run(fails_on_rank_1, np=2))
     elif mode == "exits":
         out = error_of(lambda: perseus.run(rank_2_exits, np=3))
+    elif mode == "text-output":  # as in a notebook: text streams without a byte buffer
+        sys.stdout, sys.stderr = io.StringIO(), io.StringIO()
+        try:
+            perseus.run(speak, np=2)
+        finally:
+            (out, err), sys.stdout, sys.stderr = ((sys.stdout.getvalue(), sys.stderr.getvalue()),
+                                                  sys.__stdout__, sys.__stderr__)
+        out = {"stdout": sorted(out.splitlines()), "stderr": sorted(err.splitlines())}
     else:
         out = {
             "np": error_of(lambda: perseus.run(train, np=0)),
