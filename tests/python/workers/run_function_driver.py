@@ -64,7 +64,9 @@ def main(mode):
                           hosts="127.0.0.1:1,127.0.0.2:2")
         out = [s.fields for s in got]
     elif mode == "pids":
-        out = [os.getpid()] + perseus.run(os.getpid, num_proc=2)
+        from perseus.runner import run  # Horovod's horovod.runner.run spelling
+
+        out = [os.getpid()] + run(os.getpid, num_proc=2)
     elif mode == "raises":
         out = error_of(lambda: perseus.run(fails_on_rank_1, np=2))
     elif mode == "exits":
