@@ -76,6 +76,7 @@ def test_arguments_it_cannot_run_are_refused_naming_why():
     assert got["mpi"].startswith("ValueError: perseus.run starts ranks with perseusrun's "
                                  "own launcher; for mpirun"), got
     assert "elastic jobs start from a script with perseusrun --min-np" in got["elastic"], got
+    assert got["typo"] == "TypeError: run() got an unexpected keyword argument 'hots'", got
     assert got["hosts"] == ("HostError: -np 4 is more than the 2 slots available "
                             "(localhost:2); add hosts or slots"), got
     try:

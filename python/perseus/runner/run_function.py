@@ -22,6 +22,7 @@ rule).
 import pickle
 import sys
 
+from perseus.runner import hosts as _hosts
 from perseus.runner import launch as _launch
 from perseus.runner.run_task import FUNC_KEY, by_value, dumps, get_blob, put_blob, result_key
 
@@ -94,8 +95,9 @@ def _failure(status, failed, outcomes, size):
 def run(func, args=(), kwargs=None, num_proc=None, np=None, hosts=None, hostfile=None,
         start_timeout=None, ssh_port=None, ssh_identity_file=None, disable_cache=None,
         output_filename=None, verbose=None, use_gloo=None, use_mpi=None,
-        network_interface=None, executable=None, min_num_proc=None, min_np=None,
-        max_num_proc=None, max_np=None, **elastic):
+        network_interface=None, executable=None, mpi_args=None, min_num_proc=None,
+        min_np=None, max_num_proc=None, max_np=None, slots=None, reset_limit=None,
+        cooldown_range=None):
     """Run ``func(*args, **kwargs)`` on every rank of a new job; returns the list of what
     it returned, indexed by rank (Horovod's ``horovod.run``).
 
@@ -107,16 +109,18 @@ def run(func, args=(), kwargs=None, num_proc=None, np=None, hosts=None, hostfile
 
     Raises ``RuntimeError`` when a rank fails, with the traceback of each rank whose
     function raised; ``ValueError`` for arguments perseusrun refuses. Elastic jobs
-    (``min_np``/``max_np``) and ``use_mpi`` are perseusrun's (``--min-np``, ``--mpi``).
+    (``min_np``, ``max_np``, ``slots``, ``reset_limit``, ``cooldown_range``) and
+    ``use_mpi``/``mpi_args`` are perseusrun's (``--min-np``, ``--mpi``): refused here.
     ``disable_cache`` is accepted and has no effect.
     """
     del disable_cache
-    if use_mpi:
+    if use_mpi or mpi_args is not None:
         raise ValueError("perseus.run starts ranks with perseusrun's own launcher; for "
                          "mpirun, start a script with perseusrun --mpi")
     if use_gloo is False:
         raise ValueError("perseus.run needs use_gloo=True (perseusrun's own launcher)")
-    if (min_num_proc, min_np, max_num_proc, max_np) != (None,) * 4 or elastic:
+    elastic = (min_num_proc, min_np, max_num_proc, max_np, slots, reset_limit, cooldown_range)
+    if elastic != (None,) * len(elastic):
         raise ValueError("perseus.run starts fixed-size jobs; elastic jobs start from a "
                          "script with perseusrun --min-np/--max-np (docs/elastic.md)")
     np = np if np is not None else num_proc
@@ -126,7 +130,7 @@ def run(func, args=(), kwargs=None, num_proc=None, np=None, hosts=None, hostfile
                  output_filename, verbose, network_interface, executable)
     try:
         parsed = _launch.parse_args(argv)
-        slots = _launch._hosts.place(_launch.host_list(parsed), np)
+        placed = _hosts.place(_launch.host_list(parsed), np)
     except SystemExit:
         raise ValueError("perseus.run: perseusrun refused these arguments (its message is "
                          "above)") from None
@@ -142,11 +146,15 @@ def run(func, args=(), kwargs=None, num_proc=None, np=None, hosts=None, hostfile
             sys.modules.setdefault("__mp_main__", sys.modules["__main__"])
             for r in range(np):
                 data = get_blob(server.get, result_key(r))
-                if data is not None:
+                if data is None:
+                    continue
+                try:
                     outcomes[r] = pickle.loads(data)
+                except Exception as e:  # noqa: BLE001 - unpickling fails in many ways
+                    outcomes[r] = ("error", f"its result cannot be unpickled here: {e!r}")
         return collect
 
-    status = _launch.run_gloo(parsed, slots, _launch._hosts.local_names(), exchange=exchange)
+    status = _launch.run_gloo(parsed, placed, _hosts.local_names(), exchange=exchange)
     if status != 0 or len(outcomes) < np or any(o[0] != "ok" for o in outcomes.values()):
         raise _failure(status, failure[0] if failure else None, outcomes, np)
     return [outcomes[r][1] for r in range(np)]

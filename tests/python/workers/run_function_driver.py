@@ -53,7 +53,7 @@ def speak():
 def error_of(call):
     try:
         call()
-    except (RuntimeError, ValueError) as e:
+    except (RuntimeError, ValueError, TypeError) as e:
         return f"{type(e).__name__}: {e}"
     return "no error"
 
@@ -84,6 +84,7 @@ def main(mode):
             "np": error_of(lambda: perseus.run(train, np=0)),
             "mpi": error_of(lambda: perseus.run(train, np=2, use_mpi=True)),
             "elastic": error_of(lambda: perseus.run(train, min_np=1, max_np=2)),
+            "typo": error_of(lambda: perseus.run(train, np=1, hots="localhost:1")),
             "hosts": error_of(lambda: perseus.run(train, np=4, hosts="localhost:2")),
             "lambda": error_of(lambda: perseus.run(lambda: 1, np=1)),
         }
