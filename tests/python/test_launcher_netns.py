@@ -9,6 +9,7 @@ namespace's address, the source of its route back. Needs root and iproute2; skip
 with the reason, only where namespaces cannot be made.
 """
 
+import json
 import os
 import shutil
 import subprocess
@@ -116,3 +117,20 @@ def test_failing_rank_on_a_remote_host_stops_every_host(netns):
     assert f"rank 3 (host {b}) failed with exit code 3" in out, out
     assert_no_process_left(netns)
 
+
+
+@pytest.mark.timeout(90)
+def test_perseus_run_reaches_ranks_on_remote_hosts(netns):
+    """perseus.run (horovod.run) with a rank on each namespace host: the function, its
+    result and the secret cross the remote shell; PERSEUS_RSH names it."""
+    a, b = netns.hosts
+    driver = os.path.join(os.path.dirname(WORKER), "run_function_driver.py")
+    env = clean_env(GLOO_TIMEOUT_SECONDS=20, PERSEUS_RSH=f"{IP} netns exec {{host}}")
+    rc, out = run([PY, driver, "hosts", a, b], env, timeout=80)
+    assert rc == 0, out
+    got = json.loads(next(x for x in out.splitlines()
+                          if x.startswith("RUN-RESULT "))[len("RUN-RESULT "):])
+    root_ns = os.stat("/proc/self/ns/net").st_ino
+    assert [(g["rank"], g["sum"]) for g in got] == [(0, 3.0), (1, 3.0)], out
+    assert len({g["netns"] for g in got} | {root_ns}) == 3, got
+    assert_no_process_left(netns)

@@ -1,7 +1,8 @@
 """A driver that calls perseus.run (Horovod's horovod.run) with functions defined here,
 in the main script, and prints what came back as one JSON line after RUN-RESULT.
 
-Usage: run_function_driver.py MODE (results, pids, raises, exits, text-output, refusals)
+Usage: run_function_driver.py MODE (results, pids, raises, exits, text-output, refusals,
+or hosts HOSTS: where_am_i on one rank per host, reached through PERSEUS_RSH)
 """
 
 import io
@@ -45,6 +46,16 @@ def rank_2_exits():
     time.sleep(60)
 
 
+def where_am_i():
+    import perseus.torch.horovod as hvd
+    import torch
+
+    hvd.init()
+    total = hvd.allreduce(torch.tensor([float(hvd.rank() + 1)]), op=hvd.Sum)
+    return {"rank": hvd.rank(), "netns": os.stat("/proc/self/ns/net").st_ino,
+            "sum": float(total)}
+
+
 def speak():
     print(f"rank {os.environ['PERSEUS_RANK']} speaks", flush=True)
     print("to stderr", file=sys.stderr, flush=True)
@@ -71,6 +82,8 @@ def main(mode):
         out = error_of(lambda: perseus.run(fails_on_rank_1, np=2))
     elif mode == "exits":
         out = error_of(lambda: perseus.run(rank_2_exits, np=3))
+    elif mode == "hosts":
+        out = perseus.run(where_am_i, np=2, hosts=",".join(f"{h}:1" for h in sys.argv[2:]))
     elif mode == "text-output":  # as in a notebook: text streams without a byte buffer
         sys.stdout, sys.stderr = io.StringIO(), io.StringIO()
         try:
