@@ -199,6 +199,9 @@ def test_describe_ranks_and_checked_in_ranks():
     assert J.describe_ranks([slots[3], slots[0]]) == "rank 0 (host a), rank 3 (host b)"
     assert J.describe_ranks(slots[2:]) == "ranks 2, 3 (host b)"
     assert J.checked_in_ranks(["mesh/0", "mesh/12", "other", "mesh/x"]) == {0, 12}
+    # a perseus.run task checks in when it starts, before its function's hvd.init()
+    assert J.checked_in_ranks(["perseus.run/started/3", "perseus.run/started/x",
+                               "perseus.run/func/parts", "mesh/0"]) == {0, 3}
 
 
 def test_start_watch():

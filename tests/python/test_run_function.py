@@ -62,6 +62,14 @@ def test_a_rank_that_dies_is_named():
 
 
 @pytest.mark.timeout(150)
+def test_the_start_timeout_ends_when_the_task_starts_not_at_hvd_init():
+    """A function that runs past --start-timeout before hvd.init() (or never calls it)
+    is not taken for a rank that never started."""
+    got, out = drive("slow")
+    assert got == ["0", "1"], out
+
+
+@pytest.mark.timeout(150)
 def test_rank_output_reaches_text_streams_without_a_byte_buffer():
     """Jupyter's sys.stdout has no .buffer: the ranks' lines still reach it."""
     got, _ = drive("text-output")

@@ -117,9 +117,17 @@ def mesh_rank(key, scope=""):
     return int(rank) if rank.isdigit() else None
 
 
+#: The key under which a rank of perseus.run checks in when its task starts
+#: (``<TASK_CHECKIN><rank>``): its function may take its time to reach hvd.init(), if ever.
+TASK_CHECKIN = "perseus.run/started/"
+
+
 def checked_in_ranks(keys):
-    """The ranks that published ``mesh/<rank>`` at the rendezvous (their init() began)."""
-    return {r for r in map(mesh_rank, keys) if r is not None}
+    """The ranks that published ``mesh/<rank>`` at the rendezvous (their init() began) or
+    started a perseus.run task (``TASK_CHECKIN``)."""
+    ranks = {r for r in map(mesh_rank, keys) if r is not None}
+    tasks = (k[len(TASK_CHECKIN):] for k in keys if k.startswith(TASK_CHECKIN))
+    return ranks | {int(r) for r in tasks if r.isdigit()}
 
 
 def describe_ranks(slots):

@@ -12,6 +12,8 @@ import sys
 import traceback
 import types
 
+from perseus.runner.job import TASK_CHECKIN
+
 # The store keeps entries up to 1 MiB: larger values travel in parts.
 PART = 512 * 1024
 FUNC_KEY = "perseus.run/func"
@@ -87,6 +89,9 @@ def main():
 
     def get_value(key):
         return store.get(key, 60.0)
+
+    # Checked in: the launcher's start timeout does not wait for the function's hvd.init().
+    store.set(f"{TASK_CHECKIN}{rank}", b"")
 
     try:
         sent = pickle.loads(get_blob(get_value, FUNC_KEY))

@@ -1,7 +1,7 @@
 """A driver that calls perseus.run (Horovod's horovod.run) with functions defined here,
 in the main script, and prints what came back as one JSON line after RUN-RESULT.
 
-Usage: run_function_driver.py MODE (results, pids, raises, exits, text-output, refusals,
+Usage: run_function_driver.py MODE (results, pids, raises, exits, slow, text-output, refusals,
 or hosts HOSTS: where_am_i on one rank per host, reached through PERSEUS_RSH)
 """
 
@@ -56,6 +56,12 @@ def where_am_i():
             "sum": float(total)}
 
 
+def slow(seconds):
+    """Never calls hvd.init(): the start timeout counts the task's own check-in."""
+    time.sleep(seconds)
+    return os.environ["PERSEUS_RANK"]
+
+
 def speak():
     print(f"rank {os.environ['PERSEUS_RANK']} speaks", flush=True)
     print("to stderr", file=sys.stderr, flush=True)
@@ -82,6 +88,8 @@ def main(mode):
         out = error_of(lambda: perseus.run(fails_on_rank_1, np=2))
     elif mode == "exits":
         out = error_of(lambda: perseus.run(rank_2_exits, np=3))
+    elif mode == "slow":
+        out = perseus.run(slow, args=(4,), np=2, start_timeout=2)
     elif mode == "hosts":
         out = perseus.run(where_am_i, np=2, hosts=",".join(f"{h}:1" for h in sys.argv[2:]))
     elif mode == "text-output":  # as in a notebook: text streams without a byte buffer
