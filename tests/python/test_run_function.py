@@ -2,6 +2,7 @@
 that perseusrun's launcher starts, its results back by rank, failures named."""
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -62,6 +63,20 @@ def test_a_rank_that_dies_is_named():
 
 
 @pytest.mark.timeout(150)
+@pytest.mark.skipif(shutil.which("mpirun") is None,
+                    reason="needs Open MPI's mpirun (scripts/test.sh installs Debian's "
+                           "openmpi-bin)")
+def test_use_mpi_starts_the_ranks_through_mpirun():
+    got, out = drive("mpi")
+    assert [(g["rank"], g["size"], g["value"]) for g in got["results"]] == [
+        (0, 2, 3.0), (1, 2, 3.0)], out
+    raised = got["raised"]
+    assert raised.startswith("RuntimeError: perseus.run: the job failed (exit status "), raised
+    assert "rank 1 raised:\nTraceback" in raised and \
+        raised.count("ValueError: rank 1 cannot go on") == 1, raised
+
+
+@pytest.mark.timeout(150)
 def test_the_start_timeout_ends_when_the_task_starts_not_at_hvd_init():
     """A function that runs past --start-timeout before hvd.init() (or never calls it)
     is not taken for a rank that never started."""
@@ -81,8 +96,8 @@ def test_rank_output_reaches_text_streams_without_a_byte_buffer():
 def test_arguments_it_cannot_run_are_refused_naming_why():
     got, _ = drive("refusals")
     assert got["np"] == "ValueError: perseus.run needs np, a number of ranks >= 1, got 0", got
-    assert got["mpi"].startswith("ValueError: perseus.run starts ranks with perseusrun's "
-                                 "own launcher; for mpirun"), got
+    assert got["both"] == "ValueError: perseus.run takes use_gloo or use_mpi, not both", got
+    assert got["mpi_args"] == "ValueError: perseus.run: mpi_args go with use_mpi=True", got
     assert "elastic jobs start from a script with perseusrun --min-np" in got["elastic"], got
     assert got["typo"] == "TypeError: run() got an unexpected keyword argument 'hots'", got
     assert got["hosts"] == ("HostError: -np 4 is more than the 2 slots available "

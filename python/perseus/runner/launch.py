@@ -442,7 +442,9 @@ def run_gloo(args, slots, local_names, exchange=None):
         server.stop()
 
 
-def run_mpi(args, hosts, slots):
+def run_mpi(args, hosts, slots, exchange=None):
+    """Runs the job through mpirun; returns its exit status. ``exchange``: as
+    :func:`run_gloo`'s (mpirun does not say which rank failed: None)."""
     mpirun = shutil.which("mpirun")
     if not mpirun:
         raise SystemExit("perseusrun: --mpi needs mpirun, which is not on PATH; install "
@@ -454,6 +456,7 @@ def run_mpi(args, hosts, slots):
     addr = rendezvous_address(args, sorted(used), local_names)
     server = start_rendezvous(secret)
     try:
+        collect = exchange(server) if exchange else None
         env = dict(job_env(args, addr, server.port), PERSEUS_SECRET=secret,
                    PERSEUS_MPI_PLACEMENT=placement)
         binding = (shlex.split(args.binding_args) if args.binding_args
@@ -478,7 +481,10 @@ def run_mpi(args, hosts, slots):
         except OSError as e:
             raise SystemExit(f"perseusrun: cannot start {mpirun}: {e.strerror or e}") from None
         watch = _job.StartWatch(slots, checked_in, args.start_timeout) if checked_in else None
-        return _job.supervise(proc, watch)
+        status = _job.supervise(proc, watch)
+        if collect:
+            collect(status, None)
+        return status
     finally:
         server.stop()
 

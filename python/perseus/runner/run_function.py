@@ -108,17 +108,19 @@ def run(func, args=(), kwargs=None, num_proc=None, np=None, hosts=None, hostfile
     Python the ranks run (default: this one). The function calls ``hvd.init()`` itself.
 
     Raises ``RuntimeError`` when a rank fails, with the traceback of each rank whose
-    function raised; ``ValueError`` for arguments perseusrun refuses. Elastic jobs
-    (``min_np``, ``max_np``, ``slots``, ``reset_limit``, ``cooldown_range``) and
-    ``use_mpi``/``mpi_args`` are perseusrun's (``--min-np``, ``--mpi``): refused here.
-    ``disable_cache`` is accepted and has no effect.
+    function raised; ``ValueError`` for arguments perseusrun refuses. ``use_mpi=True``
+    (or ``use_gloo=False``) starts the ranks through mpirun, as ``perseusrun --mpi``,
+    with ``mpi_args`` added to its command line. Elastic jobs (``min_np``, ``max_np``,
+    ``slots``, ``reset_limit``, ``cooldown_range``) start from a script with
+    ``perseusrun --min-np ...``: refused here. ``disable_cache`` is accepted and has no
+    effect.
     """
     del disable_cache
-    if use_mpi or mpi_args is not None:
-        raise ValueError("perseus.run starts ranks with perseusrun's own launcher; for "
-                         "mpirun, start a script with perseusrun --mpi")
-    if use_gloo is False:
-        raise ValueError("perseus.run needs use_gloo=True (perseusrun's own launcher)")
+    if use_mpi and use_gloo:
+        raise ValueError("perseus.run takes use_gloo or use_mpi, not both")
+    mpi = bool(use_mpi) or (use_gloo is False)
+    if mpi_args is not None and not mpi:
+        raise ValueError("perseus.run: mpi_args go with use_mpi=True")
     elastic = (min_num_proc, min_np, max_num_proc, max_np, slots, reset_limit, cooldown_range)
     if elastic != (None,) * len(elastic):
         raise ValueError("perseus.run starts fixed-size jobs; elastic jobs start from a "
@@ -128,6 +130,8 @@ def run(func, args=(), kwargs=None, num_proc=None, np=None, hosts=None, hostfile
         raise ValueError(f"perseus.run needs np, a number of ranks >= 1, got {np!r}")
     argv = _argv(np, hosts, hostfile, start_timeout, ssh_port, ssh_identity_file,
                  output_filename, verbose, network_interface, executable)
+    if mpi:
+        argv[:0] = ["--mpi"] + ([f"--mpi-args={mpi_args}"] if mpi_args else [])
     try:
         parsed = _launch.parse_args(argv)
         placed = _hosts.place(_launch.host_list(parsed), np)
@@ -154,7 +158,10 @@ def run(func, args=(), kwargs=None, num_proc=None, np=None, hosts=None, hostfile
                     outcomes[r] = ("error", f"its result cannot be unpickled here: {e!r}")
         return collect
 
-    status = _launch.run_gloo(parsed, placed, _hosts.local_names(), exchange=exchange)
+    if mpi:
+        status = _launch.run_mpi(parsed, _launch.host_list(parsed), placed, exchange=exchange)
+    else:
+        status = _launch.run_gloo(parsed, placed, _hosts.local_names(), exchange=exchange)
     if status != 0 or len(outcomes) < np or any(o[0] != "ok" for o in outcomes.values()):
         raise _failure(status, failure[0] if failure else None, outcomes, np)
     return [outcomes[r][1] for r in range(np)]

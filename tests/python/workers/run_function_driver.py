@@ -1,7 +1,8 @@
 """A driver that calls perseus.run (Horovod's horovod.run) with functions defined here,
 in the main script, and prints what came back as one JSON line after RUN-RESULT.
 
-Usage: run_function_driver.py MODE (results, pids, raises, exits, slow, text-output, refusals,
+Usage: run_function_driver.py MODE (results, pids, raises, exits, mpi, slow, text-output,
+refusals,
 or hosts HOSTS: where_am_i on one rank per host, reached through PERSEUS_RSH)
 """
 
@@ -88,6 +89,10 @@ def main(mode):
         out = error_of(lambda: perseus.run(fails_on_rank_1, np=2))
     elif mode == "exits":
         out = error_of(lambda: perseus.run(rank_2_exits, np=3))
+    elif mode == "mpi":  # through mpirun, as perseusrun --mpi
+        got = perseus.run(train, args=(1.0,), np=2, use_mpi=True, mpi_args="-x PERSEUS_DEMO=1")
+        out = {"results": [s.fields for s in got],
+               "raised": error_of(lambda: perseus.run(fails_on_rank_1, np=2, use_mpi=True))}
     elif mode == "slow":
         out = perseus.run(slow, args=(4,), np=2, start_timeout=2)
     elif mode == "hosts":
@@ -103,7 +108,8 @@ def main(mode):
     else:
         out = {
             "np": error_of(lambda: perseus.run(train, np=0)),
-            "mpi": error_of(lambda: perseus.run(train, np=2, use_mpi=True)),
+            "both": error_of(lambda: perseus.run(train, np=2, use_mpi=True, use_gloo=True)),
+            "mpi_args": error_of(lambda: perseus.run(train, np=2, mpi_args="-x A")),
             "elastic": error_of(lambda: perseus.run(train, min_np=1, max_np=2)),
             "typo": error_of(lambda: perseus.run(train, np=1, hots="localhost:1")),
             "hosts": error_of(lambda: perseus.run(train, np=4, hosts="localhost:2")),
