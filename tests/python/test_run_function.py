@@ -99,6 +99,7 @@ def test_arguments_it_cannot_run_are_refused_naming_why():
     assert got["both"] == "ValueError: perseus.run takes use_gloo or use_mpi, not both", got
     assert got["mpi_args"] == "ValueError: perseus.run: mpi_args go with use_mpi=True", got
     assert "elastic jobs start from a script with perseusrun --min-np" in got["elastic"], got
+    assert got["not_callable"] == "TypeError: perseus.run needs a function to run, got int", got
     assert got["typo"] == "TypeError: run() got an unexpected keyword argument 'hots'", got
     assert got["hosts"] == ("HostError: -np 4 is more than the 2 slots available "
                             "(localhost:2); add hosts or slots"), got

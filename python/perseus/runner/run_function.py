@@ -116,6 +116,8 @@ def run(func, args=(), kwargs=None, num_proc=None, np=None, hosts=None, hostfile
     effect.
     """
     del disable_cache
+    if not callable(func):
+        raise TypeError(f"perseus.run needs a function to run, got {type(func).__name__}")
     if use_mpi and use_gloo:
         raise ValueError("perseus.run takes use_gloo or use_mpi, not both")
     mpi = bool(use_mpi) or (use_gloo is False)

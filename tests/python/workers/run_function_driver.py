@@ -111,6 +111,7 @@ def main(mode):
             "both": error_of(lambda: perseus.run(train, np=2, use_mpi=True, use_gloo=True)),
             "mpi_args": error_of(lambda: perseus.run(train, np=2, mpi_args="-x A")),
             "elastic": error_of(lambda: perseus.run(train, min_np=1, max_np=2)),
+            "not_callable": error_of(lambda: perseus.run(42, np=1)),
             "typo": error_of(lambda: perseus.run(train, np=1, hots="localhost:1")),
             "hosts": error_of(lambda: perseus.run(train, np=4, hosts="localhost:2")),
             "lambda": error_of(lambda: perseus.run(lambda: 1, np=1)),
