@@ -24,6 +24,8 @@ def fused_optimizer_wanted(environ=None):
     environ = os.environ if environ is None else environ
     value = environ.get("PERSEUS_FUSED_OPTIMIZER", environ.get("AIAK_FUSED_OPTIMIZER", "0"))
     return value.strip() == "1"
+
+
 _warned_unapplied = set()
 
 

@@ -136,7 +136,8 @@ def run(func, args=(), kwargs=None, num_proc=None, np=None, hosts=None, hostfile
         argv[:0] = ["--mpi"] + ([f"--mpi-args={mpi_args}"] if mpi_args else [])
     try:
         parsed = _launch.parse_args(argv)
-        placed = _hosts.place(_launch.host_list(parsed), np)
+        listed = _launch.host_list(parsed)
+        placed = _hosts.place(listed, np)
     except SystemExit:
         raise ValueError("perseus.run: perseusrun refused these arguments (its message is "
                          "above)") from None
@@ -161,7 +162,7 @@ def run(func, args=(), kwargs=None, num_proc=None, np=None, hosts=None, hostfile
         return collect
 
     if mpi:
-        status = _launch.run_mpi(parsed, _launch.host_list(parsed), placed, exchange=exchange)
+        status = _launch.run_mpi(parsed, listed, placed, exchange=exchange)
     else:
         status = _launch.run_gloo(parsed, placed, _hosts.local_names(), exchange=exchange)
     if status != 0 or len(outcomes) < np or any(o[0] != "ok" for o in outcomes.values()):
