@@ -81,6 +81,13 @@ def partial_tape(r, n):
             tape = hvd.PartialDistributedGradientTape(tape, local_layers=local,
                                                       scale_local_gradients=scale_local)
             return tape.gradient(loss, model.trainable_variables)
+        # The same gradients, split into the local layer's and the shared ones.
+        def split(scale_local=scale_local):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean((model(x) - y) ** 2)
+            tape = hvd.PartialDistributedGradientTape(
+                tape, local_layers=local, scale_local_gradients=scale_local)
+            return tape.get_local_and_global_gradients(loss, model.trainable_variables)
         for mode, f in modes(step):
             grads = f()
             for i, (v, g) in enumerate(zip(model.trainable_variables, grads)):
@@ -90,6 +97,15 @@ def partial_tape(r, n):
                     want = own[i] / n if scale_local else own[i]
                 close(g, want, f"partial tape {v.path} scale_local={scale_local} {mode}",
                       1e-5, 1e-6)
+            mine, common = (split if mode == "eager" else tf.function(split))()
+            pairs = list(zip(model.trainable_variables, grads))
+            want = ([g for v, g in pairs if id(v) not in shared_ids],
+                    [g for v, g in pairs if id(v) in shared_ids])
+            if (len(mine), len(common)) != tuple(map(len, want)):
+                raise AssertionError(f"get_local_and_global_gradients split {len(mine)}/"
+                                     f"{len(common)}, want {len(want[0])}/{len(want[1])}")
+            for got, w in zip(list(mine) + list(common), want[0] + want[1]):
+                close(got, w, f"split gradients scale_local={scale_local} {mode}", 1e-6, 1e-7)
     # A list of layers is taken too; everything else is refused, naming the cause.
     with tf.GradientTape() as tape:
         loss = tf.reduce_mean((model(x) - y) ** 2)

@@ -230,6 +230,20 @@ class _DistributedGradientTape(tf.GradientTape):
         (divided by the set's size when ``scale_local_gradients``)."""
         self._perseus_local.add(source, "register_local_source")
 
+    def get_local_and_global_gradients(self, target, sources, output_gradients=None,
+                                       unconnected_gradients=tf.UnconnectedGradients.NONE):
+        """``gradient()``, split in two lists: ``(local, global)``. ``local`` holds the
+        gradients of the registered local sources (``local_layers``), which differ from
+        rank to rank; ``global`` those of every other source, the same on every rank.
+        Each keeps the order of ``sources`` (flattened), so that, for example, a norm can
+        be taken of each part on its own (Horovod 0.28)."""
+        grads = tf.nest.flatten(self.gradient(target, sources, output_gradients,
+                                              unconnected_gradients))
+        local, shared = [], []
+        for source, grad in zip(tf.nest.flatten(sources), grads):
+            (local if source in self._perseus_local else shared).append(grad)
+        return local, shared
+
 
 # Tapes are made anew every step: the state the switches keep across steps (down-sampling
 # residuals, the step count, compute times) lives in one reducer per configuration.
