@@ -85,6 +85,23 @@ def test_the_start_timeout_ends_when_the_task_starts_not_at_hvd_init():
 
 
 @pytest.mark.timeout(150)
+def test_an_elastic_run_returns_the_last_rounds_results_and_names_why_it_failed():
+    """Three workers on three loopback hosts with min_np=2: the first raises at step 2,
+    is left behind, and the others finish from their last commit as ranks 0 and 1 of
+    the next round. Then two workers with min_np=2: one raises, too few are left."""
+    got, out = drive("elastic")
+    assert got["results"] == [
+        {"worker": f"127.0.0.{h}[0]", "rank": r, "size": 2, "sizes": [3, 3, 2, 2, 2, 2]}
+        for r, h in ((0, 2), (1, 3))], out
+    message = got["too_few"]
+    assert message.startswith(
+        "RuntimeError: perseus.run: the elastic job failed (exit status 1): 1 slots usable "
+        "and 1 workers left, fewer than --min-np 2 for 2 s (--elastic-timeout)"), message
+    assert "\nworker 127.0.0.1[0], rank 0 of round 0 raised:\nTraceback" in message, message
+    assert "ValueError: worker 127.0.0.1[0] cannot go on" in message, message
+
+
+@pytest.mark.timeout(150)
 def test_rank_output_reaches_text_streams_without_a_byte_buffer():
     """Jupyter's sys.stdout has no .buffer: the ranks' lines still reach it."""
     got, _ = drive("text-output")
@@ -98,7 +115,10 @@ def test_arguments_it_cannot_run_are_refused_naming_why():
     assert got["np"] == "ValueError: perseus.run needs np, a number of ranks >= 1, got 0", got
     assert got["both"] == "ValueError: perseus.run takes use_gloo or use_mpi, not both", got
     assert got["mpi_args"] == "ValueError: perseus.run: mpi_args go with use_mpi=True", got
-    assert "elastic jobs start from a script with perseusrun --min-np" in got["elastic"], got
+    assert got["elastic_mpi"] == ("ValueError: perseus.run: elastic jobs run with Perseus's "
+                                  "own launcher, not mpirun (use_mpi)"), got
+    assert got["cooldown"] == ("ValueError: perseus.run: cooldown_range is (min, max) "
+                               "seconds, got 5"), got
     assert got["not_callable"] == "TypeError: perseus.run needs a function to run, got int", got
     assert got["typo"] == "TypeError: run() got an unexpected keyword argument 'hots'", got
     assert got["hosts"] == ("HostError: -np 4 is more than the 2 slots available "
@@ -109,3 +129,21 @@ def test_arguments_it_cannot_run_are_refused_naming_why():
         assert "install cloudpickle to send lambdas" in got["lambda"], got
     else:
         assert got["lambda"] == "no error", got
+
+
+def test_an_elastic_run_whose_last_round_lacks_a_rank_says_which_returned():
+    from perseus.runner.run_function import _elastic_results
+
+    ok = ("ok", "value")
+    reports = {"a[0]": (1, 0, ok), "b[0]": (1, 2, ok), "c[0]": (0, 1, ok),
+               "d[0]": (0, None, ("error", "Traceback ...\nValueError: d"))}
+    error = _elastic_results(0, None, reports)
+    assert isinstance(error, RuntimeError)
+    assert str(error) == ("perseus.run: the elastic job ended, but the ranks of its last "
+                          "round (1) that returned are 0, 2: not ranks 0 to 2\n"
+                          "worker d[0] raised:\nTraceback ...\nValueError: d"), error
+    # Results of earlier rounds do not count; the last round's come back by rank.
+    reports["e[0]"] = (1, 1, ("ok", "middle"))
+    assert _elastic_results(0, None, reports) == ["value", "middle", "value"]
+    assert str(_elastic_results(0, None, {})) == (
+        "perseus.run: the elastic job ended, but no worker returned a result")

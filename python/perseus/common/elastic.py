@@ -64,6 +64,11 @@ def worker_id():
     return os.environ["PERSEUS_ELASTIC_ID"]
 
 
+def current_round():
+    """The round this worker last joined (None before its first)."""
+    return _round
+
+
 def parse_table(text):
     """A round's table: ``{worker id: (rank, size, local_rank, local_size, cross_rank,
     cross_size)}`` and the host version it was made with (its first line)."""

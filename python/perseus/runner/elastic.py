@@ -166,6 +166,7 @@ class ElasticJob(_job.Launcher):
         self.launched = 0
         self.finished = None  # the first worker that ended with success
         self.status = 0
+        self.stopped_because = None  # why the launcher stopped the job, if it did
 
     # ------------------------------------------------------------------ hosts
 
@@ -337,8 +338,9 @@ class ElasticJob(_job.Launcher):
         try:
             while True:
                 if self._signal is not None:
-                    self._say(f"received {signal.Signals(self._signal).name}; "
-                              "stopping all workers")
+                    self.stopped_because = (f"received {signal.Signals(self._signal).name}; "
+                                            "stopping all workers")
+                    self._say(self.stopped_because)
                     return 128 + self._signal
                 try:
                     wid, code = self._events.get(timeout=0.1)
@@ -377,6 +379,7 @@ class ElasticJob(_job.Launcher):
                     short_since = time.monotonic()
         except _Stop as e:
             self._say(e.message)
+            self.stopped_because = e.message
             return e.status
 
     def _teardown(self):

@@ -269,9 +269,11 @@ def elastic_args(parser, args):
                      "needs 0 < MIN <= MAX seconds")
 
 
-def run_elastic(args, local_names):
+def run_elastic(args, local_names, exchange=None):
     """An elastic job (runner/elastic.py): hosts from --host-discovery-script, or the
-    fixed -H/--hostfile list (then only failures change the workers)."""
+    fixed -H/--hostfile list (then only failures change the workers). ``exchange``: as
+    :func:`run_gloo`'s, the failure being why the launcher stopped the job (None when it
+    did not)."""
     if args.host_discovery_script:
         script, slots = args.host_discovery_script, args.slots
         find = lambda: _elastic.discover(script, slots)
@@ -285,6 +287,7 @@ def run_elastic(args, local_names):
     addr = rendezvous_address(args, sorted(first), local_names)
     server = start_rendezvous(secret)
     try:
+        collect = exchange(server) if exchange else None
         env = job_env(args, addr, server.port)
         env["PERSEUS_ELASTIC_TIMEOUT"] = f"{args.elastic_timeout:g}"
 
@@ -294,11 +297,15 @@ def run_elastic(args, local_names):
         if args.verbose:
             print(f"perseusrun: elastic, {args.min_np} to {args.max_np} workers; "
                   f"rendezvous at {addr}:{server.port}", file=sys.stderr)
-        return _elastic.ElasticJob(
+        job = _elastic.ElasticJob(
             find, launch, server, args.min_np, args.max_np, args.num_proc,
             elastic_timeout=args.elastic_timeout, reset_limit=args.reset_limit,
             output_dir=args.output_filename, fixed=not args.host_discovery_script,
-            start_timeout=args.start_timeout, cooldown=args.cooldown).run()
+            start_timeout=args.start_timeout, cooldown=args.cooldown)
+        status = job.run()
+        if collect:
+            collect(status, job.stopped_because)
+        return status
     finally:
         server.stop()
 

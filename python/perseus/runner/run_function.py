@@ -24,6 +24,7 @@ import sys
 
 from perseus.runner import hosts as _hosts
 from perseus.runner import launch as _launch
+from perseus.runner import run_task as _task
 from perseus.runner.run_task import FUNC_KEY, by_value, dumps, get_blob, put_blob, result_key
 
 
@@ -51,18 +52,34 @@ def _payload(func, args, kwargs):
 
 
 def _argv(np, hosts, hostfile, start_timeout, ssh_port, ssh_identity_file,
-          output_filename, verbose, network_interface, executable):
-    argv = ["-np", str(np)]
-    for flag, value in (("-H", hosts), ("--hostfile", hostfile),
+          output_filename, verbose, network_interface, executable, elastic):
+    argv = [] if np is None else ["-np", str(np)]
+    for flag, value in (*elastic.items(), ("-H", hosts), ("--hostfile", hostfile),
                         ("--start-timeout", start_timeout), ("--ssh-port", ssh_port),
                         ("--ssh-identity-file", ssh_identity_file),
                         ("--output-filename", output_filename),
                         ("--network-interface", network_interface)):
         if value is not None:
-            argv += [flag, str(value)]
+            argv += [flag, *map(str, value if isinstance(value, tuple) else (value,))]
     if verbose:
         argv.append("--verbose")
     return argv + ["--", executable or sys.executable, "-m", "perseus.runner.run_task"]
+
+
+def _elastic_flags(min_np, max_np, discovery, slots, reset_limit, cooldown, timeout):
+    """perseusrun's elastic flags, ``{flag: value}``; empty for a fixed-size job."""
+    flags = {"--min-np": min_np, "--max-np": max_np, "--host-discovery-script": discovery,
+             "--slots": slots, "--reset-limit": reset_limit,
+             "--elastic-timeout": timeout}
+    flags = {k: v for k, v in flags.items() if v is not None}
+    if cooldown is not None:
+        try:
+            low, high = cooldown
+        except (TypeError, ValueError):
+            raise ValueError(f"perseus.run: cooldown_range is (min, max) seconds, got "
+                             f"{cooldown!r}") from None
+        flags["--blacklist-cooldown-range"] = (low, high)
+    return flags
 
 
 def _plural(ranks):
@@ -92,12 +109,55 @@ def _failure(status, failed, outcomes, size):
     return RuntimeError("\n".join(lines))
 
 
+def _loads(data):
+    try:
+        return pickle.loads(data)
+    except Exception as e:  # noqa: BLE001 - unpickling fails in many ways
+        return ("error", f"its result cannot be unpickled here: {e!r}")
+
+
+def _worker_reports(server):
+    """The elastic workers' reports: ``{worker id: (round, rank, outcome)}``."""
+    reports, prefix = {}, _task.WORKER_PREFIX
+    published = server.keys()  # the store's sorted keys (not a dict)
+    for key in published:
+        if key.startswith(prefix) and key.endswith("/parts"):
+            wid = key[len(prefix):-len("/parts")]
+            report = pickle.loads(get_blob(server.get, _task.worker_key(wid)))
+            reports[wid] = (report["round"], report["rank"], _loads(report["outcome"]))
+    return reports
+
+
+def _elastic_results(status, why, reports):
+    """What the ranks of the last round returned, by rank; RuntimeError when the job
+    failed (``why``: the launcher's reason, if it stopped the job) or a rank of that
+    round returned nothing."""
+    done = {wid: r for wid, r in reports.items() if r[2][0] == "ok" and r[1] is not None}
+    last = max((r[0] for r in done.values()), default=None)
+    final = dict(sorted((rank, out[1]) for rnd, rank, out in done.values() if rnd == last))
+    if status == 0 and final and list(final) == list(range(len(final))):
+        return list(final.values())
+    if status == 0:
+        problem = ("no worker returned a result" if not final else
+                   f"the ranks of its last round ({last}) that returned are "
+                   f"{', '.join(map(str, final))}: not ranks 0 to {max(final)}")
+        lines = [f"perseus.run: the elastic job ended, but {problem}"]
+    else:
+        lines = [f"perseus.run: the elastic job failed (exit status {status}): "
+                 + (why or "a worker failed after another had ended with success")]
+    for wid, (rnd, rank, out) in sorted(reports.items()):
+        if out[0] == "error":
+            where = "" if rank is None else f", rank {rank} of round {rnd}"
+            lines.append(f"worker {wid}{where} raised:\n{out[1].rstrip()}")
+    return RuntimeError("\n".join(lines))
+
+
 def run(func, args=(), kwargs=None, num_proc=None, np=None, hosts=None, hostfile=None,
         start_timeout=None, ssh_port=None, ssh_identity_file=None, disable_cache=None,
         output_filename=None, verbose=None, use_gloo=None, use_mpi=None,
         network_interface=None, executable=None, mpi_args=None, min_num_proc=None,
         min_np=None, max_num_proc=None, max_np=None, slots=None, reset_limit=None,
-        cooldown_range=None):
+        cooldown_range=None, host_discovery_script=None, elastic_timeout=None):
     """Run ``func(*args, **kwargs)`` on every rank of a new job; returns the list of what
     it returned, indexed by rank (Horovod's ``horovod.run``).
 
@@ -110,10 +170,15 @@ def run(func, args=(), kwargs=None, num_proc=None, np=None, hosts=None, hostfile
     Raises ``RuntimeError`` when a rank fails, with the traceback of each rank whose
     function raised; ``ValueError`` for arguments perseusrun refuses. ``use_mpi=True``
     (or ``use_gloo=False``) starts the ranks through mpirun, as ``perseusrun --mpi``,
-    with ``mpi_args`` added to its command line. Elastic jobs (``min_np``, ``max_np``,
-    ``slots``, ``reset_limit``, ``cooldown_range``) start from a script with
-    ``perseusrun --min-np ...``: refused here. ``disable_cache`` is accepted and has no
-    effect.
+    with ``mpi_args`` added to its command line. ``disable_cache`` is accepted and has
+    no effect.
+
+    ``min_np`` (``min_num_proc``), ``max_np`` (``max_num_proc``),
+    ``host_discovery_script``, ``slots``, ``reset_limit``, ``cooldown_range`` (two
+    seconds, ``(min, max)``) and ``elastic_timeout`` make the job elastic, as
+    perseusrun's flags of those names do: workers that fail are left behind and the
+    others go on (the function uses ``hvd.elastic.run``). The result is then what the
+    function returned on each rank of the job's last round, by rank.
     """
     del disable_cache
     if not callable(func):
@@ -123,21 +188,25 @@ def run(func, args=(), kwargs=None, num_proc=None, np=None, hosts=None, hostfile
     mpi = bool(use_mpi) or (use_gloo is False)
     if mpi_args is not None and not mpi:
         raise ValueError("perseus.run: mpi_args go with use_mpi=True")
-    elastic = (min_num_proc, min_np, max_num_proc, max_np, slots, reset_limit, cooldown_range)
-    if elastic != (None,) * len(elastic):
-        raise ValueError("perseus.run starts fixed-size jobs; elastic jobs start from a "
-                         "script with perseusrun --min-np/--max-np (docs/elastic.md)")
     np = np if np is not None else num_proc
-    if isinstance(np, bool) or not isinstance(np, int) or np < 1:
+    elastic = _elastic_flags(min_np if min_np is not None else min_num_proc,
+                             max_np if max_np is not None else max_num_proc,
+                             host_discovery_script, slots, reset_limit, cooldown_range,
+                             elastic_timeout)
+    if elastic and mpi:
+        raise ValueError("perseus.run: elastic jobs run with Perseus's own launcher, not "
+                         "mpirun (use_mpi)")
+    if (np is not None or not elastic) and (
+            isinstance(np, bool) or not isinstance(np, int) or np < 1):
         raise ValueError(f"perseus.run needs np, a number of ranks >= 1, got {np!r}")
     argv = _argv(np, hosts, hostfile, start_timeout, ssh_port, ssh_identity_file,
-                 output_filename, verbose, network_interface, executable)
+                 output_filename, verbose, network_interface, executable, elastic)
     if mpi:
         argv[:0] = ["--mpi"] + ([f"--mpi-args={mpi_args}"] if mpi_args else [])
     try:
         parsed = _launch.parse_args(argv)
-        listed = _launch.host_list(parsed)
-        placed = _hosts.place(listed, np)
+        listed = None if elastic else _launch.host_list(parsed)
+        placed = None if elastic else _hosts.place(listed, np)
     except SystemExit:
         raise ValueError("perseus.run: perseusrun refused these arguments (its message is "
                          "above)") from None
@@ -151,16 +220,21 @@ def run(func, args=(), kwargs=None, num_proc=None, np=None, hosts=None, hostfile
             failure.append(failed)
             # Classes of the main script come back as the ranks named it.
             sys.modules.setdefault("__mp_main__", sys.modules["__main__"])
+            if elastic:
+                outcomes.update(_worker_reports(server))
+                return
             for r in range(np):
                 data = get_blob(server.get, result_key(r))
-                if data is None:
-                    continue
-                try:
-                    outcomes[r] = pickle.loads(data)
-                except Exception as e:  # noqa: BLE001 - unpickling fails in many ways
-                    outcomes[r] = ("error", f"its result cannot be unpickled here: {e!r}")
+                if data is not None:
+                    outcomes[r] = _loads(data)
         return collect
 
+    if elastic:
+        status = _launch.run_elastic(parsed, _hosts.local_names(), exchange=exchange)
+        result = _elastic_results(status, failure[0] if failure else None, outcomes)
+        if isinstance(result, RuntimeError):
+            raise result
+        return result
     if mpi:
         status = _launch.run_mpi(parsed, listed, placed, exchange=exchange)
     else:

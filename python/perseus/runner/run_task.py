@@ -3,6 +3,8 @@
 The rank fetches the pickled function and its arguments from the job's rendezvous
 store (perseusrun's, at ``PERSEUS_RENDEZVOUS_ADDR:PORT``), calls it, and publishes
 what it returned, or the exception it raised with its traceback, under its rank.
+A worker of an elastic job has no rank until it joins a round: it publishes under its
+worker id, with the round and the rank it held when the function ended.
 The driver (perseus.runner.run_function) reads them back when the job is done.
 """
 
@@ -17,11 +19,18 @@ from perseus.runner.job import TASK_CHECKIN
 # The store keeps entries up to 1 MiB: larger values travel in parts.
 PART = 512 * 1024
 FUNC_KEY = "perseus.run/func"
+WORKER_PREFIX = "perseus.run/worker/"
 
 
 def result_key(rank):
     """The key of rank ``rank``'s outcome."""
     return f"perseus.run/result/{rank}"
+
+
+def worker_key(worker_id):
+    """The key of an elastic worker's report: ``{"round", "rank", "outcome"}``, the
+    outcome pickled as a rank's is."""
+    return f"{WORKER_PREFIX}{worker_id}"
 
 
 def put_blob(set_value, key, data):
@@ -79,10 +88,29 @@ def _adopt_main(path):
     sys.modules["__main__"] = module
 
 
+def _publisher(store):
+    """``publish(data)``: puts this rank's pickled outcome where the driver looks."""
+    if os.environ.get("PERSEUS_ELASTIC") != "1":
+        rank = int(os.environ["PERSEUS_RANK"])
+        # Checked in: the launcher's start timeout does not wait for the function's
+        # hvd.init() (an elastic worker checks in by joining a round).
+        store.set(f"{TASK_CHECKIN}{rank}", b"")
+        return lambda data: put_blob(store.set, result_key(rank), data)
+
+    def publish(data):
+        from perseus.common import elastic
+
+        rank = os.environ.get("PERSEUS_RANK")  # set by each round the worker joins
+        report = {"round": elastic.current_round(),
+                  "rank": None if rank is None else int(rank), "outcome": data}
+        put_blob(store.set, worker_key(os.environ["PERSEUS_ELASTIC_ID"]),
+                 pickle.dumps(report))
+    return publish
+
+
 def main():
     from perseus import _core
 
-    rank = int(os.environ["PERSEUS_RANK"])
     store = _core.RendezvousClient(os.environ["PERSEUS_RENDEZVOUS_ADDR"],
                                    int(os.environ["PERSEUS_RENDEZVOUS_PORT"]),
                                    os.environ.get("PERSEUS_SECRET", ""), 60.0)
@@ -90,9 +118,7 @@ def main():
     def get_value(key):
         return store.get(key, 60.0)
 
-    # Checked in: the launcher's start timeout does not wait for the function's hvd.init().
-    store.set(f"{TASK_CHECKIN}{rank}", b"")
-
+    publish = _publisher(store)
     try:
         sent = pickle.loads(get_blob(get_value, FUNC_KEY))
         sys.path += [p for p in sent["sys_path"] if p not in sys.path]
@@ -102,9 +128,9 @@ def main():
         data = dumps(outcome)
     except BaseException as e:  # reported to the driver, then raised again
         text = "".join(traceback.format_exception(type(e), e, e.__traceback__))
-        put_blob(store.set, result_key(rank), pickle.dumps(("error", text)))
+        publish(pickle.dumps(("error", text)))
         raise
-    put_blob(store.set, result_key(rank), data)
+    publish(data)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 in the main script, and prints what came back as one JSON line after RUN-RESULT.
 
 Usage: run_function_driver.py MODE (results, pids, raises, exits, mpi, slow, text-output,
-refusals,
+elastic, refusals,
 or hosts HOSTS: where_am_i on one rank per host, reached through PERSEUS_RSH)
 """
 
@@ -68,6 +68,28 @@ def speak():
     print("to stderr", file=sys.stderr, flush=True)
 
 
+def elastic_steps(fail_id, steps):
+    """An elastic loop of ``steps`` committed steps, each summing 1 over the ranks; the
+    worker ``fail_id`` raises at step 2, and the others go on from their last commit."""
+    import perseus.torch.horovod as hvd
+    import torch
+
+    hvd.init()
+    me = os.environ["PERSEUS_ELASTIC_ID"]
+
+    @hvd.elastic.run
+    def loop(state):
+        while state.step < steps:
+            if me == fail_id and state.step == 2:
+                raise ValueError(f"worker {me} cannot go on")
+            state.sizes.append(int(hvd.allreduce(torch.ones(1), op=hvd.Sum)))
+            state.step += 1
+            state.commit()
+        return {"worker": me, "rank": hvd.rank(), "size": hvd.size(), "sizes": state.sizes}
+
+    return loop(hvd.elastic.TorchState(step=0, sizes=[]))
+
+
 def error_of(call):
     try:
         call()
@@ -97,6 +119,13 @@ def main(mode):
         out = perseus.run(slow, args=(4,), np=2, start_timeout=2)
     elif mode == "hosts":
         out = perseus.run(where_am_i, np=2, hosts=",".join(f"{h}:1" for h in sys.argv[2:]))
+    elif mode == "elastic":  # three workers, one fails; then too few are left
+        hosts = "127.0.0.1:1,127.0.0.2:1,127.0.0.3:1"
+        out = {"results": perseus.run(elastic_steps, args=("127.0.0.1[0]", 6), np=3,
+                                      min_np=2, hosts=hosts),
+               "too_few": error_of(lambda: perseus.run(
+                   elastic_steps, args=("127.0.0.1[0]", 6), np=2, min_np=2,
+                   hosts="127.0.0.1:1,127.0.0.2:1", elastic_timeout=2))}
     elif mode == "text-output":  # as in a notebook: text streams without a byte buffer
         sys.stdout, sys.stderr = io.StringIO(), io.StringIO()
         try:
@@ -110,7 +139,8 @@ def main(mode):
             "np": error_of(lambda: perseus.run(train, np=0)),
             "both": error_of(lambda: perseus.run(train, np=2, use_mpi=True, use_gloo=True)),
             "mpi_args": error_of(lambda: perseus.run(train, np=2, mpi_args="-x A")),
-            "elastic": error_of(lambda: perseus.run(train, min_np=1, max_np=2)),
+            "elastic_mpi": error_of(lambda: perseus.run(train, min_np=1, use_mpi=True)),
+            "cooldown": error_of(lambda: perseus.run(train, min_np=1, cooldown_range=5)),
             "not_callable": error_of(lambda: perseus.run(42, np=1)),
             "typo": error_of(lambda: perseus.run(train, np=1, hots="localhost:1")),
             "hosts": error_of(lambda: perseus.run(train, np=4, hosts="localhost:2")),
