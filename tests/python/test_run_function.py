@@ -5,6 +5,7 @@ import json
 import shutil
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -102,6 +103,38 @@ def test_an_elastic_run_returns_the_last_rounds_results_and_names_why_it_failed(
 
 
 @pytest.mark.timeout(150)
+def test_with_cloudpickle_functions_of_a_session_without_a_file_go_by_value():
+    """As in a notebook: functions of a ``__main__`` without a file, a lambda and a
+    closure over a global, reach the ranks by value."""
+    pytest.importorskip("cloudpickle")
+    code = textwrap.dedent("""
+        import json
+        import perseus
+
+        scale = 3.0
+
+        def total():
+            import perseus.torch.horovod as hvd
+            import torch
+
+            hvd.init()
+            return float(hvd.allreduce(torch.tensor([hvd.rank() + 1.0]), op=hvd.Sum)) * scale
+
+        print("RUN-RESULT " + json.dumps({
+            "total": perseus.run(total, np=2),
+            "lambda": perseus.run(lambda x: [x, __import__("os").environ["PERSEUS_RANK"]],
+                                  args=(41,), np=2)}), flush=True)
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], env=clean_env(), capture_output=True,
+                          text=True, timeout=120, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RUN-RESULT "))
+    assert json.loads(line[len("RUN-RESULT "):]) == {
+        "total": [9.0, 9.0], "lambda": [[41, "0"], [41, "1"]]}, out
+
+
+@pytest.mark.timeout(150)
 def test_rank_output_reaches_text_streams_without_a_byte_buffer():
     """Jupyter's sys.stdout has no .buffer: the ranks' lines still reach it."""
     got, _ = drive("text-output")
@@ -123,12 +156,10 @@ def test_arguments_it_cannot_run_are_refused_naming_why():
     assert got["typo"] == "TypeError: run() got an unexpected keyword argument 'hots'", got
     assert got["hosts"] == ("HostError: -np 4 is more than the 2 slots available "
                             "(localhost:2); add hosts or slots"), got
-    try:
-        import cloudpickle  # noqa: F401
-    except ImportError:
-        assert "install cloudpickle to send lambdas" in got["lambda"], got
-    else:
-        assert got["lambda"] == "no error", got
+    # The driver blocks cloudpickle: functions go by reference, and a lambda cannot.
+    assert got["lambda"].startswith(
+        "ValueError: perseus.run cannot send <function main.<locals>.<lambda>.<locals>.<lambda> "), got
+    assert "install cloudpickle to send lambdas and nested functions" in got["lambda"], got
 
 
 def test_an_elastic_run_whose_last_round_lacks_a_rank_says_which_returned():

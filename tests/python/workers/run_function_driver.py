@@ -4,6 +4,9 @@ in the main script, and prints what came back as one JSON line after RUN-RESULT.
 Usage: run_function_driver.py MODE (results, pids, raises, exits, mpi, slow, text-output,
 elastic, refusals,
 or hosts HOSTS: where_am_i on one rank per host, reached through PERSEUS_RSH)
+
+The driver sends functions by reference, as perseus.run does without cloudpickle, even
+where cloudpickle is installed (test_run_function.py tests the by-value path).
 """
 
 import io
@@ -11,6 +14,8 @@ import json
 import os
 import sys
 import time
+
+sys.modules["cloudpickle"] = None  # import cloudpickle: ImportError, here only
 
 import perseus
 
