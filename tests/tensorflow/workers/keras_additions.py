@@ -1,6 +1,7 @@
 """perseus.tensorflow.keras's Horovod 0.28 additions on n ranks: reducescatter, the timeline,
-the capability checks, PartialDistributedOptimizer (fit, and accumulated passes) and
-callbacks.BestModelCheckpoint (rank 0 alone writes the best epoch's model).
+the capability checks, PartialDistributedOptimizer (fit, and accumulated passes), training
+without XLA, loss scaling alike on every rank, and callbacks.BestModelCheckpoint (rank 0 alone writes the best epoch's
+model).
 
 argv[1]: a directory every rank can write (each rank gives the checkpoint its own name,
 so that a file written by any rank but 0 would show)."""
@@ -175,6 +176,71 @@ def best_checkpoint(r, n, workdir):
         model.fit(x, y, epochs=1, verbose=0, callbacks=[no_path])
 
 
+def without_xla(r, n):
+    """XLA-compiled code cannot call the core: a model compiled with a Perseus optimizer
+    trains with jit_compile=False (a warning when True was asked for; "auto" resolved
+    as on a GPU machine, where Keras picks XLA), and trains alike on every rank; other
+    models keep XLA; a collective in a jit_compile=True function is refused by name."""
+    import warnings
+
+    for asked in (True, "auto"):
+        model, _, _ = two_layer_model(7)
+        if asked == "auto":  # Keras' choice on a machine with a GPU
+            model._resolve_auto_jit_compile = lambda: True
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.compile(optimizer=hvd_keras.DistributedOptimizer(keras.optimizers.SGD(0.1)),
+                          loss="mse", jit_compile=asked)
+        said = [str(w.message) for w in caught if "perseus" in str(w.message)]
+        assert model.jit_compile is False, f"jit_compile={asked!r}: {model.jit_compile}"
+        want = ("perseus: code compiled by XLA cannot call the Perseus core, which reduces "
+                "this model's gradients; proceeding with jit_compile=False")
+        assert said == ([want] if asked is True else []), f"jit_compile={asked!r}: {said}"
+        rng = np.random.RandomState(70 + r)
+        x, y = rng.randn(4, 4).astype(np.float32), rng.randn(4, 1).astype(np.float32)
+        model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+        weights = hvd.allgather_object([v.numpy() for v in model.trainable_variables])
+        for i, w in enumerate(weights[0]):
+            close(weights[-1][i], w, f"weights alike after fit, jit_compile={asked!r}", 0, 0)
+    plain, _, _ = two_layer_model(7)
+    plain.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile=True)
+    assert plain.jit_compile is True, "a model without a Perseus optimizer lost XLA"
+    step = tf.function(lambda: hvd.allreduce(tf.ones(2), name="xla.refused"), jit_compile=True)
+    with raises(NotImplementedError, "perseus: PerseusAllreduce cannot run in code compiled "
+                "by XLA", "jit_compile=False", what="an allreduce under XLA"):
+        step()
+
+
+def loss_scale_alike(r, n):
+    """mixed_float16: Keras wraps the Perseus optimizer in a LossScaleOptimizer. Rank 0's
+    first batch overflows float16 and the other ranks' do not: every rank skips that
+    step and halves the scale; the next step, finite everywhere, moves every rank's
+    weights alike."""
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model, _, _ = two_layer_model(9)
+        model.compile(optimizer=hvd_keras.DistributedOptimizer(keras.optimizers.SGD(0.01)),
+                      loss="mse")
+        before = [v.numpy() for v in model.trainable_variables]
+        x = np.full((4, 4), 3000.0 if r == 0 else 0.001, np.float32)
+        model.fit(x, np.zeros((4, 1), np.float32), batch_size=4, verbose=0)
+        opt = model.optimizer
+        assert isinstance(opt, keras.mixed_precision.LossScaleOptimizer), type(opt)
+        for v, b in zip(model.trainable_variables, before):
+            close(v, b, f"rank {r}: the overflowed step was skipped", 0, 0)
+        scales = hvd.allgather_object(float(opt.dynamic_scale.numpy()))
+        assert scales == [2.0 ** 14] * n, f"loss scales after the overflow: {scales}"
+        x = np.full((4, 4), 0.5 * (r + 1), np.float32)
+        model.fit(x, np.ones((4, 1), np.float32), batch_size=4, verbose=0)
+        after = [v.numpy() for v in model.trainable_variables]
+        assert any(not np.array_equal(a, b) for a, b in zip(after, before)), "no step taken"
+        weights = hvd.allgather_object(after)
+        for i, w in enumerate(weights[0]):
+            close(weights[-1][i], w, "weights alike after the finite step", 0, 0)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
 def main():
     workdir = sys.argv[1]
     hvd_keras.init()
@@ -185,6 +251,8 @@ def main():
     partial_fit(r, n)
     partial_accumulated(r, n)
     partial_errors()
+    without_xla(r, n)
+    loss_scale_alike(r, n)
     best_checkpoint(r, n, workdir)
     hvd_keras.shutdown()
     done(r)

@@ -88,6 +88,19 @@ def save_and_load(r, n, model, workdir):
     close(hvd_keras.allgather(np.array([r])), np.arange(n).reshape(n, 1), "keras allgather")
     with raises(RuntimeError, "eager", what="broadcast_global_variables when eager"):
         hvd_keras.broadcast_global_variables(0)
+    # A model saved compiled with XLA loads for training without it: XLA cannot reach
+    # the core (its fit would fail, the reduction refused by name).
+    keras.utils.set_random_seed(3)  # the same initial weights on every rank
+    plain = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    plain.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", jit_compile=True)
+    xla_path = os.path.join(workdir, f"xla-{r}.keras")
+    plain.save(xla_path)
+    loaded = hvd_keras.load_model(xla_path)
+    assert loaded.jit_compile is False, loaded.jit_compile
+    loaded.fit(np.ones((4, 4), np.float32) * (r + 1), np.zeros((4, 1), np.float32),
+               verbose=0, batch_size=4)
+    g = hvd.allgather(tf.convert_to_tensor(loaded.trainable_variables[0])).numpy()
+    close(g[1:], np.repeat(g[:1], n - 1, axis=0), "weights after loading an XLA model", 0, 0)
 
 
 def estimator_style(r, n, workdir):

@@ -5,7 +5,9 @@ Eager tensors cross as DLPack capsules, without copies: the input is exported wi
 ``from_dlpack``; results written in place go into a ``DeepCopy`` of the input, a buffer
 no other tensor shares. Inside a graph (``tf.function``, a ``tf.compat.v1`` session)
 each collective is one ``tf.py_function`` op that runs the same eager code when the
-graph executes; its static shape is set from what the collective guarantees.
+graph executes; its static shape is set from what the collective guarantees. Code that
+XLA compiles (``jit_compile=True``) cannot hold a py_function: there a collective is
+refused by name when traced.
 
 Tensors on a GPU cross through host memory: each collective's inputs are copied to the
 host, the collective and every op of its body run on the CPU, and its outputs are copied
@@ -21,6 +23,7 @@ after its op: the same on every rank that builds the same graph.
 """
 
 import tensorflow as tf
+from tensorflow.python.ops import control_flow_util as _control_flow
 
 _to_dlpack = tf.experimental.dlpack.to_dlpack
 _from_dlpack = tf.experimental.dlpack.from_dlpack
@@ -94,6 +97,12 @@ def run(fn, inputs, out_dtypes, kind):
     body = through_host(fn)
     if tf.executing_eagerly():
         return list(body(*inputs))
+    if _control_flow.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()):
+        raise NotImplementedError(
+            f"perseus: {kind} cannot run in code compiled by XLA (a tf.function with "
+            "jit_compile=True, or called from one): XLA cannot call the Perseus core. "
+            "Compile that function with jit_compile=False (Keras models compiled with a "
+            "Perseus DistributedOptimizer already are)")
     outs = tf.py_function(body, list(inputs), list(out_dtypes), name=kind)
     return list(outs) if isinstance(outs, (list, tuple)) else [outs]
 

@@ -10,8 +10,9 @@ TensorFlow 2.16 and later use)::
 
 A wrapped optimizer is an instance of a subclass of the optimizer's class: its
 ``apply`` (and so ``apply_gradients`` and ``model.fit``) averages the gradients over
-the ranks first. Models whose step runs under XLA (``jit_compile=True``, Keras' choice
-on GPU machines) cannot call the core: compile them with ``jit_compile=False``.
+the ranks first. XLA-compiled code cannot call the core: a model compiled with a
+wrapped optimizer trains with ``jit_compile=False``, whatever Keras' ``"auto"`` would
+choose on a GPU machine (perseus.tensorflow.keras.hooks).
 """
 
 import keras
@@ -72,6 +73,7 @@ from perseus.tensorflow.keras import (
     callbacks,  # noqa: F401 - hvd.callbacks
     elastic,  # noqa: F401 - hvd.elastic
 )
+from perseus.tensorflow.keras import hooks as _hooks
 
 _LegacyOptimizer = tf.compat.v1.train.Optimizer
 _classes = {}  # optimizer class -> its distributed subclass
@@ -168,6 +170,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
         raise TypeError(f"expected a Keras optimizer or a tf.compat.v1.train.Optimizer, got "
                         f"{type(optimizer).__name__}")
     _check_common(op, gradient_predivide_factor, num_groups, groups)
+    _hooks.install()  # no XLA, and loss scaling decided alike on every rank
     passes, average = passes_per_step(backward_passes_per_step, average_aggregated_gradients)
     config = optimizer.get_config()
     if passes > 1:
@@ -262,4 +265,8 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None,
         passes = opt.gradient_accumulation_steps or 1
         opt.__class__ = _distributed_class(type(opt))
         _attach(opt, GradientReducer("DistributedOptimizer", compression), passes, True)
+    if opt is not None:
+        _hooks.install()
+        if model.compiled and model.jit_compile:  # compiled with the plain optimizer
+            model.jit_compile = False
     return model
