@@ -295,6 +295,14 @@ def test_distributed_optimizer_with_amp_and_the_fused_step(run_workers):
     assert out.count("WORKER OK") == 2
 
 
+def test_torch_amp_skips_a_step_that_overflowed_on_one_rank_on_every_rank(run_workers):
+    """Without amp_decorate: GradScaler checks the reduced gradients, so one rank's
+    overflow skips the step everywhere (it used to skip it there alone, and the ranks'
+    weights and scales parted)."""
+    out = run_workers(2, "amp_overflow.py")
+    assert out.count("WORKER OK") == 2
+
+
 def test_ddp_reduces_half_gradients_and_the_masters_follow_its_broadcast():
     import os
     import socket

@@ -30,7 +30,10 @@ What it does:
   gradients (half the bytes), and the move follows them. ``GradScaler.unscale_`` on such
   an optimizer first waits for the reductions, so the plain AMP loop needs no
   ``synchronize()``; the Horovod recipe (``synchronize()``, then ``step()`` within
-  ``skip_synchronize()``) works too.
+  ``skip_synchronize()``) works too. The same holds for an ``hvd.DistributedOptimizer``
+  without ``amp_decorate`` (torch's own AMP, float32 weights): ``unscale_`` checks for
+  infs in the reduced gradients, never in gradients that the core is still writing, so
+  every rank skips an overflowed step, or none does.
 - A model weight written from outside (``hvd.broadcast_parameters``,
   ``model.load_state_dict``) is seen by its version counter, and its master is refreshed
   from it before the next step.
@@ -210,7 +213,7 @@ def amp_decorate(model, optimizer, keep_batchnorm_fp32=True, loss_scale=None, nu
         model_p = cast[pid]
         model_p.grad = None
         _links[master] = _Link(model_p, bounds)
-    _patch_grad_scaler()
+    patch_grad_scaler()
     _patch_optimizer(optimizer)
     return model, optimizer
 
@@ -300,10 +303,11 @@ def _patch_optimizer(optimizer):
 _scaler_patched = False
 
 
-def _patch_grad_scaler():
-    """Once per process: ``GradScaler.unscale_`` moves a decorated optimizer's gradients
-    first (after its reductions, for ``hvd.DistributedOptimizer``), and a scaler that
-    has unscaled one keeps its scale within that decoration's bounds in ``update``."""
+def patch_grad_scaler():
+    """Once per process: ``GradScaler.unscale_`` waits for an ``hvd.DistributedOptimizer``'s
+    reductions in flight and moves a decorated optimizer's gradients first, and a scaler
+    that has unscaled a decorated one keeps its scale within that decoration's bounds in
+    ``update``."""
     global _scaler_patched
     if _scaler_patched:
         return
@@ -312,6 +316,9 @@ def _patch_grad_scaler():
     unscale, update = scaler.unscale_, scaler.update
 
     def unscale_(self, optimizer):
+        before = getattr(optimizer, "_amp_before_move", None)  # hvd.DistributedOptimizer
+        if before is not None:
+            before()
         links = pairs(optimizer)
         if links:
             self._perseus_amp_bounds = _links[links[0][1]].bounds

@@ -78,6 +78,8 @@ class _DistributedOptimizer:
         # arrive on, and are reduced as, the model's half-precision parameters.
         self._amp = _amp.is_decorated(self)
         self._auto_synchronized = False
+        # GradScaler.unscale_ waits for the reductions (see _amp_before_move()).
+        _amp.patch_grad_scaler()
         self._parameter_names = parameter_names(self.param_groups, named_parameters,
                                                 _amp.working)
         switches = Switches(_config())
@@ -525,10 +527,12 @@ class _DistributedOptimizer:
         self._overlapped.clear()
 
     def _amp_before_move(self):
-        """Under AMP O2, called before the gradients move onto the masters
-        (``GradScaler.unscale_``, ``amp_parameters``): reductions in flight are waited
-        for first, and ``step()`` then does not synchronize again."""
-        if self._handles and self._should_synchronize:
+        """Called before ``GradScaler.unscale_`` reads the gradients, and under AMP O2
+        before they move onto the masters (``amp_parameters``): reductions in flight are
+        waited for first, and ``step()`` then does not synchronize again. Between the
+        passes that ``backward_passes_per_step`` accumulates nothing is in flight."""
+        in_flight = any(handle is not None for handle, _ in self._handles.values())
+        if in_flight and self._should_synchronize:
             self.synchronize()
             self._auto_synchronized = True
 
