@@ -301,6 +301,13 @@ def _patch_optimizer(optimizer):
 
 
 _scaler_patched = False
+_scaler_scaled = False  # a GradScaler with scaling on has scaled a loss in this process
+
+
+def grad_scaler_in_use():
+    """Whether a ``GradScaler`` with scaling on has scaled a loss in this process (seen
+    once :func:`patch_grad_scaler` ran): gradients then arrive multiplied by its scale."""
+    return _scaler_scaled
 
 
 def patch_grad_scaler():
@@ -313,7 +320,13 @@ def patch_grad_scaler():
         return
     _scaler_patched = True
     scaler = torch.amp.GradScaler
-    unscale, update = scaler.unscale_, scaler.update
+    unscale, update, scale = scaler.unscale_, scaler.update, scaler.scale
+
+    def scale_(self, outputs):
+        global _scaler_scaled
+        if self.is_enabled():
+            _scaler_scaled = True
+        return scale(self, outputs)
 
     def unscale_(self, optimizer):
         before = getattr(optimizer, "_amp_before_move", None)  # hvd.DistributedOptimizer
@@ -337,5 +350,7 @@ def patch_grad_scaler():
 
     unscale_.__doc__ = unscale.__doc__
     update_.__doc__ = update.__doc__
+    scale_.__doc__ = scale.__doc__
     scaler.unscale_ = unscale_
     scaler.update = update_
+    scaler.scale = scale_

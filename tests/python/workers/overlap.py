@@ -9,7 +9,8 @@ Usage: overlap.py sgd|adam   6 steps of a 3-layer model whose first layer's back
        overlap.py explicit   synchronize() and step() under skip_synchronize(): no
                              parameter steps twice
        overlap.py refused    step(closure) is refused, naming the switch; so is the
-                             switch itself under PERSEUS_ALLREDUCE_NANCHECK=1
+                             switch itself under PERSEUS_ALLREDUCE_NANCHECK=1, and so are
+                             it and DGC when a GradScaler scales the loss
 """
 
 import os
@@ -147,6 +148,20 @@ def main():
                     what="a closure"):
             opt.step(lambda: None)
         opt.step()
+        # Under a GradScaler gradients arrive multiplied by the scale: the overlapped step
+        # and DGC, which use them as backward produces them, refuse them by name.
+        scaler = torch.amp.GradScaler("cpu")
+        for switch in ("PERSEUS_OVERLAP_BACKWARD_AND_STEP=1", "PERSEUS_DGC=1"):
+            if switch == "PERSEUS_DGC=1":
+                os.environ.pop("PERSEUS_OVERLAP_BACKWARD_AND_STEP")
+                os.environ["PERSEUS_DGC"] = "1"
+            model = Net()
+            opt = hvd.DistributedOptimizer(make_optimizer("sgd", model.parameters()),
+                                           named_parameters=model.named_parameters())
+            x, y = batch(0, 0)
+            with raises(ValueError, switch, "does not go with torch.amp.GradScaler",
+                        what=f"{switch} under a GradScaler"):
+                scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
     r = hvd.rank()
     hvd.shutdown()
     done(r)

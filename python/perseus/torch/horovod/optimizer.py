@@ -368,8 +368,21 @@ class _DistributedOptimizer:
             for i, t in enumerate(compressed)])
         return handle, ctxs
 
+    def _refuse_scaled_gradients(self):
+        """The overlapped step and DGC use each gradient as its hook sees it, before a
+        GradScaler could unscale it (or skip an overflowed step): refused by name."""
+        switch = ("PERSEUS_OVERLAP_BACKWARD_AND_STEP=1 (--overlap-backward-and-step)"
+                  if self._overlap else "PERSEUS_DGC=1 (--dgc)")
+        raise ValueError(f"{switch} does not go with torch.amp.GradScaler: it uses each "
+                         "gradient as backward produces it, still multiplied by the loss "
+                         "scale, before the scaler unscales it or skips an overflowed "
+                         "step. Train without the scaler (bfloat16 autocast needs none) "
+                         "or without the switch")
+
     def _make_hook(self, p):
         def hook(*_):
+            if (self._overlap or self._dgc is not None) and _amp.grad_scaler_in_use():
+                self._refuse_scaled_gradients()
             submit()
             if self._overlap and self._handles:
                 self._step_ready()
