@@ -152,6 +152,9 @@ def test_arguments_it_cannot_run_are_refused_naming_why():
                                   "own launcher, not mpirun (use_mpi)"), got
     assert got["cooldown"] == ("ValueError: perseus.run: cooldown_range is (min, max) "
                                "seconds, got 5"), got
+    # Tuning flags alone do not make a job elastic: perseusrun refuses a cooldown there.
+    assert got["cooldown_fixed"] == ("ValueError: perseus.run: perseusrun refused these "
+                                     "arguments (its message is above)"), got
     assert got["not_callable"] == "TypeError: perseus.run needs a function to run, got int", got
     assert got["typo"] == "TypeError: run() got an unexpected keyword argument 'hots'", got
     assert got["hosts"] == ("HostError: -np 4 is more than the 2 slots available "

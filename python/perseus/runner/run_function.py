@@ -52,9 +52,9 @@ def _payload(func, args, kwargs):
 
 
 def _argv(np, hosts, hostfile, start_timeout, ssh_port, ssh_identity_file,
-          output_filename, verbose, network_interface, executable, elastic):
+          output_filename, verbose, network_interface, executable, elastic_flags):
     argv = [] if np is None else ["-np", str(np)]
-    for flag, value in (*elastic.items(), ("-H", hosts), ("--hostfile", hostfile),
+    for flag, value in (*elastic_flags.items(), ("-H", hosts), ("--hostfile", hostfile),
                         ("--start-timeout", start_timeout), ("--ssh-port", ssh_port),
                         ("--ssh-identity-file", ssh_identity_file),
                         ("--output-filename", output_filename),
@@ -173,9 +173,9 @@ def run(func, args=(), kwargs=None, num_proc=None, np=None, hosts=None, hostfile
     with ``mpi_args`` added to its command line. ``disable_cache`` is accepted and has
     no effect.
 
-    ``min_np`` (``min_num_proc``), ``max_np`` (``max_num_proc``),
-    ``host_discovery_script``, ``slots``, ``reset_limit``, ``cooldown_range`` (two
-    seconds, ``(min, max)``) and ``elastic_timeout`` make the job elastic, as
+    ``min_np`` (``min_num_proc``), ``max_np`` (``max_num_proc``) or
+    ``host_discovery_script`` make the job elastic, and ``slots``, ``reset_limit``,
+    ``cooldown_range`` (``(min, max)`` seconds) and ``elastic_timeout`` tune it, as
     perseusrun's flags of those names do: workers that fail are left behind and the
     others go on (the function uses ``hvd.elastic.run``). The result is then what the
     function returned on each rank of the job's last round, by rank.
@@ -189,10 +189,12 @@ def run(func, args=(), kwargs=None, num_proc=None, np=None, hosts=None, hostfile
     if mpi_args is not None and not mpi:
         raise ValueError("perseus.run: mpi_args go with use_mpi=True")
     np = np if np is not None else num_proc
-    elastic = _elastic_flags(min_np if min_np is not None else min_num_proc,
-                             max_np if max_np is not None else max_num_proc,
-                             host_discovery_script, slots, reset_limit, cooldown_range,
-                             elastic_timeout)
+    min_np = min_np if min_np is not None else min_num_proc
+    max_np = max_np if max_np is not None else max_num_proc
+    flags = _elastic_flags(min_np, max_np, host_discovery_script, slots, reset_limit,
+                           cooldown_range, elastic_timeout)
+    # As perseusrun: these three turn elastic mode on; the other flags only tune it.
+    elastic = (min_np, max_np, host_discovery_script) != (None, None, None)
     if elastic and mpi:
         raise ValueError("perseus.run: elastic jobs run with Perseus's own launcher, not "
                          "mpirun (use_mpi)")
@@ -200,7 +202,7 @@ def run(func, args=(), kwargs=None, num_proc=None, np=None, hosts=None, hostfile
             isinstance(np, bool) or not isinstance(np, int) or np < 1):
         raise ValueError(f"perseus.run needs np, a number of ranks >= 1, got {np!r}")
     argv = _argv(np, hosts, hostfile, start_timeout, ssh_port, ssh_identity_file,
-                 output_filename, verbose, network_interface, executable, elastic)
+                 output_filename, verbose, network_interface, executable, flags)
     if mpi:
         argv[:0] = ["--mpi"] + ([f"--mpi-args={mpi_args}"] if mpi_args else [])
     try:

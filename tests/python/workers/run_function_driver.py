@@ -146,6 +146,8 @@ def main(mode):
             "mpi_args": error_of(lambda: perseus.run(train, np=2, mpi_args="-x A")),
             "elastic_mpi": error_of(lambda: perseus.run(train, min_np=1, use_mpi=True)),
             "cooldown": error_of(lambda: perseus.run(train, min_np=1, cooldown_range=5)),
+            "cooldown_fixed": error_of(lambda: perseus.run(train, np=1,
+                                                           cooldown_range=(1, 2))),
             "not_callable": error_of(lambda: perseus.run(42, np=1)),
             "typo": error_of(lambda: perseus.run(train, np=1, hots="localhost:1")),
             "hosts": error_of(lambda: perseus.run(train, np=4, hosts="localhost:2")),
