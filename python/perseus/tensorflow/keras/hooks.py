@@ -27,6 +27,9 @@ import warnings
 import keras
 import tensorflow as tf
 
+from perseus.common.ops import Min
+from perseus.tensorflow.horovod import allreduce
+
 _installed = False
 
 
@@ -63,9 +66,6 @@ def _finite_on_every_rank(original):
         inner = getattr(self, "inner_optimizer", None)
         if not reduces_with_perseus(inner):
             return finite
-        from perseus.common.ops import Min
-        from perseus.tensorflow.horovod import allreduce
-
         everywhere = allreduce(tf.cast(finite, tf.int32), op=Min,
                                name="perseus.LossScaleOptimizer.finite",
                                process_set=inner._perseus_reducer.process_set)
