@@ -92,7 +92,7 @@ def move_grads(optimizer):
     """Adds the model's gradients into the masters' (float32) and clears the model's.
     Refreshes first any master whose model weight was written from outside. An
     ``hvd.DistributedOptimizer`` first waits for its reductions in flight."""
-    before = getattr(optimizer, "_amp_before_move", None)
+    before = getattr(optimizer, "_wait_before_reading_grads", None)
     if before is not None:
         before()
     for model_p, master in pairs(optimizer):
@@ -329,7 +329,7 @@ def patch_grad_scaler():
         return scale(self, outputs)
 
     def unscale_(self, optimizer):
-        before = getattr(optimizer, "_amp_before_move", None)  # hvd.DistributedOptimizer
+        before = getattr(optimizer, "_wait_before_reading_grads", None)  # hvd.DistributedOptimizer
         if before is not None:
             before()
         links = pairs(optimizer)

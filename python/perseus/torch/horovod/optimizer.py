@@ -78,7 +78,7 @@ class _DistributedOptimizer:
         # arrive on, and are reduced as, the model's half-precision parameters.
         self._amp = _amp.is_decorated(self)
         self._auto_synchronized = False
-        # GradScaler.unscale_ waits for the reductions (see _amp_before_move()).
+        # GradScaler.unscale_ waits for the reductions (see _wait_before_reading_grads()).
         _amp.patch_grad_scaler()
         self._parameter_names = parameter_names(self.param_groups, named_parameters,
                                                 _amp.working)
@@ -539,7 +539,7 @@ class _DistributedOptimizer:
             self._update(rest)
         self._overlapped.clear()
 
-    def _amp_before_move(self):
+    def _wait_before_reading_grads(self):
         """Called before ``GradScaler.unscale_`` reads the gradients, and under AMP O2
         before they move onto the masters (``amp_parameters``): reductions in flight are
         waited for first, and ``step()`` then does not synchronize again. Between the
