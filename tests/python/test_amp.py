@@ -320,3 +320,16 @@ def test_ddp_reduces_half_gradients_and_the_masters_follow_its_broadcast():
                           str(port)], check=False, env=env, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0 and "DDP AMP OK" in out.stdout, out.stdout + out.stderr
+
+
+def test_grad_scaler_under_accumulate_n_steps_holds_its_scale_and_unscales_once(run_workers):
+    """PERSEUS_ACCUMULATE_N_STEPS with the AMP loop unchanged: the calls within a window
+    leave the gradients scaled (and hidden from clipping) and the scale alone; the last
+    call unscales the reduced sum once. An overflow within a window skips it on every
+    rank. (Unscaling every call divided the earlier calls' share again and again, and
+    under AMP O2 moved it onto the masters before it was reduced.)"""
+    out = run_workers(2, "amp_accumulate.py", env={"PERSEUS_ACCUMULATE_N_STEPS": "2"})
+    assert out.count("WORKER OK") == 2
+    # One rank: the clipping in the window's last call sees the average, as on two.
+    out = run_workers(1, "amp_accumulate.py", env={"PERSEUS_ACCUMULATE_N_STEPS": "3"})
+    assert out.count("WORKER OK") == 1

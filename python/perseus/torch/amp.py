@@ -43,8 +43,10 @@ What it does:
 """
 
 import types
+from collections import defaultdict
 
 import torch
+from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = ["amp_decorate", "amp_parameters", "is_decorated"]
@@ -92,6 +94,8 @@ def move_grads(optimizer):
     """Adds the model's gradients into the masters' (float32) and clears the model's.
     Refreshes first any master whose model weight was written from outside. An
     ``hvd.DistributedOptimizer`` first waits for its reductions in flight."""
+    if _accumulating(optimizer):
+        return
     before = getattr(optimizer, "_wait_before_reading_grads", None)
     if before is not None:
         before()
@@ -111,6 +115,14 @@ def move_grads(optimizer):
         else:
             master.grad.add_(g)
         model_p.grad = None
+
+
+def _accumulating(optimizer):
+    """True when ``optimizer`` is an ``hvd.DistributedOptimizer`` whose next ``step()``
+    only accumulates (``PERSEUS_ACCUMULATE_N_STEPS``): its gradients are a partial,
+    unreduced sum, to be left where backward writes them."""
+    accumulating = getattr(optimizer, "_accumulating", None)
+    return accumulating is not None and accumulating()
 
 
 def copy_to_model(optimizer):
@@ -310,17 +322,40 @@ def grad_scaler_in_use():
     return _scaler_scaled
 
 
+def _hold(scaler, optimizer):
+    """``unscale_`` within a ``PERSEUS_ACCUMULATE_N_STEPS`` window: the gradients are a
+    partial sum, each call's share multiplied by the same scale, so none is divided yet;
+    they are hidden until ``step()`` (clipping them would clip a partial sum) and the
+    scaler records no overflow, so every rank takes the ``step()`` that only counts.
+    ``update()`` then keeps the scale. The window's last call unscales the reduced sum
+    once, and an overflow anywhere in the window shows there, on every rank."""
+    state = scaler._per_optimizer_states[id(optimizer)]
+    if state["stage"] is OptState.UNSCALED:
+        raise RuntimeError("unscale_() has already been called on this optimizer since the "
+                           "last update().")
+    if state["stage"] is OptState.STEPPED:
+        raise RuntimeError("unscale_() is being called after step().")
+    scale, _ = scaler._check_scale_growth_tracker("unscale_")
+    optimizer._hide_grads()
+    state["found_inf_per_device"] = {scale.device: torch.zeros((), dtype=torch.float32,
+                                                               device=scale.device)}
+    state["stage"] = OptState.UNSCALED
+    scaler._perseus_holding = True
+
+
 def patch_grad_scaler():
     """Once per process: ``GradScaler.unscale_`` waits for an ``hvd.DistributedOptimizer``'s
     reductions in flight and moves a decorated optimizer's gradients first, and a scaler
     that has unscaled a decorated one keeps its scale within that decoration's bounds in
-    ``update``."""
+    ``update``. Under ``PERSEUS_ACCUMULATE_N_STEPS`` the calls within a window hold the
+    scale and leave the gradients scaled (:func:`_hold`); a ``step`` that the scaler
+    skips for an overflow ends the window."""
     global _scaler_patched
     if _scaler_patched:
         return
     _scaler_patched = True
     scaler = torch.amp.GradScaler
-    unscale, update, scale = scaler.unscale_, scaler.update, scaler.scale
+    unscale, update, scale, step = scaler.unscale_, scaler.update, scaler.scale, scaler.step
 
     def scale_(self, outputs):
         global _scaler_scaled
@@ -329,6 +364,8 @@ def patch_grad_scaler():
         return scale(self, outputs)
 
     def unscale_(self, optimizer):
+        if self.is_enabled() and _accumulating(optimizer):
+            return _hold(self, optimizer)
         before = getattr(optimizer, "_wait_before_reading_grads", None)  # hvd.DistributedOptimizer
         if before is not None:
             before()
@@ -338,7 +375,24 @@ def patch_grad_scaler():
             move_grads(optimizer)
         return unscale(self, optimizer)
 
+    def step_(self, optimizer, *args, **kwargs):
+        calls = getattr(optimizer, "_step_calls", None)
+        result = step(self, optimizer, *args, **kwargs)
+        if calls is not None and optimizer._step_calls == calls:
+            optimizer._step_skipped()
+        return result
+
     def update_(self, new_scale=None):
+        if getattr(self, "_perseus_holding", False) and self.is_enabled():
+            # An explicit new scale waits for the window's end, as the automatic one does.
+            self._perseus_holding = False
+            if new_scale is not None:
+                self._perseus_new_scale = new_scale
+            self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+            return None
+        if new_scale is None:
+            new_scale = getattr(self, "_perseus_new_scale", None)
+        self._perseus_new_scale = None
         result = update(self, new_scale)
         bounds = getattr(self, "_perseus_amp_bounds", None)
         if bounds and self.is_enabled() and self._scale is not None:
@@ -351,6 +405,8 @@ def patch_grad_scaler():
     unscale_.__doc__ = unscale.__doc__
     update_.__doc__ = update.__doc__
     scale_.__doc__ = scale.__doc__
+    step_.__doc__ = step.__doc__
     scaler.unscale_ = unscale_
     scaler.update = update_
     scaler.scale = scale_
+    scaler.step = step_

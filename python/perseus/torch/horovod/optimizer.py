@@ -86,6 +86,8 @@ class _DistributedOptimizer:
         # PERSEUS_ACCUMULATE_N_STEPS: step() applies every N-th call (see step()).
         self._accumulate = switches.accumulate
         self._accumulated = 0
+        self._hidden = []  # gradients a GradScaler's unscale_ hid within a window
+        self._step_calls = 0  # GradScaler.step sees whether it called step()
         # PERSEUS_ALLREDUCE_NANCHECK: reduced gradients are checked (see _check_finite()).
         self._nancheck = switches.nancheck
         self._nonfinite_here = []
@@ -131,7 +133,9 @@ class _DistributedOptimizer:
         self._overlapped = set()
         self._group_of = {_amp.working(p): i for i, group in enumerate(self.param_groups)
                           for p in group["params"]}
-        if size() > 1 or os.environ.get("HOROVOD_ELASTIC") == "1":
+        # PERSEUS_ACCUMULATE_N_STEPS on one rank too: the reduction applies the 1/N as
+        # backward ends the window, so clipping before step() sees the average there too.
+        if size() > 1 or os.environ.get("HOROVOD_ELASTIC") == "1" or self._accumulate > 1:
             self._register_hooks()
 
     def _dgc_state(self, settings):
@@ -202,6 +206,7 @@ class _DistributedOptimizer:
         self._synchronized = False
         self._should_synchronize = True
         self._accumulated = 0
+        self._hidden = []
         self._residuals.clear()
         self._updates = 0
         for p in self._allreduce_delay:
@@ -549,6 +554,36 @@ class _DistributedOptimizer:
             self.synchronize()
             self._auto_synchronized = True
 
+    def _accumulating(self):
+        """True when the next ``step()`` only accumulates (PERSEUS_ACCUMULATE_N_STEPS):
+        the gradients then hold a partial sum of this rank's own, not yet reduced."""
+        return self._accumulate > 1 and self._accumulated + 1 < self._accumulate
+
+    def _hide_grads(self):
+        """A GradScaler's ``unscale_`` within an accumulation window: the gradients
+        backward wrote (the model's, under AMP O2) are set aside until ``step()`` puts
+        them back, so that clipping between the two, meant for the update, finds none."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                w = _amp.working(p)
+                if w.grad is not None:
+                    self._hidden.append((w, w.grad))
+                    w.grad = None
+
+    def _restore_grads(self):
+        """Puts back what :meth:`_hide_grads` set aside."""
+        hidden, self._hidden = self._hidden, []
+        for w, g in hidden:
+            w.grad = g if w.grad is None else w.grad.add_(g)
+
+    def _step_skipped(self):
+        """A GradScaler skipped ``step()`` for an overflow in the reduced gradients (the
+        same on every rank): under PERSEUS_ACCUMULATE_N_STEPS the window ends there, and
+        the next ``zero_grad()`` clears its gradients."""
+        self._restore_grads()
+        if self._accumulate > 1:
+            self._accumulated = 0
+
     @contextmanager
     def skip_synchronize(self):
         """Within this context ``step()`` does not synchronize (call ``synchronize()`` first).
@@ -568,6 +603,8 @@ class _DistributedOptimizer:
         With PERSEUS_ACCUMULATE_N_STEPS=N only every N-th call communicates and updates;
         the calls in between only let gradients accumulate (running ``closure`` if given).
         """
+        self._step_calls += 1
+        self._restore_grads()
         if self._accumulate > 1:
             self._accumulated += 1
             if self._accumulated < self._accumulate:
@@ -575,15 +612,16 @@ class _DistributedOptimizer:
                     return None
                 with torch.enable_grad():
                     return closure()
-            self._accumulated = 0
-            if not self._hook_handles:
-                if self._amp:
-                    _amp.move_grads(self)
-                # One rank: no reduction applies the 1/N, so average here.
-                for group in self.param_groups:
-                    for p in group["params"]:
-                        if p.grad is not None:
-                            p.grad.div_(self._accumulate)
+            try:
+                return self._step_now(closure)
+            finally:
+                # Only now: AMP O2's moves within this step must see the window ended.
+                self._accumulated = 0
+        return self._step_now(closure)
+
+    def _step_now(self, closure):
+        """The step that communicates and updates (every N-th ``step()`` call under
+        PERSEUS_ACCUMULATE_N_STEPS)."""
         entered = time.perf_counter()
         timed = self._perf_every > 0 and bool(self._hook_handles)
         if timed and self._last_step_end is not None:
@@ -609,7 +647,7 @@ class _DistributedOptimizer:
                               "context after optimizer.synchronize(). This can cause training "
                               "slowdown. You may want to consider using "
                               "optimizer.skip_synchronize() context if you use "
-                              "optimizer.synchronize() in your code.", stacklevel=3)
+                              "optimizer.synchronize() in your code.", stacklevel=4)
             self.synchronize()
         if self._amp:
             _amp.move_grads(self)
@@ -653,7 +691,7 @@ class _DistributedOptimizer:
             if self._fused_refused != why:
                 self._fused_refused = why
                 warnings.warn(f"PERSEUS_FUSED_OPTIMIZER: {why}, so torch's own step runs",
-                              stacklevel=5)
+                              stacklevel=6)
         return base_step(closure)
 
     def zero_grad(self, *args, **kwargs):
