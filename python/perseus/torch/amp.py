@@ -43,6 +43,7 @@ What it does:
 """
 
 import types
+import weakref
 from collections import defaultdict
 
 import torch
@@ -313,13 +314,15 @@ def _patch_optimizer(optimizer):
 
 
 _scaler_patched = False
-_scaler_scaled = False  # a GradScaler with scaling on has scaled a loss in this process
+# GradScalers with scaling on that have scaled a loss since their last update().
+_scaling = weakref.WeakSet()
 
 
 def grad_scaler_in_use():
-    """Whether a ``GradScaler`` with scaling on has scaled a loss in this process (seen
-    once :func:`patch_grad_scaler` ran): gradients then arrive multiplied by its scale."""
-    return _scaler_scaled
+    """Whether a ``GradScaler`` with scaling on has scaled a loss and not yet finished its
+    iteration with ``update()`` (seen once :func:`patch_grad_scaler` ran): gradients that
+    backward produces meanwhile may be multiplied by its scale."""
+    return len(_scaling) > 0
 
 
 def _hold(scaler, optimizer):
@@ -358,9 +361,8 @@ def patch_grad_scaler():
     unscale, update, scale, step = scaler.unscale_, scaler.update, scaler.scale, scaler.step
 
     def scale_(self, outputs):
-        global _scaler_scaled
         if self.is_enabled():
-            _scaler_scaled = True
+            _scaling.add(self)
         return scale(self, outputs)
 
     def unscale_(self, optimizer):
@@ -383,6 +385,7 @@ def patch_grad_scaler():
         return result
 
     def update_(self, new_scale=None):
+        _scaling.discard(self)
         if getattr(self, "_perseus_holding", False) and self.is_enabled():
             # An explicit new scale waits for the window's end, as the automatic one does.
             self._perseus_holding = False

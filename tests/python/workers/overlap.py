@@ -10,7 +10,8 @@ Usage: overlap.py sgd|adam   6 steps of a 3-layer model whose first layer's back
                              parameter steps twice
        overlap.py refused    step(closure) is refused, naming the switch; so is the
                              switch itself under PERSEUS_ALLREDUCE_NANCHECK=1, and so are
-                             it and DGC when a GradScaler scales the loss
+                             it and DGC when a GradScaler scales the loss (only
+                             until that scaler's update())
 """
 
 import os
@@ -148,9 +149,27 @@ def main():
                     what="a closure"):
             opt.step(lambda: None)
         opt.step()
+        # A GradScaler of another optimizer that has finished its iteration (update())
+        # leaves a later backward, not scaled, to the overlapped step.
+        os.environ.pop("PERSEUS_OVERLAP_BACKWARD_AND_STEP")
+        model = Net()
+        other = hvd.DistributedOptimizer(make_optimizer("sgd", model.parameters()),
+                                         named_parameters=model.named_parameters())
+        scaler = torch.amp.GradScaler("cpu")
+        scaler.scale(torch.nn.functional.mse_loss(model(batch(0, 0)[0]),
+                                                  batch(0, 0)[1])).backward()
+        scaler.step(other)
+        scaler.update()
+        os.environ["PERSEUS_OVERLAP_BACKWARD_AND_STEP"] = "1"
+        model = Net()
+        opt = hvd.DistributedOptimizer(make_optimizer("sgd", model.parameters()),
+                                       named_parameters=model.named_parameters())
+        before = [p.detach().clone() for p in model.parameters()]
+        torch.nn.functional.mse_loss(model(batch(0, 0)[0]), batch(0, 0)[1]).backward()
+        opt.step()
+        assert all(not torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before))
         # Under a GradScaler gradients arrive multiplied by the scale: the overlapped step
         # and DGC, which use them as backward produces them, refuse them by name.
-        scaler = torch.amp.GradScaler("cpu")
         for switch in ("PERSEUS_OVERLAP_BACKWARD_AND_STEP=1", "PERSEUS_DGC=1"):
             if switch == "PERSEUS_DGC=1":
                 os.environ.pop("PERSEUS_OVERLAP_BACKWARD_AND_STEP")
