@@ -348,7 +348,9 @@ def _hold(scaler, optimizer):
 
 def patch_grad_scaler():
     """Once per process: ``GradScaler.unscale_`` waits for an ``hvd.DistributedOptimizer``'s
-    reductions in flight and moves a decorated optimizer's gradients first, and a scaler
+    reductions in flight and moves a decorated optimizer's gradients first (under
+    ``op=Adasum``, which unscales each rank's own gradients, the ranks then agree on an
+    overflow), and a scaler
     that has unscaled a decorated one keeps its scale within that decoration's bounds in
     ``update``. Under ``PERSEUS_ACCUMULATE_N_STEPS`` the calls within a window hold the
     scale and leave the gradients scaled (:func:`_hold`); a ``step`` that the scaler
@@ -375,7 +377,11 @@ def patch_grad_scaler():
         if links:
             self._perseus_amp_bounds = _links[links[0][1]].bounds
             move_grads(optimizer)
-        return unscale(self, optimizer)
+        result = unscale(self, optimizer)
+        agree = getattr(optimizer, "_overflow_anywhere", None)  # op=Adasum: own gradients
+        if agree is not None and self.is_enabled():
+            agree(self._per_optimizer_states[id(optimizer)]["found_inf_per_device"])
+        return result
 
     def step_(self, optimizer, *args, **kwargs):
         calls = getattr(optimizer, "_step_calls", None)

@@ -3,7 +3,8 @@ own optimizer state, then every rank's weights become the start plus the Adasum 
 ranks' weight changes. Checked against a replay of every rank's local step (torch's own
 step, each rank's optimizer state kept apart) combined by the NumPy rule of
 _adasum_rule.py: Adam, SGD with momentum over two backward passes per step, fp16
-compression, a process set, bits alike on every rank, and the refusals."""
+compression, a process set, bits alike on every rank, a GradScaler whose overflow on one
+rank skips the step on every rank, and the refusals."""
 
 import copy
 import os
@@ -34,12 +35,15 @@ def backward(model, k, step, part):
     nn.functional.mse_loss(model(x), y).backward()
 
 
-def replay(make_opt, ranks, passes):
-    """The weights after STEPS steps, computed here for all of ``ranks``."""
+def replay(make_opt, ranks, passes, skipped=None):
+    """The weights after STEPS steps, computed here for all of ``ranks``; the step
+    ``skipped`` is not taken (by any rank)."""
     models = [copy.deepcopy(MODEL0) for _ in ranks]
     opts = [make_opt(m.parameters()) for m in models]
     current = [p.detach().clone() for p in MODEL0.parameters()]
     for step in range(STEPS):
+        if step == skipped:
+            continue
         changes = []
         for model, opt, k in zip(models, opts, ranks):
             with torch.no_grad():
@@ -89,6 +93,40 @@ check("adam", lambda ps: torch.optim.Adam(ps, lr=0.05))
 check("sgd momentum, 2 passes", lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), passes=2)
 check("sgd fp16 wire", lambda ps: torch.optim.SGD(ps, lr=0.1),
       compression=hvd.Compression.fp16, rtol=5e-3, atol=5e-4)
+
+
+
+def scaled(overflow_at):
+    """torch.amp.GradScaler around the Adasum optimizer, rank 0's loss overflowing at step
+    ``overflow_at``. Each rank unscales its own gradients, so the ranks must agree: every
+    one skips that step (a rank skipping alone left the others waiting in the weight
+    changes' reduction, which then paired its next step with their current one)."""
+    def make_opt(params):
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+    model = copy.deepcopy(MODEL0)
+    opt = hvd.DistributedOptimizer(make_opt(model.parameters()),
+                                   named_parameters=model.named_parameters(), op=hvd.Adasum)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1000)
+    for step in range(STEPS):
+        opt.zero_grad()
+        x, y = batch(r, step, 0)
+        loss = nn.functional.mse_loss(model(x), y)
+        if r == 0 and step == overflow_at:
+            loss = loss * float("inf")
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        scales = hvd.allgather_object(scaler.get_scale(), name=f"adasum.scale.{step}")
+        want = 2.0**10 if step < overflow_at else 2.0**9
+        assert scales == [want] * n, f"GradScaler, step {step}: scales {scales}"
+    for (name, p), w in zip(model.named_parameters(),
+                            replay(make_opt, list(range(n)), 1, skipped=overflow_at)):
+        close(p.detach(), w, f"GradScaler, overflow skipped everywhere: {name}",
+              rtol=1e-10, atol=1e-12)
+
+
+scaled(overflow_at=1)
 
 # The wrapped optimizer keeps its class, its state and Horovod's contract.
 model, opt = train(lambda ps: torch.optim.Adam(ps, lr=0.05))

@@ -22,9 +22,10 @@ from contextlib import contextmanager
 import torch
 
 from perseus.common.gradients import warn_adasum_unapplied
-from perseus.common.ops import Adasum
+from perseus.common.ops import Adasum, Max
 from perseus.common.process_sets import global_process_set
-from perseus.torch.horovod.mpi_ops import allreduce_async_, synchronize
+from perseus.torch import amp as _amp
+from perseus.torch.horovod.mpi_ops import allreduce, allreduce_async_, synchronize
 from perseus.torch.horovod.parameter_names import parameter_names
 
 
@@ -43,6 +44,8 @@ class _DistributedAdasumOptimizer:
         # per step).
         self._starts = {}
         warn_adasum_unapplied(stacklevel=4)
+        # GradScaler.unscale_ lets the ranks agree on an overflow (_overflow_anywhere()).
+        _amp.patch_grad_scaler()
 
     def set_backward_passes_per_step(self, passes):
         """Backward passes accumulated locally per step (gradients add up in ``.grad``
@@ -57,6 +60,22 @@ class _DistributedAdasumOptimizer:
         raise AssertionError("Skipping synchronization is not supported when using the "
                              "Adasum optimizer: its step() reduces the weight changes")
         yield  # pragma: no cover
+
+    def _overflow_anywhere(self, found_inf_per_device):
+        """Called by ``GradScaler.unscale_`` with the overflow flags it found in this rank's
+        own gradients (each rank steps on its own here, unlike the averaging optimizer,
+        whose gradients are already reduced): the flags become whether any rank of the set
+        found one, so every rank skips the step or none does. A rank skipping alone would
+        leave the others waiting in the weight changes' reduction, and its next step's
+        changes would then pair with their current ones."""
+        flags = list(found_inf_per_device.values())
+        mine = torch.zeros(1, dtype=torch.float32)
+        for f in flags:
+            mine = torch.maximum(mine, f.detach().reshape(1).to("cpu", torch.float32))
+        anywhere = allreduce(mine, name="adasum.overflow", op=Max,
+                             process_set=self.process_set).item()
+        for f in flags:
+            f.fill_(anywhere)
 
     def _trainable(self):
         return [p for group in self.param_groups for p in group["params"] if p.requires_grad]
