@@ -78,6 +78,12 @@ def test_perseusrun_gives_init_process_group_its_variables():
 
 
 @pytest.mark.timeout(120)
+def test_a_compiled_ddp_model_reduces_through_perseus():
+    # torch.compile splits the graph at DDP's buckets; Perseus's hook still reduces them
+    assert_ok(*perseusrun("compiled"), 2)
+
+
+@pytest.mark.timeout(120)
 def test_perseus_ddp_0_leaves_ddp_to_torch():
     assert_ok(*perseusrun("train", PERSEUS_DDP=0), 2)
 

@@ -45,6 +45,14 @@ def test_adasum_optimizer(run_workers, n):
     run_workers(n, "adasum_optimizer.py")
 
 
+@pytest.mark.timeout(120)
+def test_distributed_optimizer_with_a_compiled_model(run_workers):
+    """torch.compile (AOTAutograd's compiled backward) leaves the gradient hooks to
+    autograd: every gradient is reduced and the weights equal one process's training on
+    the whole batch, plainly and with the overlapped step."""
+    run_workers(2, "compiled.py")
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("n", SIZES)
 def test_training(run_workers, n):

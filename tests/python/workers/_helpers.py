@@ -115,6 +115,29 @@ def small_mlp():
     return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
 
 
+def whole_batch_training(n, rows, steps, make_opt, skipped=(), max_norm=None):
+    """The weights of :func:`small_mlp` after one process trains ``steps`` steps on the
+    whole batch of :func:`step_batch` (mean squared error), with ``make_opt(params)``'s
+    optimizer: what data-parallel training on ``n`` ranks of ``rows`` rows must give. The
+    steps in ``skipped`` compute gradients but do not step; with ``max_norm`` the
+    gradients are clipped to that norm first."""
+    import torch
+    import torch.nn.functional as F
+
+    net = small_mlp()
+    opt = make_opt(net.parameters())
+    for step in range(steps):
+        x, y = step_batch(n, rows, step)
+        opt.zero_grad()
+        F.mse_loss(net(x), y).backward()
+        if step in skipped:
+            continue
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(net.parameters(), max_norm)
+        opt.step()
+    return [p.detach() for p in net.parameters()]
+
+
 def step_batch(n, rows, step):
     """Step ``step``'s whole batch for ``n`` ranks of ``rows`` rows each, alike on every
     rank: inputs of 6 features, targets of 3."""

@@ -8,7 +8,7 @@ batch. Both loops: scaler.step() alone (it unscales), and unscale_, clipping, st
 import perseus.torch.horovod as hvd
 import torch
 import torch.nn.functional as F
-from _helpers import close, done, small_mlp, step_batch
+from _helpers import close, done, small_mlp, step_batch, whole_batch_training
 
 STEPS, ROWS, SCALE, OVERFLOW_AT, MAX_NORM = 4, 6, 2.0**16, 1, 1.0
 
@@ -19,17 +19,8 @@ def make_opt(params):
 
 def reference(n, clip):
     """One process, the whole batch, the overflowed step skipped."""
-    net = small_mlp()
-    opt = make_opt(net.parameters())
-    for step in range(STEPS):
-        x, y = step_batch(n, ROWS, step)
-        opt.zero_grad()
-        F.mse_loss(net(x), y).backward()
-        if step != OVERFLOW_AT:
-            if clip:
-                torch.nn.utils.clip_grad_norm_(net.parameters(), MAX_NORM)
-            opt.step()
-    return [p.detach() for p in net.parameters()]
+    return whole_batch_training(n, ROWS, STEPS, make_opt, skipped=(OVERFLOW_AT,),
+                                max_norm=MAX_NORM if clip else None)
 
 
 def train(clip):

@@ -4,6 +4,7 @@ averaged by Perseus, and training gives what one process gets on the whole batch
 ``ddp.py CHECK [PORT]``: CHECK is
 - ``train``: started by a launcher (torchrun, perseusrun); Perseus must reduce
   (PERSEUS_DDP=0: it must not, and must not even start);
+- ``compiled``: the same under ``torch.compile``;
 - ``spawn``: this script spawns 2 ranks that get their ranks only from
   ``init_process_group(rank=..., world_size=...)``, torch's store at 127.0.0.1:PORT;
 - ``user-hook``: a hook the user registers before the first forward is kept, and one
@@ -103,6 +104,24 @@ def check_train():
         assert (_core.rank(), _core.size()) == (rank, n)
     else:
         assert not pddp.hooked(ddp) and ops == 0, f"rank {rank}: PERSEUS_DDP=0 ignored ({ops})"
+    end(rank)
+
+
+def check_compiled():
+    """``torch.compile`` over the DDP model (dynamo splits the graph at the buckets and
+    AOTAutograd compiles backward): Perseus still reduces every bucket, and training
+    gives what one process gets on the whole batch."""
+    from perseus import _core
+
+    dist.init_process_group("gloo")
+    rank, n = dist.get_rank(), dist.get_world_size()
+    before = _core.counters()["operations"]
+    # Dynamo's DDP graph splitting needs buckets no smaller than DDP's first one (1 MiB).
+    ddp = DDP(model(100 + rank))
+    train(torch.compile(ddp, backend="aot_eager"), rank, n)
+    check_trained(ddp, rank, n)
+    ops = _core.counters()["operations"] - before
+    assert pddp.hooked(ddp) and ops >= STEPS, f"rank {rank}: {ops} collectives, compiled"
     end(rank)
 
 
@@ -269,6 +288,7 @@ if __name__ == "__main__":
     if check == "spawn":
         torch.multiprocessing.spawn(spawned, args=(2, int(sys.argv[2])), nprocs=2)
     else:
-        {"train": check_train, "user-hook": check_user_hook, "peer-exit": check_peer_exit,
+        {"train": check_train, "compiled": check_compiled, "user-hook": check_user_hook,
+         "peer-exit": check_peer_exit,
          "powersgd": lambda: check_powersgd(sys.argv[2]),
          "subgroups": lambda: check_subgroups(sys.argv[2])}[check]()
