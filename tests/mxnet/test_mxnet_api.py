@@ -49,3 +49,11 @@ def test_kvstore_pushes_are_gradients(run_framework):
     """PERSEUS_ALLREDUCE_DTYPE=0: a Sum push to a weight key travels as float16; a
     param_only key and a Max push stay exact."""
     run_framework(2, "kvstore_gradients.py", "dtype", env={"PERSEUS_ALLREDUCE_DTYPE": "0"})
+
+
+def test_mxnet_amp_with_distributed_trainer(run_framework):
+    """mxnet.contrib.amp (bfloat16) with DistributedTrainer, with and without
+    amp.unscale: the weights move as one process's AMP training on the whole batch (the
+    loss scale and the 1/size each come off once), alike on both ranks, and rank 0's
+    overflow skips the step on both."""
+    run_framework(2, "amp.py")

@@ -118,10 +118,11 @@ class GradientReducer:
         return (process_set_size(self.process_set) > 1 or self.nancheck
                 or self.downsample_n > 1 or self.perf_every > 0)
 
-    def reduce(self, names, grads, group=None):
-        """Sum ``grads`` (NDArrays, written in place) across the set; ``names`` (one per
-        gradient, the same on every rank) name them in the NaN check's report; ``group``
-        names the reduction (default: ``<name>.grads``). Raises
+    def reduce(self, names, grads, group=None, postscale=1.0):
+        """Sum ``grads`` (NDArrays, written in place) across the set, then multiply the sums
+        by ``postscale``; ``names`` (one per gradient, the same on every rank) name them in
+        the NaN check's report; ``group`` names the reduction (default:
+        ``<name>.grads``). Raises
         ``FloatingPointError`` on every rank when PERSEUS_ALLREDUCE_NANCHECK finds a
         reduced gradient that is not finite."""
         if not grads or not self._needed():
@@ -143,7 +144,8 @@ class GradientReducer:
             contexts.append((ctx, sampled))
         try:
             grouped_allreduce_(sends, op=Sum, prescale_factor=1.0 / self.predivide,
-                               process_set=self.process_set, gradient=True,
+                               postscale_factor=postscale, process_set=self.process_set,
+                               gradient=True,
                                name=group or f"{self.name}.grads")
             for g, sent, (ctx, sampled) in zip(grads, sends, contexts):
                 self._restore(g, sent, ctx, sampled)

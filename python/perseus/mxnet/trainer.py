@@ -141,17 +141,6 @@ class DistributedTrainer(mx.gluon.Trainer):
         self._holding = False
         super().__init__(params, optimizer, optimizer_params=optimizer_params, kvstore=None)
 
-    # The sum over the ranks becomes their average through the optimizer's scale, which
-    # gluon reads at each step: it follows the number of ranks, which an elastic job's
-    # resets change. gluon's own code sets the scale without the ranks.
-    @property
-    def _scale(self):
-        return self._unscaled * self._predivide / process_set_size(self._process_set)
-
-    @_scale.setter
-    def _scale(self, value):
-        self._unscaled = value
-
     def _allreduce_grads(self):
         params = [(i, p) for i, p in enumerate(self._params) if p.grad_req != "null"]
         grads = [p.list_grad()[0] for _, p in params]
@@ -159,7 +148,12 @@ class DistributedTrainer(mx.gluon.Trainer):
         due = [self._accumulator.add(i, g) for (i, _), g in zip(params, grads)]
         self._holding = not all(due)
         if not self._holding:
-            self._reducer.reduce([p.name for _, p in params], grads)
+            # The reduction itself makes the sum an average, with the set's size at this
+            # step (an elastic job's resets change it). The Trainer's ``_scale`` stays
+            # gluon's: mxnet.contrib.amp divides it by the loss scale and amp.unscale
+            # sets it to 1, and each must act once.
+            self._reducer.reduce([p.name for _, p in params], grads,
+                                 postscale=self._predivide / process_set_size(self._process_set))
 
     def _update(self, ignore_stale_grad=False):
         if self._holding:  # a step that only accumulated
