@@ -267,6 +267,6 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None,
         _attach(opt, GradientReducer("DistributedOptimizer", compression), passes, True)
     if opt is not None:
         _hooks.install()
-        if model.compiled and model.jit_compile:  # compiled with the plain optimizer
-            model.jit_compile = False
+        if model.compiled:  # by Keras, with the plain optimizer: the hook did not see it
+            _hooks.without_xla(model)
     return model

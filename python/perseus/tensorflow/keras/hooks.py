@@ -42,6 +42,18 @@ def reduces_with_perseus(optimizer):
     return any(isinstance(o, _DistributedKerasOptimizer) for o in (optimizer, inner))
 
 
+def without_xla(model, asked="auto"):
+    """Turns XLA off for a compiled ``model`` whose optimizer is a Perseus one, with a
+    warning when ``asked`` (the ``jit_compile`` its ``compile()`` was given) is True."""
+    if not (model.jit_compile and reduces_with_perseus(getattr(model, "optimizer", None))):
+        return
+    if asked is True:
+        warnings.warn("perseus: code compiled by XLA cannot call the Perseus core, which "
+                      "reduces this model's gradients; proceeding with jit_compile=False",
+                      stacklevel=3)
+    model.jit_compile = False
+
+
 def _compile_without_xla(original):
     signature = inspect.signature(original)
 
@@ -49,12 +61,7 @@ def _compile_without_xla(original):
     def compile(self, *args, **kwargs):
         asked = signature.bind(self, *args, **kwargs).arguments.get("jit_compile", "auto")
         result = original(self, *args, **kwargs)
-        if self.jit_compile and reduces_with_perseus(getattr(self, "optimizer", None)):
-            if asked is True:
-                warnings.warn("perseus: code compiled by XLA cannot call the Perseus core, "
-                              "which reduces this model's gradients; proceeding with "
-                              "jit_compile=False", stacklevel=2)
-            self.jit_compile = False
+        without_xla(self, asked)
         return result
     return compile
 
