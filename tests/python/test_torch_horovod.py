@@ -53,6 +53,26 @@ def test_distributed_optimizer_with_a_compiled_model(run_workers):
     run_workers(2, "compiled.py")
 
 
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("n", SIZES)
+def test_training_while_layers_freeze_unfreeze_and_groups_are_added(run_workers, n):
+    """Fine-tuning's changes to what trains (a layer unfrozen after the optimizer was
+    wrapped, one frozen later, a group added by add_param_group) give what one process
+    gets on the whole batch: plainly, with groups, over two passes, overlapped; Adasum
+    names an added group."""
+    run_workers(n, "freezing.py")
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("n", SIZES)
+def test_gradient_clipping_before_step_waits_for_the_reductions(run_workers, n):
+    """torch's clip_grad_norm_, clip_grad_value_, clip_grads_with_norm_ and get_total_norm
+    between backward and step(), with no synchronize() first, clip the averaged gradients
+    (one process's whole-batch training) instead of racing the reductions; step() then
+    reduces nothing again."""
+    run_workers(n, "clipping.py")
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("n", SIZES)
 def test_training(run_workers, n):

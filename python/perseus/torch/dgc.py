@@ -167,11 +167,17 @@ class DGC:
         self._value_type = torch.float16 if settings.fp16_values else torch.float32
         _patch_sampler()
         for group in optimizer.param_groups:
-            if group.get("maximize"):
-                raise ValueError("DGC (PERSEUS_DGC=1) does not support SGD(maximize=True)")
             for p in group["params"]:
-                if p.requires_grad and p.dim() > 1 and p.is_floating_point():
-                    self.compressed[p] = group
+                self.consider(p, group)
+
+    def consider(self, p, group):
+        """Compresses ``p`` (of the parameter group ``group``) if it is a trainable
+        floating-point weight of two or more dimensions: for the optimizer's parameters
+        at the start, and for those that start training later (unfrozen, or added)."""
+        if group.get("maximize"):
+            raise ValueError("DGC (PERSEUS_DGC=1) does not support SGD(maximize=True)")
+        if p.requires_grad and p.dim() > 1 and p.is_floating_point():
+            self.compressed[p] = group
 
     def state(self, positions):
         """Momenta and velocities by the number of their parameter in ``positions``."""

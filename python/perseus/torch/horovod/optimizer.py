@@ -21,6 +21,7 @@ from perseus.common.process_sets import global_process_set
 from perseus.torch import amp as _amp
 from perseus.torch import dgc as _dgc
 from perseus.torch import optim as _fused
+from perseus.torch.horovod import clipping as _clipping
 from perseus.torch.horovod.adasum import _DistributedAdasumOptimizer
 from perseus.torch.horovod.compression import Compression
 from perseus.torch.horovod.functions import broadcast_object
@@ -34,7 +35,7 @@ from perseus.torch.horovod.mpi_ops import (
     stacked_allgather_async,
     synchronize,
 )
-from perseus.torch.horovod.parameter_names import parameter_names
+from perseus.torch.horovod.parameter_names import name_added, parameter_names
 
 
 class _Sampled:
@@ -135,8 +136,13 @@ class _DistributedOptimizer:
                           for p in group["params"]}
         # PERSEUS_ACCUMULATE_N_STEPS on one rank too: the reduction applies the 1/N as
         # backward ends the window, so clipping before step() sees the average there too.
-        if size() > 1 or os.environ.get("HOROVOD_ELASTIC") == "1" or self._accumulate > 1:
+        self._hooked = (size() > 1 or os.environ.get("HOROVOD_ELASTIC") == "1"
+                        or self._accumulate > 1)
+        self._frozen = []  # parameters without a hook: they did not train when last seen
+        if self._hooked:
             self._register_hooks()
+        self._tracking = True  # add_param_group() from now on names and hooks new groups
+        _clipping.track(self)  # torch's clipping waits for the reductions in flight
 
     def _dgc_state(self, settings):
         """DGC's state when PERSEUS_DGC=1 (None otherwise), after checking that the
@@ -246,11 +252,53 @@ class _DistributedOptimizer:
             self._form_groups()
         for group in self.param_groups:
             for p in group["params"]:
-                if p.requires_grad:
-                    w = _amp.working(p)
-                    self._requires_update.add(w)
-                    self._hook_handles.append(
-                        w.register_post_accumulate_grad_hook(self._make_hook(w)))
+                w = _amp.working(p)
+                if w.requires_grad:
+                    self._hook(w)
+                else:
+                    self._frozen.append(w)
+
+    def _hook(self, w):
+        """Reduces ``w``'s gradient from now on, as backward accumulates it (DGC
+        compresses it if it takes such a weight)."""
+        if self._dgc is not None:
+            self._dgc.consider(w, self.param_groups[self._group_of[w]])
+        self._requires_update.add(w)
+        self._allreduce_delay[w] = self._passes_per_update()
+        self._hook_handles.append(w.register_post_accumulate_grad_hook(self._make_hook(w)))
+
+    def add_param_group(self, param_group):
+        """torch's ``add_param_group``; the new group's gradients are averaged like the
+        others'. Its parameters keep the names ``named_parameters`` gave them, and the
+        others are named ``allreduce.noname.<group>.<index>`` (the same on every rank when
+        every rank adds the same groups)."""
+        super().add_param_group(param_group)
+        if not self.__dict__.get("_tracking"):
+            return  # torch's __init__ adding the wrapped optimizer's groups
+        index = len(self.param_groups) - 1
+        try:
+            added = name_added(self._parameter_names, self.param_groups, _amp.working)
+        except ValueError:
+            self.param_groups.pop()
+            raise
+        for w in added:
+            self._group_of[w] = index
+            if self._hooked:
+                self._frozen.append(w)
+        self._hook_unfrozen()
+
+    def _hook_unfrozen(self):
+        """Hooks the parameters that train now (``requires_grad``) but had no hook: those
+        frozen when the hooks were registered and unfrozen since, and those of a group
+        added later. Their gradient of the step now ending, computed before the hook was
+        there, is reduced in ``synchronize()``. Returns whether any was hooked."""
+        if not any(w.requires_grad for w in self._frozen):
+            return False
+        unfrozen = [w for w in self._frozen if w.requires_grad]
+        self._frozen = [w for w in self._frozen if not w.requires_grad]
+        for w in unfrozen:
+            self._hook(w)
+        return True
 
     def _scale_factors(self):
         # With PERSEUS_ACCUMULATE_N_STEPS=N the gradient holds the sum of N steps: send
@@ -423,11 +471,15 @@ class _DistributedOptimizer:
     def _start_all(self):
         """Starts the reductions not started yet: of gradients backward did not produce
         here (zeros), and of those held back by ``backward_passes_per_step``."""
+        self._hook_unfrozen()
         completed = set(self._overlapped)
         for key in self._handles:
             completed.update(key) if isinstance(key, tuple) else completed.add(key)
         for p in self._requires_update - completed:
-            self._handles[p] = self._allreduce_grad_async(p)
+            # A parameter frozen since its hook was registered keeps no gradient, as in
+            # torch's own step (a zero gradient would still move it by momentum or decay).
+            if p.requires_grad:
+                self._handles[p] = self._allreduce_grad_async(p)
         for p, (handle, _) in list(self._handles.items()):
             if handle is None:
                 self._handles[p] = self._allreduce_grad_async(p)
@@ -550,6 +602,8 @@ class _DistributedOptimizer:
         waited for first, and ``step()`` then does not synchronize again. Between the
         passes that ``backward_passes_per_step`` accumulates nothing is in flight."""
         in_flight = any(handle is not None for handle, _ in self._handles.values())
+        # A parameter unfrozen since the last step has no reduction in flight yet.
+        in_flight = self._hook_unfrozen() or in_flight
         if in_flight and self._should_synchronize:
             self.synchronize()
             self._auto_synchronized = True

@@ -30,3 +30,27 @@ def parameter_names(param_groups, named_parameters, working=lambda p: p):
         raise ValueError("named_parameters was specified, but one or more model parameters "
                          f"were not named. Python object ids: {', '.join(map(str, unnamed))}")
     return {v: k for k, v in named_parameters}
+
+
+def name_added(names, param_groups, working=lambda p: p):
+    """Names, in ``names`` (``{parameter: name}``), each parameter of ``param_groups``
+    it lacks: those of a group added after the optimizer was wrapped, which
+    ``named_parameters`` did not name either. The name is
+    ``allreduce.noname.<group>.<index>``, the same on every rank that added the same
+    groups. Returns the parameters named; ``ValueError`` if a name is taken."""
+    taken = set(names.values())
+    added = []
+    for i, group in enumerate(param_groups):
+        for j, p in enumerate(group["params"]):
+            w = working(p)
+            if w in names:
+                continue
+            name = f"allreduce.noname.{i}.{j}"
+            if name in taken:
+                raise ValueError(f"a parameter of the added group {i} would be named {name!r}, "
+                                 "which named_parameters gave another parameter: name the "
+                                 "added parameters in named_parameters")
+            names[w] = name
+            taken.add(name)
+            added.append(w)
+    return added
