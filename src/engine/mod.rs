@@ -305,8 +305,8 @@ impl Engine {
         let key = (req.process_set, req.name.clone());
         if !self.shared.inflight.lock().unwrap().insert(key) {
             return Err(PerseusError::InvalidArgument(format!(
-                "a {} named '{}' is already in flight on this rank; names must be unique \
-                 among outstanding operations",
+                "{} '{}' is already in flight on this rank; names must be unique among \
+                 outstanding operations",
                 req.kind.name(),
                 req.name
             )));

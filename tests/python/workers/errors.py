@@ -101,6 +101,28 @@ def duplicate_names(r, n):
     close(hvd.synchronize(h2), torch.full((2,), float(n)), "first dup2 still completes")
 
 
+def shared_optimizer_names(r, n):
+    """Two DistributedOptimizers over models whose named_parameters() give the same names
+    (a GAN's two nn.Sequential): a gradient reduction meeting its namesake in flight
+    fails with the way to name them apart. The gate holds rank 1's first one in flight."""
+    gen, disc = (torch.nn.Sequential(torch.nn.Linear(2, 2)) for _ in range(2))
+    opts = [hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                     named_parameters=m.named_parameters())
+            for m in (gen, disc)]
+    for p in (*gen.parameters(), *disc.parameters()):
+        p.grad = torch.ones_like(p)
+    if r != 0:
+        handle, _ = opts[0]._allreduce_grad_async(gen[0].weight)
+        with raises(ValueError, "'0.weight'", "already in flight", "named_parameters=[('gen.'",
+                    what="two optimizers' gradients of one name"):
+            opts[1]._allreduce_grad_async(disc[0].weight)
+        hvd.allreduce(torch.ones(1), name="gate3")
+    else:
+        hvd.allreduce(torch.ones(1), name="gate3")
+        handle, _ = opts[0]._allreduce_grad_async(gen[0].weight)
+    close(hvd.synchronize(handle), torch.ones(2, 2), "the first of the two names completes")
+
+
 def forked_child(n):
     """A child forked after init (a DataLoader worker) is refused collectives, told why,
     and the parent's job goes on."""
@@ -129,6 +151,7 @@ def main():
     hvd.barrier()
     mismatches(r, n)
     duplicate_names(r, n)
+    shared_optimizer_names(r, n)
     forked_child(n)
     # synchronize twice returns the same result; poll after completion is True
     h = hvd.allreduce_async(torch.ones(2), op=hvd.Sum)

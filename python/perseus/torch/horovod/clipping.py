@@ -6,15 +6,16 @@ clip then (``torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)`` without
 and scale them while the reduction writes them: each rank gets other bytes, and the
 ranks' weights part with no error. Once a ``DistributedOptimizer`` exists, torch's
 clipping functions (``clip_grad_norm_``, ``clip_grad_value_``, ``clip_grads_with_norm_``
-and ``get_total_norm``, under every name ``torch.nn.utils`` and its ``clip_grad`` module
-give them) first wait for the reductions of the optimizers whose gradients they were given. They
-then clip the averaged gradients, as Horovod's ``synchronize()``, clip, then
-``skip_synchronize()`` pattern does, and ``step()`` does not synchronize again. A name
-bound by ``from torch.nn.utils import clip_grad_norm_`` before the first
+and ``get_total_norm``, under their public names in ``torch.nn.utils`` and its
+``clip_grad`` module) first wait for the reductions of the optimizers whose gradients
+they were given. They then clip the averaged gradients, as Horovod's ``synchronize()``,
+clip, then ``skip_synchronize()`` pattern does, and ``step()`` does not synchronize
+again. A name bound by ``from torch.nn.utils import clip_grad_norm_`` before the first
 ``DistributedOptimizer`` was made keeps torch's own function.
 """
 
 import functools
+import threading
 import weakref
 
 import torch
@@ -24,6 +25,12 @@ import torch.nn.utils.clip_grad
 from perseus.torch import amp as _amp
 
 _PATCHED = ("clip_grad_norm_", "clip_grad_value_", "clip_grads_with_norm_", "get_total_norm")
+# torch's own functions, for Perseus's own clipping (the overlapped step clips each
+# gradient as its reduction lands, while others are still in flight).
+_TORCH = {name: getattr(torch.nn.utils, name) for name in _PATCHED
+          if hasattr(torch.nn.utils, name)}
+# Set on a thread while Perseus's own clipping runs torch's functions: nothing waits then.
+_own = threading.local()
 # The DistributedOptimizers alive in this process (each adds itself when made).
 _optimizers = weakref.WeakSet()
 _patched = False
@@ -34,6 +41,21 @@ def track(optimizer):
     (through its ``_wait_before_reading_grads()``); patches them the first time."""
     _optimizers.add(optimizer)
     _patch()
+
+
+def torch_own(name):
+    """torch's ``torch.nn.utils.<name>``, waiting for no reduction (nor do the clipping
+    functions it calls)."""
+    func = _TORCH[name]
+
+    def own(*args, **kwargs):
+        _own.running = True
+        try:
+            return func(*args, **kwargs)
+        finally:
+            _own.running = False
+
+    return own
 
 
 def _wait_for(tensors, given_grads):
@@ -60,10 +82,10 @@ def _waiting(func, given_grads):
             parameters = [parameters]
         else:
             parameters = list(parameters)  # a generator is read once, here
-        _wait_for(parameters, given_grads)
+        if not getattr(_own, "running", False):
+            _wait_for(parameters, given_grads)
         return func(parameters, *args, **kwargs)
 
-    clip._perseus_waits = True
     return clip
 
 
@@ -73,14 +95,11 @@ def _patch():
         return
     _patched = True
     modules = (torch.nn.utils, torch.nn.utils.clip_grad)
-    for name in _PATCHED:
-        func = getattr(torch.nn.utils, name, None)
-        if func is None:
-            continue  # an older torch
+    for name, func in _TORCH.items():  # an older torch lacks some
         waiting = _waiting(func, given_grads=name == "get_total_norm")
-        # Every name the function has there: torch 2.15's clip_grad module calls its
-        # own _get_total_norm and _clip_grads_with_norm_, exported without the "_".
+        # The public names only: torch's own functions call private ones (torch 2.15's
+        # clip_grad_norm_ calls _get_total_norm), which must not wait, so that the
+        # overlapped step's clipping (torch_own) never waits for the reductions.
         for module in modules:
-            for attr in (name, "_" + name):
-                if getattr(module, attr, None) is func:
-                    setattr(module, attr, waiting)
+            if getattr(module, name, None) is func:
+                setattr(module, name, waiting)

@@ -383,7 +383,27 @@ class _DistributedOptimizer:
         times, self._compute_times = self._compute_times, []
         perf_check(times, self._perf_every, "DistributedOptimizer", self.process_set)
 
+    @contextmanager
+    def _shared_names_explained(self):
+        """A name already in flight, from an optimizer's reduction, most likely comes from
+        two optimizers whose ``named_parameters`` give the same names (two models, each
+        ``nn.Sequential``, trained through one backward pass): the error says so."""
+        try:
+            yield
+        except ValueError as e:
+            if "already in flight" not in str(e):
+                raise
+            raise ValueError(
+                f"{e}. Two DistributedOptimizers name their gradients alike (two models "
+                "whose named_parameters() give the same names, reduced in the same "
+                "backward pass): give each its own names, e.g. named_parameters=[('gen.' + "
+                "n, p) for n, p in gen.named_parameters()]") from None
+
     def _allreduce_grad_async(self, p):
+        with self._shared_names_explained():
+            return self._allreduce_grad_async_unexplained(p)
+
+    def _allreduce_grad_async_unexplained(self, p):
         if p.grad is None:
             # Not computed here (e.g. an unused branch), but others may have computed it.
             p.grad = torch.zeros_like(p)
@@ -416,9 +436,11 @@ class _DistributedOptimizer:
             self._note_nonfinite(self._parameter_names.get(p), p.grad)
         compressed, ctxs = zip(*[self._send_form(p, p.grad) for p in params])
         pre, post = self._scale_factors()
-        handle = GroupHandle([
-            gradient_allreduce_async_(t, f"{name}.{i}", self.op, pre, post, self.process_set)
-            for i, t in enumerate(compressed)])
+        with self._shared_names_explained():
+            handle = GroupHandle([
+                gradient_allreduce_async_(t, f"{name}.{i}", self.op, pre, post,
+                                          self.process_set)
+                for i, t in enumerate(compressed)])
         return handle, ctxs
 
     def _refuse_scaled_gradients(self):
@@ -558,9 +580,9 @@ class _DistributedOptimizer:
             func, limit = self._clip
             for p in params:
                 if func == "value":
-                    torch.nn.utils.clip_grad_value_([p], limit)
+                    _clipping.torch_own("clip_grad_value_")([p], limit)
                 else:
-                    torch.nn.utils.clip_grad_norm_([p], limit)
+                    _clipping.torch_own("clip_grad_norm_")([p], limit)
         compressed = self._dgc.compressed if self._dgc is not None else {}
         mine = {}
         for p in params:
