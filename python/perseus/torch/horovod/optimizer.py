@@ -292,9 +292,9 @@ class _DistributedOptimizer:
         frozen when the hooks were registered and unfrozen since, and those of a group
         added later. Their gradient of the step now ending, computed before the hook was
         there, is reduced in ``synchronize()``. Returns whether any was hooked."""
-        if not any(w.requires_grad for w in self._frozen):
-            return False
         unfrozen = [w for w in self._frozen if w.requires_grad]
+        if not unfrozen:
+            return False
         self._frozen = [w for w in self._frozen if not w.requires_grad]
         for w in unfrozen:
             self._hook(w)
