@@ -26,7 +26,7 @@ from perseus.common.ops import Adasum, Max
 from perseus.common.process_sets import global_process_set
 from perseus.torch import amp as _amp
 from perseus.torch.horovod.mpi_ops import allreduce, allreduce_async_, synchronize
-from perseus.torch.horovod.parameter_names import name_added, parameter_names
+from perseus.torch.horovod.parameter_names import name_added_group, parameter_names
 
 
 class _DistributedAdasumOptimizer:
@@ -49,15 +49,11 @@ class _DistributedAdasumOptimizer:
 
     def add_param_group(self, param_group):
         """torch's ``add_param_group``; the new group's weight changes are combined like
-        the others' (under the names ``parameter_names.name_added`` gives)."""
+        the others' (under the names ``parameter_names.name_added_group`` gives)."""
         super().add_param_group(param_group)
         if "_parameter_names" not in self.__dict__:
             return  # torch's __init__ adding the wrapped optimizer's groups
-        try:
-            name_added(self._parameter_names, self.param_groups)
-        except ValueError:
-            self.param_groups.pop()
-            raise
+        name_added_group(self._parameter_names, self.param_groups)
 
     def set_backward_passes_per_step(self, passes):
         """Backward passes accumulated locally per step (gradients add up in ``.grad``

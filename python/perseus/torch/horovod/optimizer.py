@@ -35,7 +35,7 @@ from perseus.torch.horovod.mpi_ops import (
     stacked_allgather_async,
     synchronize,
 )
-from perseus.torch.horovod.parameter_names import name_added, parameter_names
+from perseus.torch.horovod.parameter_names import name_added_group, parameter_names
 
 
 class _Sampled:
@@ -276,12 +276,7 @@ class _DistributedOptimizer:
         if not self.__dict__.get("_tracking"):
             return  # torch's __init__ adding the wrapped optimizer's groups
         index = len(self.param_groups) - 1
-        try:
-            added = name_added(self._parameter_names, self.param_groups, _amp.working)
-        except ValueError:
-            self.param_groups.pop()
-            raise
-        for w in added:
+        for w in name_added_group(self._parameter_names, self.param_groups, _amp.working):
             self._group_of[w] = index
             if self._hooked:
                 self._frozen.append(w)

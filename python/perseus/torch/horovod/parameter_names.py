@@ -32,25 +32,25 @@ def parameter_names(param_groups, named_parameters, working=lambda p: p):
     return {v: k for k, v in named_parameters}
 
 
-def name_added(names, param_groups, working=lambda p: p):
-    """Names, in ``names`` (``{parameter: name}``), each parameter of ``param_groups``
-    it lacks: those of a group added after the optimizer was wrapped, which
-    ``named_parameters`` did not name either. The name is
+def name_added_group(names, param_groups, working=lambda p: p):
+    """Names, in ``names`` (``{parameter: name}``), the parameters of the group just
+    added to ``param_groups`` (its last) that ``named_parameters`` did not name:
     ``allreduce.noname.<group>.<index>``, the same on every rank that added the same
-    groups. Returns the parameters named; ``ValueError`` if a name is taken."""
+    groups. Returns the parameters named. When such a name is taken, the group is
+    removed again and ``ValueError`` raised, with nothing named."""
+    i = len(param_groups) - 1
     taken = set(names.values())
-    added = []
-    for i, group in enumerate(param_groups):
-        for j, p in enumerate(group["params"]):
-            w = working(p)
-            if w in names:
-                continue
-            name = f"allreduce.noname.{i}.{j}"
-            if name in taken:
-                raise ValueError(f"a parameter of the added group {i} would be named {name!r}, "
-                                 "which named_parameters gave another parameter: name the "
-                                 "added parameters in named_parameters")
-            names[w] = name
-            taken.add(name)
-            added.append(w)
-    return added
+    new = {}
+    for j, p in enumerate(param_groups[i]["params"]):
+        w = working(p)
+        if w in names:
+            continue
+        name = f"allreduce.noname.{i}.{j}"
+        if name in taken:
+            param_groups.pop()
+            raise ValueError(f"a parameter of the added group {i} would be named {name!r}, "
+                             "which named_parameters gave another parameter: name the "
+                             "added parameters in named_parameters")
+        new[w] = name
+    names.update(new)
+    return list(new)
