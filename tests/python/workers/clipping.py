@@ -4,8 +4,8 @@ averaged gradients, so training equals one process clipping its whole batch's gr
 Before, the clip read and scaled gradients that the reduction was still writing, and the
 ranks' weights parted. A model with a 4 MiB weight (reduced in its own memory) and small
 ones (fused); clip_grad_norm_ given a generator, clip_grad_value_ given one tensor, the
-name imported after the optimizer was made, get_total_norm on the gradients; step()
-then does not warn or reduce again."""
+name bound at import (after perseus.torch.horovod, before any optimizer was made),
+get_total_norm on the gradients; step() then does not warn or reduce again."""
 
 import warnings
 
@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from _helpers import close, done
 from perseus import _core
 from torch import nn
+from torch.nn.utils import clip_grad_norm_
 
 ROWS, STEPS = 4, 3
 
@@ -40,8 +41,6 @@ def clip_value(net):
 
 
 def clip_imported(net):
-    from torch.nn.utils import clip_grad_norm_
-
     clip_grad_norm_(list(net.parameters()), 0.05, norm_type=1.0)
 
 

@@ -4,14 +4,15 @@ Between ``loss.backward()`` and ``step()`` the gradients are being averaged in p
 clip then (``torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)`` without
 ``optimizer.synchronize()`` first, which Horovod's documentation asks for) would read
 and scale them while the reduction writes them: each rank gets other bytes, and the
-ranks' weights part with no error. Once a ``DistributedOptimizer`` exists, torch's
+ranks' weights part with no error. From ``import perseus.torch.horovod`` on, torch's
 clipping functions (``clip_grad_norm_``, ``clip_grad_value_``, ``clip_grads_with_norm_``
 and ``get_total_norm``, under their public names in ``torch.nn.utils`` and its
-``clip_grad`` module) first wait for the reductions of the optimizers whose gradients
-they were given. They then clip the averaged gradients, as Horovod's ``synchronize()``,
-clip, then ``skip_synchronize()`` pattern does, and ``step()`` does not synchronize
-again. A name bound by ``from torch.nn.utils import clip_grad_norm_`` before the first
-``DistributedOptimizer`` was made keeps torch's own function.
+``clip_grad`` module) first wait for the reductions of the ``DistributedOptimizer``s
+whose gradients they were given (none: they wait for nothing). They then clip the
+averaged gradients, as Horovod's ``synchronize()``, clip, then ``skip_synchronize()``
+pattern does, and ``step()`` does not synchronize again. A name bound by
+``from torch.nn.utils import clip_grad_norm_`` before ``perseus.torch.horovod`` was
+imported keeps torch's own function.
 """
 
 import functools
@@ -33,14 +34,12 @@ _TORCH = {name: getattr(torch.nn.utils, name) for name in _PATCHED
 _own = threading.local()
 # The DistributedOptimizers alive in this process (each adds itself when made).
 _optimizers = weakref.WeakSet()
-_patched = False
 
 
 def track(optimizer):
     """Makes torch's clipping functions wait for ``optimizer``'s reductions in flight
-    (through its ``_wait_before_reading_grads()``); patches them the first time."""
+    (through its ``_wait_before_reading_grads()``)."""
     _optimizers.add(optimizer)
-    _patch()
 
 
 def torch_own(name):
@@ -90,10 +89,6 @@ def _waiting(func, given_grads):
 
 
 def _patch():
-    global _patched
-    if _patched:
-        return
-    _patched = True
     modules = (torch.nn.utils, torch.nn.utils.clip_grad)
     for name, func in _TORCH.items():  # an older torch lacks some
         waiting = _waiting(func, given_grads=name == "get_total_norm")
@@ -103,3 +98,7 @@ def _patch():
         for module in modules:
             if getattr(module, name, None) is func:
                 setattr(module, name, waiting)
+
+
+# At import, so that names a script binds after ``import perseus.torch.horovod`` wait.
+_patch()
