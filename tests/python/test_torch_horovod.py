@@ -73,6 +73,16 @@ def test_gradient_clipping_before_step_waits_for_the_reductions(run_workers, n):
     run_workers(n, "clipping.py")
 
 
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("n", SIZES)
+def test_a_gradient_arriving_in_parts_after_its_reduction_started(run_workers, n):
+    """A block run twice under reentrant checkpointing, and two backward() calls per step
+    with backward_passes_per_step=1, give what one process gets on the whole batch (where
+    Horovod asserts): plainly, with groups, fp16, two passes, op=Sum; the overlapped step
+    refuses it naming the parameter."""
+    run_workers(n, "rearrival.py")
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("n", SIZES)
 def test_training(run_workers, n):

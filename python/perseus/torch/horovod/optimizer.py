@@ -117,6 +117,11 @@ class _DistributedOptimizer:
         self.sparse_as_dense = sparse_as_dense
         self.process_set = process_set
         self._handles = {}
+        # Parameters whose gradient of this window went to a reduction (in flight or
+        # received), and what the earlier reductions of a gradient that arrived again
+        # gave (see _arrives_again()).
+        self._sent = set()
+        self._carry = {}
         self._hook_handles = []
         self._requires_update = set()
         self._synchronized = False
@@ -208,6 +213,7 @@ class _DistributedOptimizer:
         if self._dgc is not None:
             self._dgc.load(held or {}, self._positions())
         self._handles = {}
+        self._end_window()
         self._overlapped.clear()
         self._synchronized = False
         self._should_synchronize = True
@@ -265,6 +271,7 @@ class _DistributedOptimizer:
             self._dgc.consider(w, self.param_groups[self._group_of[w]])
         self._requires_update.add(w)
         self._allreduce_delay[w] = self._passes_per_update()
+        self._hook_handles.append(w.register_hook(self._make_prehook(w)))
         self._hook_handles.append(w.register_post_accumulate_grad_hook(self._make_hook(w)))
 
     def add_param_group(self, param_group):
@@ -459,14 +466,9 @@ class _DistributedOptimizer:
 
         def submit():
             self._auto_synchronized = False
-            pending = p in self._handles and self._handles[p][0] is not None
-            if pending and self._allreduce_delay[p] <= 0:
-                raise AssertionError(
-                    "Gradients were computed more than backward_passes_per_step times "
-                    "before call to step(). Increase backward_passes_per_step to "
-                    "accumulate gradients locally.")
             assert not p.grad.requires_grad
-            assert self._allreduce_delay[p] > 0
+            if self._allreduce_delay[p] <= 0:
+                return  # counted already, it waits for the rest of its group
             handle, ctx = None, None
             self._allreduce_delay[p] -= 1
             if self._allreduce_delay[p] == 0:
@@ -477,19 +479,75 @@ class _DistributedOptimizer:
                         self._handles[group] = self._grouped_allreduce_grad_async(group)
                         for gp in group:
                             self._handles.pop(gp, None)
+                        self._sent.update(group)
                         self._group_counts[group] = 0
                         return
                 else:
                     handle, ctx = self._allreduce_grad_async(p)
+                    self._sent.add(p)
             self._handles[p] = (handle, ctx)
 
         return hook
+
+    def _make_prehook(self, p):
+        def prehook(_grad):
+            if p in self._sent:
+                self._arrives_again(p)
+
+        return prehook
+
+    def _arrives_again(self, p):
+        """Runs before backward adds to ``p.grad`` a gradient that arrives after ``p``'s
+        reduction of this window started: a module run twice under reentrant
+        ``torch.utils.checkpoint`` (each run's backward is a backward pass of its own), or
+        more ``backward()`` calls before ``step()`` than ``backward_passes_per_step``.
+        Horovod asserts there, after backward has added the new part into a gradient
+        that its reduction was writing. Here the reduction is waited for first, its
+        average set aside, and the new part goes to a reduction of its own; the
+        averages add up in ``synchronize()``, so the result is the average of the whole
+        gradient, as when it arrives at once."""
+        name = self._parameter_names.get(p, "?")
+        refused = ("PERSEUS_OVERLAP_BACKWARD_AND_STEP=1 (a parameter steps once its "
+                   "reduction lands)" if self._overlap else
+                   "PERSEUS_DGC=1" if self._dgc is not None else
+                   "PERSEUS_DOWNSAMPLE_N_ELEMENTS > 1" if self._downsample_n > 1 else
+                   "a sparse gradient" if p.grad is not None and p.grad.is_sparse else None)
+        if refused:
+            raise RuntimeError(
+                f"the gradient of '{name}' arrived again after its reduction started in this "
+                "window (a module run twice under reentrant torch.utils.checkpoint, or more "
+                "backward() calls before step() than backward_passes_per_step); the parts "
+                f"cannot be reduced one after another with {refused}. Use "
+                "torch.utils.checkpoint.checkpoint(..., use_reentrant=False), or set "
+                "backward_passes_per_step to the backward() calls per step")
+        group = self._p_to_group.get(p)
+        key = group if group is not None and group in self._handles else p
+        if key in self._handles:
+            handle, ctx = self._handles.pop(key)
+            self._receive(key, handle, ctx)  # adds the earlier parts' averages
+        self._carry[p] = p.grad
+        p.grad = None  # backward now puts the new part here
+        self._sent.discard(p)
+        self._allreduce_delay[p] = 1  # and its hook sends it
+
+    def _add_carry(self, p):
+        """Adds the averages of the earlier parts of ``p``'s gradient (see
+        :meth:`_arrives_again`) to the one just received, in the gradient's first
+        tensor."""
+        earlier = self._carry.pop(p, None)
+        if earlier is not None:
+            p.grad = earlier.add_(p.grad)
+
+    def _end_window(self):
+        """Forgets which gradients of the window went to reductions."""
+        self._sent.clear()
+        self._carry.clear()
 
     def _start_all(self):
         """Starts the reductions not started yet: of gradients backward did not produce
         here (zeros), and of those held back by ``backward_passes_per_step``."""
         self._hook_unfrozen()
-        completed = set(self._overlapped)
+        completed = set(self._overlapped) | self._sent
         for key in self._handles:
             completed.update(key) if isinstance(key, tuple) else completed.add(key)
         for p in self._requires_update - completed:
@@ -509,6 +567,7 @@ class _DistributedOptimizer:
             for gp, output, gctx in zip(key, outputs, ctx):
                 self._allreduce_delay[gp] = self._passes_per_update()
                 self._restore(gp, output, gctx)
+                self._add_carry(gp)
             if key in self._group_counts:
                 self._group_counts[key] = 0
             return list(key)
@@ -525,6 +584,7 @@ class _DistributedOptimizer:
             p.grad = reduced
         else:
             self._restore(p, output, ctx)
+            self._add_carry(p)
         return [p]
 
     def synchronize(self):
@@ -538,6 +598,7 @@ class _DistributedOptimizer:
                 self._receive(key, handle, ctx)
         finally:
             self._handles.clear()
+            self._end_window()
         self._updates += 1
         if self._nancheck:
             self._check_finite(self._requires_update)
@@ -612,6 +673,7 @@ class _DistributedOptimizer:
         if rest:
             self._update(rest)
         self._overlapped.clear()
+        self._end_window()
 
     def _wait_before_reading_grads(self):
         """Called before ``GradScaler.unscale_`` reads the gradients, and under AMP O2
@@ -774,6 +836,7 @@ class _DistributedOptimizer:
             raise AssertionError("optimizer.zero_grad() was called after loss.backward() but "
                                  "before optimizer.step() or optimizer.synchronize(). This is "
                                  "prohibited as it can cause a race condition.")
+        self._end_window()
         if self._amp:
             for model_p, _ in _amp.pairs(self):
                 model_p.grad = None
