@@ -2,7 +2,6 @@
 before a fresh init() of this process, and its effect checked."""
 
 import os
-import time
 
 import _tfhelpers  # noqa: F401 - quiets TensorFlow's logging first
 import keras
@@ -10,9 +9,12 @@ import numpy as np
 import perseus.tensorflow.horovod as hvd
 import tensorflow as tf
 from _tfhelpers import close, done, raises
+from perseus.common import ops
+from perseus.tensorflow.horovod import bridge
 
 SWITCHES = ("PERSEUS_ALLREDUCE_NANCHECK", "PERSEUS_DOWNSAMPLE_N_ELEMENTS",
-            "PERSEUS_ALLREDUCE_DTYPE", "PERSEUS_ACCUMULATE_N_STEPS", "PERSEUS_ALLREDUCE_FUSION")
+            "PERSEUS_ALLREDUCE_DTYPE", "PERSEUS_ACCUMULATE_N_STEPS", "PERSEUS_ALLREDUCE_FUSION",
+            "HOROVOD_CYCLE_TIME")
 
 
 def start(**env):
@@ -70,8 +72,16 @@ def wire_dtype():
     assert sent[0] <= 0.55 * sent[1], f"float16 links should halve the bytes: {sent}"
 
 
+def gate():
+    """An allreduce started here, to be waited for later."""
+    buf, cap = bridge.fresh_copy(tf.zeros(1))
+    return ops.allreduce_async(cap, cap, name="fusion.gate", keep=buf)
+
+
 def accumulate_and_fusion():
-    r, n = start(PERSEUS_ACCUMULATE_N_STEPS=2, PERSEUS_ALLREDUCE_FUSION=2)
+    # A long cycle time: requests made while another awaits its answer are held that long.
+    r, n = start(PERSEUS_ACCUMULATE_N_STEPS=2, PERSEUS_ALLREDUCE_FUSION=2,
+                 HOROVOD_CYCLE_TIME=300)
     opt = hvd.DistributedOptimizer(keras.optimizers.SGD(1.0))
     assert opt.gradient_accumulation_steps == 2, opt.gradient_accumulation_steps
     ws = [tf.Variable(tf.zeros(1024)) for _ in range(4)]
@@ -79,11 +89,13 @@ def accumulate_and_fusion():
     # over the ranks: -(1 + 2) / 2 * mean(r + 1).
     for k in (1, 2):
         grads = [tf.fill([1024], float(k * (r + 1))) for _ in ws]
-        if k == 2 and r == n - 1:
-            # The last rank submits late, so the others' requests wait at the
-            # coordinator and its own become ready together: fused, whatever the load.
-            time.sleep(0.3)
+        last = gate() if k == 2 and r == n - 1 else None
+        # On the last rank the gate, which the others join only after this step, awaits
+        # its answer: the four gradients are held and sent in one message after the cycle
+        # time, so at least two of them become ready together, whatever the load.
         opt.apply_gradients(zip(grads, ws))
+        if k == 2:
+            (last or gate()).wait()
         want = 0.0 if k == 1 else -1.5 * (n + 1) / 2
         close(ws[0], np.full(1024, want), f"PERSEUS_ACCUMULATE_N_STEPS call {k}")
     fused = hvd.counters()["fused_bytes_max"]

@@ -74,10 +74,12 @@ def _rows_shape(shape):
 
 def allreduce_now(tensors, names, op, prescale_factor, postscale_factor, process_set,
                   gradient=False):
-    """Reduce each eager tensor of ``tensors`` (submitted together); returns the results."""
+    """Reduce each eager tensor of ``tensors`` (submitted together); returns the results.
+    Every copy is made before the first submission, so that the requests follow each
+    other closely and the coordinator can fuse them."""
     handles = []
-    for t, name in zip(tensors, names):
-        buf, cap = _bridge.fresh_copy(t)
+    copies = [_bridge.fresh_copy(t) for t in tensors]
+    for (buf, cap), name in zip(copies, names):
         handles.append(_ops.allreduce_async(
             cap, cap, name=name, op=op, prescale_factor=prescale_factor,
             postscale_factor=postscale_factor, process_set=process_set, keep=buf,
