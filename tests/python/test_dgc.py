@@ -238,6 +238,8 @@ def test_overlapped_step_matches_averaged_gradients(run_workers, kind, n, extra)
 
 @pytest.mark.timeout(120)
 def test_overlapped_step_after_explicit_synchronize(run_workers):
+    """synchronize() then step() under skip_synchronize() steps no parameter twice; a
+    clip after a backward that stepped parameters warns, once, that it cannot reach them."""
     run_workers(2, "overlap.py", "explicit", env=OVERLAP)
 
 

@@ -7,7 +7,9 @@ Usage: overlap.py sgd|adam   6 steps of a 3-layer model whose first layer's back
                              stepped torch's optimizer (Adam's step counts included), the
                              per-tensor clipping of the environment too
        overlap.py explicit   synchronize() and step() under skip_synchronize(): no
-                             parameter steps twice
+                             parameter steps twice; torch's clip_grad_norm_ after a
+                             backward that stepped parameters warns, once, that it
+                             cannot reach them, naming PERSEUS_CLIP_GRAD_FUNC
        overlap.py refused    step(closure) is refused, naming the switch; so is the
                              switch itself under PERSEUS_ALLREDUCE_NANCHECK=1, and so are
                              it and DGC when a GradScaler scales the loss (only
@@ -17,6 +19,7 @@ Usage: overlap.py sgd|adam   6 steps of a 3-layer model whose first layer's back
 import os
 import sys
 import time
+import warnings
 
 import perseus.torch.horovod as hvd
 import torch
@@ -121,6 +124,33 @@ def train(kind, explicit=False):
     return moved_early
 
 
+def clip_after_backward():
+    model = Net()
+    opt = hvd.DistributedOptimizer(make_optimizer("sgd", model.parameters()),
+                                   named_parameters=model.named_parameters())
+    seen = []  # per step: whether parameters had stepped before the clip, its warnings
+    for step in range(3):
+        opt.zero_grad()
+        x, y = batch(hvd.rank(), step)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        stepped = bool(opt._overlapped)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        seen.append((stepped, [str(w.message) for w in caught
+                               if issubclass(w.category, RuntimeWarning)]))
+        opt.step()
+    assert any(stepped for stepped, _ in seen), f"nothing stepped during backward: {seen}"
+    first = next(i for i, (stepped, _) in enumerate(seen) if stepped)
+    for i, (_, messages) in enumerate(seen):
+        if i != first:
+            assert not messages, f"step {i}: warned again or early: {messages}"
+    [message] = seen[first][1]
+    for part in ("PERSEUS_OVERLAP_BACKWARD_AND_STEP=1", "clip_grad_norm_",
+                 "PERSEUS_CLIP_GRAD_FUNC"):
+        assert part in message, f"{part!r} not in the warning: {message}"
+
+
 def main():
     mode = sys.argv[1]
     hvd.init()
@@ -134,6 +164,7 @@ def main():
         print(f"rank {hvd.rank()}: stepped during backward {moved} of {STEPS}", flush=True)
     elif mode == "explicit":
         train("sgd", explicit=True)
+        clip_after_backward()
     elif os.environ.get("PERSEUS_ALLREDUCE_NANCHECK") == "1":
         model = Net()
         with raises(ValueError, "PERSEUS_OVERLAP_BACKWARD_AND_STEP=1",

@@ -12,11 +12,13 @@ whose gradients they were given (none: they wait for nothing). They then clip th
 averaged gradients, as Horovod's ``synchronize()``, clip, then ``skip_synchronize()``
 pattern does, and ``step()`` does not synchronize again. A name bound by
 ``from torch.nn.utils import clip_grad_norm_`` before ``perseus.torch.horovod`` was
-imported keeps torch's own function.
+imported keeps torch's own function. Under the overlapped step some parameters have
+stepped before such a clip, which cannot reach them: the first such clip warns.
 """
 
 import functools
 import threading
+import warnings
 import weakref
 
 import torch
@@ -34,6 +36,8 @@ _TORCH = {name: getattr(torch.nn.utils, name) for name in _PATCHED
 _own = threading.local()
 # The DistributedOptimizers alive in this process (each adds itself when made).
 _optimizers = weakref.WeakSet()
+# Those warned that the overlapped step had stepped parameters before a clip.
+_warned = weakref.WeakSet()
 
 
 def track(optimizer):
@@ -57,20 +61,35 @@ def torch_own(name):
     return own
 
 
-def _wait_for(tensors, given_grads):
+def _wait_for(tensors, given_grads, what):
     """Waits for the reductions of every tracked optimizer with reductions in flight
-    that owns one of ``tensors`` (parameters, or with ``given_grads`` their gradients)."""
-    busy = [opt for opt in list(_optimizers) if opt._handles]
-    if not busy:
+    that owns one of ``tensors`` (parameters, or with ``given_grads`` their gradients).
+    Warns, once per optimizer, when some of them stepped already under the overlapped
+    step: the clip ``what`` cannot reach those."""
+    concerned = [opt for opt in list(_optimizers) if opt._handles or opt._overlapped]
+    if not concerned:
         return
     # Under AMP O2 the gradients of masters come from their model parameters.
     wanted = {id(t) for t in tensors} | {id(_amp.working(t)) for t in tensors}
-    for opt in busy:
+
+    def ids(params):
         if given_grads:
-            mine = {id(p.grad) for p in opt._requires_update if p.grad is not None}
-        else:
-            mine = {id(p) for p in opt._requires_update}
-        if wanted & mine:
+            return {id(p.grad) for p in params if p.grad is not None}
+        return {id(p) for p in params}
+
+    for opt in concerned:
+        if not wanted & ids(opt._requires_update):
+            continue
+        if opt._overlapped and wanted & ids(opt._overlapped) and opt not in _warned:
+            _warned.add(opt)
+            warnings.warn(
+                f"PERSEUS_OVERLAP_BACKWARD_AND_STEP=1: {len(opt._overlapped)} parameters "
+                "stepped during backward, as soon as their averaged gradients landed, so "
+                f"this {what} after backward reaches only those that have not stepped yet; "
+                "let Perseus clip each gradient before its update instead "
+                "(PERSEUS_CLIP_GRAD_FUNC=norm or value, PERSEUS_CLIP_GRAD_FUNC_PARAMS)",
+                RuntimeWarning, stacklevel=3)
+        if opt._handles:
             opt._wait_before_reading_grads()
 
 
@@ -82,7 +101,7 @@ def _waiting(func, given_grads):
         else:
             parameters = list(parameters)  # a generator is read once, here
         if not getattr(_own, "running", False):
-            _wait_for(parameters, given_grads)
+            _wait_for(parameters, given_grads, func.__name__)
         return func(parameters, *args, **kwargs)
 
     return clip
