@@ -86,7 +86,9 @@ def main():
     log(f"Img/sec per {where}: {mean:.1f} +-{spread:.1f}")
     log(f"Total img/sec on {size} {where}(s): {size * mean:.1f} +-{size * spread:.1f}")
     dist.barrier()
-    dist.destroy_process_group()
+    # torch 2.15's gloo teardown can abort at exit ("terminate called without an active
+    # exception", PERSEUS_DDP=0 too); every rank is done here.
+    os._exit(0)
 
 
 if __name__ == "__main__":
