@@ -248,10 +248,13 @@ pub enum Route<'a> {
 /// in a set of `size` ranks; `bufs` holds the host copy of the hierarchical stage
 /// between hosts, and `watch` bounds each wait for the device.
 ///
-/// An error (other than an argument error, found before anything is queued) leaves the
-/// route's device group abandoned ([`DeviceGroup::abandon`]): a collective that failed
-/// on this rank alone would otherwise hold its peers in NCCL, and its queued work could
-/// still write tensors the framework has taken back.
+/// A response the route cannot run is refused before anything is queued, the same on
+/// every rank, and the group stays usable. Any error after that, whatever its kind,
+/// leaves the route's device group abandoned ([`DeviceGroup::abandon`]) before the
+/// handles complete: a copy, kernel or collective may already be queued (the Average's
+/// scale kernel, say, comes after the collective), so its work could still write
+/// tensors the framework has taken back, and a collective that failed on this rank
+/// alone would otherwise hold its peers in NCCL.
 pub fn run_direct(
     route: Route<'_>,
     size: usize,
@@ -264,6 +267,14 @@ pub fn run_direct(
         unreachable!("run_direct takes Op responses");
     };
     let entries: Vec<&Entry> = entries.iter().flatten().collect();
+    let fail = |e: PerseusError| Outcome {
+        results: entries.iter().map(|_| Err(e.clone())).collect(),
+        resent: None,
+    };
+    // Validation: nothing is queued yet.
+    if let Err(e) = runnable(resp, route) {
+        return fail(e);
+    }
     let (Route::Flat(group) | Route::Hierarchical(group, _)) = route;
     let job = Job {
         group,
@@ -272,14 +283,10 @@ pub fn run_direct(
         entries: &entries,
         watch,
     };
-    let result: Result<Option<(Vec<usize>, bool)>> = match (kind, route) {
-        (OpKind::Broadcast, Route::Flat(_)) => job.broadcast(*root as usize).map(|_| None),
-        (_, Route::Flat(_)) => job.allreduce(),
-        (OpKind::Allreduce, Route::Hierarchical(_, cross)) => job.hierarchical(cross, bufs),
-        _ => Err(PerseusError::InvalidArgument(format!(
-            "{} has no hierarchical device path",
-            kind.name()
-        ))),
+    let result: Result<Option<(Vec<usize>, bool)>> = match route {
+        Route::Flat(_) if *kind == OpKind::Broadcast => job.broadcast(*root as usize).map(|_| None),
+        Route::Flat(_) => job.allreduce(),
+        Route::Hierarchical(_, cross) => job.hierarchical(cross, bufs),
     };
     match result {
         Ok(resent) => Outcome {
@@ -287,17 +294,34 @@ pub fn run_direct(
             resent,
         },
         Err(e) => {
-            // An argument error comes before anything is queued, the same on every
-            // rank: the group stays usable.
-            if !matches!(e, PerseusError::InvalidArgument(_)) {
-                group.abandon(&e.to_string());
-            }
-            Outcome {
-                results: entries.iter().map(|_| Err(e.clone())).collect(),
-                resent: None,
-            }
+            // Work may be queued: stop it (NCCL's abort) and wait for the streams to
+            // drain before any handle completes.
+            group.abandon(&e.to_string());
+            fail(e)
         }
     }
+}
+
+/// Whether `route` runs `resp`: a response [`supports`] accepts, and on the
+/// hierarchical route an allreduce. The same answer on every rank, found before
+/// anything is queued.
+fn runnable(resp: &Response, route: Route<'_>) -> Result<()> {
+    let Response::Op { kind, .. } = resp else {
+        unreachable!("run_direct takes Op responses");
+    };
+    if !supports(resp) {
+        return Err(PerseusError::InvalidArgument(format!(
+            "this {} has no device-direct path",
+            kind.name()
+        )));
+    }
+    if matches!(route, Route::Hierarchical(..)) && *kind != OpKind::Allreduce {
+        return Err(PerseusError::InvalidArgument(format!(
+            "{} has no hierarchical device path",
+            kind.name()
+        )));
+    }
+    Ok(())
 }
 
 /// The memory an entry is reduced in: its output, or its input when it has none.

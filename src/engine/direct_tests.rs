@@ -26,6 +26,8 @@ struct HostGroup<'a> {
     fail_on: Option<usize>,
     /// Fail every allgather (the last collective of a hierarchical pass).
     fail_gather: std::sync::atomic::AtomicBool,
+    /// Fail every scale with this error (a kernel that cannot be had).
+    fail_scale: Option<PerseusError>,
     /// (address, bytes) of each host region made.
     regions: Mutex<Vec<(usize, usize)>>,
     /// Why the group was abandoned, once it was.
@@ -43,6 +45,7 @@ impl<'a> HostGroup<'a> {
             checks: Mutex::new(Vec::new()),
             fail_on: None,
             fail_gather: Default::default(),
+            fail_scale: None,
             regions: Mutex::new(Vec::new()),
             abandoned: Mutex::new(None),
         }
@@ -85,6 +88,9 @@ impl DeviceGroup for HostGroup<'_> {
         Ok(())
     }
     unsafe fn scale(&self, buf: *mut u8, n: usize, dtype: DataType, f: f64) -> Result<()> {
+        if let Some(e) = &self.fail_scale {
+            return Err(e.clone());
+        }
         scale(slice(buf, n * dtype.size()), dtype, f);
         Ok(())
     }
@@ -760,6 +766,114 @@ fn a_collective_that_fails_midway_abandons_the_group_on_every_rank() {
             second.contains("abandoned after") && second.contains("channel 1"),
             "rank {r}: {second}"
         );
+    }
+}
+
+#[test]
+fn an_error_after_the_collective_was_queued_abandons_the_group_whatever_its_kind() {
+    // Average: the NCCL sum is queued, then the 1/n scale kernel fails (here with an
+    // argument error, the kind NVRTC's failures once had): the group must still be
+    // abandoned (NCCL aborted, streams drained) before the handle fails.
+    let got = run(2, |comm| {
+        let mut group = HostGroup::new(comm, 1);
+        group.fail_scale = Some(PerseusError::InvalidArgument(
+            "kernel source scale does not compile".into(),
+        ));
+        let plan = device_plan(Encoding::Exact, 1.0);
+        let resp = response(
+            OpKind::Allreduce,
+            &[1000],
+            ReduceOp::Average,
+            1.0,
+            1.0,
+            plan,
+        );
+        let mut data = vec![1f32; 1000];
+        let entry = Entry {
+            handle: 0,
+            output: None,
+            input: Some(view(&mut data)),
+        };
+        let out = run_flat(&group, 2, &resp, entry);
+        let err = out.results[0]
+            .as_ref()
+            .map(|_| ())
+            .map_err(|e| e.to_string());
+        let calls = group.calls.lock().unwrap().len();
+        let abandoned = group.abandoned.lock().unwrap().clone();
+        (err, calls, abandoned)
+    });
+    for (r, (err, calls, abandoned)) in got.into_iter().enumerate() {
+        let err = err.unwrap_err();
+        assert!(err.contains("scale does not compile"), "rank {r}: {err}");
+        assert_eq!(
+            calls, 1,
+            "rank {r}: the allreduce was queued before the scale"
+        );
+        assert_eq!(abandoned.as_deref(), Some(err.as_str()), "rank {r}");
+    }
+}
+
+#[test]
+fn a_response_the_route_cannot_run_is_refused_before_anything_is_queued() {
+    let got = run_on(&[0, 0, 1, 1], |comm| {
+        let (mine, peers) = host_and_peers(comm);
+        let local = SubComm::new(comm, mine);
+        let cross = SubComm::new(comm, peers);
+        let group = HostGroup::new(&local, 1);
+        let mut data = vec![1f32; 100];
+        let mut attempt = |resp: &Response, route: Route<'_>| {
+            let entry = Entry {
+                handle: 0,
+                output: None,
+                input: Some(view(&mut data)),
+            };
+            let out = run_direct(
+                route,
+                4,
+                resp,
+                &[Some(entry)],
+                &mut Buffers::default(),
+                &WATCH,
+            );
+            out.results[0]
+                .as_ref()
+                .map(|_| ())
+                .map_err(|e| e.to_string())
+        };
+        let plan = device_plan(Encoding::Exact, 1.0);
+        // A broadcast has no hierarchical path; a host response no direct one.
+        let bcast = response(OpKind::Broadcast, &[100], ReduceOp::Sum, 1.0, 1.0, plan);
+        let host = response(
+            OpKind::Allreduce,
+            &[100],
+            ReduceOp::Sum,
+            1.0,
+            1.0,
+            Plan::default(),
+        );
+        let refused = [
+            attempt(&bcast, Route::Hierarchical(&group, &cross)),
+            attempt(&host, Route::Flat(&group)),
+        ];
+        let queued = group.calls.lock().unwrap().len() + group.downloads.lock().unwrap().len();
+        let abandoned = group.abandoned.lock().unwrap().clone();
+        (refused, queued, abandoned)
+    });
+    for (r, (refused, queued, abandoned)) in got.into_iter().enumerate() {
+        let [bcast, host] = refused;
+        assert!(
+            bcast
+                .unwrap_err()
+                .contains("broadcast has no hierarchical device path"),
+            "rank {r}"
+        );
+        assert!(
+            host.unwrap_err().contains("no device-direct path"),
+            "rank {r}"
+        );
+        assert_eq!(queued, 0, "rank {r}");
+        assert_eq!(abandoned, None, "rank {r}: the group stays usable");
     }
 }
 

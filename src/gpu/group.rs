@@ -14,7 +14,7 @@ use std::time::Duration;
 use cudarc::driver::{result, sys};
 
 use super::nccl::{Communicator, Nccl, Progress, UniqueId, UNIQUE_ID_BYTES};
-use super::runtime::{driver, lock, search_dirs, CudaDevice};
+use super::runtime::{driver, lock, search_dirs, CudaDevice, NONFINITE, SCALE};
 use crate::collective::{allgatherv, Comm};
 use crate::dtype::{DataType, ReduceOp};
 use crate::engine::direct::{agree, Agreement, DeviceGroup, Formed, Opener};
@@ -102,11 +102,34 @@ impl Opener for CudaOpener {
     }
 }
 
+/// Every kernel the direct path launches, by source: the scales (prescale, postscale,
+/// Average's 1/n), the float16 casts and the finiteness checks of
+/// `PERSEUS_ALLREDUCE_DTYPE=0` and the hierarchical mode.
+pub(crate) const DIRECT_KERNELS: &[(&str, &[&str])] = &[
+    ("scale", &SCALE),
+    ("cast", &[CAST_DOWN, CAST_UP]),
+    ("nancheck", &NONFINITE),
+];
+
+/// The casts of the float16 paths: float32 to float16 times a factor, and back.
+const CAST_DOWN: &str = "f32_to_f16_scaled";
+const CAST_UP: &str = "f16_to_f32_scaled";
+
 /// What this rank offers to the set: the UUID of `cuda:ordinal`, or why it cannot use
-/// NCCL (never a panic; a missing library is a reason like any other).
+/// NCCL (never a panic; a missing library is a reason like any other). The kernels the
+/// direct path launches are compiled and loaded here, before the ranks agree: a device
+/// whose NVRTC cannot make them (or whose driver cannot load them) is a reason too, so
+/// every rank goes through host memory together, where a kernel failing in the middle
+/// of a collective would abandon the set's group for good.
 pub fn offer(ordinal: i32) -> std::result::Result<[u8; 16], String> {
     let dev = CudaDevice::get(ordinal).map_err(|e| e.to_string())?;
     Nccl::load(&search_dirs()).map_err(|e| e.to_string())?;
+    dev.load_kernels(DIRECT_KERNELS).map_err(|e| {
+        format!(
+            "the device kernels of the NCCL path are not usable on cuda:{ordinal} (sm_{}): {e}",
+            dev.sm()
+        )
+    })?;
     Ok(dev.uuid)
 }
 
@@ -198,6 +221,11 @@ pub fn open(
     match agree(comm, offer)? {
         Agreement::Direct => {
             let (dev, channels, ready, flag) = formed.expect("agreed, so formed here");
+            if channels.len() > 1 && comm.rank() == 0 {
+                static SAID: std::sync::Once = std::sync::Once::new();
+                let note = concurrent_note(channels.len());
+                SAID.call_once(|| eprintln!("[perseus] note: {note}"));
+            }
             Ok(Ok(NcclGroup::new(
                 dev,
                 channels,
@@ -209,6 +237,18 @@ pub fn open(
         }
         Agreement::Staged(why) => Ok(Err(why)),
     }
+}
+
+/// What rank 0 says once when a group has several channels: their communicators run
+/// side by side, which NCCL's guide does not promise to be safe (docs/gpu.md).
+fn concurrent_note(channels: usize) -> String {
+    format!(
+        "PERSEUS_ALLREDUCE_STREAMS={channels}: the parts of a split allreduce run on \
+         {channels} NCCL communicators at once. NCCL's guide warns that this can deadlock \
+         where their kernels do not all fit on the GPU at once (NCCL_MAX_CTAS caps each \
+         one's); a deadlock ends at the peer timeout (GLOO_TIMEOUT_SECONDS) with the \
+         set's communicators aborted. Unset it for one communicator, which is safe"
+    )
 }
 
 /// Status bit: this rank has its device and NCCL.
@@ -594,7 +634,7 @@ impl DeviceGroup for NcclGroup {
         count: usize,
         factor: f32,
     ) -> Result<()> {
-        self.cast("f32_to_f16_scaled", src, dst, count, factor)
+        self.cast(CAST_DOWN, src, dst, count, factor)
     }
 
     unsafe fn cast_up(
@@ -604,7 +644,7 @@ impl DeviceGroup for NcclGroup {
         count: usize,
         factor: f32,
     ) -> Result<()> {
-        self.cast("f16_to_f32_scaled", src, dst, count, factor)
+        self.cast(CAST_UP, src, dst, count, factor)
     }
 
     unsafe fn nonfinite(
@@ -768,7 +808,38 @@ impl Drop for NcclGroup {
 
 #[cfg(test)]
 mod tests {
-    use super::{ready_to_form, IDS, MADE};
+    use super::{concurrent_note, ready_to_form, DIRECT_KERNELS, IDS, MADE};
+    use crate::gpu::kernels::{kernel_names, SOURCES};
+
+    #[test]
+    fn the_kernels_loaded_at_the_offer_are_the_direct_paths_and_exist() {
+        for (source, names) in DIRECT_KERNELS {
+            let body = SOURCES
+                .iter()
+                .find(|(n, _)| n == source)
+                .map(|(_, b)| *b)
+                .unwrap_or_else(|| panic!("no kernel source {source}"));
+            let defined = kernel_names(body);
+            for name in *names {
+                assert!(defined.iter().any(|d| d == name), "{source}: {name}");
+            }
+        }
+        let all: Vec<&str> = DIRECT_KERNELS
+            .iter()
+            .flat_map(|(_, n)| n.iter())
+            .copied()
+            .collect();
+        for k in [
+            "scale_f32",
+            "scale_bf16",
+            "f32_to_f16_scaled",
+            "f16_to_f32_scaled",
+        ] {
+            assert!(all.contains(&k), "{k}: {all:?}");
+        }
+        assert!(all.contains(&"nonfinite_f16") && all.contains(&"nonfinite_f32"));
+        assert!(concurrent_note(3).contains("PERSEUS_ALLREDUCE_STREAMS=3"));
+    }
 
     /// Gathered slots of two ranks each: a status byte and one filler byte.
     fn slots(status: &[u8]) -> Vec<u8> {

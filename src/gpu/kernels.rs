@@ -8,7 +8,7 @@
 use std::path::PathBuf;
 
 use crate::error::{PerseusError, Result};
-use crate::gpu::libs::{check_bound, probe, CudaLib};
+use crate::gpu::nvrtc::{target_for, Nvrtc, Target};
 
 /// Helpers every source starts with: conversions and the grid-stride loop.
 const PRELUDE: &str = r#"
@@ -245,12 +245,14 @@ pub struct Compiled {
     pub name: &'static str,
     /// The `extern "C"` kernels it defines.
     pub kernels: Vec<String>,
+    /// What it was compiled to (`sm_90`, or `compute_90` for PTX).
+    pub target: String,
     /// The size of the PTX or CUBIN NVRTC produced, in bytes.
     pub bytes: usize,
 }
 
 /// The kernels a source defines (its `extern "C" __global__` functions).
-fn kernel_names(body: &str) -> Vec<String> {
+pub(crate) fn kernel_names(body: &str) -> Vec<String> {
     body.split("__global__ void ")
         .skip(1)
         .filter_map(|rest| rest.split('(').next())
@@ -258,117 +260,79 @@ fn kernel_names(body: &str) -> Vec<String> {
         .collect()
 }
 
-/// Checks that cudarc's NVRTC is the one `probe` loaded (see [`check_bound`]); panics
-/// as cudarc does where it finds none, so call it under `catch_unwind`.
-fn nvrtc_bound() -> Result<()> {
-    // SAFETY: cudarc's handle, loaded (or found loaded) by its own search.
-    check_bound(CudaLib::Nvrtc, unsafe { cudarc::nvrtc::sys::culib() })
-        .map_err(PerseusError::GpuUnavailable)
+/// The full text of source `name`, or an error naming it.
+fn text(name: &str) -> Result<String> {
+    source(name).ok_or_else(|| PerseusError::GpuUnavailable(format!("no kernel source {name}")))
 }
 
-/// Compiles source `name` with NVRTC (found in `dirs` first, see [`probe`]) for
-/// virtual architecture `arch` ("compute_75") and returns its PTX. A missing NVRTC is
-/// a [`PerseusError::GpuUnavailable`] naming where it was looked for; a source that does
-/// not compile is an error with NVRTC's log.
-pub fn ptx(name: &str, arch: &'static str, dirs: &[PathBuf]) -> Result<String> {
-    let nvrtc = probe(CudaLib::Nvrtc, dirs);
-    let Some(loaded) = &nvrtc.loaded else {
-        return Err(PerseusError::GpuUnavailable(nvrtc.missing_message()));
-    };
-    let src = source(name)
-        .ok_or_else(|| PerseusError::InvalidArgument(format!("no kernel source {name}")))?;
-    let opts = cudarc::nvrtc::CompileOptions {
-        arch: Some(arch),
-        name: Some(format!("{name}.cu")),
-        ..Default::default()
-    };
-    // cudarc finds NVRTC by its SONAME, already loaded by `probe` above. It panics
-    // where it cannot; keep any such panic from crossing into Python.
-    let compiled = std::panic::catch_unwind(|| {
-        nvrtc_bound()?;
-        cudarc::nvrtc::compile_ptx_with_opts(&src, opts).map_err(|e| {
-            PerseusError::InvalidArgument(format!("kernel source {name} does not compile: {e:?}"))
-        })
-    })
-    .map_err(|_| {
-        PerseusError::GpuUnavailable(format!(
-            "NVRTC was loaded from {} but could not be used",
-            loaded.path.display()
-        ))
-    })??;
-    Ok(compiled.to_src())
+/// Compiles source `name` with NVRTC (found in `dirs` first, see
+/// [`crate::gpu::libs::probe`]) for virtual architecture `compute_{arch}` and returns its
+/// PTX (without the terminating NUL). A missing NVRTC is a
+/// [`PerseusError::GpuUnavailable`] naming where it was looked for; so is a source that
+/// does not compile, with NVRTC's log.
+pub fn ptx(name: &str, arch: u32, dirs: &[PathBuf]) -> Result<String> {
+    let nvrtc = Nvrtc::get(dirs)?;
+    let mut out = nvrtc.compile(name, &text(name)?, Target::Ptx(arch))?;
+    while out.last() == Some(&0) {
+        out.pop();
+    }
+    Ok(String::from_utf8_lossy(&out).into_owned())
 }
 
-/// Compiles source `name` with NVRTC into a CUBIN for the real architecture `sm_{sm}`
-/// (90 for an H100). A device loads a CUBIN of its own architecture directly, whatever
-/// driver it has, where PTX from a newer NVRTC than the driver would be refused. Errors
-/// as for [`ptx`].
-pub fn cubin(name: &str, sm: u32, dirs: &[PathBuf]) -> Result<Vec<u8>> {
-    use cudarc::nvrtc::{result as nvrtc, sys};
-    use std::ffi::CString;
-    let lib = probe(CudaLib::Nvrtc, dirs);
-    let Some(loaded) = &lib.loaded else {
-        return Err(PerseusError::GpuUnavailable(lib.missing_message()));
-    };
-    let src = source(name)
-        .ok_or_else(|| PerseusError::InvalidArgument(format!("no kernel source {name}")))?;
-    let src = CString::new(src).expect("kernel sources hold no NUL");
-    let file = CString::new(format!("{name}.cu")).expect("no NUL");
-    let fail =
-        |what: String| PerseusError::InvalidArgument(format!("kernel source {name}: {what}"));
-    let run = || -> Result<Vec<u8>> {
-        nvrtc_bound()?;
-        let prog = nvrtc::create_program(&src, Some(&file)).map_err(|e| fail(format!("{e:?}")))?;
-        // SAFETY: `prog` is live until destroyed below; the sizes NVRTC reports bound
-        // the buffers it writes.
-        unsafe {
-            let compiled = nvrtc::compile_program(prog, &[format!("--gpu-architecture=sm_{sm}")]);
-            let out = match compiled {
-                Err(e) => {
-                    let log = nvrtc::get_program_log(prog).unwrap_or_default();
-                    let log: Vec<u8> = log.iter().map(|&c| c as u8).collect();
-                    Err(fail(format!(
-                        "{e:?}: {}",
-                        String::from_utf8_lossy(&log).trim_end_matches('\0')
-                    )))
-                }
-                Ok(()) => {
-                    let mut size = 0usize;
-                    sys::nvrtcGetCUBINSize(prog, &mut size)
-                        .result()
-                        .map_err(|e| fail(format!("{e:?}")))?;
-                    let mut bin = vec![0u8; size];
-                    sys::nvrtcGetCUBIN(prog, bin.as_mut_ptr().cast())
-                        .result()
-                        .map_err(|e| fail(format!("{e:?}")))?;
-                    Ok(bin)
-                }
-            };
-            let _ = nvrtc::destroy_program(prog);
-            out
-        }
-    };
-    std::panic::catch_unwind(run).map_err(|_| {
+/// A source compiled for one device, as `cuModuleLoadData` takes it.
+#[derive(Debug, Clone)]
+pub struct Binary {
+    /// What it is: a CUBIN of the device's architecture, or PTX the driver compiles.
+    pub target: Target,
+    /// The CUBIN, or the PTX with its terminating NUL.
+    pub bytes: Vec<u8>,
+}
+
+/// Compiles source `name` with NVRTC for a device of architecture `sm_{sm}` (90 for an
+/// H100): a CUBIN of that architecture, which the device loads directly whatever its
+/// driver, where this NVRTC has it; else (a device newer than the NVRTC) PTX for the
+/// newest architecture the NVRTC has below the device's, which the driver compiles
+/// when loading it. Errors, all [`PerseusError::GpuUnavailable`]: NVRTC missing, no
+/// architecture the device runs, a source that does not compile.
+pub fn binary(name: &str, sm: u32, dirs: &[PathBuf]) -> Result<Binary> {
+    let nvrtc = Nvrtc::get(dirs)?;
+    let src = text(name)?;
+    let supported = nvrtc.supported_archs()?;
+    let target = target_for(sm, supported.as_deref()).ok_or_else(|| {
+        let list: Vec<String> = supported
+            .iter()
+            .flatten()
+            .map(|a| format!("sm_{a}"))
+            .collect();
         PerseusError::GpuUnavailable(format!(
-            "NVRTC was loaded from {} but could not be used",
-            loaded.path.display()
+            "NVRTC {} ({}) compiles for {}, none of which a device of sm_{sm} runs \
+             (CUDA 13 dropped the architectures before sm_75; an older NVRTC has them)",
+            nvrtc.version,
+            nvrtc.path.display(),
+            list.join(", ")
         ))
-    })?
+    })?;
+    let bytes = nvrtc.compile(name, &src, target)?;
+    Ok(Binary { target, bytes })
 }
 
 /// Compiles every source with NVRTC: to PTX for the oldest architecture CUDA 12 and 13
-/// both support, or (`sm`) to CUBINs for one real architecture, as a device loads them.
-/// Errors as for [`ptx`].
+/// both support, or (`sm`) as a device of that architecture loads them (see
+/// [`binary`]). Errors as for [`binary`].
 pub fn compile_all(dirs: &[PathBuf], sm: Option<u32>) -> Result<Vec<Compiled>> {
     let mut out = Vec::new();
     for (name, body) in SOURCES {
-        let bytes = match sm {
-            None => ptx(name, "compute_75", dirs)?.len(),
-            Some(sm) => cubin(name, sm, dirs)?.len(),
+        let (target, bytes) = match sm {
+            None => (Target::Ptx(75), ptx(name, 75, dirs)?.len()),
+            Some(sm) => {
+                let b = binary(name, sm, dirs)?;
+                (b.target, b.bytes.len())
+            }
         };
         out.push(Compiled {
             name,
             kernels: kernel_names(body),
+            target: target.name(),
             bytes,
         });
     }
@@ -404,5 +368,68 @@ mod tests {
         }
         assert!(source("cast").unwrap().starts_with(PRELUDE));
         assert!(source("nothing").is_none());
+    }
+
+    /// NVRTC where the loader finds it (LD_LIBRARY_PATH, CUDA_HOME, ...), or None: the
+    /// tests below then say so and pass (CI runs the same checks from Python, with the
+    /// NVRTC of torch's nvidia wheels, in tests/python/test_gpu.py).
+    fn nvrtc_here() -> Option<std::sync::Arc<Nvrtc>> {
+        match Nvrtc::get(&[]) {
+            Ok(n) => Some(n),
+            Err(e) => {
+                eprintln!("skipped: no NVRTC here ({e})");
+                None
+            }
+        }
+    }
+
+    fn gpu_unavailable(r: Result<impl std::fmt::Debug>) -> String {
+        match r {
+            Err(PerseusError::GpuUnavailable(msg)) => msg,
+            other => panic!("expected GpuUnavailable, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_source_that_does_not_compile_is_an_unusable_gpu_not_an_argument_error() {
+        // No NVRTC needed: the name is checked first.
+        let msg = gpu_unavailable(binary("nothing", 90, &[]).map(|b| b.bytes.len()));
+        assert!(
+            msg.contains("no kernel source nothing") || msg.contains("NVRTC"),
+            "{msg}"
+        );
+        let Some(nvrtc) = nvrtc_here() else { return };
+        let broken = "extern \"C\" __global__ void f(int* x) { x[0] = undeclared_here; }";
+        let msg = gpu_unavailable(nvrtc.compile("broken", broken, Target::Ptx(75)));
+        assert!(
+            msg.contains("kernel source broken does not compile for compute_75"),
+            "{msg}"
+        );
+        assert!(msg.contains("undeclared_here"), "NVRTC's log: {msg}");
+    }
+
+    #[test]
+    fn a_device_newer_than_nvrtc_gets_ptx_and_one_older_than_it_an_error() {
+        let Some(nvrtc) = nvrtc_here() else { return };
+        let archs = nvrtc.supported_archs().unwrap().expect("NVRTC 12 or 13");
+        assert!(archs.contains(&90), "{archs:?}");
+        let own = binary("scale", 90, &[]).unwrap();
+        assert_eq!(own.target, Target::Cubin(90));
+        assert_eq!(&own.bytes[..4], b"\x7fELF", "a CUBIN is an ELF file");
+        // sm_999: newer than any NVRTC knows, so PTX for the newest it has.
+        let newest = *archs.last().unwrap();
+        let ptx = binary("scale", 999, &[]).unwrap();
+        assert_eq!(ptx.target, Target::Ptx(newest));
+        assert_eq!(ptx.bytes.last(), Some(&0), "PTX ends with its NUL");
+        let text = String::from_utf8_lossy(&ptx.bytes);
+        assert!(text.contains(".entry scale_f32"), "{text}");
+        // Older than every architecture NVRTC has: a clear error, not a panic.
+        let msg = gpu_unavailable(binary("scale", 10, &[]).map(|b| b.bytes.len()));
+        assert!(
+            msg.contains("none of which a device of sm_10 runs"),
+            "{msg}"
+        );
+        let all = compile_all(&[], Some(999)).unwrap();
+        assert!(all.iter().all(|c| c.target == format!("compute_{newest}")));
     }
 }

@@ -134,8 +134,15 @@ pub fn default_dirs() -> Vec<PathBuf> {
     dirs
 }
 
-/// Finds and loads `lib` (once per process), searching `dirs` first.
+/// Finds and loads `lib` (once per process), searching `dirs` first. NVRTC is chosen
+/// to suit the CUDA driver, where there is one (see [`prefer_for_driver`]).
 pub fn probe(lib: CudaLib, dirs: &[PathBuf]) -> Probe {
+    // The driver's major version, for NVRTC's choice (probed before the table is
+    // locked: it is an entry of its own).
+    let driver = (lib == CudaLib::Nvrtc && !is_loaded(lib))
+        .then(|| probe(CudaLib::Driver, dirs).loaded)
+        .flatten()
+        .and_then(|d| major(&d.version));
     let mut table = loaded().lock().unwrap_or_else(|p| p.into_inner());
     let mut probe = Probe {
         lib,
@@ -155,6 +162,9 @@ pub fn probe(lib: CudaLib, dirs: &[PathBuf]) -> Probe {
     }
     // Last, the bare names: the dynamic loader's own search (ld.so.cache, RPATH).
     candidates.extend(lib.file_names().iter().map(PathBuf::from));
+    if let Some(driver) = driver {
+        candidates = prefer_for_driver(candidates, driver);
+    }
     for path in candidates {
         let bare = path.parent().map_or(true, |p| p.as_os_str().is_empty());
         if !bare && !path.is_file() {
@@ -183,12 +193,48 @@ pub fn probe(lib: CudaLib, dirs: &[PathBuf]) -> Probe {
     probe
 }
 
+/// Whether `lib` was loaded already.
+fn is_loaded(lib: CudaLib) -> bool {
+    let table = loaded().lock().unwrap_or_else(|p| p.into_inner());
+    table.contains_key(&lib)
+}
+
+/// The major number of a version ("12" of "12.4").
+fn major(version: &str) -> Option<u32> {
+    version.split('.').next()?.parse().ok()
+}
+
+/// The major version a library's file name carries (13 for `libnvrtc.so.13`), if any.
+fn file_major(path: &Path) -> Option<u32> {
+    let name = path.file_name()?.to_str()?;
+    let (_, after) = name.split_once(".so.")?;
+    major(after)
+}
+
+/// NVRTC's candidates in the order to try them under a driver of major version
+/// `driver`: first those whose file names carry a major version the driver has (12 under
+/// a CUDA 12 driver, 12 and 13 under a 13 one), then those without one (`libnvrtc.so`),
+/// then the newer ones. Each group keeps its order (folders, then names, so the newest
+/// fitting version of a folder comes first). The newer ones are only a fallback: a CUBIN
+/// of a newer CUDA than the driver may not load, and PTX from it does not.
+pub fn prefer_for_driver(candidates: Vec<PathBuf>, driver: u32) -> Vec<PathBuf> {
+    let mut ordered = candidates;
+    ordered.sort_by_key(|p| match file_major(p) {
+        Some(m) if m <= driver => 0,
+        None => 1,
+        Some(_) => 2,
+    });
+    ordered
+}
+
 /// Checks that cudarc's calls into `lib` go to the copy [`probe`] loaded: cudarc
-/// binds by a list of names of its own, the unversioned `libcuda.so` and
-/// `libnvrtc.so` first, and on some systems the loader finds those elsewhere (a CUDA
-/// toolkit's stub driver, an older NVRTC). `theirs` is cudarc's handle (its `culib()`,
-/// which panics where it finds no copy at all: call this under `catch_unwind`). An
-/// error names both files; nothing to check when `lib` was not probed.
+/// binds by a list of names of its own, the unversioned `libcuda.so` first, and on some
+/// systems the loader finds that elsewhere (a CUDA toolkit's stub driver). Only the
+/// driver is called through cudarc; NVRTC and NCCL are called through Perseus's own
+/// handles to the files it chose (`crate::gpu::nvrtc`, `crate::gpu::nccl`). `theirs` is
+/// cudarc's handle (its `culib()`, which panics where it finds no copy at all: call this
+/// under `catch_unwind`). An error names both files; nothing to check when `lib` was not
+/// probed.
 pub fn check_bound(lib: CudaLib, theirs: &Library) -> std::result::Result<(), String> {
     let table = loaded().lock().unwrap_or_else(|p| p.into_inner());
     let Some((found, library)) = table.get(&lib) else {
@@ -367,6 +413,55 @@ mod tests {
             lacking_in(&libc, &["malloc", "no_such_function_here", "free"]),
             vec!["no_such_function_here".to_string()]
         );
+    }
+
+    #[test]
+    fn nvrtc_suits_the_driver_and_falls_back_to_the_other() {
+        let paths = |v: &[&str]| v.iter().map(PathBuf::from).collect::<Vec<_>>();
+        // torch's CUDA 13 wheel first on sys.path, CUDA 12's after it, then the loader.
+        let found = paths(&[
+            "/w/nvidia/cu13/lib/libnvrtc.so.13",
+            "/w/nvidia/cuda_nvrtc/lib/libnvrtc.so.12",
+            "/usr/local/cuda/lib64/libnvrtc.so.13",
+            "/usr/local/cuda/lib64/libnvrtc.so.12",
+            "/usr/local/cuda/lib64/libnvrtc.so",
+            "libnvrtc.so.13",
+            "libnvrtc.so.12",
+            "libnvrtc.so",
+        ]);
+        // A CUDA 12 driver: every NVRTC 12 first, in the search order; then the
+        // unversioned names; NVRTC 13 only where nothing else is found.
+        assert_eq!(
+            prefer_for_driver(found.clone(), 12),
+            paths(&[
+                "/w/nvidia/cuda_nvrtc/lib/libnvrtc.so.12",
+                "/usr/local/cuda/lib64/libnvrtc.so.12",
+                "libnvrtc.so.12",
+                "/usr/local/cuda/lib64/libnvrtc.so",
+                "libnvrtc.so",
+                "/w/nvidia/cu13/lib/libnvrtc.so.13",
+                "/usr/local/cuda/lib64/libnvrtc.so.13",
+                "libnvrtc.so.13",
+            ])
+        );
+        // A CUDA 13 driver runs both: the search order stands, 13 before 12 per folder.
+        assert_eq!(
+            prefer_for_driver(found.clone(), 13),
+            paths(&[
+                "/w/nvidia/cu13/lib/libnvrtc.so.13",
+                "/w/nvidia/cuda_nvrtc/lib/libnvrtc.so.12",
+                "/usr/local/cuda/lib64/libnvrtc.so.13",
+                "/usr/local/cuda/lib64/libnvrtc.so.12",
+                "libnvrtc.so.13",
+                "libnvrtc.so.12",
+                "/usr/local/cuda/lib64/libnvrtc.so",
+                "libnvrtc.so",
+            ])
+        );
+        assert_eq!(file_major(Path::new("/a/libnvrtc.so.12")), Some(12));
+        assert_eq!(file_major(Path::new("/a/libnvrtc.so")), None);
+        assert_eq!(major("12.4"), Some(12));
+        assert_eq!(major("unknown"), None);
     }
 
     #[test]

@@ -10,6 +10,7 @@ pub mod group;
 pub mod kernels;
 pub mod libs;
 pub mod nccl;
+pub mod nvrtc;
 pub mod ops;
 pub mod optim;
 pub mod runtime;

@@ -17,7 +17,9 @@ use crate::error::Result;
 /// Runs `call` (checked by [`crate::device_kernels::check`]) on device `ordinal`.
 pub fn run(ordinal: i32, call: Call) -> Result<Answer> {
     let dev = CudaDevice::get(ordinal)?;
-    dev.bind()?;
+    // A caller's thread: its own context (the framework's device) is current again
+    // once this returns.
+    let _current = dev.enter()?;
     // SAFETY: the front-end holds every tensor alive and unused until the call returns
     // and orders the framework's stream after Perseus's; the checks matched devices,
     // types and lengths.

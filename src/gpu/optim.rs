@@ -47,7 +47,9 @@ fn flag(b: bool) -> Arg {
 /// device `ordinal`) on Perseus's stream of the device.
 pub fn step(ordinal: i32, groups: &[Group]) -> Result<()> {
     let dev = CudaDevice::get(ordinal)?;
-    dev.bind()?;
+    // A caller's thread: its own context (the framework's device) is current again
+    // once this returns.
+    let _current = dev.enter()?;
     let stream = dev.stream;
     // Device floats for LAMB: [0] the global squared gradient norm, then the squared
     // norms of the weight and of the update of each LAMB parameter.

@@ -65,6 +65,7 @@ const DRIVER_CALLS: &[&str] = &[
     "cuDeviceGetAttribute",
     "cuDeviceGetUuid_v2",
     "cuDevicePrimaryCtxRetain",
+    "cuCtxGetCurrent",
     "cuCtxSetCurrent",
     "cuStreamCreate",
     "cuStreamDestroy_v2",
@@ -87,6 +88,12 @@ const DRIVER_CALLS: &[&str] = &[
     "cuModuleGetFunction",
     "cuLaunchKernel",
 ];
+
+/// The `scale` kernels: float32, float64, float16 and bfloat16.
+pub(crate) const SCALE: [&str; 4] = ["scale_f32", "scale_f64", "scale_f16", "scale_bf16"];
+
+/// The finiteness checks of the `nancheck` source: float32 and float16.
+pub(crate) const NONFINITE: [&str; 2] = ["nonfinite_f32", "nonfinite_f16"];
 
 /// Threads per block of every launch; blocks are capped, the kernels loop.
 const BLOCK: u32 = 256;
@@ -124,6 +131,8 @@ fn per_float(names: [&'static str; 4], dtype: DataType, what: &str) -> Result<&'
 
 /// One CUDA device.
 pub struct CudaDevice {
+    /// Its ordinal (`cuda:N`).
+    ordinal: i32,
     ctx: sys::CUcontext,
     pub(crate) stream: sys::CUstream,
     /// Compute capability as `major * 10 + minor` (90 for an H100).
@@ -202,11 +211,14 @@ impl CudaDevice {
                     .map_err(driver("cuDeviceGetAttribute"))?;
             let ctx =
                 result::primary_ctx::retain(dev).map_err(driver("cuDevicePrimaryCtxRetain"))?;
-            result::ctx::set_current(ctx).map_err(driver("cuCtxSetCurrent"))?;
+            // Current while the stream is made, then the caller's context again (a
+            // Python thread's is the framework's current device).
+            let _current = Current::set(ctx)?;
             let stream = result::stream::create(result::stream::StreamKind::NonBlocking)
                 .map_err(driver("cuStreamCreate"))?;
             let uuid = result::device::get_uuid(dev).map_err(driver("cuDeviceGetUuid"))?;
             Ok(CudaDevice {
+                ordinal,
                 ctx,
                 stream,
                 sm: (major * 10 + minor) as u32,
@@ -226,10 +238,36 @@ impl CudaDevice {
         self.stream as u64
     }
 
-    /// Makes this device's context current on the calling thread.
+    /// Makes this device's context current on the calling thread, and leaves it so:
+    /// for Perseus's own threads (the engine's). A caller's thread takes
+    /// [`CudaDevice::enter`] instead.
     pub(crate) fn bind(&self) -> Result<()> {
         // SAFETY: the context is retained for the life of the process.
         unsafe { result::ctx::set_current(self.ctx) }.map_err(driver("cuCtxSetCurrent"))
+    }
+
+    /// Makes this device's context current on the calling thread until the value
+    /// returned is dropped, which makes the thread's earlier one current again. Every
+    /// call made on a caller's thread (a Python thread, whose current context is the
+    /// framework's current device) holds one, so that the framework's device stays as
+    /// it was.
+    pub(crate) fn enter(&self) -> Result<Current> {
+        // SAFETY: the context is retained for the life of the process.
+        unsafe { Current::set(self.ctx) }
+    }
+
+    /// Compiles and loads the kernels `wanted` (each source's, by name) now, where
+    /// they are otherwise compiled at their first launch; an error names the device and
+    /// the cause.
+    pub(crate) fn load_kernels(&self, wanted: &[(&'static str, &[&'static str])]) -> Result<()> {
+        let _current = self.enter()?;
+        let mut st = lock(&self.state);
+        for &(source, names) in wanted {
+            for &name in names {
+                self.function(&mut st, source, name)?;
+            }
+        }
+        Ok(())
     }
 
     /// Kernel `name` of source `source` (see [`CudaDevice::function_in`]).
@@ -255,10 +293,20 @@ impl CudaDevice {
         let module = match st.modules.get(source) {
             Some(m) => *m,
             None => {
-                let bin = kernels::cubin(source, self.sm, &search_dirs())?;
-                // SAFETY: `bin` is a CUBIN NVRTC made for this device's architecture.
-                let m = unsafe { result::module::load_data(bin.as_ptr() as *const c_void) }
-                    .map_err(driver("cuModuleLoadData"))?;
+                let bin = kernels::binary(source, self.sm, &search_dirs())?;
+                // SAFETY: `bin` is a CUBIN NVRTC made for this device's architecture, or
+                // NUL-terminated PTX for one it runs.
+                let m = unsafe { result::module::load_data(bin.bytes.as_ptr() as *const c_void) }
+                    .map_err(|e| {
+                    PerseusError::GpuUnavailable(format!(
+                        "kernel source {source}, compiled by NVRTC for {}, does not \
+                             load on cuda:{} (sm_{}): {}",
+                        bin.target.name(),
+                        self.ordinal,
+                        self.sm,
+                        driver("cuModuleLoadData")(e)
+                    ))
+                })?;
                 st.modules.insert(source, m);
                 m
             }
@@ -324,8 +372,7 @@ impl CudaDevice {
         dtype: DataType,
         factor: f64,
     ) -> Result<()> {
-        let names = ["scale_f32", "scale_f64", "scale_f16", "scale_bf16"];
-        let name = per_float(names, dtype, "scale")?;
+        let name = per_float(SCALE, dtype, "scale")?;
         let f = self.kernel("scale", name)?;
         let (mut ptr, mut n) = (x, count as u64);
         let (mut f64s, mut f32s) = (factor, factor as f32);
@@ -357,8 +404,8 @@ impl CudaDevice {
         flag: u64,
     ) -> Result<()> {
         let name = match dtype {
-            DataType::F32 => "nonfinite_f32",
-            DataType::F16 => "nonfinite_f16",
+            DataType::F32 => NONFINITE[0],
+            DataType::F16 => NONFINITE[1],
             other => {
                 return Err(PerseusError::InvalidArgument(format!(
                     "no device finiteness check for {}",
@@ -497,6 +544,36 @@ impl DeviceMemory for CudaDevice {
     }
 }
 
+/// A context made current on the calling thread, until dropped: then the context that
+/// was current before (or none) is current again. Not `Send`: it ends on the thread it
+/// began on.
+pub(crate) struct Current {
+    previous: sys::CUcontext,
+}
+
+impl Current {
+    /// Makes `ctx` current on this thread, remembering the one that was.
+    ///
+    /// # Safety
+    /// `ctx` must be a live context that outlives the value returned.
+    unsafe fn set(ctx: sys::CUcontext) -> Result<Current> {
+        let previous = result::ctx::get_current()
+            .map_err(driver("cuCtxGetCurrent"))?
+            .unwrap_or(std::ptr::null_mut());
+        result::ctx::set_current(ctx).map_err(driver("cuCtxSetCurrent"))?;
+        Ok(Current { previous })
+    }
+}
+
+impl Drop for Current {
+    fn drop(&mut self) {
+        // SAFETY: the context that was current here before (primary contexts, such as
+        // the framework's, stay retained by their owners), or null, which leaves the
+        // thread without one, as it was.
+        let _ = unsafe { result::ctx::set_current(self.previous) };
+    }
+}
+
 /// Page-locked host memory (`cuMemHostAlloc`, portable: every context's copies see it
 /// as pinned), freed when dropped.
 struct Pinned {
@@ -515,7 +592,7 @@ impl Pinned {
         // SAFETY: the context is retained for the life of the process; the allocation
         // is owned by the value returned, which frees it once.
         unsafe {
-            result::ctx::set_current(ctx).map_err(driver("cuCtxSetCurrent"))?;
+            let _current = Current::set(ctx)?;
             let ptr = result::malloc_host(len, sys::CU_MEMHOSTALLOC_PORTABLE)
                 .map_err(driver("cuMemHostAlloc"))?;
             Ok(Pinned {
@@ -545,8 +622,9 @@ impl Drop for Pinned {
         // SAFETY: the pointer came from cuMemHostAlloc and is freed once; the staged
         // path waits for every copy touching it before giving it back.
         unsafe {
-            let _ = result::ctx::set_current(self.ctx);
+            let current = Current::set(self.ctx);
             let _ = result::free_host(self.ptr.cast());
+            drop(current);
         }
     }
 }
@@ -563,7 +641,8 @@ pub fn stream_of(ordinal: i32) -> Result<u64> {
 pub fn nccl_round_trip(ordinal: i32) -> Result<String> {
     use crate::gpu::nccl::{Communicator, Nccl, Progress};
     let dev = CudaDevice::get(ordinal)?;
-    dev.bind()?;
+    // The caller's thread: its own context is current again once this returns.
+    let _current = dev.enter()?;
     let nccl = Arc::new(Nccl::load(&search_dirs())?);
     let watch = Watch::alone(Duration::from_secs(60));
     let settled = |comm: &Communicator, what: &str| match comm.settle(&watch, || None)? {

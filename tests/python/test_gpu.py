@@ -60,10 +60,11 @@ def test_every_kernel_source_compiles_to_a_cubin_per_architecture(sm):
     assert all(c["bytes"] > 1000 for c in compiled), compiled
 
 
-def test_a_second_nvrtc_on_the_loader_path_is_named_not_bound(tmp_path):
-    """cudarc looks for the unversioned libnvrtc.so before the versioned names: another
-    file of that name on the loader's path (an older toolkit's) must be refused with
-    both files named, never silently used instead of the one Perseus reports."""
+def test_a_second_nvrtc_on_the_loader_path_is_never_used(tmp_path):
+    """cudarc looks for the unversioned libnvrtc.so before the versioned names, so Perseus
+    calls NVRTC through its own handle to the file it chose: another file of that name on
+    the loader's path (an older toolkit's) is never loaded, and the kernels compile with
+    the NVRTC that libraries() reports."""
     wheel = [p for d in gpu.library_dirs() for p in glob.glob(os.path.join(d, "libnvrtc.so.1[23]"))]
     if not wheel:
         pytest.skip("no nvidia NVRTC wheel in this environment")
@@ -71,15 +72,28 @@ def test_a_second_nvrtc_on_the_loader_path_is_named_not_bound(tmp_path):
     shutil.copyfile(wheel[0], other)  # a copy is another file to the loader; a link is not
     env = dict(os.environ, LD_LIBRARY_PATH=str(tmp_path), PYTHONPATH=PKG_ROOT)
     code = ("from perseus.common import gpu\n"
-            "try:\n"
-            "    gpu.compile_kernels()\n"
-            "except gpu.GpuUnavailableError as e:\n"
-            "    print('ERROR', e)\n")
+            "compiled = gpu.compile_kernels()\n"
+            "print('COMPILED', len(compiled))\n"
+            "print('NVRTC', [l['path'] for l in gpu.libraries() if l['name'] == 'NVRTC'][0])\n"
+            f"print('MAPPED', {str(other)!r} in open('/proc/self/maps').read())\n")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                          text=True, timeout=120, check=False)
     assert out.returncode == 0, out.stderr
-    assert "ERROR NVRTC is loaded twice: Perseus chose " in out.stdout, out.stdout
-    assert str(other) in out.stdout and os.path.basename(wheel[0]) in out.stdout, out.stdout
+    assert "COMPILED 6" in out.stdout, out.stdout
+    assert f"NVRTC {wheel[0]}" in out.stdout, out.stdout
+    assert "MAPPED False" in out.stdout, out.stdout
+
+
+def test_a_device_newer_than_nvrtc_gets_ptx_and_an_older_one_a_clear_error():
+    """A device whose architecture NVRTC does not know (newer than it) gets PTX for the
+    newest one it has, which the driver compiles; one older than every architecture it
+    has is a GpuUnavailableError naming them, not an argument error or a panic."""
+    if not wheel_has("libnvrtc.so*"):
+        pytest.skip("no nvidia NVRTC wheel in this environment")
+    compiled = gpu.compile_kernels(sm=999)
+    assert len(compiled) == 6 and all(c["bytes"] > 100 for c in compiled), compiled
+    with pytest.raises(gpu.GpuUnavailableError, match="none of which a device of sm_10 runs"):
+        gpu.compile_kernels(sm=10)
 
 
 def run_core(code):
@@ -171,6 +185,53 @@ def test_one_rank_nccl_communicator_round_trip():
     gpu._core.gpu_search_dirs(gpu.library_dirs())
     report = gpu._core.gpu_nccl_round_trip(0)
     assert "came back unchanged" in report, report
+
+
+CONTEXT_CHECK = """
+NCCL = %s
+import ctypes, threading, torch
+from perseus.common import gpu
+import perseus.torch.kernels as kernels
+cuda = ctypes.CDLL("libcuda.so.1")
+assert cuda.cuInit(0) == 0
+def current():
+    ctx = ctypes.c_void_p()
+    assert cuda.cuCtxGetCurrent(ctypes.byref(ctx)) == 0
+    return ctx.value
+seen = []
+def fresh_thread():
+    seen.append(("before", current()))
+    gpu.stream(0)  # opens the device: the first call in this process
+    seen.append(("stream", current()))
+    if NCCL:
+        gpu._core.gpu_nccl_round_trip(0)
+        seen.append(("nccl", current()))
+t = threading.Thread(target=fresh_thread)
+t.start()
+t.join()
+print("FRESH", all(ctx is None for _, ctx in seen), seen)
+if torch.cuda.device_count() >= 2:
+    torch.cuda.set_device(1)
+    x = torch.ones(1000, device="cuda:0")
+    kernels.scale_(x, 2.0)
+    gpu._core.gpu_nccl_round_trip(0) if NCCL else None
+    print("TORCH_DEVICE", torch.cuda.current_device())
+"""
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_calls_on_a_callers_thread_leave_its_current_context_as_it_was():
+    """Opening a device, the NCCL round trip and a kernel call make Perseus's context
+    current only while they run: a thread without one has none after them, and torch's
+    current device stays what the caller set."""
+    code = CONTEXT_CHECK % wheel_has("libnccl.so*")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, check=False, env=dict(os.environ, PYTHONPATH=PKG_ROOT))
+    assert out.returncode == 0, out.stderr
+    assert "FRESH True" in out.stdout, out.stdout
+    if torch.cuda.device_count() >= 2:
+        assert "TORCH_DEVICE 1" in out.stdout, out.stdout
 
 
 def test_check_build_lists_the_gpu_libraries():

@@ -3,7 +3,9 @@
 The core loads the CUDA driver, NVRTC and NCCL at run time. It looks first in the
 ``nvidia/*/lib`` folders of the installed nvidia-* wheels (those torch installs: CUDA 12's
 ``nvidia/cuda_nvrtc/lib``, ``nvidia/nccl/lib``, CUDA 13's ``nvidia/cu13/lib``), then in
-``LD_LIBRARY_PATH``, ``CUDA_HOME``/``CUDA_PATH`` and the system's usual places.
+``LD_LIBRARY_PATH``, ``CUDA_HOME``/``CUDA_PATH`` and the system's usual places. Where a
+CUDA driver is found, the core picks the NVRTC that suits it across all these folders
+(NVRTC 12 under a CUDA 12 driver, even where CUDA 13's wheel comes first here).
 """
 
 import glob
