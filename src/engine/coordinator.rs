@@ -661,8 +661,9 @@ fn decide(
     match kind {
         OpKind::Allreduce | OpKind::Reducescatter => op(vec![]),
         OpKind::Broadcast if !(0..n).contains(&first.root) => fail(format!(
-            "broadcast '{name}': root rank {} is not in 0..{n}",
-            first.root
+            "broadcast '{name}': root {} is not a rank of the set (0 to {})",
+            first.root,
+            n - 1
         )),
         OpKind::Broadcast => op(vec![]),
         OpKind::Allgather => op(present.iter().map(|(_, r)| r.shape[0]).collect()),

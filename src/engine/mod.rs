@@ -77,6 +77,43 @@ struct Shared {
     offline: AtomicBool,
     /// The last handle a caller reported waiting on.
     last_waited: AtomicU64,
+    /// The names given to unnamed requests.
+    names: Mutex<Unnamed>,
+}
+
+/// Names for unnamed requests: a count per process set and kind, which every rank
+/// advances alike as long as they submit alike. While a rank is joined the others may
+/// submit more, so a completed join starts the set's counts again under a new prefix:
+/// after it, the ranks' names agree again.
+#[derive(Default)]
+struct Unnamed {
+    counts: HashMap<(u32, OpKind), u64>,
+    /// Joins completed per process set.
+    joins: HashMap<u32, u64>,
+}
+
+impl Unnamed {
+    /// The next name for an unnamed `kind` request on `ps`.
+    fn next(&mut self, ps: u32, kind: OpKind) -> String {
+        let k = self.counts.entry((ps, kind)).or_default();
+        *k += 1;
+        let k = *k;
+        let stem = if kind.has_data() {
+            format!("{}.noname", kind.name())
+        } else {
+            kind.name().to_string()
+        };
+        match self.joins.get(&ps) {
+            Some(j) => format!("{stem}.j{j}.{k}"),
+            None => format!("{stem}.{k}"),
+        }
+    }
+
+    /// A join on `ps` completed on this rank, as on every other.
+    fn joined(&mut self, ps: u32) {
+        self.counts.retain(|(p, _), _| *p != ps);
+        *self.joins.entry(ps).or_default() += 1;
+    }
 }
 
 /// What the engine has done so far on this rank (see [`Engine::counters`]).
@@ -104,7 +141,6 @@ pub struct Engine {
     /// How long a waiting caller yields before it sleeps.
     wait_spin: Duration,
     shared: Arc<Shared>,
-    names: Mutex<HashMap<(u32, OpKind), u64>>,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
@@ -139,6 +175,7 @@ impl Engine {
             counters: Counters::default(),
             offline: AtomicBool::new(false),
             last_waited: AtomicU64::new(0),
+            names: Mutex::new(Unnamed::default()),
         });
         if let Some(path) = &config.timeline {
             shared.timeline.start(path)?;
@@ -197,7 +234,6 @@ impl Engine {
             inbox,
             wait_spin: spin(WAIT_SPIN),
             shared,
-            names: Mutex::new(HashMap::new()),
             thread: Mutex::new(Some(thread)),
         })
     }
@@ -293,14 +329,13 @@ impl Engine {
         };
         check_locally(&req, set_size)?;
         if req.name.is_empty() {
-            let mut names = self.names.lock().unwrap();
-            let k = names.entry((req.process_set, req.kind)).or_default();
-            *k += 1;
-            req.name = if req.kind.has_data() {
-                format!("{}.noname.{}", req.kind.name(), k)
-            } else {
-                format!("{}.{}", req.kind.name(), k)
-            };
+            let name = self
+                .shared
+                .names
+                .lock()
+                .unwrap()
+                .next(req.process_set, req.kind);
+            req.name = name;
         }
         let key = (req.process_set, req.name.clone());
         if !self.shared.inflight.lock().unwrap().insert(key) {
@@ -469,8 +504,9 @@ fn check_locally(req: &Request, set_size: usize) -> Result<()> {
     }
     if req.kind == OpKind::Broadcast && !(0..set_size as i64).contains(&req.root) {
         return Err(PerseusError::InvalidArgument(format!(
-            "broadcast root rank {} is not in 0..{set_size}",
-            req.root
+            "broadcast root {} is not a rank of the set (0 to {})",
+            req.root,
+            set_size as i64 - 1
         )));
     }
     if req.kind == OpKind::Allgather && req.shape.is_empty() {
@@ -1115,6 +1151,8 @@ impl State {
                 match kind {
                     OpKind::Join => {
                         self.joined.remove(&ps);
+                        // Before the caller wakes: its next unnamed request counts anew.
+                        self.shared.names.lock().unwrap().joined(ps);
                     }
                     OpKind::AddProcessSet | OpKind::FormProcessSet => {
                         let ranks = req.ints.iter().map(|&r| r as usize).collect();
