@@ -8,7 +8,8 @@ pytest.importorskip("torch")
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("n", [2, 3])
 def test_accumulate_n_steps(run_workers, n):
-    """N steps of batch B equal one step of N*B; only every N-th step communicates."""
+    """N steps of batch B equal one step of N*B; only every N-th step communicates;
+    clipping on every call clips the reduced sum once, at the window's end."""
     run_workers(n, "accelerations.py", "accumulate", env={"PERSEUS_ACCUMULATE_N_STEPS": "2"})
 
 

@@ -147,7 +147,7 @@ def test_state_dict_carries_what_dgc_holds_back(run_workers):
 
 
 @pytest.mark.timeout(120)
-def test_only_sgd_is_compressed(run_workers):
+def test_only_sgd_is_compressed_and_a_closure_is_refused(run_workers):
     run_workers(2, "dgc.py", "refused", env={"PERSEUS_DGC": "1"})
 
 

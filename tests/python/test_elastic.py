@@ -59,6 +59,23 @@ def test_a_discovered_host_joins_at_the_next_commit_with_rank_0s_state(tmp_path)
     assert seen[:4] == (2,) * 4 and seen[-1] == 3 and len(seen) == 12, out
 
 
+@pytest.mark.timeout(180)
+def test_a_job_started_on_one_worker_grows_with_a_distributed_optimizer(tmp_path):
+    # At size 1 the optimizer must still hook its gradients: the job may grow, and the
+    # new worker's reductions would otherwise wait for rank 0 forever.
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1:1\n")
+    flags = ["-np", "1", "--min-np", "1", "--max-np", "2",
+             "--host-discovery-script", f"cat {hosts}"]
+    rc, out = perseusrun(flags, "grow", str(hosts), GROW_AT=4, STEP_SLEEP=0.4, WRAP=1,
+                         GROW_HOST="127.0.0.2:1", PERSEUS_STALL_SHUTDOWN_TIME_SECONDS=20)
+    assert rc == 0 and out.count(OK_MARK) == 2, f"exit {rc}\n{out}"
+    assert "round 1: 2 workers (127.0.0.1[0], 127.0.0.2[0])" in out, out
+    assert "round 2:" not in out, out  # no stall resets the job
+    (seen,) = sizes(out)
+    assert seen[:4] == (1,) * 4 and seen[-1] == 2 and len(seen) == 12, out
+
+
 @pytest.mark.timeout(120)
 def test_too_few_workers_left_fails_the_job_naming_the_limit():
     flags = ["-np", "2", "--min-np", "2", "--elastic-timeout", "3",

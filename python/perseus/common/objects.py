@@ -10,6 +10,7 @@ from perseus.common import ops
 from perseus.common.process_sets import (
     global_process_set,
     process_set_size,
+    root_in_set,
     set_rank,
 )
 
@@ -64,14 +65,15 @@ def _allgather(array, name, process_set):
 
 
 def broadcast_object(obj, root_rank=0, name=None, process_set=global_process_set):
-    """Send ``obj`` from ``root_rank`` (counted within the set) to every rank; return it.
+    """Send ``obj`` from ``root_rank`` (a rank of the job, in the set) to every rank of
+    the set; return it.
 
     Every rank of the set must call this; non-root ranks' ``obj`` is ignored. The
     default name is the same on every rank, whatever each rank passes as ``obj``.
     """
     np = _np()
     name = name or "broadcast_object"
-    if set_rank(process_set) == root_rank:
+    if set_rank(process_set) == root_in_set(process_set, root_rank):
         data = np.frombuffer(bytearray(dumps(obj)), dtype=np.uint8)
         _broadcast(np.array([data.size], dtype=np.int64), root_rank, name + ".sz", process_set)
         _broadcast(data, root_rank, name + ".t", process_set)

@@ -9,7 +9,7 @@ received splits) into framework tensors when the handle is waited on.
 import warnings
 
 from perseus import _core
-from perseus.common.process_sets import process_set_id
+from perseus.common.process_sets import process_set_id, root_in_set
 
 Average = _core.OP_AVERAGE
 Sum = _core.OP_SUM
@@ -187,9 +187,11 @@ def allgather_async(inp, *, name=None, stack=False, process_set=None, keep=(), f
 
 
 def broadcast_async(buf, *, root_rank, name=None, process_set=None, keep=(), finish=None):
-    """Overwrite ``buf`` with the root's (``root_rank`` counted within the set)."""
+    """Overwrite ``buf`` with the root's: ``root_rank`` is a rank of the job, which must
+    belong to the set (the core counts it within the set)."""
     ps = _prepare(name, process_set)
-    return Handle(_core.broadcast(buf, name, int(root_rank), ps), (keep, buf), finish)
+    root = root_in_set(process_set, root_rank)
+    return Handle(_core.broadcast(buf, name, root, ps), (keep, buf), finish)
 
 
 def alltoall_async(inp, *, splits=None, name=None, process_set=None, keep=(), finish=None):

@@ -120,19 +120,46 @@ def process_set_id(process_set):
     raise TypeError(f"process_set must be a ProcessSet, got {type(process_set).__name__}")
 
 
+def _ranks_of(process_set):
+    """The ranks of ``process_set`` (a ProcessSet or an id), in set order."""
+    if isinstance(process_set, ProcessSet) and process_set.ranks:
+        return list(process_set.ranks)
+    return list(_core.process_set_ranks(process_set_id(process_set)))
+
+
 def process_set_size(process_set):
     """Number of ranks in ``process_set`` (a ProcessSet or an id)."""
-    if isinstance(process_set, ProcessSet) and process_set.ranks:
-        return len(process_set.ranks)
-    return len(_core.process_set_ranks(process_set_id(process_set)))
+    return len(_ranks_of(process_set))
+
+
+def root_in_set(process_set, root_rank):
+    """The index within ``process_set`` of the root ``root_rank``, a rank of the job as
+    in Horovod (its ``broadcast`` takes a global root on every set). ``ValueError`` when
+    the job or the set has no such rank."""
+    if isinstance(root_rank, bool) or not isinstance(root_rank, int):
+        try:
+            root_rank = int(root_rank.__index__())
+        except (AttributeError, TypeError):
+            raise TypeError("root_rank must be an int, got "
+                            f"{type(root_rank).__name__}") from None
+    pid = process_set_id(process_set)
+    if pid == _GLOBAL_ID:
+        size = _core.size()
+        if not 0 <= root_rank < size:
+            raise ValueError(f"broadcast root rank {root_rank} is not a rank of the job "
+                             f"(0 to {size - 1})")
+        return root_rank
+    ranks = _ranks_of(process_set)
+    if root_rank not in ranks:
+        raise ValueError(f"broadcast root rank {root_rank} is not a member of process set "
+                         f"{pid} (ranks {ranks}); root_rank is a rank of the job")
+    return ranks.index(root_rank)
 
 
 def set_rank(process_set):
     """This rank's index within ``process_set`` (a ProcessSet or an id); ``ValueError``
     when it is not a member."""
-    pid = process_set_id(process_set)
-    ranks = (process_set.ranks if isinstance(process_set, ProcessSet) and process_set.ranks
-             else list(_core.process_set_ranks(pid)))
+    ranks = _ranks_of(process_set)
     me = _core.rank()
     if me not in ranks:
         raise ValueError(f"this rank is not a member of {process_set}")

@@ -219,7 +219,7 @@ def _broadcast_into(buf, root_rank, name, process_set, keep):
 
 
 def broadcast(tensor, root_rank, name=None, priority=0, process_set=global_process_set):
-    """``root_rank``'s value of ``tensor`` (counted within the set), as a new NDArray."""
+    """``root_rank``'s value of ``tensor`` (a rank of the job, in the set), as a new NDArray."""
     out = _check(tensor).copy()
     return _broadcast_into(out, root_rank, name, process_set, tensor).wait()
 

@@ -36,44 +36,76 @@ def params_of(model):
     return [p.detach().clone() for p in model.parameters()]
 
 
+def _clip(kind, params):
+    """Clips ``params``' gradients as a training loop would; returns the norm if any."""
+    params = list(params)
+    if kind == "norm":
+        return torch.nn.utils.clip_grad_norm_(params, 0.05)
+    if kind == "value":
+        torch.nn.utils.clip_grad_value_(params, 0.01)
+        return None
+    if kind == "total":
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        torch.nn.utils.clip_grads_with_norm_(params, 0.05, norm)
+        return norm
+    return None
+
+
 def check_accumulate(r, n):
-    """N=2 steps of batch B each equal one step of 2B, with communication every 2nd step."""
+    """N=2 steps of batch B each equal one step of 2B, with communication every 2nd step.
+    Clipping on every call (norm, value, or total norm then clip) clips only the window's
+    reduced sum, once, as one process clipping before its one step."""
     steps = int(basics.config()["PERSEUS_ACCUMULATE_N_STEPS"])
     assert steps == 2, f"run with PERSEUS_ACCUMULATE_N_STEPS=2, not {steps}"
     g = torch.Generator().manual_seed(7)
     x = torch.randn(UPDATES, steps, n * BATCH, 4, generator=g, dtype=torch.float64)
     y = torch.randn(UPDATES, steps, n * BATCH, 2, generator=g, dtype=torch.float64)
+    for kind in (None, "norm", "value", "total"):
+        # One process: each update on every rank's rows of all `steps` steps, averaged.
+        ref = make_model()
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+        ref_norms = []
+        for u in range(UPDATES):
+            ref_opt.zero_grad()
+            for s in range(steps):
+                (F.mse_loss(ref(x[u, s]), y[u, s]) / steps).backward()
+            ref_norms.append(_clip(kind, ref.parameters()))
+            ref_opt.step()
 
-    # One process: each update on every rank's rows of all `steps` steps, averaged.
-    ref = make_model()
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    for u in range(UPDATES):
-        ref_opt.zero_grad()
-        for s in range(steps):
-            (F.mse_loss(ref(x[u, s]), y[u, s]) / steps).backward()
-        ref_opt.step()
-
-    model = make_model()
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                                   named_parameters=model.named_parameters())
-    rows = slice(r * BATCH, (r + 1) * BATCH)
-    nparams = len(list(model.parameters()))
-    for u in range(UPDATES):
-        for s in range(steps):
-            before = params_of(model)
-            tensors = hvd.counters()["tensors"]
-            opt.zero_grad()
-            F.mse_loss(model(x[u, s, rows]), y[u, s, rows]).backward()
-            opt.step()
-            reduced = hvd.counters()["tensors"] - tensors
-            if s < steps - 1:
-                assert reduced == 0, f"step {s} of update {u} communicated {reduced} tensors"
-                for a, b in zip(params_of(model), before):
-                    assert torch.equal(a, b), "an accumulating step changed the parameters"
-            else:
-                assert reduced == nparams, f"update {u} reduced {reduced}, not {nparams}"
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        close(p.detach(), q.detach(), f"accumulate: {name}", rtol=1e-10, atol=1e-10)
+        model = make_model()
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+            named_parameters=model.named_parameters())
+        rows = slice(r * BATCH, (r + 1) * BATCH)
+        nparams = len(list(model.parameters()))
+        for u in range(UPDATES):
+            for s in range(steps):
+                before = params_of(model)
+                tensors = hvd.counters()["tensors"]
+                opt.zero_grad()
+                F.mse_loss(model(x[u, s, rows]), y[u, s, rows]).backward()
+                grads = [p.grad.clone() for p in model.parameters()]
+                norm = _clip(kind, model.parameters())
+                opt.step()
+                reduced = hvd.counters()["tensors"] - tensors
+                if s < steps - 1:
+                    assert reduced == 0, f"step {s} of update {u} communicated {reduced} tensors"
+                    for a, b in zip(params_of(model), before):
+                        assert torch.equal(a, b), "an accumulating step changed the parameters"
+                    # The partial, local sum is left as backward wrote it.
+                    for p, want in zip(model.parameters(), grads):
+                        assert torch.equal(p.grad, want), f"{kind} clipped a partial sum"
+                    if norm is not None:
+                        assert norm.item() == 0.0, f"{kind} within a window: norm {norm}"
+                else:
+                    assert reduced == nparams, f"update {u} reduced {reduced}, not {nparams}"
+                    if norm is not None:
+                        close(norm.to(torch.float64), ref_norms[u].to(torch.float64),
+                              f"{kind}: norm of update {u}", rtol=1e-10, atol=1e-10)
+                        assert ref_norms[u].item() > 0.05, "the norm test does not clip"
+        for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            close(p.detach(), q.detach(), f"accumulate, clip {kind}: {name}",
+                  rtol=1e-10, atol=1e-10)
 
 
 def check_nancheck(r, n):

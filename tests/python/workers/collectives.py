@@ -281,6 +281,17 @@ def check_join(r, n):
     assert last == 0, f"join returned {last}, expected rank 0 to join last"
     close(hvd.allreduce(torch.ones(1), op=hvd.Sum), torch.full((1,), float(n)), "after join")
 
+    # Uneven data: rank i runs i + 1 unnamed allreduces, then joins; the ranks' counts of
+    # unnamed requests differ after that, and the join makes their next names agree.
+    for round_ in range(2):
+        for _ in range(r + 1 + round_):
+            hvd.allreduce(torch.ones(2), op=hvd.Sum)
+        hvd.join()
+        for k in range(2):
+            got = hvd.allreduce(torch.full((2,), float(r + k)), op=hvd.Sum)
+            close(got, torch.full((2,), float(sum(range(n)) + n * k)),
+                  f"unnamed allreduce {k} after an uneven join, round {round_}")
+
 
 def check_timeline(r, n):
     """Every tensor's row: the wait for negotiation, the operation, and its phases inside
@@ -348,9 +359,23 @@ def check_process_sets(r, n, set_a, set_b):
         me = ranks.index(r)
         close(hvd.allreduce(torch.full((2,), float(r + 1)), process_set=ps),
               sum_of(ranks) / len(ranks), "set average")
-        for root in range(len(ranks)):
+        for root in ranks:  # a rank of the job, as in Horovod
             got = hvd.broadcast(torch.full((2,), float(r)), root, process_set=ps)
-            close(got, torch.full((2,), float(ranks[root])), f"set broadcast root {root}")
+            close(got, torch.full((2,), float(root)), f"set broadcast root {root}")
+            assert hvd.broadcast_object(f"from {r}", root, name="ps.from",
+                                        process_set=ps) == f"from {root}"
+        outside = next(i for i in range(n) if i not in ranks) if len(ranks) < n else n
+        with raises(ValueError, f"broadcast root rank {outside} is not",
+                    what="a set broadcast from a rank outside the set"):
+            hvd.broadcast(torch.ones(2), outside, process_set=ps)
+        # A model and its optimizer state from the set's last rank.
+        model = torch.nn.Linear(2, 1)
+        torch.nn.init.constant_(model.weight, float(r))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1 * (r + 1), momentum=0.5)
+        hvd.broadcast_parameters(model.state_dict(), ranks[-1], process_set=ps)
+        hvd.broadcast_optimizer_state(opt, ranks[-1], process_set=ps)
+        close(model.weight.detach(), torch.full((1, 2), float(ranks[-1])), "set parameters")
+        assert opt.param_groups[0]["lr"] == 0.1 * (ranks[-1] + 1), opt.param_groups
         parts = [torch.full((2,), float(i)) for i in ranks]
         exp = torch.stack(parts) if MODE == "0" else torch.cat(parts)
         close(hvd.allgather(torch.full((2,), float(r)), process_set=ps), exp, "set allgather")
@@ -362,10 +387,23 @@ def check_process_sets(r, n, set_a, set_b):
         close(hvd.reducescatter(t, op=hvd.Sum, process_set=ps), t[me:me + 1] * len(ranks),
               "set reducescatter")
         hvd.barrier(process_set=ps)
-        got = hvd.broadcast_object(r if me == 0 else None, root_rank=0, name="ps.obj",
+        got = hvd.broadcast_object(r if me == 0 else None, root_rank=ranks[0], name="ps.obj",
                                    process_set=ps)
         assert got == ranks[0], got
         assert hvd.allgather_object(r, process_set=ps) == ranks
+
+    # A DistributedOptimizer on a set: members step on their average, the other ranks
+    # on their own gradient (as in Horovod), with no error.
+    for k, (ps, ranks) in enumerate(((set_a, a_ranks), (set_b, b_ranks))):
+        w = torch.nn.Parameter(torch.zeros(3))
+        opt = hvd.DistributedOptimizer(torch.optim.SGD([w], lr=1.0),
+                                       named_parameters=[(f"set{k}.w", w)], process_set=ps)
+        for _ in range(2):
+            opt.zero_grad()
+            (w * float(r + 1)).sum().backward()
+            opt.step()
+        grad = sum(i + 1 for i in ranks) / len(ranks) if r in ranks else r + 1
+        close(w.detach(), torch.full((3,), -2.0 * grad), f"optimizer on set {k}")
 
     # Remove a set, use of the stale object fails, add it again, use it, remove it.
     assert hvd.remove_process_set(set_a) is True

@@ -12,7 +12,7 @@ Usage: dgc.py exact      every rank's model after 6 steps equals an independent
        dgc.py warmup     PERSEUS_DGC_WARMUP_EPOCHS=2 and COEFF "0.5 0.25": the
                          non-zeros of one rank's selection follow the epoch set through
                          DistributedSampler.set_epoch, then the final ratio
-       dgc.py refused    an Adam optimizer is refused with a message naming DGC's limit
+       dgc.py refused    an Adam optimizer and step(closure) are refused, naming DGC's limit
        dgc.py resume     the optimizer's state_dict carries what DGC holds back: 3 steps
                          after a restore (in place, and into a new model and optimizer)
                          equal the 3 steps taken without it; a torch SGD loads the same
@@ -176,6 +176,11 @@ def refused():
                 what="DGC with Adam"):
         hvd.DistributedOptimizer(torch.optim.Adam(model.parameters()),
                                  named_parameters=model.named_parameters())
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR),
+                                   named_parameters=model.named_parameters())
+    with raises(ValueError, "PERSEUS_DGC=1: step(closure) is not supported",
+                what="DGC with a closure"):
+        opt.step(lambda: None)
 
 
 def resume():

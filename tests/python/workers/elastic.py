@@ -5,8 +5,9 @@ STEPS steps give, whatever the number of ranks on the way.
 ``elastic.py fail``: the worker with elastic id FAIL_ID (from the environment) exits
 with status 3 before step FAIL_AT of its first round; the others re-form and go on.
 ``elastic.py grow HOSTS_FILE``: rank 0 appends a host to the discovery script's file
-after step GROW_AT; the job takes in the new worker at a commit after the launcher
-discovers it (each step sleeps STEP_SLEEP seconds, to give it the time).
+after step GROW_AT (GROW_HOST, or 127.0.0.3:1); the job takes in the new worker at a
+commit after the launcher discovers it (each step sleeps STEP_SLEEP seconds, to give it
+the time). With WRAP=1 an ``hvd.DistributedOptimizer`` reduces the gradients.
 With HANG_ID set, that worker hangs before ``hvd.init()`` (the launcher must leave it
 behind after --start-timeout); with CRASH_ID, it exits with status 5 there.
 Each rank prints ``sizes <list>``: the number of ranks at each step.
@@ -36,6 +37,9 @@ def main():
     model = torch.nn.Linear(1, 1, bias=False)
     torch.nn.init.zeros_(model.weight)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
+    wrapped = os.environ.get("WRAP") == "1"  # hvd.DistributedOptimizer reduces
+    if wrapped:
+        opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
     state = hvd.elastic.TorchState(model, opt, step=0, sizes=[])
     first_round = [True]
     state.register_reset_callbacks([lambda: first_round.__setitem__(0, False)])
@@ -50,15 +54,16 @@ def main():
             opt.zero_grad()
             # every rank's gradient is 1 (d/dw of w * 1), and so is their average
             model(torch.ones(1, 1)).sum().backward()
-            grad = hvd.allreduce(model.weight.grad, name="grad")
-            model.weight.grad.copy_(grad)
+            if not wrapped:
+                grad = hvd.allreduce(model.weight.grad, name="grad")
+                model.weight.grad.copy_(grad)
             opt.step()
             state.sizes.append(hvd.size())
             time.sleep(float(os.environ.get("STEP_SLEEP", "0")))  # time to discover hosts
             state.step += 1
             if mode == "grow" and hvd.rank() == 0 and state.step == int(os.environ["GROW_AT"]):
                 with open(sys.argv[2], "a") as f:
-                    f.write("127.0.0.3:1\n")
+                    f.write(os.environ.get("GROW_HOST", "127.0.0.3:1") + "\n")
             state.commit()
 
     train(state)

@@ -33,6 +33,31 @@ def train(model, opt, x, y, rows):
         opt.step()
 
 
+def check_closure(r, n, opt_class, **hyper):
+    """step(closure): the closure's gradients are averaged before the step uses them."""
+    x, y = make_data(n, 1)
+    ref = make_model()
+    ref_opt = opt_class(ref.parameters(), **hyper)
+    train(ref, ref_opt, x, y, slice(None))
+    model = make_model()
+    opt = hvd.DistributedOptimizer(opt_class(model.parameters(), **hyper),
+                                   named_parameters=model.named_parameters())
+    rows = slice(r * BATCH, (r + 1) * BATCH)
+    losses = []
+    for step in range(STEPS):
+        def closure(step=step):
+            opt.zero_grad()
+            loss = F.mse_loss(model(x[step, 0, rows]), y[step, 0, rows])
+            loss.backward()
+            losses.append(loss)
+            return loss
+        assert opt.step(closure) is losses[-1], "step(closure) returns the closure's loss"
+    what = f"step(closure) with {opt_class.__name__}"
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        close(p.detach(), q.detach(), f"{what}: {name}", rtol=1e-10, atol=1e-10)
+    check_same_everywhere(model, what)
+
+
 def check_same_everywhere(model, what):
     mine = [p.detach().clone() for p in model.parameters()]
     for params in hvd.allgather_object(mine, name="params"):
@@ -117,6 +142,25 @@ def check_broadcast_state(r, n):
         for k in s:
             close(s[k], states[0][k], f"Adam state {k} after broadcast")
     assert adam.param_groups[0]["lr"] == 0.01 * n
+
+    # A scheduler made on the torch optimizer before wrapping keeps steering the wrapper
+    # after the broadcast: the group dicts stay the same objects on every rank.
+    model = make_model()
+    base = torch.optim.SGD(model.parameters(), lr=0.1 * (r + 1), momentum=0.9)
+    sched = torch.optim.lr_scheduler.StepLR(base, step_size=1, gamma=0.5)
+    opt = hvd.DistributedOptimizer(base, named_parameters=model.named_parameters())
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    assert all(a is b for a, b in zip(opt.param_groups, base.param_groups))
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.ones(2, 4, dtype=torch.float64) * (r + 1)).sum().backward()
+        opt.step()
+        sched.step()
+    assert opt.param_groups[0]["lr"] == 0.1 * 0.5 ** 3, opt.param_groups[0]["lr"]
+    ws = hvd.allgather_object([p.detach() for p in model.parameters()])
+    for w in ws:
+        for a, b in zip(w, ws[0]):
+            close(a, b, "weights under a scheduler made before wrapping")
 
 
 def check_sparse(r, n):
@@ -207,6 +251,8 @@ def main():
     check_optimizer(r, n, "gradient_predivide_factor", gradient_predivide_factor=2.0, atol=1e-9)
     check_optimizer(r, n, "groups=2", groups=2)
     check_optimizer_api(r, n)
+    check_closure(r, n, torch.optim.SGD, lr=0.1, momentum=0.9)
+    check_closure(r, n, torch.optim.Adam, lr=0.01)
     check_sparse(r, n)
     check_sync_batch_norm(r, n)
     hvd.shutdown()

@@ -266,7 +266,7 @@ def _broadcast_now(tensors, root_rank, names, process_set):
 
 def broadcast(tensor, root_rank, name=None, ignore_name_scope=False,
               process_set=global_process_set):
-    """Return ``root_rank``'s value of ``tensor`` on every rank (counted within the set).
+    """Return ``root_rank``'s value of ``tensor`` on every rank of the set (a rank of the job).
 
     Differentiable: the root receives the averaged gradient, the others zeros.
     """
@@ -283,7 +283,7 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False,
 
         def grad(dy):
             reduced = _grouped_allreduce_raw([dy], None, Average, 1.0, 1.0, process_set)[0]
-            return reduced if _set_rank(process_set) == root_rank else reduced * 0
+            return reduced if rank() == root_rank else reduced * 0
         return out, grad
 
     return bcast(t)

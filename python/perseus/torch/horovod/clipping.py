@@ -13,7 +13,12 @@ averaged gradients, as Horovod's ``synchronize()``, clip, then ``skip_synchroniz
 pattern does, and ``step()`` does not synchronize again. A name bound by
 ``from torch.nn.utils import clip_grad_norm_`` before ``perseus.torch.horovod`` was
 imported keeps torch's own function. Under the overlapped step some parameters have
-stepped before such a clip, which cannot reach them: the first such clip warns.
+stepped before such a clip, which cannot reach them: the first such clip warns. Under
+``PERSEUS_ACCUMULATE_N_STEPS`` the calls within a window leave an optimizer's gradients
+out: they hold a partial sum of this rank's own, so clipping them would clip each share
+again at every call. Such a clip finds no gradient of that optimizer (``clip_grad_norm_``
+returns a norm of 0 if it had no other), as after a ``GradScaler``'s ``unscale_`` there,
+and the window's last call clips the reduced sum once.
 """
 
 import functools
@@ -93,7 +98,29 @@ def _wait_for(tensors, given_grads, what):
             opt._wait_before_reading_grads()
 
 
-def _waiting(func, given_grads):
+def _outside_windows(tensors, given_grads):
+    """``tensors`` (parameters, or with ``given_grads`` their gradients) less those of
+    tracked optimizers within a PERSEUS_ACCUMULATE_N_STEPS window, whose gradients hold
+    a partial, unreduced sum that only the window's last call may clip."""
+    accumulating = [opt for opt in list(_optimizers) if opt._accumulating()]
+    if not accumulating:
+        return tensors
+    left_out = set()
+    for opt in accumulating:
+        for w in opt._requires_update:
+            if given_grads:
+                if w.grad is not None:
+                    left_out.add(id(w.grad))
+            else:
+                left_out.add(id(w))
+    if given_grads:
+        return [t for t in tensors if id(t) not in left_out]
+    # A master's gradient comes from its model parameter (AMP O2).
+    return [t for t in tensors
+            if id(t) not in left_out and id(_amp.working(t)) not in left_out]
+
+
+def _waiting(func, given_grads, value_clip):
     @functools.wraps(func)
     def clip(parameters, *args, **kwargs):
         if isinstance(parameters, torch.Tensor):
@@ -102,6 +129,11 @@ def _waiting(func, given_grads):
             parameters = list(parameters)  # a generator is read once, here
         if not getattr(_own, "running", False):
             _wait_for(parameters, given_grads, func.__name__)
+            parameters = _outside_windows(parameters, given_grads)
+            if value_clip and all(p.grad is None for p in parameters):
+                # torch's clip_grad_value_ fails on no gradient at all, which a window
+                # (or a GradScaler's unscale_ within one) leaves.
+                return None
         return func(parameters, *args, **kwargs)
 
     return clip
@@ -110,7 +142,8 @@ def _waiting(func, given_grads):
 def _patch():
     modules = (torch.nn.utils, torch.nn.utils.clip_grad)
     for name, func in _TORCH.items():  # an older torch lacks some
-        waiting = _waiting(func, given_grads=name == "get_total_norm")
+        waiting = _waiting(func, given_grads=name == "get_total_norm",
+                           value_clip=name == "clip_grad_value_")
         # The public names only: torch's own functions call private ones (torch 2.15's
         # clip_grad_norm_ calls _get_total_norm), which must not wait, so that the
         # overlapped step's clipping (torch_own) never waits for the reductions.

@@ -2,6 +2,7 @@
 
 import torch
 
+from perseus.common.basics import rank
 from perseus.common.objects import allgather_object, broadcast_object
 from perseus.common.process_sets import global_process_set
 from perseus.torch.horovod.mpi_ops import broadcast_async_, synchronize
@@ -35,10 +36,25 @@ def broadcast_optimizer_state(optimizer, root_rank, process_set=global_process_s
 
     The root's ``state_dict()`` is sent as one object and loaded on the other ranks,
     so state that the root has but others have not created yet arrives as well.
+    ``root_rank`` is a rank of the job. The optimizer's ``param_groups`` list, its group
+    dicts and its ``state`` stay the same objects, filled with the root's values: a
+    learning-rate scheduler made before ``DistributedOptimizer`` wrapped the optimizer
+    holds them, and must go on steering the wrapper's groups.
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    state = optimizer.state_dict() if process_set.rank() == root_rank else None
+    root = rank() == root_rank
+    state = optimizer.state_dict() if root else None
     state = broadcast_object(state, root_rank, name="optimizer_state", process_set=process_set)
-    if process_set.rank() != root_rank:
-        optimizer.load_state_dict(state)
+    if not root:
+        groups, held = optimizer.param_groups, optimizer.state
+        dicts = list(groups)
+        optimizer.load_state_dict(state)  # casts and places the state as torch does
+        for old, new in zip(dicts, optimizer.param_groups):
+            old.update(new)
+        groups[:] = dicts
+        loaded = optimizer.state
+        if loaded is not held:
+            held.clear()
+            held.update(loaded)
+        optimizer.param_groups, optimizer.state = groups, held

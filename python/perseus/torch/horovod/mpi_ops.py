@@ -377,8 +377,8 @@ def grouped_allgather(tensors, name=None, process_set=global_process_set):
 def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set):
     """Start broadcasting ``tensor`` from ``root_rank``; the result is a new tensor.
 
-    ``root_rank`` counts within ``process_set``. Every rank must submit the same
-    dtype and shape under one name.
+    ``root_rank`` is a rank of the job (as in Horovod), one of ``process_set``'s. Every
+    rank must submit the same dtype and shape under one name.
     """
     _check_tensor(tensor)
     out = tensor.detach().clone(memory_format=torch.contiguous_format)
@@ -404,7 +404,7 @@ class _Broadcast(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         grad = allreduce(grad_output, op=Average, process_set=ctx.process_set)
-        if _set_rank(ctx.process_set) != ctx.root_rank:
+        if rank() != ctx.root_rank:  # a rank of the job, as in Horovod
             grad = grad * 0
         return grad, None, None, None
 

@@ -7,6 +7,7 @@ from contextlib import contextmanager
 
 import torch
 
+from perseus.common import elastic as _elastic
 from perseus.common.basics import config as _config
 from perseus.common.basics import set_fusion_threshold
 from perseus.common.gradients import (
@@ -141,8 +142,13 @@ class _DistributedOptimizer:
                           for p in group["params"]}
         # PERSEUS_ACCUMULATE_N_STEPS on one rank too: the reduction applies the 1/N as
         # backward ends the window, so clipping before step() sees the average there too.
-        self._hooked = (size() > 1 or os.environ.get("HOROVOD_ELASTIC") == "1"
-                        or self._accumulate > 1)
+        # An elastic job that starts on one worker may grow: it reduces from the start
+        # (perseusrun marks its workers PERSEUS_ELASTIC=1; Horovod's launcher
+        # HOROVOD_ELASTIC=1).
+        # A rank outside ``process_set`` steps on its own gradients, as in Horovod.
+        self._hooked = ((size() > 1 or _elastic.enabled()
+                         or os.environ.get("HOROVOD_ELASTIC") == "1" or self._accumulate > 1)
+                        and process_set.included() is not False)
         self._frozen = []  # parameters without a hook: they did not train when last seen
         if self._hooked:
             self._register_hooks()
@@ -773,21 +779,47 @@ class _DistributedOptimizer:
         return result
 
     def _synchronized_step(self, closure):
-        """``step()`` once every reduction is waited for: the wrapped optimizer's step."""
-        if self._should_synchronize and not self._auto_synchronized:
-            if self._synchronized:
-                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
-                              "context after optimizer.synchronize(). This can cause training "
-                              "slowdown. You may want to consider using "
-                              "optimizer.skip_synchronize() context if you use "
-                              "optimizer.synchronize() in your code.", stacklevel=4)
-            self.synchronize()
-        if self._amp:
-            _amp.move_grads(self)
+        """``step()`` once every reduction is waited for: the wrapped optimizer's step.
+
+        A ``closure`` (zero_grad, forward, backward: the gradients this step uses) runs
+        where the wrapped optimizer calls it, and its gradients are averaged before the
+        call returns. Horovod synchronizes before the closure runs, so the step reads the
+        closure's gradients while they are being reduced, and the ranks part."""
+        if closure is not None:
+            if self._dgc is not None and self._hook_handles:
+                raise ValueError("PERSEUS_DGC=1: step(closure) is not supported (DGC steps "
+                                 "its compressed parameters apart from the closure's "
+                                 "gradients); call backward() before step()")
+            closure = self._reducing(closure)
+        else:
+            if self._should_synchronize and not self._auto_synchronized:
+                if self._synchronized:
+                    warnings.warn("optimizer.step() called without "
+                                  "optimizer.skip_synchronize() context after "
+                                  "optimizer.synchronize(). This can cause training slowdown. "
+                                  "You may want to consider using "
+                                  "optimizer.skip_synchronize() context if you use "
+                                  "optimizer.synchronize() in your code.", stacklevel=4)
+                self.synchronize()
+            if self._amp:
+                _amp.move_grads(self)
         result = self._wrapped_step(closure)
         if self._amp:
             _amp.copy_to_model(self)
         return result
+
+    def _reducing(self, closure):
+        """``closure``, then the wait for the averages of the gradients it computed."""
+        def reduced():
+            with torch.enable_grad():
+                loss = closure()
+            if self._should_synchronize:
+                self.synchronize()
+            if self._amp:
+                _amp.move_grads(self)
+            return loss
+
+        return reduced
 
     def _wrapped_step(self, closure):
         """The wrapped optimizer's step; under DGC, the compressed parameters' own."""
