@@ -1,5 +1,7 @@
 """perseus.tensorflow.horovod and perseus.tensorflow.keras on 2 and 3 ranks (workers/)."""
 
+import re
+
 import pytest
 
 
@@ -28,6 +30,16 @@ def test_keras_fit_callbacks_load_model_and_hooks(run_framework, tmp_path):
     run_framework(2, "keras_fit.py", tmp_path)
     assert (tmp_path / "model.keras").exists()
     assert any((tmp_path / "ckpt").glob("checkpoint")), "rank 0's checkpoint was not written"
+
+
+def test_keras_callbacks_as_horovod_defines_them(run_framework):
+    """Each batch's learning rate under LearningRateScheduleCallback (a constant
+    multiplier decays exponentially, by epochs or their fractions) and
+    LearningRateWarmupCallback (Horovod's per-batch values, the number of ranks read at
+    each batch, rank 0 alone reporting the end, initial_lr required);
+    BroadcastGlobalVariablesCallback(local_variables=...) leaves those variables alone;
+    compile(experimental_run_tf_function=False) as in Horovod's examples."""
+    run_framework(2, "keras_callbacks.py")
 
 
 def test_errors(run_framework):
@@ -60,16 +72,77 @@ def test_examples_run(run_example, script, args, expect):
     run_example(script, *args, expect=expect)
 
 
-def test_elastic_fit_goes_on_without_a_failed_worker(run_framework):
+def _sizes(out):
+    """Each rank's ``sizes [...]`` line: the number of ranks at each step that counted."""
+    return {tuple(map(int, re.findall(r"\d+", m))) for m in re.findall(r"sizes \[(.*)\]", out)}
+
+
+@pytest.mark.parametrize("style", ["perseus", "horovod"])
+def test_elastic_fit_goes_on_without_a_failed_worker(run_framework, style):
     """perseusrun --min-np 2 on three "hosts": the worker of the first (rank 0) fails in
     epoch 1; the two others go back to their commit at the end of epoch 0, re-form, and
-    end with the model of exactly 12 steps (docs/elastic.md)."""
+    end with the model of exactly 12 steps and state.epoch 4 (docs/elastic.md), whether
+    fit resumes with initial_epoch=state.epoch or Horovod's epochs=epochs - state.epoch."""
     out = run_framework(3, "elastic.py", hosts="127.0.0.1:1,127.0.0.2:1,127.0.0.3:1",
                         flags=["--min-np", "2"], oks=2,
-                        env={"FAIL_ID": "127.0.0.1[0]", "GLOO_TIMEOUT_SECONDS": "30"})
+                        env={"FAIL_ID": "127.0.0.1[0]", "GLOO_TIMEOUT_SECONDS": "30",
+                             "STYLE": style})
     assert "worker 127.0.0.1[0] failed with exit code 3" in out, out
     assert "round 1: 2 workers (127.0.0.2[0], 127.0.0.3[0])" in out, out
     assert out.count("of 2: w = -6.0") == 2, out
+    assert _sizes(out) == {(3,) * 3 + (2,) * 9}, out
+
+
+def test_elastic_fit_resumes_in_the_middle_of_an_epoch(run_framework):
+    """Horovod's example's way: fit(epochs=epochs - state.epoch) and a commit after every
+    batch. The second host's worker fails before batch 2 of epoch 1; the other goes
+    back to the commit after batch 1, runs the one batch left of epoch 1 (not 3), then
+    epochs 2 and 3: exactly 12 steps, state.epoch 4."""
+    out = run_framework(2, "elastic.py", hosts="127.0.0.1:1,127.0.0.2:1",
+                        flags=["--min-np", "1"], oks=1,
+                        env={"FAIL_ID": "127.0.0.2[0]", "FAIL_AT": "1,2", "BPC": "1",
+                             "STYLE": "horovod", "GLOO_TIMEOUT_SECONDS": "30"})
+    assert "worker 127.0.0.2[0] fails at epoch 1 batch 2" in out, out
+    assert "round 1: 1 workers (127.0.0.1[0])" in out, out
+    assert out.count("of 1: w = -6.0") == 1, out
+    assert _sizes(out) == {(2,) * 5 + (1,) * 7}, out
+
+
+def test_elastic_fit_replaces_a_failed_worker_in_the_middle_of_a_count(run_framework):
+    """Two workers of three "hosts", committing every 2 batches: the second fails before
+    batch 1 of epoch 1, one batch into the count; the third host's worker replaces it.
+    The survivor and the new worker count the batches to their next commit from the
+    start of the new fit alike (else they commit at different batches and wait on each
+    other), and end with the model of exactly 12 steps."""
+    out = run_framework(2, "elastic.py", hosts="127.0.0.1:1,127.0.0.2:1,127.0.0.3:1",
+                        flags=["--min-np", "2", "--max-np", "2"], oks=2, timeout=120,
+                        env={"FAIL_ID": "127.0.0.2[0]", "FAIL_AT": "1,1", "BPC": "2",
+                             "STYLE": "horovod", "GLOO_TIMEOUT_SECONDS": "30",
+                             "PERSEUS_STALL_SHUTDOWN_TIME_SECONDS": "20"})
+    assert "round 1: 2 workers (127.0.0.1[0], 127.0.0.3[0])" in out, out
+    assert out.count("of 2: w = -6.0") == 2, out
+    assert _sizes(out) == {(2,) * 12}, out
+
+
+def test_elastic_fit_takes_in_a_new_worker_at_a_commit(run_framework, tmp_path):
+    """A job of one worker, committing every 2 batches, grows by a discovered host after
+    its second step. The next commit interrupts the fit; the new worker takes rank 0's
+    state, and both count the batches to their next commit afresh. Rank 0's training
+    step, traced by Keras at one rank, still reduces the gradients at two (else the new
+    worker waits for it forever): both end with the model of exactly 12 steps."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1:1\n")
+    out = run_framework(1, "elastic.py", oks=2, timeout=120,
+                        flags=["--min-np", "1", "--max-np", "2",
+                               "--host-discovery-script", f"cat {hosts}"],
+                        env={"GROW_FILE": str(hosts), "GROW_AT": "2", "STEP_SLEEP": "0.5",
+                             "BPC": "2", "STYLE": "horovod", "GLOO_TIMEOUT_SECONDS": "30",
+                             "PERSEUS_STALL_SHUTDOWN_TIME_SECONDS": "30"})
+    assert "round 1: 2 workers (127.0.0.1[0], 127.0.0.2[0])" in out, out
+    assert out.count("of 2: w = -6.0") == 2, out
+    (seen,) = _sizes(out)  # one history on both ranks, the new one's from rank 0's state
+    ones = seen.count(1)
+    assert ones >= 2 and seen == (1,) * ones + (2,) * (12 - ones), out
 
 
 def test_elastic_session_goes_on_without_a_failed_worker(run_framework):
@@ -99,3 +172,38 @@ def test_keras_additions(run_framework, tmp_path):
     run_framework(2, "keras_additions.py", tmp_path)
     # Each rank named its checkpoints after itself: rank 0's alone exist.
     assert sorted(p.name for p in tmp_path.glob("m*.*")) == ["max.0.weights.h5", "min.0.keras"]
+
+
+def test_local_gradients_scale_by_the_size_when_a_traced_step_runs(monkeypatch):
+    """PartialDistributed*'s scaling of local gradients (1 / the set's size) in a traced
+    step of an elastic job follows the set's size at each run: Keras keeps its traced
+    step across the job's rounds, and the size changes between them."""
+    tf = pytest.importorskip("tensorflow")
+    from perseus.common import elastic
+    from perseus.common.process_sets import ProcessSet
+    from perseus.tensorflow.horovod import gradients
+
+    ps = ProcessSet([0, 1])
+
+    class Reducer:  # the reduction of shared gradients is not under test here
+        process_set = ps
+
+        def reduce(self, grads, variables):
+            return grads
+
+    v = tf.Variable(1.0)
+    local = gradients.LocalVariables()
+    local.add(v, "test")
+    for elastic_job, after_resize in ((False, 0.5), (True, 0.25)):
+        monkeypatch.setattr(elastic, "enabled", lambda on=elastic_job: on)
+        ps.ranks = [0, 1]
+
+        @tf.function
+        def step():
+            (g,) = gradients.reduce_except_local(Reducer(), [tf.constant(1.0)], [v], local,
+                                                 True)
+            return g
+
+        assert float(step()) == 0.5
+        ps.ranks = [0, 1, 2, 3]  # a later round of the job, the same traced step
+        assert float(step()) == after_resize, elastic_job

@@ -59,9 +59,10 @@ def fit_with_callbacks(r, n, workdir):
         close(g[1:], np.repeat(g[:1], n - 1, axis=0), f"weights after fit ({w.path})", 0, 0)
     own = hvd.allgather_object(local.losses)
     close(history.history["loss"], np.mean(own, axis=0), "MetricAverageCallback")
-    # Warmup: at the last batch of epoch e < 2 the rate is base/n * (e' * (n-1)/2 + 1) with
-    # e' = e + 1/2 (two batches per epoch); then the schedule: base * 0.5 ** (e - 1).
-    want = [base_lr / n * ((e + 0.5) * (n - 1) / 2 + 1) for e in range(1)]
+    # Warmup: the last batch of epoch e < 2 runs at base/n * (e' * (n-1)/2 + 1) with
+    # e' = e + 1 (as in Horovod, batch b of 2 at e + (b + 1) / 2); then the schedule:
+    # base * 0.5 ** (e - 1).
+    want = [base_lr / n * ((e + 1) * (n - 1) / 2 + 1) for e in range(1)]
     want += [base_lr, base_lr * 0.5, base_lr * 0.25]
     close(history.history["lr"], want, "learning rates logged per epoch", 1e-6, 1e-7)
     return model

@@ -19,6 +19,7 @@ import time
 import numpy as np
 import tensorflow as tf
 
+from perseus.common import elastic
 from perseus.common.basics import config as _config
 from perseus.common.basics import generation, set_fusion_threshold
 from perseus.common.gradients import (
@@ -80,8 +81,12 @@ class GradientReducer:
         """Reduced gradients, in the order given; ``None`` stays ``None``."""
         grads = list(grads)
         if (process_set_size(self.process_set) == 1 and self._downsample_n <= 1
-                and not self._nancheck and self._perf_every == 0):
-            return grads  # the average over one rank: nothing to send, nothing to check
+                and not self._nancheck and self._perf_every == 0
+                and (tf.executing_eagerly() or not elastic.enabled())):
+            # The average over one rank: nothing to send, nothing to check. Not in a
+            # graph of an elastic job: the graph outlives the round (Keras keeps its
+            # traced step), and the job may grow.
+            return grads
         names = [_var_name(v) for v in variables] if variables is not None else [
             str(i) for i in range(len(grads))]
         out = list(grads)
@@ -235,6 +240,12 @@ def reduce_except_local(reducer, grads, variables, local, scale_local):
         out[i] = r
     if scale_local:
         scale = set_size_scale(reducer.process_set)
+        if not tf.executing_eagerly() and elastic.enabled():
+            # A traced step outlives the round (Keras keeps it): the size of the set
+            # when the step runs, not when it was traced.
+            ps = reducer.process_set
+            scale = tf.numpy_function(lambda: np.float64(set_size_scale(ps)), [],
+                                      tf.float64, stateful=True)
         for i, v in enumerate(variables):
             if v in local and out[i] is not None:
                 g = out[i]

@@ -15,19 +15,34 @@ __all__ = ["BestModelCheckpoint", "BroadcastGlobalVariablesCallback",
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     """Overwrites the model's and the optimizer's variables with ``root_rank``'s before
     the first step, so that every rank starts from the same state (also after loading a
-    checkpoint on the root only). ``device`` is accepted for compatibility."""
+    checkpoint on the root only). ``device`` is accepted for compatibility.
 
-    def __init__(self, root_rank, device=""):
+    ``local_variables`` (a variable or a collection of them: ``tf.Variable`` or
+    ``keras.Variable``) are left out of the broadcast: each rank keeps its own value, as
+    for the local layers of a model-parallel job. Only the variables named are left
+    out; name the optimizer's slots of a local variable too if they should stay.
+    """
+
+    def __init__(self, root_rank, device="", local_variables=None):
         super().__init__()
         self.root_rank = root_rank
         self.device = device
         self.broadcast_done = False
+        self.local_variables = _variable_list(local_variables)
+        self._local_ids = set()
+        for var in self.local_variables:
+            self._local_ids.update(_variable_ids(var))
+
+    def _is_local(self, var):
+        return not self._local_ids.isdisjoint(_variable_ids(var))
 
     def _broadcast(self):
         variables = list(self.model.variables)
         opt = getattr(self.model, "optimizer", None)
         if opt is not None and getattr(opt, "built", False):
             variables += list(opt.variables)
+        if self._local_ids:
+            variables = [v for v in variables if not self._is_local(v)]
         broadcast_variables(variables, self.root_rank)
         self.broadcast_done = True
 
@@ -40,6 +55,37 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         """Broadcast after the first batch when the model was only built by it."""
         if not self.broadcast_done:
             self._broadcast()
+
+
+def _is_variable(obj):
+    return isinstance(obj, (tf.Variable, keras.Variable))
+
+
+def _variable_list(variables):
+    """``local_variables`` as a list of variables (ValueError for anything else)."""
+    if variables is None:
+        return []
+    if _is_variable(variables):
+        return [variables]
+    try:
+        variables = list(variables)
+    except TypeError:
+        variables = [variables]
+    bad = [type(v).__name__ for v in variables if not _is_variable(v)]
+    if bad:
+        raise ValueError(f"local_variables must be variables (tf.Variable or keras.Variable), "
+                         f"got {', '.join(sorted(set(bad)))}")
+    return variables
+
+
+def _variable_ids(var):
+    """The ids a variable is known by: a Keras variable's and its TensorFlow variable's."""
+    ids = {id(var)}
+    if isinstance(var, keras.Variable):
+        inner = getattr(var, "value", None)
+        if isinstance(inner, tf.Variable):
+            ids.add(id(inner))
+    return ids
 
 
 class MetricAverageCallback(keras.callbacks.Callback):
@@ -66,26 +112,36 @@ class MetricAverageCallback(keras.callbacks.Callback):
 
 class LearningRateScheduleCallback(keras.callbacks.Callback):
     """Sets the optimizer's learning rate to ``initial_lr * multiplier(epoch)`` for epochs
-    in ``[start_epoch, end_epoch)``.
+    in ``[start_epoch, end_epoch)``; outside them the rate is left as it is.
 
-    ``multiplier`` is a number or a function of the epoch. With ``staircase`` the rate
-    changes at epoch starts; otherwise at every batch, with fractional epochs
-    (``steps_per_epoch`` defaults to what ``fit`` reports). ``momentum_correction`` is
-    accepted for compatibility: Keras 3 compiles an optimizer's momentum into the
-    training step as a constant, so it cannot be corrected per batch.
+    ``multiplier`` is a function of the epoch, or a number ``m`` for exponential decay:
+    ``m ** (epoch - start_epoch)``. With ``staircase`` the rate changes at epoch starts;
+    otherwise at every batch, with the fractional epoch ``epoch + batch /
+    steps_per_epoch`` (``steps_per_epoch`` defaults to the steps ``fit`` reports, read
+    when each ``fit`` begins). ``momentum_correction`` is accepted for compatibility:
+    Keras 3 compiles an optimizer's momentum into the training step as a constant, so it
+    cannot be corrected per batch.
     """
 
     def __init__(self, initial_lr, multiplier, start_epoch=0, end_epoch=None, staircase=True,
                  momentum_correction=True, steps_per_epoch=None):
         super().__init__()
+        if initial_lr is None:
+            raise ValueError(f"{type(self).__name__}: initial_lr is required (the learning "
+                             f"rate the schedule multiplies)")
         self.initial_lr = float(initial_lr)
-        self.multiplier = multiplier if callable(multiplier) else (lambda _e: multiplier)
+        if callable(multiplier):
+            self.multiplier = multiplier
+        else:
+            base = float(multiplier)
+            self.multiplier = lambda epoch: base ** (epoch - start_epoch)
         self.start_epoch = start_epoch
         self.end_epoch = end_epoch
         self.staircase = staircase
         self.momentum_correction = momentum_correction
         self.steps_per_epoch = steps_per_epoch
         self.current_epoch = None
+        self._steps = steps_per_epoch  # this fit's steps per epoch
 
     def _in_range(self, epoch):
         return epoch >= self.start_epoch and (self.end_epoch is None or epoch < self.end_epoch)
@@ -93,12 +149,12 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
     def _set_lr(self, epoch):
         self.model.optimizer.learning_rate = self.initial_lr * float(self.multiplier(epoch))
 
-    def _steps(self):
-        steps = self.steps_per_epoch or (self.params or {}).get("steps")
-        if not steps:
-            raise ValueError("LearningRateScheduleCallback with staircase=False needs "
-                             "steps_per_epoch (fit did not report the steps)")
-        return steps
+    def on_train_begin(self, logs=None):
+        """Smooth schedules: the steps per epoch, given or as ``fit`` reports them."""
+        self._steps = self.steps_per_epoch or (self.params or {}).get("steps")
+        if not self.staircase and not self._steps:
+            raise ValueError(f"{type(self).__name__} with staircase=False needs "
+                             f"steps_per_epoch (fit did not report the steps per epoch)")
 
     def on_epoch_begin(self, epoch, logs=None):
         """Staircase: the epoch's rate."""
@@ -110,7 +166,7 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
         """Smooth schedules: the rate at this fraction of the epoch."""
         if self.staircase or self.current_epoch is None or not self._in_range(self.current_epoch):
             return
-        self._set_lr(self.current_epoch + batch / self._steps())
+        self._set_lr(self.current_epoch + batch / self._steps)
 
     def on_epoch_end(self, epoch, logs=None):
         """Report the rate as ``lr`` in the logs."""
@@ -121,13 +177,19 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
 class LearningRateWarmupCallback(LearningRateScheduleCallback):
     """Goyal et al.'s warmup: the rate grows from ``initial_lr / size`` to ``initial_lr``
     over ``warmup_epochs`` epochs, batch by batch, where ``initial_lr`` is the rate
-    already scaled by the number of ranks."""
+    already scaled by the number of ranks. As in Horovod, the batch that ends an epoch
+    runs with that epoch's end rate: batch ``b`` of epoch ``e`` uses
+    ``initial_lr / size * (1 + (size - 1) * (e + (b + 1) / steps_per_epoch) /
+    warmup_epochs)``, so the warmup's last batch uses ``initial_lr``. ``size`` is the
+    number of ranks at that batch (it changes when an elastic job re-forms).
+    ``verbose``: rank 0 says when the warmup ends.
+    """
 
     def __init__(self, initial_lr, warmup_epochs=5, momentum_correction=True,
                  steps_per_epoch=None, verbose=0):
-        n = size()
-
         def multiplier(epoch):
+            n = size()
+            epoch += 1.0 / self._steps
             return 1.0 / n * (epoch * (n - 1) / warmup_epochs + 1)
 
         super().__init__(initial_lr, multiplier, start_epoch=0, end_epoch=warmup_epochs,
@@ -137,12 +199,13 @@ class LearningRateWarmupCallback(LearningRateScheduleCallback):
         self.verbose = verbose
 
     def on_epoch_end(self, epoch, logs=None):
-        """At the end of the warmup, set exactly ``initial_lr`` (and say so if verbose)."""
+        """At the end of the warmup, set exactly ``initial_lr`` (rank 0 says so if
+        verbose)."""
         if epoch == self.warmup_epochs - 1:
             self.model.optimizer.learning_rate = self.initial_lr
-            if self.verbose:
+            if self.verbose and rank() == 0:
                 print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to "
-                      f"{self.initial_lr:g}.")
+                      f"{self.initial_lr:g}.", flush=True)
         super().on_epoch_end(epoch, logs)
 
 

@@ -18,6 +18,10 @@ each only where a Perseus optimizer reduces the gradients; everything else is Ke
   step, and its reduction, while the others reduce. ``check_finite`` of a
   LossScaleOptimizer that wraps a Perseus optimizer therefore takes the minimum of the
   ranks' answers (one scalar allreduce a step): every rank skips, or none does.
+
+``compile()`` also drops ``experimental_run_tf_function``, whatever the model: Horovod's
+TF2 Keras examples pass it (``False``), and Keras 3, which has no counterpart of what it
+meant in TensorFlow 2.0 - 2.1, would reject it.
 """
 
 import functools
@@ -59,6 +63,8 @@ def _compile_without_xla(original):
 
     @functools.wraps(original)
     def compile(self, *args, **kwargs):
+        # Horovod's TF2 examples pass it; Keras 3 has no such argument (nor its meaning).
+        kwargs.pop("experimental_run_tf_function", None)
         asked = signature.bind(self, *args, **kwargs).arguments.get("jit_compile", "auto")
         result = original(self, *args, **kwargs)
         without_xla(self, asked)
