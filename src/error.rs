@@ -9,6 +9,11 @@ pub enum PerseusError {
     /// A call was made before `init()` or after `shutdown()`.
     #[error("Perseus has not been initialized; use hvd.init().")]
     NotInitialized,
+    /// This process is not a rank, though a rank's `init()` reached it: a child forked
+    /// after `init()`, or a process a rank started through multiprocessing (a
+    /// DataLoader worker) that ran `init()` again. The message says which.
+    #[error("{0}")]
+    NotARank(String),
     /// A configuration variable holds a value outside its allowed set.
     #[error("invalid value {value:?} for {var}: {allowed}")]
     InvalidConfig {

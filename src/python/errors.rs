@@ -24,6 +24,7 @@ pub fn to_py(e: PerseusError) -> PyErr {
     let msg = e.to_string();
     match e {
         PerseusError::NotInitialized
+        | PerseusError::NotARank(_)
         | PerseusError::InvalidConfig { .. }
         | PerseusError::InvalidArgument(_) => PyValueError::new_err(msg),
         PerseusError::UnsupportedType(_) => PyTypeError::new_err(msg),

@@ -8,7 +8,7 @@ mod errors;
 mod kernels;
 mod optim;
 
-use crate::config::Config;
+use crate::config::{Config, Topology};
 use crate::dtype::ReduceOp;
 use crate::engine::{Engine, OpKind, Output, Request};
 use crate::error::PerseusError;
@@ -40,16 +40,70 @@ fn in_owner() -> bool {
 }
 
 fn engine() -> PyResult<Arc<Engine>> {
-    let e = ENGINE.lock().unwrap().clone();
-    let e = e.ok_or_else(|| to_py(PerseusError::NotInitialized))?;
-    if !in_owner() {
-        return Err(to_py(PerseusError::InvalidArgument(
-            "Perseus was initialized in a parent process; a forked child (e.g. a DataLoader \
-             worker) cannot run collectives"
-                .into(),
-        )));
+    if let Some(why) = not_a_rank() {
+        return Err(to_py(PerseusError::NotARank(why)));
     }
-    Ok(e)
+    let e = ENGINE.lock().unwrap().clone();
+    e.ok_or_else(|| to_py(PerseusError::NotInitialized))
+}
+
+/// The topology of the rank a process that is not one answers for (see `init_copy`),
+/// with why it is not a rank: set by `init_copy`.
+static COPY: Mutex<Option<(Topology, String)>> = Mutex::new(None);
+
+/// Why this process runs no collectives although a rank's `init()` reached it, or None:
+/// a child forked after `init()`, or a process `init_copy` made the copy of a rank.
+#[pyfunction]
+fn not_a_rank() -> Option<String> {
+    if !in_owner() {
+        if let Some(e) = ENGINE.lock().unwrap().as_ref() {
+            let r = e.config().topology.rank;
+            return Some(format!(
+                "this process is a child forked from rank {r} after its hvd.init() (a \
+                 DataLoader worker, say), not a rank: rank(), size() and the local and \
+                 cross ranks answer for rank {r}, but collectives run only in rank {r}'s \
+                 own process"
+            ));
+        }
+    }
+    COPY.lock().unwrap().as_ref().map(|(_, why)| why.clone())
+}
+
+/// `f` of this process's topology: its engine's (also in a child forked after
+/// `init()`), else the rank's it is a copy of (`init_copy`).
+fn with_topology<T>(f: impl Fn(&Topology) -> T) -> PyResult<T> {
+    if let Some(e) = ENGINE.lock().unwrap().as_ref() {
+        return Ok(f(&e.config().topology));
+    }
+    match COPY.lock().unwrap().as_ref() {
+        Some((t, _)) => Ok(f(t)),
+        None => Err(to_py(PerseusError::NotInitialized)),
+    }
+}
+
+/// Makes this process answer for rank `topology[0]` of a job of `topology[1]` ranks
+/// (then local rank, local size, cross rank, cross size) without joining the job:
+/// collectives fail with `why`. For a process a rank started through multiprocessing
+/// (spawn or forkserver) that ran `hvd.init()` again from the script's top level.
+#[pyfunction]
+fn init_copy(topology: [usize; 6], why: String) -> PyResult<()> {
+    let [rank, size, local_rank, local_size, cross_rank, cross_size] = topology;
+    if rank >= size || local_rank >= local_size || cross_rank >= cross_size {
+        return Err(to_py(PerseusError::InvalidArgument(format!(
+            "not a topology: {topology:?}"
+        ))));
+    }
+    let t = Topology {
+        rank,
+        size,
+        local_rank,
+        local_size,
+        cross_rank,
+        cross_size,
+        ..Topology::single()
+    };
+    *COPY.lock().unwrap() = Some((t, why));
+    Ok(())
 }
 
 /// Waits for `handle` with the GIL released; Ctrl-C raises KeyboardInterrupt.
@@ -114,7 +168,8 @@ fn op_of(op: u8) -> PyResult<ReduceOp> {
 #[pyfunction]
 #[pyo3(signature = (process_sets=None))]
 fn init(py: Python<'_>, process_sets: Option<Vec<Vec<i64>>>) -> PyResult<()> {
-    if ENGINE.lock().unwrap().is_some() {
+    // Initialized already, or not a rank (forked after init, or a copy of one).
+    if ENGINE.lock().unwrap().is_some() || COPY.lock().unwrap().is_some() {
         return Ok(());
     }
     let cfg = Config::from_env().map_err(to_py)?;
@@ -157,7 +212,7 @@ macro_rules! topo_fn {
         #[doc = concat!("This process's ", stringify!($name), ".")]
         #[pyfunction]
         fn $name() -> PyResult<usize> {
-            Ok(engine()?.config().topology.$name)
+            with_topology(|t| t.$name)
         }
     )*};
 }
@@ -698,6 +753,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<RendezvousServer>()?;
     m.add_class::<RendezvousClient>()?;
     m.add_function(wrap_pyfunction!(init, m)?)?;
+    m.add_function(wrap_pyfunction!(init_copy, m)?)?;
+    m.add_function(wrap_pyfunction!(not_a_rank, m)?)?;
     m.add_function(wrap_pyfunction!(shutdown, m)?)?;
     m.add_function(wrap_pyfunction!(is_initialized, m)?)?;
     m.add_function(wrap_pyfunction!(rank, m)?)?;

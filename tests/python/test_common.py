@@ -163,3 +163,35 @@ def test_adasum_optimizers_name_the_gradient_switches_they_do_not_apply():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert warn_adasum_unapplied(cfg={}) == []
+
+
+def test_a_rank_copy_is_a_process_under_the_mark_of_another_live_one_of_that_job(
+        monkeypatch):
+    """rank_copy.copy_of(): only a process that inherited another running process's
+    mark, made with the same rank variables, answers for that rank."""
+    import os
+
+    from perseus.common import rank_copy
+
+    for k in ("PERSEUS_RANK", "PERSEUS_SIZE", "PERSEUS_MASTER_PORT"):
+        monkeypatch.setenv(k, {"PERSEUS_RANK": "1", "PERSEUS_SIZE": "4"}.get(k, "7000"))
+    rank_copy.mark([1, 4, 1, 2, 0, 2])
+    mark = os.environ[rank_copy.MARK]
+    assert mark.startswith(f"{os.getpid()}:1:4:1:2:0:2:"), mark
+    assert rank_copy.copy_of() is None  # the rank itself
+    parent = os.getppid()  # as a child of the rank sees the mark
+    monkeypatch.setenv(rank_copy.MARK, mark.replace(f"{os.getpid()}:", f"{parent}:", 1))
+    topology, why = rank_copy.copy_of()
+    assert topology == [1, 4, 1, 2, 0, 2]
+    assert f"started by rank 1 (pid {parent})" in why and "__name__" in why, why
+    monkeypatch.setenv("PERSEUS_MASTER_PORT", "7001")  # another job's rank
+    assert rank_copy.copy_of() is None
+    monkeypatch.setenv("PERSEUS_MASTER_PORT", "7000")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    monkeypatch.setenv(rank_copy.MARK, mark.replace(f"{os.getpid()}:", f"{dead}:", 1))
+    assert rank_copy.copy_of() is None  # a mark left by a rank that has ended
+    monkeypatch.setenv(rank_copy.MARK, "1:garbage")
+    assert rank_copy.copy_of() is None
+    rank_copy.unmark()
+    assert rank_copy.MARK not in os.environ

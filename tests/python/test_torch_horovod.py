@@ -90,6 +90,15 @@ def test_training(run_workers, n):
     run_workers(n, "training.py", timeout=200)
 
 
+@pytest.mark.timeout(240)
+def test_dataloader_workers_of_a_script_that_inits_at_its_top_level(run_workers):
+    """hvd.init() at a script's top level runs again in the DataLoader workers that
+    spawn and forkserver start: there it joins nothing (it tried to join the job as the
+    same rank, and the loader died after the start timeout). Each worker answers for
+    its rank, refuses collectives saying why, and training equals one process."""
+    run_workers(2, "loader_workers.py", "forkserver", "spawn", "fork", timeout=200)
+
+
 @pytest.mark.timeout(120)
 def test_a_thread_waiting_long_does_not_block_the_ones_starting_operations(run_workers):
     """A waiter's Ctrl-C check takes the GIL: it must not hold the engine's handle table

@@ -7,6 +7,7 @@ import sys
 
 from perseus import _core
 from perseus.common import process_sets as _process_sets
+from perseus.common import rank_copy as _rank_copy
 
 _NOT_INITIALIZED = "Perseus has not been initialized; use hvd.init()."
 
@@ -22,13 +23,21 @@ def init(comm=None, process_sets=None):
     always be added later with ``add_process_set``). Their ids are assigned in order.
     Calling ``init()`` again while initialized does nothing. Invalid environment
     values raise ``ValueError`` naming the variable.
+
+    In a process a rank started (a DataLoader worker, forked, spawned or from a
+    forkserver) ``init()`` joins nothing: the process answers for that rank, and its
+    collectives raise ``ValueError`` saying why (``perseus.common.rank_copy``).
     """
     global _config, _generation
     if comm is not None:
         raise NotImplementedError(
             "Perseus does not use MPI: init(comm=...) is not supported; "
             "pass process_sets=[...] to init() or use add_process_set()")
-    if _core.is_initialized():
+    if _core.is_initialized() or _core.not_a_rank() is not None:
+        return
+    copy = _rank_copy.copy_of()
+    if copy is not None:
+        _core.init_copy(*copy)
         return
     sets = _process_sets._normalize(process_sets)
     iface = os.environ.get("PERSEUS_NCCL_NETWORK_INTERFACE", "").strip()
@@ -50,6 +59,8 @@ def init(comm=None, process_sets=None):
         for note in _core.config_notes():
             print(f"perseus: {note}", file=sys.stderr, flush=True)
     _process_sets._after_init(sets)
+    _rank_copy.mark([_core.rank(), _core.size(), _core.local_rank(), _core.local_size(),
+                     _core.cross_rank(), _core.cross_size()])
 
 
 def _start_knowing_rank0(start):
@@ -78,6 +89,7 @@ def shutdown():
     from perseus.common import ops
 
     _core.shutdown()
+    _rank_copy.unmark()
     _config = None
     ops._after_shutdown()
     _process_sets._after_shutdown()
@@ -90,14 +102,16 @@ def generation():
 
 
 def is_initialized():
-    """Whether ``init()`` has run (and ``shutdown()`` has not)."""
-    return _core.is_initialized()
+    """Whether ``init()`` has run (and ``shutdown()`` has not); also in a process a rank
+    started after its ``init()``, which answers for the rank but runs no collectives."""
+    return _core.is_initialized() or _core.not_a_rank() is not None
 
 
 def check_initialized():
-    """Raise ``ValueError`` unless Perseus is initialized."""
+    """Raise ``ValueError`` unless Perseus is initialized in this rank's own process."""
     if not _core.is_initialized():
-        raise ValueError(_NOT_INITIALIZED)
+        why = _core.not_a_rank()
+        raise ValueError(why if why is not None else _NOT_INITIALIZED)
 
 
 def config():

@@ -124,17 +124,20 @@ def shared_optimizer_names(r, n):
 
 
 def forked_child(n):
-    """A child forked after init (a DataLoader worker) is refused collectives, told why,
-    and the parent's job goes on."""
+    """A child forked after init (a DataLoader worker) answers for its rank, takes init()
+    again as a no-op, is refused collectives and told why, and the parent's job goes on."""
+    r = hvd.rank()
     pid = os.fork()
     if pid == 0:
         code = 1
         try:
-            if not hvd.is_initialized():
+            hvd.init()
+            if hvd.is_initialized() and (hvd.rank(), hvd.size()) == (r, n):
                 try:
                     hvd.allreduce(torch.ones(2), name="in.child")
+                    code = 3
                 except ValueError as e:
-                    code = 0 if "forked child" in str(e) else 2
+                    code = 0 if f"a child forked from rank {r}" in str(e) else 2
         finally:
             os._exit(code)
     _, status = os.waitpid(pid, 0)
