@@ -173,6 +173,9 @@ def test_a_rank_copy_is_a_process_under_the_mark_of_another_live_one_of_that_job
 
     from perseus.common import rank_copy
 
+    # Through monkeypatch first, so that the test ends with the variable as it found it
+    # (mark() below sets it behind monkeypatch's back).
+    monkeypatch.setenv(rank_copy.MARK, "")
     for k in ("PERSEUS_RANK", "PERSEUS_SIZE", "PERSEUS_MASTER_PORT"):
         monkeypatch.setenv(k, {"PERSEUS_RANK": "1", "PERSEUS_SIZE": "4"}.get(k, "7000"))
     rank_copy.mark([1, 4, 1, 2, 0, 2])
@@ -194,4 +197,10 @@ def test_a_rank_copy_is_a_process_under_the_mark_of_another_live_one_of_that_job
     monkeypatch.setenv(rank_copy.MARK, "1:garbage")
     assert rank_copy.copy_of() is None
     rank_copy.unmark()
+    assert rank_copy.MARK not in os.environ
+    # A process no launcher started is a job of its own (a script run from a notebook
+    # that called hvd.init() alone): it leaves no mark for the processes it starts.
+    for k in rank_copy._IDENTITY:
+        monkeypatch.delenv(k, raising=False)
+    rank_copy.mark([0, 1, 0, 1, 0, 1])
     assert rank_copy.MARK not in os.environ

@@ -41,7 +41,11 @@ def _identity():
 
 def mark(topology):
     """Leave this rank's mark (``topology``: rank, size, local rank, local size, cross
-    rank, cross size) for the processes it starts."""
+    rank, cross size) for the processes it starts. A process that no launcher started
+    (none of the variables is set) is a job of its own, and so is any process it starts:
+    it leaves none."""
+    if not any(os.environ.get(k) for k in _IDENTITY):
+        return
     fields = [os.getpid(), *topology, _identity()]
     os.environ[MARK] = ":".join(str(f) for f in fields)
 
