@@ -21,7 +21,7 @@ the rank.
 import hashlib
 import os
 
-MARK = "PERSEUS_RANK_PROCESS"
+MARK = "PERSEUS_INITIALIZED_IN"
 
 # The variables that make a process one rank of one job: the launchers' rank and size,
 # and where the job meets. A process started with other values is another job's rank.
