@@ -40,11 +40,14 @@ fn in_owner() -> bool {
 }
 
 fn engine() -> PyResult<Arc<Engine>> {
-    if let Some(why) = not_a_rank() {
-        return Err(to_py(PerseusError::NotARank(why)));
-    }
     let e = ENGINE.lock().unwrap().clone();
-    e.ok_or_else(|| to_py(PerseusError::NotInitialized))
+    match e {
+        Some(e) if in_owner() => Ok(e),
+        // Why not, on the failing path only: every submission comes through here.
+        _ => Err(to_py(
+            not_a_rank().map_or(PerseusError::NotInitialized, PerseusError::NotARank),
+        )),
+    }
 }
 
 /// The topology of the rank a process that is not one answers for (see `init_copy`),

@@ -1,5 +1,7 @@
 """Process sets: subsets of ranks that run collectives among themselves (Horovod 0.28 API)."""
 
+import operator
+
 from perseus import _core
 
 _GLOBAL_ID = 0
@@ -136,12 +138,10 @@ def root_in_set(process_set, root_rank):
     """The index within ``process_set`` of the root ``root_rank``, a rank of the job as
     in Horovod (its ``broadcast`` takes a global root on every set). ``ValueError`` when
     the job or the set has no such rank."""
-    if isinstance(root_rank, bool) or not isinstance(root_rank, int):
-        try:
-            root_rank = int(root_rank.__index__())
-        except (AttributeError, TypeError):
-            raise TypeError("root_rank must be an int, got "
-                            f"{type(root_rank).__name__}") from None
+    try:
+        root_rank = operator.index(root_rank)
+    except TypeError:
+        raise TypeError(f"root_rank must be an int, got {type(root_rank).__name__}") from None
     pid = process_set_id(process_set)
     if pid == _GLOBAL_ID:
         size = _core.size()

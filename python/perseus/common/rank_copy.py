@@ -61,7 +61,7 @@ def _alive(pid):
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        pass  # it exists, under another user
     return True
 
 
