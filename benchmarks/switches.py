@@ -36,7 +36,14 @@ TRAINING = [
     ("PERSEUS_OVERLAP_BACKWARD_AND_STEP=1", {"PERSEUS_OVERLAP_BACKWARD_AND_STEP": "1"}),
     ("PERSEUS_DGC=1 (ratio 0.001, float16 values, int32 indices)",
      {"PERSEUS_DGC": "1", "PERSEUS_DGC_FP16_VALUES": "1", "PERSEUS_DGC_INT32_INDICES": "1"}),
+    ("HOROVOD_AUTOTUNE=1 (after tuning: 1 warmup and 10 samples of 3 steps)",
+     {"HOROVOD_AUTOTUNE": "1", "HOROVOD_AUTOTUNE_WARMUP_SAMPLES": "1",
+      "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE": "3", "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES": "10",
+      "HOROVOD_AUTOTUNE_LOG": training.AUTOTUNE_LOG}),
 ]
+# Untimed steps before an autotuned run is timed: enough for its tuning to end
+# (1 + 11 samples of 3 steps, a step more after each change).
+AUTOTUNE_WARMUP_STEPS = 50
 HOSTS = "127.0.0.1:2,127.0.0.2:2"
 ACROSS = [
     ("flat, float32", {"PERSEUS_ALLREDUCE_MODE": "0", "PERSEUS_ALLREDUCE_DTYPE": "1"}),
@@ -107,9 +114,11 @@ def run(steps=40, size=64 << 20, quick=False, timeout=600, echo=True, parts=PART
     for label, env in TRAINING if "training" in parts else []:
         if optimizer != "sgd" and "PERSEUS_DGC" in env:
             continue  # DGC takes SGD only
-        result["training"][label] = _run(label, training.__file__, "hvd", 2,
-                                         {"steps": steps, "batch": 16,
-                                          "optimizer": optimizer}, env, timeout)
+        opts = {"steps": steps, "batch": 16, "optimizer": optimizer}
+        if "HOROVOD_AUTOTUNE" in env:
+            opts["warmup"] = AUTOTUNE_WARMUP_STEPS
+        result["training"][label] = _run(label, training.__file__, "hvd", 2, opts, env,
+                                         timeout)
     for label, env in ACROSS if "across" in parts else []:
         result["across"][label] = _run(label, __file__, "core", 4,
                                        {"size": size, "timing": timing}, env, timeout, HOSTS)
@@ -158,6 +167,8 @@ def sections(result):
             notes.append(f"{label}: {res['error']}")
             continue
         r = res[0]
+        if "autotune" in r:
+            notes.append(f"{label}: {r['autotune']}")
         ratio = r["samples_per_s"] / base_sps if base_sps else None
         rows.append([label, f"{r['samples_per_s']:.1f}", harness.fmt(ratio, ".2f") + "×",
                      mib(r.get("bytes_per_step", 0))])

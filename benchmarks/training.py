@@ -10,14 +10,20 @@ float32 parameters (100 MB of gradients a step), fed a small batch of random dat
 step is mostly gradient communication. Both jobs use the same model, initial weights,
 batch per rank, SGD with momentum (opts ``optimizer``: ``adam`` for Adam, as
 switches.py --optimizer adam asks), one intra-op thread per rank and the same number of
-steps after 3 warm-up steps; samples/s = steps * batch * ranks / the slowest rank's time.
+steps after 3 warm-up steps (opts ``warmup``: more, as switches.py gives an autotuned run
+for its tuning); samples/s = steps * batch * ranks / the slowest rank's time.
 """
 
+import csv
+import os
+import tempfile
 import time
 
 import harness
 
 IMPLS = ("hvd", "ddp", "gloo")
+# Where switches.py's autotuned run logs its samples; rank 0 reports the settings kept.
+AUTOTUNE_LOG = os.path.join(tempfile.gettempdir(), "perseus-bench-autotune.csv")
 DIMS = (4096, 2048, 2048, 2048, 2048, 2048, 10)
 
 
@@ -60,7 +66,7 @@ def body(comm, opts):
         opt.step()
         return loss
 
-    for _ in range(3):
+    for _ in range(opts.get("warmup", 3)):
         step()
     comm.barrier()
     perseus = comm.hvd if comm.impl == "hvd" else None
@@ -76,11 +82,30 @@ def body(comm, opts):
     result = {"params": params, "batch": batch, "steps": steps, "seconds": elapsed,
               "samples_per_s": steps * batch * comm.size / elapsed,
               "final_loss": float(loss)}
+    kept = after_tuning(comm)
+    if kept:
+        result["autotune"] = kept
     if counters:
         after = perseus.counters()
         result["bytes_per_step"] = sum(after[k] - counters[k] for k in
                                        ("bytes_intra_host", "bytes_inter_host")) / steps
     return result
+
+
+def after_tuning(comm):
+    """Rank 0 under HOROVOD_AUTOTUNE with a log: the settings it kept, from the log's
+    last row (an error when tuning had not ended), else None."""
+    path = os.environ.get("HOROVOD_AUTOTUNE_LOG")
+    if comm.rank != 0 or os.environ.get("HOROVOD_AUTOTUNE") != "1" or not path:
+        return None
+    with open(path) as f:
+        rows = list(csv.DictReader(f))
+    if not rows or rows[-1]["phase"] != "best":
+        raise RuntimeError(f"autotuning had not ended after the untimed steps: {rows}")
+    samples = sum(r["phase"] == "sample" for r in rows)
+    best = rows[-1]
+    return (f"kept fusion threshold {int(best['fusion_threshold_bytes']) / 2**20:g} MiB, "
+            f"cycle time {best['cycle_time_ms']} ms, after {samples} samples")
 
 
 def run(ranks=(2,), steps=40, batch=16, timeout=600, echo=True):

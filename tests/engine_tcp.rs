@@ -28,6 +28,7 @@ fn config(rank: usize, size: usize, port: u16, shm: bool) -> Config {
         timeout: Duration::from_secs(20),
         fusion_threshold: 64 << 20,
         cycle_time: Duration::from_millis(1),
+        autotune: None,
         cache_capacity: 1024,
         allgather_mode: 0,
         timeline: None,

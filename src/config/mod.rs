@@ -2,8 +2,11 @@
 //! `init()`. Each knob is declared in [`PARAMS`] with its default and range;
 //! `docs/environment.md` is checked against that table by a test.
 
+mod autotune;
 mod iface;
 mod topology;
+
+pub use autotune::AutotuneSettings;
 
 pub use topology::{cross_from_hosts, first_slurm_host, Launcher, Topology};
 
@@ -48,6 +51,45 @@ pub const PARAMS: &[Param] = &[
         default: "1",
         allowed: "a number of milliseconds >= 0",
         doc: "longest a request is held back, while others await their answer, to batch a burst",
+    },
+    Param {
+        name: "HOROVOD_AUTOTUNE",
+        default: "0",
+        allowed: "0 or 1",
+        doc: "1: rank 0 tries fusion thresholds and cycle times during the first steps, \
+              scores each by the bytes reduced per second, and keeps the best (knobs set \
+              by hand are held constant)",
+    },
+    Param {
+        name: "HOROVOD_AUTOTUNE_LOG",
+        default: "",
+        allowed: "a file path",
+        doc: "CSV file rank 0 writes each autotune sample and the chosen settings to",
+    },
+    Param {
+        name: "HOROVOD_AUTOTUNE_WARMUP_SAMPLES",
+        default: "3",
+        allowed: "an integer from 0 to 1000",
+        doc: "samples measured and discarded before autotuning compares settings",
+    },
+    Param {
+        name: "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE",
+        default: "10",
+        allowed: "an integer from 1 to 100000",
+        doc: "training steps (a step ends where a tensor name comes again) in one sample",
+    },
+    Param {
+        name: "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES",
+        default: "20",
+        allowed: "an integer from 1 to 1000",
+        doc: "samples scored before the best settings are kept for the rest of the job",
+    },
+    Param {
+        name: "HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE",
+        default: "0.8",
+        allowed: "a number from 0.000001 to 100",
+        doc: "noise term of the Gaussian process over scores scaled to unit variance; \
+              larger trusts single samples less",
     },
     Param {
         name: "HOROVOD_CACHE_CAPACITY",
@@ -293,6 +335,8 @@ pub struct Config {
     pub fusion_threshold: u64,
     /// Coordinator batching window.
     pub cycle_time: Duration,
+    /// HOROVOD_AUTOTUNE: rank 0 tunes the fusion threshold and cycle time.
+    pub autotune: Option<AutotuneSettings>,
     /// Response cache capacity (entries).
     pub cache_capacity: usize,
     /// 0 = stack, 1 = concatenate.
@@ -620,6 +664,8 @@ impl Config {
         let cache_capacity = int_var("HOROVOD_CACHE_CAPACITY", 1024, 0, 1 << 24)? as usize;
         let allgather_mode = int_var("PERSEUS_CHANGE_HVD_ALLGATHER", 0, 0, 1)? as u8;
         let unauthenticated = rendezvous.is_some() && var("PERSEUS_SECRET").is_none();
+        let mut autotune_notes = Vec::new();
+        let autotune = autotune::from_env(&mut autotune_notes)?;
         Ok(Config {
             topology,
             rendezvous,
@@ -630,6 +676,7 @@ impl Config {
             timeout: Duration::from_secs(timeout),
             fusion_threshold,
             cycle_time: Duration::from_secs_f64(cycle_ms / 1000.0),
+            autotune,
             cache_capacity,
             allgather_mode,
             timeline: var("PERSEUS_TIMELINE").or_else(|| var("HOROVOD_TIMELINE")),
@@ -640,6 +687,7 @@ impl Config {
             notes: precedence_notes()
                 .into_iter()
                 .chain(unauthenticated.then(|| UNAUTHENTICATED.to_string()))
+                .chain(autotune_notes)
                 .collect(),
             accumulate_n_steps: int_var("PERSEUS_ACCUMULATE_N_STEPS", 1, 1, 1024)? as u32,
             nancheck: aliased_int_var(&[NANCHECK, NANCHECK_ALIAS], 0, 0, 1)? == 1,
@@ -697,6 +745,10 @@ impl Config {
         m.insert(
             "HOROVOD_CACHE_CAPACITY".into(),
             self.cache_capacity.to_string(),
+        );
+        m.insert(
+            "HOROVOD_AUTOTUNE".into(),
+            u8::from(self.autotune.is_some()).to_string(),
         );
         m.insert(
             "PERSEUS_CHANGE_HVD_ALLGATHER".into(),

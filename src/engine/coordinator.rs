@@ -4,6 +4,7 @@
 //! asked for it (or joined, for allreduce); ready names are checked for
 //! agreement, fused, and answered. Being pure, it is tested without sockets.
 
+use super::autotune::Tuner;
 use super::message::{OpKind, Request, Response, WireRequest};
 use super::offline::Detector;
 use crate::config::StallLimits;
@@ -72,6 +73,7 @@ pub struct Coordinator {
     cache_index: HashMap<(u32, String), u32>,
     cache_capacity: usize,
     offline: Option<Box<Detector>>,
+    autotune: Option<Box<Tuner>>,
     stall: StallLimits,
 }
 
@@ -167,6 +169,14 @@ impl Coordinator {
         self
     }
 
+    /// Enables autotuning (HOROVOD_AUTOTUNE, see [`super::autotune`]). Offline
+    /// negotiation waits until the tuner is done, since the tuner learns from
+    /// the answers the schedule would replace.
+    pub fn with_autotune(mut self, tuner: Option<Tuner>) -> Coordinator {
+        self.autotune = tuner.map(Box::new);
+        self
+    }
+
     /// Expands cached ids, then does what [`Coordinator::submit`] does.
     pub fn submit_wire(&mut self, rank: usize, reqs: Vec<WireRequest>) -> Outgoing {
         let mut full = Vec::with_capacity(reqs.len());
@@ -202,6 +212,7 @@ impl Coordinator {
             cache_index: HashMap::new(),
             cache_capacity: 0,
             offline: None,
+            autotune: None,
             stall: StallLimits::default(),
         }
     }
@@ -258,6 +269,21 @@ impl Coordinator {
             p.reqs[idx] = Some(req);
         }
         self.flush(&mut out);
+        if let Some(t) = &mut self.autotune {
+            if let Some(k) = t.observe(&out, Instant::now()) {
+                self.fusion_threshold = k.fusion as usize;
+                let live: Vec<usize> = (0..self.shut.len()).filter(|&r| !self.shut[r]).collect();
+                let params = Response::Params {
+                    fusion: k.fusion,
+                    cycle_us: k.cycle.as_micros() as u64,
+                };
+                out.push((live, params));
+            }
+            if !t.done() {
+                return out;
+            }
+            self.autotune = None;
+        }
         if let Some(d) = &mut self.offline {
             let joined = self.sets.values().any(|s| s.joined.contains(&true));
             d.watch(&mut out, !joined);

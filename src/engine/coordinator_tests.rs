@@ -18,7 +18,10 @@ fn names(resp: &Response) -> Vec<String> {
     match resp {
         Response::Op { names, .. } | Response::Error { names, .. } => names.clone(),
         Response::Done { name, .. } | Response::Cached { name, .. } => vec![name.clone()],
-        Response::Abort { .. } | Response::Offline { .. } | Response::Switch { .. } => vec![],
+        Response::Abort { .. }
+        | Response::Offline { .. }
+        | Response::Switch { .. }
+        | Response::Params { .. } => vec![],
     }
 }
 
@@ -232,6 +235,10 @@ fn messages_round_trip_on_the_wire() {
             process_set: 1,
             name: "w".into(),
             id: 3,
+        },
+        Response::Params {
+            fusion: 8 << 20,
+            cycle_us: 2500,
         },
     ];
     assert_eq!(decode_responses(&encode_responses(&resps)).unwrap(), resps);
@@ -453,4 +460,54 @@ fn a_set_formed_halfway_is_a_stall_naming_who_is_missing() {
     assert_eq!(fail.abort.len(), 1);
     assert_eq!(c.submit(0, vec![form(&[0, 2])]).len(), 2);
     assert!(!c.stall_watch());
+}
+
+#[test]
+fn autotune_changes_fusion_at_once_tells_every_rank_the_cycle_and_then_lets_offline_in() {
+    use super::autotune::{Knobs, Tuner};
+    let settings = crate::config::AutotuneSettings {
+        log: None,
+        warmup_samples: 0,
+        steps_per_sample: 1,
+        max_samples: 3,
+        noise: 0.8,
+        fusion: true,
+        cycle: true,
+    };
+    let start = Knobs {
+        fusion: 64 << 20,
+        cycle: Duration::from_millis(1),
+    };
+    let tuner = Tuner::new(settings, start).unwrap();
+    let mut c = Coordinator::new(2, 64 << 20)
+        .with_offline(true)
+        .with_autotune(Some(tuner));
+    let mut params = Vec::new();
+    let mut fused = Vec::new();
+    for _ in 0..40 {
+        let step = || vec![ar("a", &[4]), ar("b", &[4])];
+        // This step is fused under the threshold in force before its answers.
+        let zero = params.last().is_some_and(|p: &(u64, u64)| p.0 == 0);
+        c.submit(0, step());
+        let out = c.submit(1, step());
+        for (to, resp) in &out {
+            match resp {
+                Response::Params { fusion, cycle_us } => {
+                    assert_eq!(to, &vec![0, 1]);
+                    params.push((*fusion, *cycle_us));
+                }
+                Response::Op { names, .. } => fused.push(names.len()),
+                // Two new settings were sampled; the best is a third change unless
+                // it was the last one sampled (the scores are real times here).
+                Response::Offline { .. } => {
+                    return assert!((2..=3).contains(&params.len()), "{params:?}")
+                }
+                _ => {}
+            }
+        }
+        // Each step's two tensors fuse unless that threshold is 0.
+        assert_eq!(fused.pop(), Some(if zero { 1 } else { 2 }), "{params:?}");
+        fused.clear();
+    }
+    panic!("no offline schedule was offered after tuning: {params:?}");
 }

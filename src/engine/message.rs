@@ -265,6 +265,14 @@ pub enum Response {
         /// in the schedule's first pass.
         skip: Vec<String>,
     },
+    /// HOROVOD_AUTOTUNE chose new settings: hold requests for at most
+    /// `cycle_us` from now on (the fusion threshold is the coordinator's own).
+    Params {
+        /// Largest fused buffer the coordinator now forms, bytes.
+        fusion: u64,
+        /// Cycle time, microseconds.
+        cycle_us: u64,
+    },
 }
 
 const TAG_OP: u8 = 0;
@@ -274,6 +282,7 @@ const TAG_ABORT: u8 = 3;
 const TAG_CACHED: u8 = 4;
 const TAG_OFFLINE: u8 = 5;
 const TAG_SWITCH: u8 = 6;
+const TAG_PARAMS: u8 = 7;
 
 /// A request as it travels: in full, or as a response-cache id.
 #[derive(Debug, Clone, PartialEq)]
@@ -394,6 +403,9 @@ pub fn encode_responses(resps: &[Response]) -> Vec<u8> {
                     w.str(n);
                 });
             }
+            Response::Params { fusion, cycle_us } => {
+                w.u8(TAG_PARAMS).u64(*fusion).u64(*cycle_us);
+            }
         }
     }
     w.0
@@ -474,6 +486,10 @@ fn decode_list(buf: &[u8], nest: bool) -> Result<Vec<Response>> {
                 let skip = (0..k).map(|_| r.str()).collect::<Result<Vec<_>>>()?;
                 Response::Switch { go, skip }
             }
+            TAG_PARAMS => Response::Params {
+                fusion: r.u64()?,
+                cycle_us: r.u64()?,
+            },
             t => return Err(PerseusError::Protocol(format!("unknown response tag {t}"))),
         });
     }

@@ -9,6 +9,7 @@
 //! the inbox's eventfd and the control streams, so it wakes at once for
 //! either.
 
+pub mod autotune;
 mod control;
 pub mod coordinator;
 #[cfg(test)]
@@ -130,6 +131,7 @@ struct Counters {
     negotiations_skipped: AtomicU64,
     bytes_extra_streams: AtomicU64,
     nccl_operations: AtomicU64,
+    autotune_changes: AtomicU64,
 }
 
 /// A running engine.
@@ -156,6 +158,18 @@ impl Engine {
                     ))
                 })?,
             ),
+            _ => None,
+        };
+        // Only rank 0's coordinator answers, so only it tunes (and writes the log);
+        // before connecting, so that a log it cannot write fails it at once.
+        let tuner = match (&config.autotune, config.topology.rank) {
+            (Some(s), 0) => Some(autotune::Tuner::new(
+                s.clone(),
+                autotune::Knobs {
+                    fusion: config.fusion_threshold,
+                    cycle: config.cycle_time,
+                },
+            )?),
             _ => None,
         };
         let parts = connect_mesh(&config)?;
@@ -187,6 +201,7 @@ impl Engine {
         let coord = Coordinator::new(t.size, config.fusion_threshold as usize)
             .with_cache(config.cache_capacity)
             .with_offline(config.offline_neg)
+            .with_autotune(tuner)
             .with_stall_limits(config.stall);
         let state = State {
             mesh: if oversubscribed {
@@ -254,7 +269,8 @@ impl Engine {
     /// offline schedule without asking the coordinator, and
     /// `bytes_extra_streams`: payload bytes sent on streams other than the
     /// first (PERSEUS_ALLREDUCE_STREAMS), and `nccl_operations`: collectives
-    /// of CUDA tensors carried by NCCL (the device-direct path).
+    /// of CUDA tensors carried by NCCL (the device-direct path), and
+    /// `autotune_changes`: settings HOROVOD_AUTOTUNE sent this rank.
     pub fn counters(&self) -> BTreeMap<String, u64> {
         let c = &self.shared.counters;
         let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
@@ -271,6 +287,7 @@ impl Engine {
             ("negotiations_skipped", get(&c.negotiations_skipped)),
             ("bytes_extra_streams", get(&c.bytes_extra_streams)),
             ("nccl_operations", get(&c.nccl_operations)),
+            ("autotune_changes", get(&c.autotune_changes)),
         ]
         .into_iter()
         .map(|(k, v)| (k.to_string(), v))
@@ -1191,6 +1208,11 @@ impl State {
                     }
                     _ => self.fall_back(),
                 }
+            }
+            Response::Params { cycle_us, .. } => {
+                self.cycle = Duration::from_micros(*cycle_us);
+                let c = &self.shared.counters;
+                c.autotune_changes.fetch_add(1, Ordering::Relaxed);
             }
             Response::Cached {
                 process_set,

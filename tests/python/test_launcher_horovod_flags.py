@@ -129,11 +129,28 @@ def test_config_file_fills_what_flags_do_not_give(tmp_path):
         "HOROVOD_FUSION_THRESHOLD": str(16 << 20), "HOROVOD_CYCLE_TIME": "7",
         "HOROVOD_CACHE_CAPACITY": "512", "HOROVOD_HIERARCHICAL_ALLREDUCE": "1",
         "HOROVOD_TIMELINE": "tl.json", "HOROVOD_STALL_CHECK_DISABLE": "1",
-        "GLOO_TIMEOUT_SECONDS": "120"}
+        "GLOO_TIMEOUT_SECONDS": "120", "HOROVOD_AUTOTUNE": "1",
+        "HOROVOD_AUTOTUNE_WARMUP_SAMPLES": "5"}
     assert args.log_level == "DEBUG"
-    assert F.without_effect(args) == [
-        ("--autotune, --autotune-warmup-samples (Perseus does not autotune: the fusion "
-         "threshold and cycle time are used as given)")]
+    assert F.without_effect(args) == []
+
+
+def test_autotune_flags_become_horovods_variables_and_need_autotune(capsys):
+    args = parse("-np 2 --autotune --autotune-log-file at.csv --autotune-warmup-samples 0 "
+                 "--autotune-steps-per-sample 4 --autotune-bayes-opt-max-samples 9 "
+                 "--autotune-gaussian-process-noise 0.25 python t.py")
+    assert F.horovod_env(args) == {
+        "HOROVOD_AUTOTUNE": "1", "HOROVOD_AUTOTUNE_LOG": "at.csv",
+        "HOROVOD_AUTOTUNE_WARMUP_SAMPLES": "0", "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE": "4",
+        "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES": "9",
+        "HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE": "0.25"}
+    assert F.without_effect(args) == []
+    args = parse("-np 2 --autotune-log-file at.csv python t.py")
+    assert F.without_effect(args) == ["--autotune-log-file (read only with --autotune)"]
+    with pytest.raises(SystemExit) as e:
+        parse("-np 2 --autotune --autotune-steps-per-sample 0 python t.py")
+    assert e.value.code == 2
+    assert "--autotune-steps-per-sample 0: must be from 1 to 100000" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("text,message", [
@@ -198,5 +215,6 @@ def test_ranks_run_with_the_settings_of_horovodrun_flags(tmp_path):
         assert json.loads(text) == want, text
     assert (tmp_path / "tl.json").exists()
     assert ("perseusrun: warning: no effect in Perseus: --hierarchical-allgather (allgather "
-            "has no hierarchical variant here); --autotune (Perseus does not autotune")\
-        in out.stderr, out.stderr
+            "has no hierarchical variant here)\n") in out.stderr, out.stderr
+    # Both knobs autotuning moves were given, so it has nothing to tune; rank 0 says so.
+    assert out.stderr.count("HOROVOD_AUTOTUNE=1 has nothing to tune") == 1, out.stderr

@@ -132,7 +132,8 @@ def counters():
     ``negotiations_skipped`` (tensors run from an offline schedule,
     PERSEUS_OFFLINE_NEG, without asking the coordinator), ``bytes_extra_streams``
     (payload bytes sent on streams other than the first, PERSEUS_ALLREDUCE_STREAMS),
-    and ``nccl_operations`` (collectives of CUDA tensors NCCL carried, docs/gpu.md)."""
+    ``nccl_operations`` (collectives of CUDA tensors NCCL carried, docs/gpu.md), and
+    ``autotune_changes`` (settings HOROVOD_AUTOTUNE sent this rank)."""
     check_initialized()
     return dict(_core.counters())
 

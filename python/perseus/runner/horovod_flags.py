@@ -2,7 +2,7 @@
 
 Each tuning flag becomes the variable the ranks' core reads (Horovod's name where the
 core reads it, else Perseus's); the mpirun flags shape ``--mpi``'s command line; flags
-of Horovod features Perseus does not have (autotuning, hierarchical allgather...) are
+of Horovod features Perseus does not have (hierarchical allgather, cycle marks...) are
 accepted, so Horovod command lines run unchanged, and named in one warning.
 ``--config-file`` reads the same settings from Horovod's YAML file, flags given on the
 command line winning. See docs/launching.md, "horovodrun's flags".
@@ -33,6 +33,16 @@ _VALUED = [
      "NCCL communicators per process set for CUDA tensors"),
     ("--gloo-timeout-seconds", int, "GLOO_TIMEOUT_SECONDS", str, (1, 86_400),
      "seconds to wait for a peer"),
+    ("--autotune-log-file", str, "HOROVOD_AUTOTUNE_LOG", str, None,
+     "CSV file rank 0 writes each autotune sample and the settings kept to"),
+    ("--autotune-warmup-samples", int, "HOROVOD_AUTOTUNE_WARMUP_SAMPLES", str, (0, 1000),
+     "autotune samples measured and discarded first"),
+    ("--autotune-steps-per-sample", int, "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE", str,
+     (1, 100_000), "training steps in one autotune sample"),
+    ("--autotune-bayes-opt-max-samples", int, "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES", str,
+     (1, 1000), "autotune samples scored before the best settings are kept"),
+    ("--autotune-gaussian-process-noise", float, "HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE",
+     lambda v: f"{v:g}", (1e-6, 100), "noise term of autotune's Gaussian process"),
 ]
 
 
@@ -43,8 +53,6 @@ def _dest(flag):
 # Settings of Horovod features Perseus does not have: dest -> why they change nothing.
 _NO_EFFECT = {
     "hierarchical_allgather": "allgather has no hierarchical variant here",
-    "autotune": "Perseus does not autotune: the fusion threshold and cycle time are used "
-                "as given",
     "timeline_mark_cycles": "the timeline has no cycle marks",
     "mpi_threads_disable": "Perseus's traffic does not go through MPI",
     "thread_affinity": "the engine's threads are not pinned",
@@ -95,6 +103,9 @@ def add_horovod_flags(p):
                        default=None, help="no stall warning (HOROVOD_STALL_CHECK_DISABLE=1)")
     stall.add_argument("--stall-check", dest="stall_check", action="store_true",
                        help=argparse.SUPPRESS)
+    g.add_argument("--autotune", action="store_true", default=None,
+                   help="tune the fusion threshold and cycle time during the first steps "
+                        "(HOROVOD_AUTOTUNE=1); those set by flag or variable stay as given")
     g.add_argument("--mpi-args", metavar="ARGS", help="more arguments for mpirun (--mpi)")
     g.add_argument("--binding-args", metavar="ARGS",
                    help="mpirun's binding arguments instead of '--bind-to none' (--mpi)")
@@ -109,10 +120,6 @@ def add_horovod_flags(p):
     allgather.add_argument("--hierarchical-allgather", action="store_true", default=None)
     allgather.add_argument("--no-hierarchical-allgather", dest="hierarchical_allgather",
                            action="store_false")
-    no.add_argument("--autotune", action="store_true", default=None)
-    for option in _AUTOTUNE_OPTIONS:
-        no.add_argument("--autotune-" + option.replace("_", "-"), dest="autotune_" + option,
-                        metavar="VALUE", help=argparse.SUPPRESS)
     no.add_argument("--timeline-mark-cycles", action="store_true", default=None)
     no.add_argument("--mpi-threads-disable", action="store_true", default=None)
     no.add_argument("--thread-affinity", metavar="N", help=argparse.SUPPRESS)
@@ -223,6 +230,8 @@ def horovod_env(args):
             raise ValueError("--no-hierarchical-allreduce contradicts "
                              "--nccl-hierarchical-allreduce")
         env["HOROVOD_HIERARCHICAL_ALLREDUCE"] = "1" if args.hierarchical_allreduce else "0"
+    if args.autotune:
+        env["HOROVOD_AUTOTUNE"] = "1"
     if args.stall_check is False:
         if args.stall_check_warning_time_seconds is not None:
             raise ValueError("--no-stall-check contradicts --stall-check-warning-time-seconds")
@@ -242,11 +251,12 @@ def without_effect(args):
     """The settings given that change nothing here, each with why (for one warning)."""
     said = []
     for dest, why in _NO_EFFECT.items():
-        # False asks for what Perseus does anyway (no autotuning, no hierarchical allgather).
-        given = [dest] if getattr(args, dest) not in (None, False) else []
-        if dest == "autotune":
-            given += [f"autotune_{o}" for o in _AUTOTUNE_OPTIONS
-                      if getattr(args, f"autotune_{o}") is not None]
+        # False asks for what Perseus does anyway (no hierarchical allgather...).
+        if getattr(args, dest) not in (None, False):
+            said.append(f"--{dest.replace('_', '-')} ({why})")
+    if not args.autotune:
+        given = [o for o in _AUTOTUNE_OPTIONS if getattr(args, f"autotune_{o}") is not None]
         if given:
-            said.append(f"{', '.join('--' + d.replace('_', '-') for d in given)} ({why})")
+            flags = ", ".join("--autotune-" + o.replace("_", "-") for o in given)
+            said.append(f"{flags} (read only with --autotune)")
     return said
