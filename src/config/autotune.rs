@@ -21,6 +21,10 @@ pub struct AutotuneSettings {
     pub fusion: bool,
     /// The cycle time may move (HOROVOD_CYCLE_TIME is not set).
     pub cycle: bool,
+    /// The allreduce may move between the hierarchy and the flat ring (no
+    /// PERSEUS_ALLREDUCE_MODE, HOROVOD_HIERARCHICAL_ALLREDUCE or
+    /// AIAK_HIERARCHICAL_ALLREDUCE is set), where the hosts allow a hierarchy.
+    pub mode: bool,
 }
 
 /// The autotune settings, or `None` when HOROVOD_AUTOTUNE is unset or 0.
@@ -45,11 +49,18 @@ pub fn from_env(note: &mut Vec<String>) -> Result<Option<AutotuneSettings>> {
         fusion: var("HOROVOD_FUSION_THRESHOLD").is_none()
             && var("PERSEUS_ALLREDUCE_FUSION").is_none(),
         cycle: var("HOROVOD_CYCLE_TIME").is_none(),
+        mode: [
+            "PERSEUS_ALLREDUCE_MODE",
+            "HOROVOD_HIERARCHICAL_ALLREDUCE",
+            "AIAK_HIERARCHICAL_ALLREDUCE",
+        ]
+        .iter()
+        .all(|v| var(v).is_none()),
     };
-    if !s.fusion && !s.cycle {
+    if !s.fusion && !s.cycle && !s.mode {
         note.push(
-            "HOROVOD_AUTOTUNE=1 has nothing to tune: the fusion threshold and the cycle time \
-             are both set, so they are used as given"
+            "HOROVOD_AUTOTUNE=1 has nothing to tune: the fusion threshold, the cycle time \
+             and the allreduce mode are all set, so they are used as given"
                 .into(),
         );
         return Ok(None);

@@ -56,9 +56,9 @@ pub const PARAMS: &[Param] = &[
         name: "HOROVOD_AUTOTUNE",
         default: "0",
         allowed: "0 or 1",
-        doc: "1: rank 0 tries fusion thresholds and cycle times during the first steps, \
-              scores each by the bytes reduced per second, and keeps the best (knobs set \
-              by hand are held constant)",
+        doc: "1: rank 0 tries fusion thresholds, cycle times and (across hosts) the \
+              allreduce mode during the first steps, scores each by the bytes reduced per \
+              second, and keeps the best (knobs set by hand are held constant)",
     },
     Param {
         name: "HOROVOD_AUTOTUNE_LOG",

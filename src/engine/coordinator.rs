@@ -276,6 +276,7 @@ impl Coordinator {
                 let params = Response::Params {
                     fusion: k.fusion,
                     cycle_us: k.cycle.as_micros() as u64,
+                    flat: k.flat,
                 };
                 out.push((live, params));
             }

@@ -239,6 +239,7 @@ fn messages_round_trip_on_the_wire() {
         Response::Params {
             fusion: 8 << 20,
             cycle_us: 2500,
+            flat: true,
         },
     ];
     assert_eq!(decode_responses(&encode_responses(&resps)).unwrap(), resps);
@@ -473,10 +474,12 @@ fn autotune_changes_fusion_at_once_tells_every_rank_the_cycle_and_then_lets_offl
         noise: 0.8,
         fusion: true,
         cycle: true,
+        mode: true,
     };
     let start = Knobs {
         fusion: 64 << 20,
         cycle: Duration::from_millis(1),
+        flat: false,
     };
     let tuner = Tuner::new(settings, start).unwrap();
     let mut c = Coordinator::new(2, 64 << 20)
@@ -492,7 +495,9 @@ fn autotune_changes_fusion_at_once_tells_every_rank_the_cycle_and_then_lets_offl
         let out = c.submit(1, step());
         for (to, resp) in &out {
             match resp {
-                Response::Params { fusion, cycle_us } => {
+                Response::Params {
+                    fusion, cycle_us, ..
+                } => {
                     assert_eq!(to, &vec![0, 1]);
                     params.push((*fusion, *cycle_us));
                 }

@@ -266,12 +266,15 @@ pub enum Response {
         skip: Vec<String>,
     },
     /// HOROVOD_AUTOTUNE chose new settings: hold requests for at most
-    /// `cycle_us` from now on (the fusion threshold is the coordinator's own).
+    /// `cycle_us` from now on, and run allreduces of an automatic mode on the
+    /// flat ring when `flat` (the fusion threshold is the coordinator's own).
     Params {
         /// Largest fused buffer the coordinator now forms, bytes.
         fusion: u64,
         /// Cycle time, microseconds.
         cycle_us: u64,
+        /// An automatic mode means the flat ring, not the hierarchy.
+        flat: bool,
     },
 }
 
@@ -403,8 +406,15 @@ pub fn encode_responses(resps: &[Response]) -> Vec<u8> {
                     w.str(n);
                 });
             }
-            Response::Params { fusion, cycle_us } => {
-                w.u8(TAG_PARAMS).u64(*fusion).u64(*cycle_us);
+            Response::Params {
+                fusion,
+                cycle_us,
+                flat,
+            } => {
+                w.u8(TAG_PARAMS)
+                    .u64(*fusion)
+                    .u64(*cycle_us)
+                    .u8(u8::from(*flat));
             }
         }
     }
@@ -489,6 +499,7 @@ fn decode_list(buf: &[u8], nest: bool) -> Result<Vec<Response>> {
             TAG_PARAMS => Response::Params {
                 fusion: r.u64()?,
                 cycle_us: r.u64()?,
+                flat: r.u8()? != 0,
             },
             t => return Err(PerseusError::Protocol(format!("unknown response tag {t}"))),
         });

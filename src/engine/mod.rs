@@ -168,6 +168,7 @@ impl Engine {
                 autotune::Knobs {
                     fusion: config.fusion_threshold,
                     cycle: config.cycle_time,
+                    flat: false,
                 },
             )?),
             _ => None,
@@ -198,6 +199,8 @@ impl Engine {
         // More ranks than cores here: every wait sleeps at once (see Config::oversubscribed).
         let oversubscribed = config.oversubscribed();
         let spin = |d: Duration| if oversubscribed { Duration::ZERO } else { d };
+        let fits = crate::collective::fits(&crate::collective::hosts_of(&parts.mesh));
+        let tuner = tuner.map(|tuner| tuner.with_mode_choice(fits));
         let coord = Coordinator::new(t.size, config.fusion_threshold as usize)
             .with_cache(config.cache_capacity)
             .with_offline(config.offline_neg)
@@ -219,6 +222,7 @@ impl Engine {
             cache: HashMap::new(),
             bufs: exec::Buffers::default(),
             cycle: config.cycle_time,
+            auto_flat: false,
             spin: spin(ANSWER_SPIN),
             exit: false,
             warned_overflow: false,
@@ -563,6 +567,8 @@ struct State {
     cache: HashMap<(u32, String), (u32, Request)>,
     bufs: exec::Buffers,
     cycle: Duration,
+    /// HOROVOD_AUTOTUNE chose the flat ring for allreduces of an automatic mode.
+    auto_flat: bool,
     /// How long to stay awake for an answer that is due (zero when the host's
     /// cores are oversubscribed: a yielding rank steals its neighbour's slice).
     spin: Duration,
@@ -1026,7 +1032,19 @@ impl State {
         );
     }
 
-    fn execute(&mut self, resp: Response) {
+    fn execute(&mut self, mut resp: Response) {
+        if let Response::Op {
+            kind: OpKind::Allreduce,
+            plan,
+            ..
+        } = &mut resp
+        {
+            // HOROVOD_AUTOTUNE chose the flat ring over the hierarchy (every rank
+            // got that choice at the same point of the answers).
+            if self.auto_flat && plan.mode == crate::plan::Mode::Auto {
+                plan.mode = crate::plan::Mode::Flat;
+            }
+        }
         match &resp {
             Response::Op {
                 process_set,
@@ -1209,8 +1227,9 @@ impl State {
                     _ => self.fall_back(),
                 }
             }
-            Response::Params { cycle_us, .. } => {
+            Response::Params { cycle_us, flat, .. } => {
                 self.cycle = Duration::from_micros(*cycle_us);
+                self.auto_flat = *flat;
                 let c = &self.shared.counters;
                 c.autotune_changes.fetch_add(1, Ordering::Relaxed);
             }

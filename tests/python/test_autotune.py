@@ -24,6 +24,8 @@ def test_autotune_samples_settings_keeps_the_best_and_every_rank_follows(run_wor
         rows = list(csv.DictReader(f))
     assert [r["phase"] for r in rows] == ["warmup"] + ["sample"] * 5 + ["best"], rows
     settings = [(r["fusion_threshold_bytes"], r["cycle_time_ms"]) for r in rows]
+    # One host: the hierarchy does not apply, so the mode is not a knob.
+    assert {r["hierarchical_allreduce"] for r in rows} == {"-"}, rows
     # Warmup and the first sample run the defaults; each later sample a new setting.
     assert settings[0] == settings[1] == (str(64 << 20), "1"), rows
     assert len(set(settings[1:6])) == 5, rows
@@ -34,13 +36,30 @@ def test_autotune_samples_settings_keeps_the_best_and_every_rank_follows(run_wor
         assert float(r["score_bytes_per_second"]) > 0, r
     fusion, cycle = settings[6]
     assert re.search(rf"autotune: after 5 samples, keeping HOROVOD_FUSION_THRESHOLD={fusion} "
-                     rf"HOROVOD_CYCLE_TIME={re.escape(cycle)}\b", out), out
+                     rf"HOROVOD_CYCLE_TIME={re.escape(cycle)}\n", out), out
     # Every rank was sent each change: one per new sample, one more unless the best
     # was the last sample's setting.
     changes = sum(a != b for a, b in zip(settings[1:], settings[2:]))
     got = re.findall(r"rank (\d+): autotune_changes (\d+)", out)
     assert sorted(int(r) for r, _ in got) == list(range(n)), out
     assert {int(c) for _, c in got} == {changes}, (out, settings)
+
+
+@pytest.mark.timeout(180)
+def test_on_hosts_that_allow_a_hierarchy_the_flat_ring_is_tried_too(run_workers, tmp_path):
+    log = tmp_path / "autotune.csv"
+    out = run_workers(4, "autotune.py", 60, hosts="127.0.0.1:2,127.0.0.2:2",
+                      env={**TUNE, "HOROVOD_AUTOTUNE_LOG": str(log)})
+    with open(log) as f:
+        rows = list(csv.DictReader(f))
+    modes = [r["hierarchical_allreduce"] for r in rows]
+    # The defaults (the hierarchy), then the setting farthest from them: the flat ring.
+    assert modes[:3] == ["1", "1", "0"], rows
+    kept = modes[-1]
+    assert re.search(rf"autotune: after 5 samples, keeping .* PERSEUS_ALLREDUCE_MODE={kept}\n",
+                     out), out
+    got = re.findall(r"rank (\d+): autotune_changes (\d+)", out)
+    assert len(got) == 4 and len({c for _, c in got}) == 1, out
 
 
 @pytest.mark.timeout(120)

@@ -216,5 +216,5 @@ def test_ranks_run_with_the_settings_of_horovodrun_flags(tmp_path):
     assert (tmp_path / "tl.json").exists()
     assert ("perseusrun: warning: no effect in Perseus: --hierarchical-allgather (allgather "
             "has no hierarchical variant here)\n") in out.stderr, out.stderr
-    # Both knobs autotuning moves were given, so it has nothing to tune; rank 0 says so.
+    # All three knobs autotuning moves were given, so it has nothing to tune; rank 0 says so.
     assert out.stderr.count("HOROVOD_AUTOTUNE=1 has nothing to tune") == 1, out.stderr

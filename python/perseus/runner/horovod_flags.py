@@ -104,8 +104,9 @@ def add_horovod_flags(p):
     stall.add_argument("--stall-check", dest="stall_check", action="store_true",
                        help=argparse.SUPPRESS)
     g.add_argument("--autotune", action="store_true", default=None,
-                   help="tune the fusion threshold and cycle time during the first steps "
-                        "(HOROVOD_AUTOTUNE=1); those set by flag or variable stay as given")
+                   help="tune the fusion threshold, cycle time and allreduce mode during the "
+                        "first steps (HOROVOD_AUTOTUNE=1); those set by flag or variable stay "
+                        "as given")
     g.add_argument("--mpi-args", metavar="ARGS", help="more arguments for mpirun (--mpi)")
     g.add_argument("--binding-args", metavar="ARGS",
                    help="mpirun's binding arguments instead of '--bind-to none' (--mpi)")

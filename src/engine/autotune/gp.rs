@@ -1,10 +1,10 @@
 //! The Bayesian optimisation behind autotuning: a Gaussian process over
-//! points of the unit square (each knob scaled to [0, 1]) with a
+//! points of the unit cube (each knob scaled to [0, 1]) with a
 //! squared-exponential kernel, fitted to scores scaled to zero mean and unit
 //! variance, and the expected improvement of a candidate over the best score.
 
 /// A point: each coordinate one knob, scaled to [0, 1].
-pub type Point = [f64; 2];
+pub type Point = [f64; 3];
 
 /// Distance over which two settings' scores are still alike.
 const LENGTH_SCALE: f64 = 0.3;
@@ -148,7 +148,7 @@ mod tests {
 
     #[test]
     fn with_little_noise_the_process_passes_through_its_points() {
-        let xs = [[0.0, 0.0], [1.0, 0.0], [0.5, 1.0]];
+        let xs = [[0.0, 0.0, 0.0], [1.0, 0.0, 0.0], [0.5, 1.0, 1.0]];
         let ys = [3.0, 7.0, 5.0];
         let gp = Gp::fit(&xs, &ys, 1e-6);
         for (x, y) in xs.iter().zip(ys) {
@@ -157,18 +157,18 @@ mod tests {
             assert!(sigma < 1e-2, "{sigma}");
         }
         // Far from every point: the prior (the scores' mean, their spread).
-        let (mu, sigma) = gp.predict(&[10.0, 10.0]);
+        let (mu, sigma) = gp.predict(&[10.0, 10.0, 10.0]);
         assert!((mu - 5.0).abs() < 1e-6 && (sigma - 1.632_993).abs() < 1e-3);
     }
 
     #[test]
     fn improvement_is_expected_where_scores_rise_and_where_nothing_is_known() {
-        let xs = [[0.0, 0.0], [0.2, 0.0], [0.4, 0.0]];
+        let xs = [[0.0, 0.0, 0.0], [0.2, 0.0, 0.0], [0.4, 0.0, 0.0]];
         let gp = Gp::fit(&xs, &[1.0, 2.0, 3.0], 0.01);
         let best = 3.0;
-        let uphill = gp.expected_improvement(&[0.55, 0.0], best);
-        let downhill = gp.expected_improvement(&[0.0, 0.0], best);
+        let uphill = gp.expected_improvement(&[0.55, 0.0, 0.0], best);
+        let downhill = gp.expected_improvement(&[0.0, 0.0, 0.0], best);
         assert!(uphill > downhill * 100.0, "{uphill} {downhill}");
-        assert!(gp.expected_improvement(&[0.2, 1.0], best) > downhill);
+        assert!(gp.expected_improvement(&[0.2, 1.0, 0.0], best) > downhill);
     }
 }

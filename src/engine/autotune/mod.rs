@@ -12,9 +12,14 @@
 //! HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES samples (or the whole grid), the
 //! settings with the best fitted score are kept for the rest of the job.
 //!
+//! On a job whose hosts each run the same number (two or more) of ranks, with
+//! no allreduce mode set, the tuner also chooses between the hierarchical
+//! allreduce (what an automatic mode runs there) and the flat ring.
+//!
 //! A new fusion threshold takes effect in the coordinator at once; a new cycle
-//! time travels to every rank as [`Response::Params`]. The step in progress
-//! when settings change ran under both, so it is left out of every sample.
+//! time and mode travel to every rank as [`Response::Params`], behind the
+//! answers formed before. The step in progress when settings change ran under
+//! both, so it is left out of every sample.
 
 mod gp;
 
@@ -41,6 +46,8 @@ pub struct Knobs {
     pub fusion: u64,
     /// How long new requests are held while others await their answer.
     pub cycle: Duration,
+    /// Allreduces of an automatic mode run the flat ring, not the hierarchy.
+    pub flat: bool,
 }
 
 impl Knobs {
@@ -58,6 +65,7 @@ impl Knobs {
         [
             ((1.0 + mib).ln() / (1.0 + top_mib).ln()).min(1.0),
             ((1.0 + ms).ln() / (1.0 + top_ms).ln()).min(1.0),
+            f64::from(u8::from(self.flat)),
         ]
     }
 }
@@ -80,6 +88,8 @@ pub struct Tuner {
     sample: Option<Sample>,
     samples: u32,
     log: Option<File>,
+    /// The allreduce mode is one of the knobs.
+    modes: bool,
     done: bool,
 }
 
@@ -103,7 +113,11 @@ impl Tuner {
         let mut candidates = vec![start];
         for &fusion in &fusions {
             for &cycle in &cycles {
-                let k = Knobs { fusion, cycle };
+                let k = Knobs {
+                    fusion,
+                    cycle,
+                    flat: start.flat,
+                };
                 if k != start {
                     candidates.push(k);
                 }
@@ -119,8 +133,8 @@ impl Tuner {
                 })?;
                 writeln!(
                     f,
-                    "sample,phase,fusion_threshold_bytes,cycle_time_ms,steps,seconds,bytes,\
-                     score_bytes_per_second"
+                    "sample,phase,fusion_threshold_bytes,cycle_time_ms,hierarchical_allreduce,\
+                     steps,seconds,bytes,score_bytes_per_second"
                 )
                 .map_err(|e| PerseusError::Io(format!("autotune log {path}: {e}")))?;
                 Some(f)
@@ -136,8 +150,28 @@ impl Tuner {
             sample: None,
             samples: 0,
             log,
+            modes: false,
             done: false,
         })
+    }
+
+    /// Adds the allreduce mode to the knobs (flat ring against the hierarchy),
+    /// where the settings allow it (no mode set by hand) and `fits`: the job's
+    /// hosts each run the same number (two or more) of ranks.
+    pub fn with_mode_choice(mut self, fits: bool) -> Tuner {
+        if self.settings.mode && fits && !self.modes {
+            self.modes = true;
+            let flipped: Vec<Knobs> = self
+                .candidates
+                .iter()
+                .map(|k| Knobs {
+                    flat: !k.flat,
+                    ..*k
+                })
+                .collect();
+            self.candidates.extend(flipped);
+        }
+        self
     }
 
     /// True once the best settings are chosen: nothing more to watch.
@@ -242,9 +276,14 @@ impl Tuner {
                 })
                 .map_or(self.current, |(k, _)| k);
             self.write("best", best, None);
+            let mode = if self.modes {
+                format!(" PERSEUS_ALLREDUCE_MODE={}", u8::from(!best.flat))
+            } else {
+                String::new()
+            };
             eprintln!(
                 "[perseus] autotune: after {} samples, keeping HOROVOD_FUSION_THRESHOLD={} \
-                 HOROVOD_CYCLE_TIME={}",
+                 HOROVOD_CYCLE_TIME={}{mode}",
                 self.scored.len(),
                 best.fusion,
                 best.cycle_ms()
@@ -272,12 +311,18 @@ impl Tuner {
     fn write(&mut self, phase: &str, k: Knobs, row: Option<(u32, f64, u64, f64)>) {
         let Some(f) = &mut self.log else { return };
         let ms = k.cycle_ms();
+        // 1: the hierarchy where it fits; "-": the mode is not a knob here.
+        let hier = if self.modes {
+            u8::from(!k.flat).to_string()
+        } else {
+            "-".into()
+        };
         let line = match row {
             Some((steps, secs, bytes, score)) => format!(
-                "{},{phase},{},{ms},{steps},{secs:.6},{bytes},{score:.0}",
+                "{},{phase},{},{ms},{hier},{steps},{secs:.6},{bytes},{score:.0}",
                 self.samples, k.fusion
             ),
-            None => format!("{},{phase},{},{ms},,,,", self.samples, k.fusion),
+            None => format!("{},{phase},{},{ms},{hier},,,,", self.samples, k.fusion),
         };
         // A log that stops being writable must not stop training.
         let _ = writeln!(f, "{line}").and_then(|_| f.flush());

@@ -12,6 +12,7 @@ fn settings(log: Option<String>) -> AutotuneSettings {
         noise: 0.01,
         fusion: true,
         cycle: true,
+        mode: true,
     }
 }
 
@@ -19,6 +20,7 @@ fn start() -> Knobs {
     Knobs {
         fusion: 64 * MIB,
         cycle: Duration::from_millis(1),
+        flat: false,
     }
 }
 
@@ -109,9 +111,11 @@ fn warmup_samples_run_the_start_and_every_sample_is_logged_with_its_steps() {
         ["warmup", "warmup", "sample", "sample", "sample", "sample", "sample", "best"]
     );
     for r in &rows[..7] {
-        assert_eq!(r[4], "3", "{r:?}");
+        // Not given the mode as a knob.
+        assert_eq!(r[4], "-", "{r:?}");
+        assert_eq!(r[5], "3", "{r:?}");
         // Two tensors of 4 MiB a step.
-        assert_eq!(r[6], (3 * 2 * 4 * MIB).to_string());
+        assert_eq!(r[7], (3 * 2 * 4 * MIB).to_string());
     }
     // Warmup and the first sample run the starting settings; then each sample another.
     for r in &rows[..3] {
@@ -168,4 +172,37 @@ fn answers_that_never_repeat_a_name_never_change_the_settings() {
         assert!(t.observe(&out, Instant::now()).is_none());
     }
     assert_eq!(t.samples, 0);
+}
+
+#[test]
+fn where_the_hosts_allow_a_hierarchy_the_mode_is_a_knob_too() {
+    // Not where they do not, nor where the mode was set by hand.
+    let t = Tuner::new(settings(None), start()).unwrap();
+    assert_eq!(t.with_mode_choice(false).candidates.len(), 63);
+    let mut s = settings(None);
+    s.mode = false;
+    let t = Tuner::new(s, start()).unwrap();
+    assert_eq!(t.with_mode_choice(true).candidates.len(), 63);
+
+    // A job on which the flat ring is faster: the tuner finds it.
+    let mut t = Tuner::new(settings(None), start())
+        .unwrap()
+        .with_mode_choice(true);
+    assert_eq!(t.candidates.len(), 126);
+    let flat_pays = |k: Knobs| step_time(k) + Duration::from_millis(if k.flat { 0 } else { 4 });
+    let mut now = Instant::now();
+    let mut knobs = start();
+    let mut seen_modes = HashSet::new();
+    while !t.done() {
+        seen_modes.insert(knobs.flat);
+        if let Some(k) = t.observe(&step(), now) {
+            knobs = k;
+        }
+        now += flat_pays(knobs);
+    }
+    assert!(knobs.flat, "{knobs:?}");
+    assert_eq!(seen_modes.len(), 2);
+    let mut all: Vec<Duration> = t.candidates.iter().map(|&c| flat_pays(c)).collect();
+    all.sort();
+    assert!(flat_pays(knobs) <= all[4], "{knobs:?}");
 }
