@@ -204,3 +204,58 @@ def test_a_rank_copy_is_a_process_under_the_mark_of_another_live_one_of_that_job
         monkeypatch.delenv(k, raising=False)
     rank_copy.mark([0, 1, 0, 1, 0, 1])
     assert rank_copy.MARK not in os.environ
+
+
+def test_a_copy_answers_for_its_rank_as_it_is_now_and_finds_it_without_the_mark(
+        monkeypatch, tmp_path):
+    """A forkserver keeps the environment it started with: a worker it starts after an
+    elastic reset inherits the mark of the old round, and one whose forkserver started
+    before the rank's init() inherits none. Both find the rank's file and answer for
+    the rank as it is now."""
+    import os
+
+    from perseus.common import rank_copy
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # the files' folder, for this test only
+    monkeypatch.setattr(rank_copy.tempfile, "tempdir", None)
+    monkeypatch.setenv(rank_copy.MARK, "")
+    for k in ("PERSEUS_RANK", "PERSEUS_SIZE", "PERSEUS_MASTER_PORT"):
+        monkeypatch.setenv(k, {"PERSEUS_RANK": "1", "PERSEUS_SIZE": "4"}.get(k, "7000"))
+    probe = ("from perseus.common import rank_copy; c = rank_copy.copy_of(); "
+             "print(c and c[0], c and c[1].split(')')[0])")
+
+    def child(env):
+        # This process is the rank; a child (as a forkserver's worker, a generation
+        # nearer) runs what init() runs first.
+        env = {**env, "TMPDIR": str(tmp_path)}
+        out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                             text=True, check=True, timeout=60)
+        return out.stdout.strip()
+
+    rank_copy.mark([1, 4, 1, 2, 0, 2])  # the first round
+    first_round = clean_env(**{k: os.environ[k] for k in
+                               (rank_copy.MARK, "PERSEUS_RANK", "PERSEUS_SIZE",
+                                "PERSEUS_MASTER_PORT")})
+    me = f"started by rank {{}} (pid {os.getpid()}"
+    assert child(first_round) == f"[1, 4, 1, 2, 0, 2] this process was {me.format(1)}"
+    # An elastic reset: shutdown(), then init() as rank 2 of 3.
+    rank_copy.unmark()
+    assert not (tmp_path / f"perseus-ranks-{os.getuid()}" / str(os.getpid())).exists()
+    rank_copy.mark([2, 3, 0, 1, 1, 3])
+    assert child(first_round) == f"[2, 3, 0, 1, 1, 3] this process was {me.format(2)}"
+    # No mark in the environment (the forkserver started before init()).
+    no_mark = {k: v for k, v in first_round.items() if k != rank_copy.MARK}
+    assert child(no_mark) == f"[2, 3, 0, 1, 1, 3] this process was {me.format(2)}"
+    # Not a copy: another job's rank, or a file the rank did not write (a process id
+    # reused after a rank was killed before it could remove its file).
+    assert child({**no_mark, "PERSEUS_MASTER_PORT": "7001"}) == "None None"
+    path = tmp_path / f"perseus-ranks-{os.getuid()}" / str(os.getpid())
+    start, rest = path.read_text().split(":", 1)
+    path.write_text(f"{int(start) + 1}:{rest}")
+    assert child(no_mark) == "None None"
+    # Gone at shutdown: a worker with the old mark answers from it; one without, not at all.
+    rank_copy.mark([2, 3, 0, 1, 1, 3])
+    rank_copy.unmark()
+    assert not path.exists()
+    assert child(first_round) == f"[1, 4, 1, 2, 0, 2] this process was {me.format(1)}"
+    assert child(no_mark) == "None None"

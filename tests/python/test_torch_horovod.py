@@ -99,6 +99,15 @@ def test_dataloader_workers_of_a_script_that_inits_at_its_top_level(run_workers)
     run_workers(2, "loader_workers.py", "forkserver", "spawn", "fork", timeout=200)
 
 
+@pytest.mark.timeout(150)
+def test_dataloader_workers_of_a_forkserver_started_before_init(run_workers):
+    """The forkserver started before hvd.init() (the script used multiprocessing first):
+    its workers inherit no mark in their environment, and find their rank through the
+    file the rank keeps."""
+    run_workers(2, "loader_workers.py", "forkserver", env={"EARLY_FORKSERVER": "1"},
+                timeout=120)
+
+
 @pytest.mark.timeout(120)
 def test_a_thread_waiting_long_does_not_block_the_ones_starting_operations(run_workers):
     """A waiter's Ctrl-C check takes the GIL: it must not hold the engine's handle table

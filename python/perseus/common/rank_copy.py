@@ -13,13 +13,25 @@ this job. ``init()`` in a process that inherited the mark of another process, st
 running, with the same variables, cannot be that rank: it answers for the rank
 (``rank()``, ``size()``, the local and cross ranks) without joining the job, and its
 collectives fail with an error that says why. A process started with other values
-(another job's rank) initializes as usual; so does one whose marking rank has ended. A child forked after ``init()``
-(the default DataLoader workers) answers the same way from the memory it shares with
-the rank.
+(another job's rank) initializes as usual; so does one whose marking rank has ended. A
+child forked after ``init()`` (the default DataLoader workers) answers the same way from
+the memory it shares with the rank.
+
+The mark in the environment is what the rank was when the process's environment was
+copied from it; a forkserver keeps the environment it started with. So each rank also
+writes its mark to a file named for its process id (in ``perseus-ranks-<uid>`` under the
+temporary folder, with the rank's start time against process id reuse), rewritten at
+every ``init()`` and removed at ``shutdown()`` and exit. A copy takes the topology from
+that file when its rank has one, so a worker that a forkserver started after an elastic
+reset answers for the rank as it is now, not as it was when the forkserver started. A
+process without the mark (its forkserver started before the rank's ``init()``) looks for
+the file of its parent, or the parent's parent, up a few generations.
 """
 
+import atexit
 import hashlib
 import os
+import tempfile
 
 MARK = "PERSEUS_INITIALIZED_IN"
 
@@ -39,6 +51,29 @@ def _identity():
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+# How many generations above a process without the mark are searched for a rank's file
+# (a DataLoader worker's parent is the forkserver, whose parent is the rank).
+_GENERATIONS = 4
+_cleanup_registered = False
+
+
+def _folder():
+    return os.path.join(tempfile.gettempdir(), f"perseus-ranks-{os.getuid()}")
+
+
+def _stat(pid):
+    """``(parent pid, start time in clock ticks since boot)`` of a process, or None."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        # Fields after the command name (which may hold spaces) in parentheses:
+        # state, ppid, ... starttime is the 20th of them (the 22nd field of the line).
+        rest = stat[stat.rindex(b")") + 2:].split()
+        return int(rest[1]), int(rest[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def mark(topology):
     """Leave this rank's mark (``topology``: rank, size, local rank, local size, cross
     rank, cross size) for the processes it starts. A process that no launcher started
@@ -48,11 +83,56 @@ def mark(topology):
         return
     fields = [os.getpid(), *topology, _identity()]
     os.environ[MARK] = ":".join(str(f) for f in fields)
+    _write_file(topology)
+
+
+def _write_file(topology):
+    """This rank's mark in its file (best effort: without it, copies read the mark in
+    their environment)."""
+    global _cleanup_registered
+    me = _stat(os.getpid())
+    if me is None:
+        return
+    path = os.path.join(_folder(), str(os.getpid()))
+    try:
+        os.makedirs(_folder(), mode=0o700, exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            f.write(":".join(str(x) for x in [me[1], *topology, _identity()]))
+        os.replace(path + ".tmp", path)
+    except OSError:
+        return
+    if not _cleanup_registered:
+        _cleanup_registered = True
+        atexit.register(_remove_file, os.getpid())
+
+
+def _remove_file(pid):
+    if pid == os.getpid():  # not in a forked child that exits
+        try:
+            os.unlink(os.path.join(_folder(), str(pid)))
+        except OSError:
+            pass
+
+
+def _read_file(pid):
+    """``(topology, identity)`` from the file of rank process ``pid``, when it is that
+    process's (its start time matches) and well formed; else None."""
+    try:
+        with open(os.path.join(_folder(), str(pid))) as f:
+            fields = f.read().split(":")
+        start, *topology = (int(x) for x in fields[:7])
+    except (OSError, ValueError):
+        return None
+    st = _stat(pid)
+    if len(fields) != 8 or st is None or st[1] != start:
+        return None
+    return topology, fields[7]
 
 
 def unmark():
     """This process is no longer a rank (``shutdown()``)."""
     os.environ.pop(MARK, None)
+    _remove_file(os.getpid())
 
 
 def _alive(pid):
@@ -65,10 +145,9 @@ def _alive(pid):
     return True
 
 
-def copy_of():
-    """``(topology, why)`` when this process inherited the mark of another process that
-    is still running, made with the same rank variables (so that process is this rank);
-    else None."""
+def _from_environment():
+    """``(pid, topology)`` of the mark this process inherited, when that process still
+    runs and made it with the same rank variables; else None."""
     fields = os.environ.get(MARK, "").split(":")
     if len(fields) != 8:
         return None
@@ -78,6 +157,35 @@ def copy_of():
         return None
     if pid == os.getpid() or fields[7] != _identity() or not _alive(pid):
         return None
+    return pid, topology
+
+
+def _from_ancestors():
+    """``(pid, topology)`` from the file of the nearest ancestor that is a rank with the
+    same rank variables as this process; else None."""
+    pid = os.getpid()
+    for _ in range(_GENERATIONS):
+        st = _stat(pid)
+        if st is None or st[0] <= 1:
+            return None
+        pid = st[0]
+        found = _read_file(pid)
+        if found is not None and found[1] == _identity():
+            return pid, found[0]
+    return None
+
+
+def copy_of():
+    """``(topology, why)`` when this process was started by a rank that is still running:
+    it inherited the mark of another process, made with the same rank variables, or an
+    ancestor's file holds one; else None. The topology is the rank's as it is now."""
+    found = _from_environment() or _from_ancestors()
+    if found is None:
+        return None
+    pid, topology = found
+    now = _read_file(pid)
+    if now is not None:
+        topology = now[0]
     rank = topology[0]
     why = (f"this process was started by rank {rank} (pid {pid}) after its hvd.init() and "
            f"ran hvd.init() too (a DataLoader worker under spawn or forkserver runs the "

@@ -5,9 +5,14 @@ init() must not join the job a second time: every worker answers for its rank
 (rank(), size(), local_rank(), is_initialized()), refuses collectives saying why, and the
 training goes on, every rank ending with the same weights as one process would.
 
+With EARLY_FORKSERVER=1 in the environment, the forkserver starts before hvd.init(),
+as when the script used multiprocessing first: its workers inherit no mark, and find
+their rank through the file it keeps (perseus.common.rank_copy).
+
 Usage: loader_workers.py CONTEXT [CONTEXT ...]
 """
 
+import multiprocessing.forkserver
 import os
 import sys
 
@@ -15,6 +20,10 @@ import perseus.torch.horovod as hvd
 import torch
 from _helpers import close, done
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+if __name__ == "__main__" and os.environ.get("EARLY_FORKSERVER") == "1":
+    multiprocessing.forkserver.ensure_running()
+    assert "PERSEUS_INITIALIZED_IN" not in os.environ
 
 hvd.init()  # at the top level, as many training scripts do
 
