@@ -232,7 +232,15 @@ def test_a_copy_answers_for_its_rank_as_it_is_now_and_finds_it_without_the_mark(
                              text=True, check=True, timeout=60)
         return out.stdout.strip()
 
+    # A file left by a rank that was killed is removed by the next rank's first mark.
+    folder = tmp_path / f"perseus-ranks-{os.getuid()}"
+    folder.mkdir(mode=0o700)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    (folder / dead).write_text("1:0:2:0:2:0:1:digest")
+    monkeypatch.setattr(rank_copy, "_cleanup_registered", False)
     rank_copy.mark([1, 4, 1, 2, 0, 2])  # the first round
+    assert sorted(p.name for p in folder.iterdir()) == [str(os.getpid())]
     first_round = clean_env(**{k: os.environ[k] for k in
                                (rank_copy.MARK, "PERSEUS_RANK", "PERSEUS_SIZE",
                                 "PERSEUS_MASTER_PORT")})

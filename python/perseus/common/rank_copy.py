@@ -104,6 +104,21 @@ def _write_file(topology):
     if not _cleanup_registered:
         _cleanup_registered = True
         atexit.register(_remove_file, os.getpid())
+        _remove_stale()
+
+
+def _remove_stale():
+    """Removes the files of ranks that ended without removing theirs (killed)."""
+    try:
+        names = os.listdir(_folder())
+    except OSError:
+        return
+    for name in names:
+        if name.isdigit() and _read_file(int(name)) is None:
+            try:
+                os.unlink(os.path.join(_folder(), name))
+            except OSError:
+                pass
 
 
 def _remove_file(pid):
