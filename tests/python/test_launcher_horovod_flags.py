@@ -2,6 +2,7 @@
 file, and a job whose ranks' core reads the settings the flags gave."""
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -68,9 +69,10 @@ def test_mpi_flags_shape_the_mpirun_command(monkeypatch, tmp_path):
     monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
     rc = L.main(["-np", "1", "--mpi", "--start-timeout", "5", "--binding-args",
                  "--bind-to core --map-by core", "--mpi-args", "--mca btl ^openib -v",
-                 "true"])
+                 "--prefix-output-with-timestamp", "true"])
     argv = (tmp_path / "argv").read_text().split()
     assert rc == 0, argv
+    assert "--timestamp-output" in argv and "--tag-output" in argv, argv
     at = argv.index("-H")
     assert argv[at + 2:at + 6] == ["--bind-to", "core", "--map-by", "core"]
     assert "none" not in argv
@@ -218,3 +220,20 @@ def test_ranks_run_with_the_settings_of_horovodrun_flags(tmp_path):
             "has no hierarchical variant here)\n") in out.stderr, out.stderr
     # All three knobs autotuning moves were given, so it has nothing to tune; rank 0 says so.
     assert out.stderr.count("HOROVOD_AUTOTUNE=1 has nothing to tune") == 1, out.stderr
+
+
+@pytest.mark.timeout(120)
+def test_prefix_output_with_timestamp_starts_every_line_with_the_time(tmp_path):
+    cmd = [sys.executable, "-m", "perseus.runner.launch", "-np", "2",
+           "--prefix-output-with-timestamp", sys.executable, "-c",
+           "import sys; print('out line'); print('err line', file=sys.stderr)"]
+    out = subprocess.run(cmd, env=clean_env(), cwd=tmp_path, capture_output=True, text=True,
+                         timeout=100, check=False)
+    assert out.returncode == 0, out.stderr
+    stamp = r"[A-Z][a-z]{2} [A-Z][a-z]{2} [ \d]\d \d\d:\d\d:\d\d \d{4}"
+    for text, tag in ((out.stdout, "stdout"), (out.stderr, "stderr")):
+        lines = [line for line in text.splitlines() if "line" in line]
+        assert len(lines) == 2, text
+        for line in lines:
+            assert re.fullmatch(rf"{stamp}\[[01]\]<{tag}>:{tag[3:]} line", line), line
+    assert "no effect" not in out.stderr, out.stderr

@@ -57,7 +57,6 @@ _NO_EFFECT = {
     "mpi_threads_disable": "Perseus's traffic does not go through MPI",
     "thread_affinity": "the engine's threads are not pinned",
     "log_with_timestamp": "the ranks' log lines have no timestamps",
-    "prefix_output_with_timestamp": "output lines are prefixed by rank only",
 }
 _AUTOTUNE_OPTIONS = ("log_file", "warmup_samples", "steps_per_sample",
                      "bayes_opt_max_samples", "gaussian_process_noise")
@@ -107,6 +106,10 @@ def add_horovod_flags(p):
                    help="tune the fusion threshold, cycle time and allreduce mode during the "
                         "first steps (HOROVOD_AUTOTUNE=1); those set by flag or variable stay "
                         "as given")
+    g.add_argument("-prefix-timestamp", "--prefix-output-with-timestamp",
+                   dest="prefix_output_with_timestamp", action="store_true", default=None,
+                   help="start each line of the ranks' output with the time it was relayed "
+                        "(with --mpi: mpirun's --timestamp-output)")
     g.add_argument("--mpi-args", metavar="ARGS", help="more arguments for mpirun (--mpi)")
     g.add_argument("--binding-args", metavar="ARGS",
                    help="mpirun's binding arguments instead of '--bind-to none' (--mpi)")
@@ -128,8 +131,6 @@ def add_horovod_flags(p):
     stamps.add_argument("--log-with-timestamp", action="store_true", default=None)
     stamps.add_argument("--log-without-timestamp", "--log-hide-timestamp",
                         dest="log_with_timestamp", action="store_false")
-    no.add_argument("-prefix-timestamp", "--prefix-output-with-timestamp",
-                    dest="prefix_output_with_timestamp", action="store_true", default=None)
 
 
 def apply_config_file(args):

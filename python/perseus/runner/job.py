@@ -175,11 +175,13 @@ class StartWatch:
 
 
 class Rank:
-    """One rank's process, its output relay and its process group."""
+    """One rank's process, its output relay and its process group. ``timestamps``: each
+    relayed line starts with the time it was relayed, as ``time.asctime()`` writes it
+    (horovodrun's ``--prefix-output-with-timestamp``)."""
 
-    def __init__(self, slot, argv, env, secret=None, remote=False):
+    def __init__(self, slot, argv, env, secret=None, remote=False, timestamps=False):
         self.slot, self.argv, self.env = slot, argv, env
-        self.secret, self.remote = secret, remote
+        self.secret, self.remote, self.timestamps = secret, remote, timestamps
         self.proc = None
         self._threads = []
         self._log = None
@@ -204,7 +206,8 @@ class Rank:
             for stream, sink, tag in ((self.proc.stdout, out, "stdout"),
                                       (self.proc.stderr, err, "stderr")):
                 prefix = f"[{self.slot.rank}]<{tag}>:".encode()
-                t = threading.Thread(target=_relay, args=(stream, sink, prefix, lock),
+                t = threading.Thread(target=_relay,
+                                     args=(stream, sink, prefix, lock, self.timestamps),
                                      daemon=True)
                 t.start()
                 self._threads.append(t)
@@ -252,14 +255,18 @@ def byte_sink(stream):
     return getattr(stream, "buffer", None) or _TextSink(stream)
 
 
-def _relay(stream, sink, prefix, lock):
+def _relay(stream, sink, prefix, lock, timestamps=False):
     with stream:
         for line in iter(stream.readline, b""):
             if not line.endswith(b"\n"):
                 line += b"\n"
+            if timestamps:
+                line = time.asctime().encode() + prefix + line
+            else:
+                line = prefix + line
             with lock:
                 try:
-                    sink.write(prefix + line)
+                    sink.write(line)
                     sink.flush()
                 except (OSError, ValueError):
                     pass  # the terminal went away: keep draining so the rank never blocks

@@ -385,16 +385,18 @@ def job_env(args, addr, port):
 
 def make_ranks(args, slots, common_env, secret, local_names):
     ranks, cwd, prefix = [], os.getcwd(), rsh_prefix(args)
+    stamped = bool(getattr(args, "prefix_output_with_timestamp", False))
     for slot in slots:
         env = dict(common_env, **slot.env())
         if _hosts.is_local(slot.hostname, local_names):
             full = dict(os.environ, **env, PERSEUS_SECRET=secret)
-            ranks.append(_job.Rank(slot, list(args.command), full))
+            ranks.append(_job.Rank(slot, list(args.command), full, timestamps=stamped))
         else:
             env = dict(_job.forwarded_env(os.environ), **env)
             script = _job.remote_script(args.command, env, cwd)
             argv = _job.rsh_argv(prefix, slot.hostname, script)
-            ranks.append(_job.Rank(slot, argv, dict(os.environ), secret=secret, remote=True))
+            ranks.append(_job.Rank(slot, argv, dict(os.environ), secret=secret, remote=True,
+                                   timestamps=stamped))
     return ranks
 
 
@@ -473,6 +475,8 @@ def run_mpi(args, hosts, slots, exchange=None):
             cmd.append("--allow-run-as-root")
         cmd += ["--output-filename", args.output_filename] if args.output_filename \
             else ["--tag-output"]
+        if args.prefix_output_with_timestamp:
+            cmd.append("--timestamp-output")
         if args.network_interface:
             cmd += ["--mca", "oob_tcp_if_include", args.network_interface,
                     "--mca", "btl_tcp_if_include", args.network_interface]
