@@ -29,6 +29,7 @@ fn config(rank: usize, size: usize, port: u16, shm: bool) -> Config {
         fusion_threshold: 64 << 20,
         cycle_time: Duration::from_millis(1),
         autotune: None,
+        thread_affinity: None,
         cache_capacity: 1024,
         allgather_mode: 0,
         timeline: None,

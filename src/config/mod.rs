@@ -2,10 +2,12 @@
 //! `init()`. Each knob is declared in [`PARAMS`] with its default and range;
 //! `docs/environment.md` is checked against that table by a test.
 
+mod affinity;
 mod autotune;
 mod iface;
 mod topology;
 
+pub use affinity::pin_current_thread;
 pub use autotune::AutotuneSettings;
 
 pub use topology::{cross_from_hosts, first_slurm_host, Launcher, Topology};
@@ -90,6 +92,12 @@ pub const PARAMS: &[Param] = &[
         allowed: "a number from 0.000001 to 100",
         doc: "noise term of the Gaussian process over scores scaled to unit variance; \
               larger trusts single samples less",
+    },
+    Param {
+        name: "HOROVOD_THREAD_AFFINITY",
+        default: "",
+        allowed: "a comma-separated list of core numbers, one per local rank",
+        doc: "the engine thread of local rank i runs on the i-th core of the list",
     },
     Param {
         name: "HOROVOD_CACHE_CAPACITY",
@@ -337,6 +345,8 @@ pub struct Config {
     pub cycle_time: Duration,
     /// HOROVOD_AUTOTUNE: rank 0 tunes the fusion threshold and cycle time.
     pub autotune: Option<AutotuneSettings>,
+    /// HOROVOD_THREAD_AFFINITY: the core the engine thread runs on.
+    pub thread_affinity: Option<usize>,
     /// Response cache capacity (entries).
     pub cache_capacity: usize,
     /// 0 = stack, 1 = concatenate.
@@ -664,6 +674,7 @@ impl Config {
         let cache_capacity = int_var("HOROVOD_CACHE_CAPACITY", 1024, 0, 1 << 24)? as usize;
         let allgather_mode = int_var("PERSEUS_CHANGE_HVD_ALLGATHER", 0, 0, 1)? as u8;
         let unauthenticated = rendezvous.is_some() && var("PERSEUS_SECRET").is_none();
+        let thread_affinity = affinity::from_env(topology.local_rank, topology.local_size)?;
         let mut autotune_notes = Vec::new();
         let autotune = autotune::from_env(&mut autotune_notes)?;
         Ok(Config {
@@ -677,6 +688,7 @@ impl Config {
             fusion_threshold,
             cycle_time: Duration::from_secs_f64(cycle_ms / 1000.0),
             autotune,
+            thread_affinity,
             cache_capacity,
             allgather_mode,
             timeline: var("PERSEUS_TIMELINE").or_else(|| var("HOROVOD_TIMELINE")),

@@ -239,9 +239,13 @@ impl Engine {
             ),
         };
         let (on_panic, inbox_of_thread) = (shared.clone(), inbox.clone());
+        let core = config.thread_affinity;
         let thread = std::thread::Builder::new()
             .name("perseus-engine".into())
             .spawn(move || {
+                if let Some(core) = core {
+                    crate::config::pin_current_thread(core);
+                }
                 let run = std::panic::AssertUnwindSafe(|| state.run());
                 if let Err(p) = std::panic::catch_unwind(run) {
                     engine_died(&on_panic, &inbox_of_thread, &panic_text(&*p));

@@ -42,9 +42,19 @@ from _launch_helpers import clean_env
     ("HOROVOD_STALL_CHECK_DISABLE", "yes"),
     ("HOROVOD_STALL_CHECK_TIME_SECONDS", "-1"),
     ("HOROVOD_NUM_NCCL_STREAMS", "13"),
+    ("HOROVOD_AUTOTUNE", "yes"),
+    ("HOROVOD_THREAD_AFFINITY", "0"),  # one core for the host's two ranks
+    ("HOROVOD_THREAD_AFFINITY", "0,x"),
+    ("HOROVOD_THREAD_AFFINITY", "1000,1001"),  # cores no rank here may run on
 ])
 def test_invalid_env_value_fails_init(run_workers, variable, value):
     run_workers(2, "bad_env.py", variable, env={variable: value}, timeout=60)
+
+
+@pytest.mark.timeout(90)
+def test_thread_affinity_pins_each_ranks_engine_thread_to_its_core(run_workers):
+    """Local rank 0 on core 1, local rank 1 on core 0 (the reverse of the usual order)."""
+    run_workers(2, "affinity.py", env={"HOROVOD_THREAD_AFFINITY": "1, 0"}, timeout=60)
 
 
 @pytest.mark.timeout(30)

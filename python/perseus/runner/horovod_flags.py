@@ -33,6 +33,8 @@ _VALUED = [
      "NCCL communicators per process set for CUDA tensors"),
     ("--gloo-timeout-seconds", int, "GLOO_TIMEOUT_SECONDS", str, (1, 86_400),
      "seconds to wait for a peer"),
+    ("--thread-affinity", str, "HOROVOD_THREAD_AFFINITY", str, None,
+     "cores of the engine threads, comma-separated, one per local rank in order"),
     ("--autotune-log-file", str, "HOROVOD_AUTOTUNE_LOG", str, None,
      "CSV file rank 0 writes each autotune sample and the settings kept to"),
     ("--autotune-warmup-samples", int, "HOROVOD_AUTOTUNE_WARMUP_SAMPLES", str, (0, 1000),
@@ -55,7 +57,6 @@ _NO_EFFECT = {
     "hierarchical_allgather": "allgather has no hierarchical variant here",
     "timeline_mark_cycles": "the timeline has no cycle marks",
     "mpi_threads_disable": "Perseus's traffic does not go through MPI",
-    "thread_affinity": "the engine's threads are not pinned",
     "log_with_timestamp": "the ranks' log lines have no timestamps",
 }
 _AUTOTUNE_OPTIONS = ("log_file", "warmup_samples", "steps_per_sample",
@@ -126,7 +127,6 @@ def add_horovod_flags(p):
                            action="store_false")
     no.add_argument("--timeline-mark-cycles", action="store_true", default=None)
     no.add_argument("--mpi-threads-disable", action="store_true", default=None)
-    no.add_argument("--thread-affinity", metavar="N", help=argparse.SUPPRESS)
     stamps = no.add_mutually_exclusive_group()
     stamps.add_argument("--log-with-timestamp", action="store_true", default=None)
     stamps.add_argument("--log-without-timestamp", "--log-hide-timestamp",
