@@ -91,7 +91,8 @@ def add_horovod_flags(p):
     g.add_argument("--config-file", metavar="FILE",
                    help="Horovod's YAML file of these settings; flags given win")
     for flag, kind, var, _, _, text in _VALUED:
-        g.add_argument(flag, type=kind, metavar="N" if kind is not str else "FILE",
+        metavar = "CORES" if flag == "--thread-affinity" else "N" if kind is not str else "FILE"
+        g.add_argument(flag, type=kind, metavar=metavar,
                        help=f"{text} ({var})")
     hier = g.add_mutually_exclusive_group()
     hier.add_argument("--hierarchical-allreduce", action="store_true", default=None,
