@@ -81,12 +81,12 @@ def mark(topology):
     it leaves none."""
     if not any(os.environ.get(k) for k in _IDENTITY):
         return
-    fields = [os.getpid(), *topology, _identity()]
-    os.environ[MARK] = ":".join(str(f) for f in fields)
-    _write_file(topology)
+    identity = _identity()
+    os.environ[MARK] = ":".join(str(f) for f in [os.getpid(), *topology, identity])
+    _write_file(topology, identity)
 
 
-def _write_file(topology):
+def _write_file(topology, identity):
     """This rank's mark in its file (best effort: without it, copies read the mark in
     their environment)."""
     global _cleanup_registered
@@ -97,7 +97,7 @@ def _write_file(topology):
     try:
         os.makedirs(_folder(), mode=0o700, exist_ok=True)
         with open(path + ".tmp", "w") as f:
-            f.write(":".join(str(x) for x in [me[1], *topology, _identity()]))
+            f.write(":".join(str(x) for x in [me[1], *topology, identity]))
         os.replace(path + ".tmp", path)
     except OSError:
         return
@@ -162,7 +162,8 @@ def _alive(pid):
 
 def _from_environment():
     """``(pid, topology)`` of the mark this process inherited, when that process still
-    runs and made it with the same rank variables; else None."""
+    runs and made it with the same rank variables; else None. The topology is the one in
+    that rank's file when it keeps one (the rank as it is now)."""
     fields = os.environ.get(MARK, "").split(":")
     if len(fields) != 8:
         return None
@@ -172,7 +173,8 @@ def _from_environment():
         return None
     if pid == os.getpid() or fields[7] != _identity() or not _alive(pid):
         return None
-    return pid, topology
+    now = _read_file(pid)
+    return pid, topology if now is None else now[0]
 
 
 def _from_ancestors():
@@ -198,9 +200,6 @@ def copy_of():
     if found is None:
         return None
     pid, topology = found
-    now = _read_file(pid)
-    if now is not None:
-        topology = now[0]
     rank = topology[0]
     why = (f"this process was started by rank {rank} (pid {pid}) after its hvd.init() and "
            f"ran hvd.init() too (a DataLoader worker under spawn or forkserver runs the "

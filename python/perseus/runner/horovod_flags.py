@@ -59,8 +59,8 @@ _NO_EFFECT = {
     "mpi_threads_disable": "Perseus's traffic does not go through MPI",
     "log_with_timestamp": "the ranks' log lines have no timestamps",
 }
-_AUTOTUNE_OPTIONS = ("log_file", "warmup_samples", "steps_per_sample",
-                     "bayes_opt_max_samples", "gaussian_process_noise")
+# The --autotune-* options, which act only with --autotune.
+_AUTOTUNE_OPTIONS = [flag for flag, *_ in _VALUED if flag.startswith("--autotune-")]
 
 # Horovod's YAML file (--config-file): section -> key -> dest.
 _CONFIG_KEYS = {
@@ -258,8 +258,7 @@ def without_effect(args):
         if getattr(args, dest) not in (None, False):
             said.append(f"--{dest.replace('_', '-')} ({why})")
     if not args.autotune:
-        given = [o for o in _AUTOTUNE_OPTIONS if getattr(args, f"autotune_{o}") is not None]
+        given = [f for f in _AUTOTUNE_OPTIONS if getattr(args, _dest(f)) is not None]
         if given:
-            flags = ", ".join("--autotune-" + o.replace("_", "-") for o in given)
-            said.append(f"{flags} (read only with --autotune)")
+            said.append(f"{', '.join(given)} (read only with --autotune)")
     return said
