@@ -93,7 +93,9 @@ def launch(script, impl, n, opts, env=None, timeout=600, hosts=None, places=None
     # The source tree's package, when it holds a built extension (maturin develop);
     # otherwise whichever Perseus the interpreter finds (an installed wheel).
     source = os.path.join(ROOT, "python")
-    built = any(n.startswith("_core") for n in os.listdir(os.path.join(source, "perseus")))
+    # (the extension itself: _core.pyi, its type stub, is tracked and always there)
+    built = any(n.startswith("_core.") and n.endswith(".so")
+                for n in os.listdir(os.path.join(source, "perseus")))
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (source if built else None, env.get("PYTHONPATH")) if p)
     env["PYTHONUNBUFFERED"] = "1"
@@ -423,8 +425,10 @@ def machine():
         import torch
 
         torch_version = torch.__version__
+        # The GPU, where there is one (the CUDA sweeps' pages name it).
+        gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     except ImportError:
-        torch_version = "not installed"
+        torch_version, gpu = "not installed", None
     try:
         import mpi4py
 
@@ -451,6 +455,7 @@ def machine():
         "kernel": platform.release(),
         "python": platform.python_version(),
         "torch": torch_version,
+        **({"gpu": gpu} if gpu else {}),
         "mpi4py": mpi4py_version,
         "mpirun": _first_line(["mpirun", "--version"]),
         "perseus_commit": commit,

@@ -212,6 +212,8 @@ PAGES = [
      "python benchmarks/optimizer_step.py --device cuda"),
     ("benchmarks_kernels_cuda.md", "each device kernel against torch's own operation",
      "python benchmarks/kernels.py"),
+    ("benchmarks_staged_cuda.md", "allreduce of CUDA tensors on a shared GPU (host-staged)",
+     "python benchmarks/allreduce_sweep.py --device cuda --ranks 2 --short"),
 ]
 
 

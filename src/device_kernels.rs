@@ -232,24 +232,54 @@ fn on_device(ordinal: i32, _call: Call) -> Result<Answer> {
     )))
 }
 
-/// The magnitude threshold of a top-`k` selection among `n` values: the largest `t`
-/// with `count(t) >= k`, where `count(t)` counts the values whose magnitude is at
-/// least `t`. Bisects over the bit patterns of the non-negative floats (ordered as
-/// the floats are): 31 counts at most, each one pass over the values, and exact. When
-/// even `count(0.0)` is short of `k` (NaNs, which no threshold takes), the answer is 0.
-pub fn threshold(k: usize, mut count: impl FnMut(f32) -> Result<usize>) -> Result<f32> {
-    // count(lo) >= k; count(hi) < k, since hi is past infinity's pattern (a NaN, which
-    // no comparison passes).
-    let (mut lo, mut hi) = (0u32, f32::INFINITY.to_bits() + 1);
-    while hi - lo > 1 {
-        let mid = lo + (hi - lo) / 2;
-        if count(f32::from_bits(mid))? >= k {
-            lo = mid;
-        } else {
-            hi = mid;
+/// The digits of a radix selection over the non-negative floats' 31-bit patterns, most
+/// significant first, as `(shift, bits)`: 11, 11 and 9 bits, so a histogram has 2048
+/// bins at most.
+pub const RADIX_DIGITS: [(u32, u32); 3] = [(20, 11), (9, 11), (0, 9)];
+
+/// The magnitude threshold of a top-`k` selection: the `k`-th largest magnitude, found
+/// by radix selection over the magnitudes' bit patterns (ordered as the non-negative
+/// floats are). `hist(shift, bits, prefix)` counts, for each value of the digit
+/// `(pattern >> shift) & (2^bits - 1)`, the non-NaN magnitudes whose pattern agrees
+/// with `prefix` above that digit; three such passes ([`RADIX_DIGITS`]) settle the
+/// threshold exactly. When fewer than `k` magnitudes are not NaN (no threshold takes a
+/// NaN), the answer is 0; for `k` = 0 it is infinity.
+pub fn threshold(k: usize, mut hist: impl FnMut(u32, u32, u32) -> Result<Vec<u64>>) -> Result<f32> {
+    if k == 0 {
+        return Ok(f32::INFINITY);
+    }
+    let (mut prefix, mut need) = (0u32, k as u64);
+    for (shift, bits) in RADIX_DIGITS {
+        let counts = hist(shift, bits, prefix)?;
+        // The largest digit at or above which `need` patterns remain.
+        let mut digit = None;
+        for (d, &c) in counts.iter().enumerate().rev() {
+            if c >= need {
+                digit = Some(d as u32);
+                break;
+            }
+            need -= c;
+        }
+        match digit {
+            Some(d) => prefix |= d << shift,
+            // Only on the first pass: fewer than k values that are not NaN.
+            None => return Ok(0.0),
         }
     }
-    Ok(f32::from_bits(lo))
+    Ok(f32::from_bits(prefix))
+}
+
+/// [`threshold`]'s histogram on the host: what the `radix_histogram` kernel computes.
+pub fn radix_histogram(values: &[f32], shift: u32, bits: u32, prefix: u32) -> Vec<u64> {
+    let mut counts = vec![0u64; 1 << bits];
+    let high = shift + bits;
+    for v in values {
+        let key = v.to_bits() & 0x7fff_ffff;
+        if key <= f32::INFINITY.to_bits() && (high >= 32 || key >> high == prefix >> high) {
+            counts[((key >> shift) & ((1 << bits) - 1)) as usize] += 1;
+        }
+    }
+    counts
 }
 
 #[cfg(test)]
@@ -343,15 +373,16 @@ mod tests {
         );
     }
 
-    /// The threshold of `values` by [`threshold`], counting as the kernel does.
+    /// The threshold of `values` by [`threshold`], with the histograms the kernel
+    /// computes, and how many passes it took.
     fn threshold_of(values: &[f32], k: usize) -> (f32, usize) {
-        let mut counts = 0;
-        let t = threshold(k, |t| {
-            counts += 1;
-            Ok(values.iter().filter(|v| v.abs() >= t).count())
+        let mut passes = 0;
+        let t = threshold(k, |shift, bits, prefix| {
+            passes += 1;
+            Ok(radix_histogram(values, shift, bits, prefix))
         })
         .unwrap();
-        (t, counts)
+        (t, passes)
     }
 
     #[test]
@@ -370,9 +401,9 @@ mod tests {
         let mut mags: Vec<f32> = values.iter().map(|v| v.abs()).collect();
         mags.sort_by(|a, b| b.total_cmp(a));
         for k in [1, 2, 10, 999, 1000] {
-            let (t, counts) = threshold_of(&values, k);
+            let (t, passes) = threshold_of(&values, k);
             assert_eq!(t, mags[k - 1], "k = {k}");
-            assert!(counts <= 31, "{counts} passes");
+            assert_eq!(passes, 3);
         }
         // Ties: every value at the threshold counts.
         let (t, _) = threshold_of(&[1.0, -2.0, 2.0, 2.0, 0.5], 2);
@@ -385,5 +416,44 @@ mod tests {
         // k = 0: infinity (the device call takes nothing without asking).
         let (t, _) = threshold_of(&[1.0, 2.0], 0);
         assert_eq!(t, f32::INFINITY);
+    }
+
+    #[test]
+    fn the_threshold_matches_a_sort_whichever_digit_the_values_differ_in() {
+        // Patterns of every size (random bits), neighbours a few ulps apart (they differ
+        // in the last digit only), denormals, zeros of both signs, repeats and NaNs.
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut values: Vec<f32> = (0..2000)
+            .map(|_| {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                let bits = (seed >> 32) as u32;
+                f32::from_bits((bits & 0x7fff_ffff).min(0x7f80_0000) | (bits & 0x8000_0000))
+            })
+            .collect();
+        for ulps in 0..40u32 {
+            values.push(f32::from_bits(1.0f32.to_bits() + ulps % 13));
+            values.push(-f32::from_bits(ulps * 3)); // denormals and -0.0
+        }
+        values.extend([0.0, -0.0, f32::NAN, -f32::NAN, 7.5, 7.5, -7.5]);
+        let mut mags: Vec<f32> = values
+            .iter()
+            .filter(|v| !v.is_nan())
+            .map(|v| v.abs())
+            .collect();
+        mags.sort_by(|a, b| b.total_cmp(a));
+        for k in (1..=mags.len()).step_by(7).chain([mags.len()]) {
+            assert_eq!(
+                threshold_of(&values, k).0.to_bits(),
+                mags[k - 1].to_bits(),
+                "k = {k}"
+            );
+        }
+        assert_eq!(
+            threshold_of(&values, mags.len() + 1).0,
+            0.0,
+            "more than the non-NaNs"
+        );
     }
 }

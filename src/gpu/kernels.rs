@@ -10,11 +10,21 @@ use std::path::PathBuf;
 use crate::error::{PerseusError, Result};
 use crate::gpu::nvrtc::{target_for, Nvrtc, Target};
 
-/// Helpers every source starts with: conversions and the grid-stride loop.
+/// Helpers every source starts with: conversions, the grid-stride loop and the 16-byte
+/// vectors the elementwise kernels move.
 const PRELUDE: &str = r#"
 typedef unsigned long long u64;
 #define FOR_EACH(i, n) for (u64 i = blockIdx.x * (u64)blockDim.x + threadIdx.x; i < (n); \
                             i += (u64)blockDim.x * gridDim.x)
+// The elementwise kernels load and store 16 bytes at a time (8 for the half side of a
+// cast) where every pointer allows it, and the last elements, fewer than a vector, one
+// at a time; a misaligned view (x[1:]) goes one at a time throughout. The arithmetic per
+// element is the same either way.
+#define ALIGNED(p, bytes) ((((u64)(p)) & ((bytes) - 1)) == 0)
+struct alignas(16) F4 { float x, y, z, w; };
+struct alignas(16) D2 { double x, y; };
+struct alignas(16) U4 { unsigned int x, y, z, w; };
+struct alignas(8) U2 { unsigned int x, y; };
 __device__ __forceinline__ unsigned short f32_to_f16(float f) {
     unsigned short h; asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f)); return h;
 }
@@ -30,6 +40,13 @@ __device__ __forceinline__ unsigned short f32_to_bf16(float f) {
 __device__ __forceinline__ float bf16_to_f32(unsigned short b) {
     return __uint_as_float(((unsigned int)b) << 16);
 }
+// A 16-bit float (bf: bfloat16, else float16) in the low bits of h, to float32 and back.
+__device__ __forceinline__ float half_in(unsigned int h, int bf) {
+    return bf ? bf16_to_f32((unsigned short)h) : f16_to_f32((unsigned short)h);
+}
+__device__ __forceinline__ unsigned int half_out(float f, int bf) {
+    return bf ? f32_to_bf16(f) : f32_to_f16(f);
+}
 __device__ __forceinline__ float combine(float a, float b, int op) {
     switch (op) { case 0: return a + b; case 1: return fminf(a, b);
                   case 2: return fmaxf(a, b); default: return a * b; }
@@ -43,17 +60,47 @@ pub const SOURCES: &[(&str, &str)] = &[
         r#"
 // float32 -> float16 / bfloat16 with the gradient scale (PERSEUS_ALLREDUCE_DTYPE,
 // PERSEUS_ALLREDUCE_GRADIENT_SCALE), and back with its inverse.
+__device__ __forceinline__ unsigned int down2(float a, float b, float scale, int bf) {
+    return half_out(a * scale, bf) | (half_out(b * scale, bf) << 16);
+}
+__device__ __forceinline__ void down(const float* x, unsigned short* y, float scale, u64 n,
+                                     int bf) {
+    u64 head = 0;
+    if (ALIGNED(x, 16) && ALIGNED(y, 8)) {
+        FOR_EACH(v, n / 4) {
+            F4 a = ((const F4*)x)[v];
+            U2 h; h.x = down2(a.x, a.y, scale, bf); h.y = down2(a.z, a.w, scale, bf);
+            ((U2*)y)[v] = h;
+        }
+        head = n / 4 * 4;
+    }
+    FOR_EACH(t, n - head) { u64 i = head + t; y[i] = half_out(x[i] * scale, bf); }
+}
+__device__ __forceinline__ void up(const unsigned short* x, float* y, float inv, u64 n, int bf) {
+    u64 head = 0;
+    if (ALIGNED(x, 8) && ALIGNED(y, 16)) {
+        FOR_EACH(v, n / 4) {
+            U2 h = ((const U2*)x)[v];
+            F4 a;
+            a.x = half_in(h.x & 0xffffu, bf) * inv; a.y = half_in(h.x >> 16, bf) * inv;
+            a.z = half_in(h.y & 0xffffu, bf) * inv; a.w = half_in(h.y >> 16, bf) * inv;
+            ((F4*)y)[v] = a;
+        }
+        head = n / 4 * 4;
+    }
+    FOR_EACH(t, n - head) { u64 i = head + t; y[i] = half_in(x[i], bf) * inv; }
+}
 extern "C" __global__ void f32_to_f16_scaled(const float* x, unsigned short* y, float scale, u64 n) {
-    FOR_EACH(i, n) y[i] = f32_to_f16(x[i] * scale);
+    down(x, y, scale, n, 0);
 }
 extern "C" __global__ void f16_to_f32_scaled(const unsigned short* x, float* y, float inv, u64 n) {
-    FOR_EACH(i, n) y[i] = f16_to_f32(x[i]) * inv;
+    up(x, y, inv, n, 0);
 }
 extern "C" __global__ void f32_to_bf16_scaled(const float* x, unsigned short* y, float scale, u64 n) {
-    FOR_EACH(i, n) y[i] = f32_to_bf16(x[i] * scale);
+    down(x, y, scale, n, 1);
 }
 extern "C" __global__ void bf16_to_f32_scaled(const unsigned short* x, float* y, float inv, u64 n) {
-    FOR_EACH(i, n) y[i] = bf16_to_f32(x[i]) * inv;
+    up(x, y, inv, n, 1);
 }
 "#,
     ),
@@ -61,20 +108,61 @@ extern "C" __global__ void bf16_to_f32_scaled(const unsigned short* x, float* y,
         "reduce",
         r#"
 // dst = dst (op) src; op 0 sum, 1 min, 2 max, 3 product. Average is a sum then a scale.
+__device__ __forceinline__ double combine64(double a, double b, int op) {
+    return op == 0 ? a + b : op == 1 ? fmin(a, b) : op == 2 ? fmax(a, b) : a * b;
+}
 extern "C" __global__ void reduce_f32(float* dst, const float* src, int op, u64 n) {
-    FOR_EACH(i, n) dst[i] = combine(dst[i], src[i], op);
+    u64 head = 0;
+    if (ALIGNED(dst, 16) && ALIGNED(src, 16)) {
+        FOR_EACH(v, n / 4) {
+            F4 a = ((F4*)dst)[v], b = ((const F4*)src)[v];
+            a.x = combine(a.x, b.x, op); a.y = combine(a.y, b.y, op);
+            a.z = combine(a.z, b.z, op); a.w = combine(a.w, b.w, op);
+            ((F4*)dst)[v] = a;
+        }
+        head = n / 4 * 4;
+    }
+    FOR_EACH(t, n - head) { u64 i = head + t; dst[i] = combine(dst[i], src[i], op); }
 }
 extern "C" __global__ void reduce_f64(double* dst, const double* src, int op, u64 n) {
-    FOR_EACH(i, n) {
-        double a = dst[i], b = src[i];
-        dst[i] = op == 0 ? a + b : op == 1 ? fmin(a, b) : op == 2 ? fmax(a, b) : a * b;
+    u64 head = 0;
+    if (ALIGNED(dst, 16) && ALIGNED(src, 16)) {
+        FOR_EACH(v, n / 2) {
+            D2 a = ((D2*)dst)[v], b = ((const D2*)src)[v];
+            a.x = combine64(a.x, b.x, op); a.y = combine64(a.y, b.y, op);
+            ((D2*)dst)[v] = a;
+        }
+        head = n / 2 * 2;
+    }
+    FOR_EACH(t, n - head) { u64 i = head + t; dst[i] = combine64(dst[i], src[i], op); }
+}
+// Two 16-bit floats in a word, combined in float32 and rounded once each.
+__device__ __forceinline__ unsigned int combine2(unsigned int a, unsigned int b, int op, int bf) {
+    return half_out(combine(half_in(a & 0xffffu, bf), half_in(b & 0xffffu, bf), op), bf)
+         | (half_out(combine(half_in(a >> 16, bf), half_in(b >> 16, bf), op), bf) << 16);
+}
+__device__ __forceinline__ void reduce_halves(unsigned short* dst, const unsigned short* src,
+                                              int op, u64 n, int bf) {
+    u64 head = 0;
+    if (ALIGNED(dst, 16) && ALIGNED(src, 16)) {
+        FOR_EACH(v, n / 8) {
+            U4 a = ((U4*)dst)[v], b = ((const U4*)src)[v];
+            a.x = combine2(a.x, b.x, op, bf); a.y = combine2(a.y, b.y, op, bf);
+            a.z = combine2(a.z, b.z, op, bf); a.w = combine2(a.w, b.w, op, bf);
+            ((U4*)dst)[v] = a;
+        }
+        head = n / 8 * 8;
+    }
+    FOR_EACH(t, n - head) {
+        u64 i = head + t;
+        dst[i] = half_out(combine(half_in(dst[i], bf), half_in(src[i], bf), op), bf);
     }
 }
 extern "C" __global__ void reduce_f16(unsigned short* dst, const unsigned short* src, int op, u64 n) {
-    FOR_EACH(i, n) dst[i] = f32_to_f16(combine(f16_to_f32(dst[i]), f16_to_f32(src[i]), op));
+    reduce_halves(dst, src, op, n, 0);
 }
 extern "C" __global__ void reduce_bf16(unsigned short* dst, const unsigned short* src, int op, u64 n) {
-    FOR_EACH(i, n) dst[i] = f32_to_bf16(combine(bf16_to_f32(dst[i]), bf16_to_f32(src[i]), op));
+    reduce_halves(dst, src, op, n, 1);
 }
 "#,
     ),
@@ -82,14 +170,48 @@ extern "C" __global__ void reduce_bf16(unsigned short* dst, const unsigned short
         "scale",
         r#"
 // Prescale and postscale (and the 1/n of Average).
-extern "C" __global__ void scale_f32(float* x, float s, u64 n) { FOR_EACH(i, n) x[i] *= s; }
-extern "C" __global__ void scale_f64(double* x, double s, u64 n) { FOR_EACH(i, n) x[i] *= s; }
-extern "C" __global__ void scale_f16(unsigned short* x, float s, u64 n) {
-    FOR_EACH(i, n) x[i] = f32_to_f16(f16_to_f32(x[i]) * s);
+extern "C" __global__ void scale_f32(float* x, float s, u64 n) {
+    u64 head = 0;
+    if (ALIGNED(x, 16)) {
+        FOR_EACH(v, n / 4) {
+            F4 a = ((F4*)x)[v];
+            a.x *= s; a.y *= s; a.z *= s; a.w *= s;
+            ((F4*)x)[v] = a;
+        }
+        head = n / 4 * 4;
+    }
+    FOR_EACH(t, n - head) x[head + t] *= s;
 }
-extern "C" __global__ void scale_bf16(unsigned short* x, float s, u64 n) {
-    FOR_EACH(i, n) x[i] = f32_to_bf16(bf16_to_f32(x[i]) * s);
+extern "C" __global__ void scale_f64(double* x, double s, u64 n) {
+    u64 head = 0;
+    if (ALIGNED(x, 16)) {
+        FOR_EACH(v, n / 2) {
+            D2 a = ((D2*)x)[v];
+            a.x *= s; a.y *= s;
+            ((D2*)x)[v] = a;
+        }
+        head = n / 2 * 2;
+    }
+    FOR_EACH(t, n - head) x[head + t] *= s;
 }
+__device__ __forceinline__ unsigned int scale2(unsigned int a, float s, int bf) {
+    return half_out(half_in(a & 0xffffu, bf) * s, bf) | (half_out(half_in(a >> 16, bf) * s, bf) << 16);
+}
+__device__ __forceinline__ void scale_halves(unsigned short* x, float s, u64 n, int bf) {
+    u64 head = 0;
+    if (ALIGNED(x, 16)) {
+        FOR_EACH(v, n / 8) {
+            U4 a = ((U4*)x)[v];
+            a.x = scale2(a.x, s, bf); a.y = scale2(a.y, s, bf);
+            a.z = scale2(a.z, s, bf); a.w = scale2(a.w, s, bf);
+            ((U4*)x)[v] = a;
+        }
+        head = n / 8 * 8;
+    }
+    FOR_EACH(t, n - head) { u64 i = head + t; x[i] = half_out(half_in(x[i], bf) * s, bf); }
+}
+extern "C" __global__ void scale_f16(unsigned short* x, float s, u64 n) { scale_halves(x, s, n, 0); }
+extern "C" __global__ void scale_bf16(unsigned short* x, float s, u64 n) { scale_halves(x, s, n, 1); }
 "#,
     ),
     (
@@ -97,31 +219,80 @@ extern "C" __global__ void scale_bf16(unsigned short* x, float s, u64 n) {
         r#"
 // PERSEUS_ALLREDUCE_NANCHECK: *flag becomes 1 when any element is NaN or infinite.
 extern "C" __global__ void nonfinite_f32(const float* x, int* flag, u64 n) {
-    FOR_EACH(i, n) if (!isfinite(x[i])) { atomicOr(flag, 1); return; }
+    u64 head = 0;
+    if (ALIGNED(x, 16)) {
+        FOR_EACH(v, n / 4) {
+            F4 a = ((const F4*)x)[v];
+            if (!isfinite(a.x) || !isfinite(a.y) || !isfinite(a.z) || !isfinite(a.w)) {
+                atomicOr(flag, 1); return;
+            }
+        }
+        head = n / 4 * 4;
+    }
+    FOR_EACH(t, n - head) if (!isfinite(x[head + t])) { atomicOr(flag, 1); return; }
+}
+// A float16 is NaN or infinite when its exponent bits are all set.
+__device__ __forceinline__ bool nonfinite2(unsigned int w) {
+    return (w & 0x7c00u) == 0x7c00u || (w & 0x7c000000u) == 0x7c000000u;
 }
 extern "C" __global__ void nonfinite_f16(const unsigned short* x, int* flag, u64 n) {
-    FOR_EACH(i, n) if ((x[i] & 0x7c00u) == 0x7c00u) { atomicOr(flag, 1); return; }
+    u64 head = 0;
+    if (ALIGNED(x, 16)) {
+        FOR_EACH(v, n / 8) {
+            U4 a = ((const U4*)x)[v];
+            if (nonfinite2(a.x) || nonfinite2(a.y) || nonfinite2(a.z) || nonfinite2(a.w)) {
+                atomicOr(flag, 1); return;
+            }
+        }
+        head = n / 8 * 8;
+    }
+    FOR_EACH(t, n - head) if ((x[head + t] & 0x7c00u) == 0x7c00u) { atomicOr(flag, 1); return; }
 }
 "#,
     ),
     (
         "dgc",
         r#"
-// Deep gradient compression: the top-k threshold is found by bisection on the count of
-// elements at or above it; then the elements above it are gathered (index, value) and
+// Deep gradient compression. The top-k threshold is found by radix selection over the
+// magnitudes' bit patterns (ordered as the magnitudes are; NaNs, above infinity's, are
+// never counted): each pass histograms one digit of the patterns that share the digits
+// chosen so far. Then the elements at or above it are gathered (index, value) and
 // cleared from the residual.
-extern "C" __global__ void count_at_least(const float* x, float threshold, u64* count, u64 n) {
-    u64 mine = 0;
-    FOR_EACH(i, n) mine += fabsf(x[i]) >= threshold;
-    if (mine) atomicAdd(count, mine);
+#define RADIX_MAX_BINS 2048
+extern "C" __global__ void radix_histogram(const float* x, unsigned int* hist,
+                                           unsigned int shift, unsigned int bits,
+                                           unsigned int prefix, u64 n) {
+    __shared__ unsigned int local[RADIX_MAX_BINS];
+    unsigned int bins = 1u << bits, high = shift + bits;
+    for (unsigned int b = threadIdx.x; b < bins; b += blockDim.x) local[b] = 0;
+    __syncthreads();
+    FOR_EACH(i, n) {
+        unsigned int key = __float_as_uint(x[i]) & 0x7fffffffu;
+        if (key <= 0x7f800000u && (high >= 32 || (key >> high) == (prefix >> high)))
+            atomicAdd(&local[(key >> shift) & (bins - 1)], 1u);
+    }
+    __syncthreads();
+    for (unsigned int b = threadIdx.x; b < bins; b += blockDim.x)
+        if (local[b]) atomicAdd(&hist[b], local[b]);
 }
+// One atomic per warp and round: the lanes taking an element share a run of slots.
 extern "C" __global__ void select_at_least(float* x, float threshold, unsigned int* indices,
                                            float* values, u64* taken, u64 capacity, u64 n) {
+    unsigned int lane = threadIdx.x & 31;
     FOR_EACH(i, n) {
         float v = x[i];
-        if (fabsf(v) >= threshold) {
-            u64 slot = atomicAdd(taken, 1ull);
-            if (slot < capacity) { indices[slot] = (unsigned int)i; values[slot] = v; x[i] = 0.0f; }
+        bool take = fabsf(v) >= threshold;
+        unsigned int active = __activemask();
+        unsigned int want = __ballot_sync(active, take);
+        if (want) {
+            unsigned int leader = __ffs(want) - 1;
+            u64 base = 0;
+            if (lane == leader) base = atomicAdd(taken, (u64)__popc(want));
+            base = __shfl_sync(active, base, leader);
+            if (take) {
+                u64 slot = base + __popc(want & ((1u << lane) - 1u));
+                if (slot < capacity) { indices[slot] = (unsigned int)i; values[slot] = v; x[i] = 0.0f; }
+            }
         }
     }
 }
@@ -130,101 +301,167 @@ extern "C" __global__ void select_at_least(float* x, float threshold, unsigned i
     (
         "optimizers",
         r#"
-// Fused optimizer updates on float32 tensors (src/optim): one launch per tensor does the
-// whole update, with the arithmetic of torch.optim's single-tensor loops. Scalars that
-// torch computes in double on the host (1 - beta, the bias corrections) arrive computed.
+// Fused optimizer updates on float32 tensors (src/optim), with the arithmetic of
+// torch.optim's single-tensor loops. One launch per kernel and step covers every
+// parameter: argument i of the table describes parameter i, and block b works on chunk
+// (map[b] & 0xffffffff) of parameter (map[b] >> 32), CHUNK elements. Scalars that torch
+// computes in double on the host (1 - beta, the bias corrections) arrive computed. The
+// argument structs match src/gpu/optim.rs's, field for field.
+#define CHUNK 4096
+#define CHUNK_OF(a, table, map)                                                         \
+    u64 m_ = map[blockIdx.x];                                                          \
+    a = table[m_ >> 32];                                                               \
+    u64 start_ = (m_ & 0xffffffffull) * CHUNK;                                         \
+    u64 end_ = start_ + CHUNK < a.n ? start_ + CHUNK : a.n;
+#define FOR_CHUNK(i) for (u64 i = start_ + threadIdx.x; i < end_; i += blockDim.x)
 __device__ __forceinline__ float lerp_to(float a, float b, float w) {
     return w < 0.5f ? a + w * (b - a) : b - (b - a) * (1.0f - w);
 }
-// Adds each thread's x into *out: a warp sum, then one atomic per warp. Every thread of
-// the block must call it.
-__device__ __forceinline__ void add_block(float x, float* out) {
+// The sum of every thread's x, in thread 0 (the others get 0), in an order fixed by the
+// block's shape: a warp sum, then the warps' sums in turn. No atomics, so every rank
+// computes the same bits from the same values. Every thread of the block must call it.
+__device__ __forceinline__ float block_sum(float x) {
+    __shared__ float warps[32];
     for (int o = 16; o > 0; o >>= 1) x += __shfl_down_sync(0xffffffffu, x, o);
-    if ((threadIdx.x & 31) == 0 && x != 0.0f) atomicAdd(out, x);
+    if ((threadIdx.x & 31) == 0) warps[threadIdx.x >> 5] = x;
+    __syncthreads();
+    float total = 0.0f;
+    if (threadIdx.x == 0)
+        for (unsigned int w = 0; w < (blockDim.x + 31) / 32; w++) total += warps[w];
+    __syncthreads();
+    return total;
+}
+// out[j * width + c] = the sum over blocks b in [seg[j], seg[j + 1]) of
+// partials[b * width + c]: the per-block sums of a multi-tensor launch gathered per
+// parameter (or, with one segment, over all), one block per segment, in a fixed order.
+extern "C" __global__ void sum_segments(const float* partials, const unsigned int* seg,
+                                        int width, float* out) {
+    unsigned int j = blockIdx.x;
+    for (int c = 0; c < width; c++) {
+        float s = 0.0f;
+        for (unsigned int b = seg[j] + threadIdx.x; b < seg[j + 1]; b += blockDim.x)
+            s += partials[(u64)b * width + c];
+        s = block_sum(s);
+        if (threadIdx.x == 0) out[(u64)j * width + c] = s;
+    }
 }
 // SGD; mom is null without momentum; keep = 1 - dampening; first: the momentum buffer
 // starts as the gradient.
-extern "C" __global__ void sgd(float* w, const float* g, float* mom, float lr, float momentum,
-                               float keep, float weight_decay, int nesterov, int maximize,
-                               int first, u64 n) {
-    FOR_EACH(i, n) {
-        float d = maximize ? -g[i] : g[i];
-        if (weight_decay != 0.0f) d += weight_decay * w[i];
-        if (mom) {
-            float m = first ? d : momentum * mom[i] + keep * d;
-            mom[i] = m;
-            d = nesterov ? d + momentum * m : m;
+struct SgdArgs {
+    float* w; const float* g; float* mom; u64 n;
+    float lr, momentum, keep, weight_decay;
+    int nesterov, maximize, first, pad;
+};
+static_assert(sizeof(SgdArgs) == 64, "SgdArgs: src/gpu/optim.rs has 64 bytes");
+extern "C" __global__ void sgd(const SgdArgs* table, const u64* map) {
+    SgdArgs a;
+    CHUNK_OF(a, table, map);
+    FOR_CHUNK(i) {
+        float d = a.maximize ? -a.g[i] : a.g[i];
+        if (a.weight_decay != 0.0f) d += a.weight_decay * a.w[i];
+        if (a.mom) {
+            float m = a.first ? d : a.momentum * a.mom[i] + a.keep * d;
+            a.mom[i] = m;
+            d = a.nesterov ? d + a.momentum * m : m;
         }
-        w[i] -= lr * d;
+        a.w[i] -= a.lr * d;
     }
 }
 // Adam (decoupled = 0: weight decay added to the gradient) and AdamW (decoupled = 1: the
 // weight shrinks by decay = 1 - lr * weight_decay first). step_size = lr / (1 - beta1^t),
 // bias2_sqrt = sqrt(1 - beta2^t).
-extern "C" __global__ void adam(float* w, const float* g, float* m, float* v, float beta1c,
-                                float beta2, float beta2c, float eps, float weight_decay,
-                                float decay, int decoupled, int maximize, float step_size,
-                                float bias2_sqrt, u64 n) {
-    FOR_EACH(i, n) {
-        float gi = maximize ? -g[i] : g[i];
-        float wi = w[i];
-        if (weight_decay != 0.0f) {
-            if (decoupled) wi *= decay;
-            else gi += weight_decay * wi;
+struct AdamArgs {
+    float* w; const float* g; float* m; float* v; u64 n;
+    float beta1c, beta2, beta2c, eps, weight_decay, decay, step_size, bias2_sqrt;
+    int decoupled, maximize;
+};
+static_assert(sizeof(AdamArgs) == 80, "AdamArgs: src/gpu/optim.rs has 80 bytes");
+extern "C" __global__ void adam(const AdamArgs* table, const u64* map) {
+    AdamArgs a;
+    CHUNK_OF(a, table, map);
+    FOR_CHUNK(i) {
+        float gi = a.maximize ? -a.g[i] : a.g[i];
+        float wi = a.w[i];
+        if (a.weight_decay != 0.0f) {
+            if (a.decoupled) wi *= a.decay;
+            else gi += a.weight_decay * wi;
         }
-        float mi = lerp_to(m[i], gi, beta1c);
-        float vi = v[i] * beta2 + beta2c * gi * gi;
-        m[i] = mi; v[i] = vi;
-        w[i] = wi - step_size * (mi / (sqrtf(vi) / bias2_sqrt + eps));
+        float mi = lerp_to(a.m[i], gi, a.beta1c);
+        float vi = a.v[i] * a.beta2 + a.beta2c * gi * gi;
+        a.m[i] = mi; a.v[i] = vi;
+        a.w[i] = wi - a.step_size * (mi / (sqrtf(vi) / a.bias2_sqrt + a.eps));
     }
 }
-// LAMB, three kernels a step: sum_squares adds the squared norm of a gradient into *out
-// (the global gradient norm); lamb_stage1 clips the gradient by that norm, updates the
-// moments and adds the squared norms of the weight and of the update into norms[0..2];
-// lamb_stage2 recomputes the update and applies it, scaled by the trust ratio when adapt.
+// LAMB: sum_squares writes each block's part of the squared gradient norm to
+// partials[b] (sum_segments then adds them all: the global gradient norm, norms[0]);
+// lamb_stage1 clips the gradient by that norm, updates the moments and writes each
+// block's part of the squared norms of the weight and of the update to partials[2b..2b+2]
+// (sum_segments then adds them per parameter: its pair in norms); lamb_stage2
+// recomputes the update and applies it, scaled by the trust ratio when adapt.
 __device__ __forceinline__ float lamb_update(float w, float m, float v, float bias1,
                                              float bias2, float eps, float wd, int adam_w) {
     float u = (m / bias1) / (sqrtf(v / bias2) + eps);
     return adam_w ? u + wd * w : u;
 }
-extern "C" __global__ void sum_squares(const float* x, float* out, u64 n) {
+struct SumSquaresArgs { const float* x; u64 n; };
+static_assert(sizeof(SumSquaresArgs) == 16, "SumSquaresArgs: src/gpu/optim.rs has 16 bytes");
+extern "C" __global__ void sum_squares(const SumSquaresArgs* table, const u64* map,
+                                       float* partials) {
+    SumSquaresArgs a;
+    CHUNK_OF(a, table, map);
     float s = 0.0f;
-    FOR_EACH(i, n) s += x[i] * x[i];
-    add_block(s, out);
+    FOR_CHUNK(i) s += a.x[i] * a.x[i];
+    s = block_sum(s);
+    if (threadIdx.x == 0) partials[blockIdx.x] = s;
 }
-extern "C" __global__ void lamb_stage1(const float* w, const float* g, float* m, float* v,
-                                       float* norms, const float* grad_sq,
-                                       float max_grad_norm, float beta1, float beta3,
-                                       float beta2, float beta2c, float eps, float wd,
-                                       int adam_w, float bias1, float bias2, u64 n) {
-    float clip = 1.0f;
-    if (grad_sq && max_grad_norm > 0.0f) {
-        float norm = sqrtf(*grad_sq);
-        if (norm > max_grad_norm) clip = norm / max_grad_norm;
+struct Lamb1Args {
+    const float* w; const float* g; float* m; float* v; const float* grad_sq;
+    u64 n;
+    float max_grad_norm, beta1, beta3, beta2, beta2c, eps, wd, bias1, bias2;
+    int adam_w;
+};
+static_assert(sizeof(Lamb1Args) == 88, "Lamb1Args: src/gpu/optim.rs has 88 bytes");
+extern "C" __global__ void lamb_stage1(const Lamb1Args* table, const u64* map,
+                                       float* partials) {
+    Lamb1Args a;
+    CHUNK_OF(a, table, map);
+    float ww = 0.0f, uu = 0.0f, clip = 1.0f;
+    if (a.grad_sq && a.max_grad_norm > 0.0f) {
+        float norm = sqrtf(*a.grad_sq);
+        if (norm > a.max_grad_norm) clip = norm / a.max_grad_norm;
     }
-    float ww = 0.0f, uu = 0.0f;
-    FOR_EACH(i, n) {
-        float wi = w[i];
-        float gi = g[i] / clip;
-        if (!adam_w) gi += wd * wi;
-        float mi = m[i] * beta1 + beta3 * gi;
-        float vi = v[i] * beta2 + beta2c * gi * gi;
-        m[i] = mi; v[i] = vi;
-        float u = lamb_update(wi, mi, vi, bias1, bias2, eps, wd, adam_w);
+    FOR_CHUNK(i) {
+        float wi = a.w[i];
+        float gi = a.g[i] / clip;
+        if (!a.adam_w) gi += a.wd * wi;
+        float mi = a.m[i] * a.beta1 + a.beta3 * gi;
+        float vi = a.v[i] * a.beta2 + a.beta2c * gi * gi;
+        a.m[i] = mi; a.v[i] = vi;
+        float u = lamb_update(wi, mi, vi, a.bias1, a.bias2, a.eps, a.wd, a.adam_w);
         ww += wi * wi; uu += u * u;
     }
-    add_block(ww, &norms[0]);
-    add_block(uu, &norms[1]);
+    ww = block_sum(ww);
+    uu = block_sum(uu);
+    if (threadIdx.x == 0) { partials[2 * (u64)blockIdx.x] = ww; partials[2 * (u64)blockIdx.x + 1] = uu; }
 }
-extern "C" __global__ void lamb_stage2(float* w, const float* m, const float* v,
-                                       const float* norms, float lr, int adapt, float eps,
-                                       float wd, int adam_w, float bias1, float bias2, u64 n) {
-    float ratio = lr;
-    if (adapt) {
-        float wn = sqrtf(norms[0]), un = sqrtf(norms[1]);
-        if (wn > 0.0f && un > 0.0f) ratio = lr * (wn / un);
+struct Lamb2Args {
+    float* w; const float* m; const float* v; const float* norms; u64 n;
+    float lr, eps, wd, bias1, bias2;
+    int adapt, adam_w, pad;
+};
+static_assert(sizeof(Lamb2Args) == 72, "Lamb2Args: src/gpu/optim.rs has 72 bytes");
+extern "C" __global__ void lamb_stage2(const Lamb2Args* table, const u64* map) {
+    Lamb2Args a;
+    CHUNK_OF(a, table, map);
+    float ratio = a.lr;
+    if (a.adapt) {
+        float wn = sqrtf(a.norms[0]), un = sqrtf(a.norms[1]);
+        if (wn > 0.0f && un > 0.0f) ratio = a.lr * (wn / un);
     }
-    FOR_EACH(i, n) w[i] -= ratio * lamb_update(w[i], m[i], v[i], bias1, bias2, eps, wd, adam_w);
+    FOR_CHUNK(i) {
+        a.w[i] -= ratio * lamb_update(a.w[i], a.m[i], a.v[i], a.bias1, a.bias2, a.eps, a.wd,
+                                      a.adam_w);
+    }
 }
 "#,
     ),
@@ -353,7 +590,7 @@ mod tests {
             "reduce_bf16",
             "scale_f16",
             "nonfinite_f32",
-            "count_at_least",
+            "radix_histogram",
             "select_at_least",
             "sgd",
             "adam",

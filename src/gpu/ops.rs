@@ -1,4 +1,4 @@
-//! The launches behind [`crate::device_kernels`]: one kernel (two for DGC's top-k) on
+//! The launches behind [`crate::device_kernels`]: one kernel (four for DGC's top-k) on
 //! the caller's tensors, queued on Perseus's stream of their device. The front-end
 //! orders that stream after the framework's before the call and the framework's after
 //! it (events, as for the fused optimizers). The finiteness check and the top-k
@@ -9,7 +9,7 @@ use std::ffi::c_void;
 use cudarc::driver::{result, sys};
 
 use super::runtime::{driver, CudaDevice};
-use crate::device_kernels::{threshold, Answer, Call};
+use crate::device_kernels::{threshold, Answer, Call, RADIX_DIGITS};
 use crate::dtype::DataType;
 use crate::engine::TensorView;
 use crate::error::Result;
@@ -47,9 +47,11 @@ pub fn run(ordinal: i32, call: Call) -> Result<Answer> {
                 Ok(Answer::Queued)
             }
             Call::Nonfinite { x } => {
-                let flag = Counter::new(&dev)?;
+                let flag = Scratch::new(&dev, 4)?;
                 dev.nonfinite(x.ptr as u64, x.elements(), x.dtype, flag.ptr)?;
-                Ok(Answer::Nonfinite(flag.read()? != 0))
+                let mut seen = [0i32; 1];
+                flag.read(&mut seen)?;
+                Ok(Answer::Nonfinite(seen[0] != 0))
             }
             Call::TopK {
                 x,
@@ -61,8 +63,9 @@ pub fn run(ordinal: i32, call: Call) -> Result<Answer> {
     }
 }
 
-/// DGC's selection: the threshold by bisection (`count_at_least`, one pass and one
-/// wait each), then one `select_at_least` pass gathering and clearing.
+/// DGC's selection: the threshold by radix selection (three `radix_histogram` passes,
+/// one wait each for its 8 KiB histogram), then one `select_at_least` pass gathering
+/// and clearing.
 ///
 /// # Safety
 /// As for [`run`].
@@ -80,21 +83,30 @@ unsafe fn top_k(
             threshold: f32::INFINITY,
         });
     }
-    let counter = Counter::new(dev)?;
-    let count = dev.kernel("dgc", "count_at_least")?;
-    let t = threshold(k, |t| {
-        counter.zero()?;
-        let (mut ptr, mut t, mut at, mut n2) = (x.ptr as u64, t, counter.ptr, n);
-        let mut params: [*mut c_void; 4] = [
+    let most = 1usize << RADIX_DIGITS.iter().map(|d| d.1).max().unwrap_or(0);
+    let hist = Scratch::new(dev, most * 4)?;
+    let histogram = dev.kernel("dgc", "radix_histogram")?;
+    // Fewer blocks than an elementwise launch: each block flushes its own histogram.
+    let blocks = n.div_ceil(256 * 16).clamp(1, 2048) as u32;
+    let t = threshold(k, |shift, bits, prefix| {
+        let bins = 1usize << bits;
+        hist.zero(bins * 4)?;
+        let (mut ptr, mut at, mut n2) = (x.ptr as u64, hist.ptr, n);
+        let (mut shift, mut bits, mut prefix) = (shift, bits, prefix);
+        let mut params: [*mut c_void; 6] = [
             (&mut ptr as *mut u64).cast(),
-            (&mut t as *mut f32).cast(),
             (&mut at as *mut u64).cast(),
+            (&mut shift as *mut u32).cast(),
+            (&mut bits as *mut u32).cast(),
+            (&mut prefix as *mut u32).cast(),
             (&mut n2 as *mut u64).cast(),
         ];
-        dev.launch(count, n, &mut params)?;
-        Ok(counter.read()? as usize)
+        dev.launch_blocks(histogram, blocks, &mut params)?;
+        let mut counts = vec![0u32; bins];
+        hist.read(&mut counts)?;
+        Ok(counts.into_iter().map(u64::from).collect())
     })?;
-    counter.zero()?;
+    let counter = Scratch::new(dev, 8)?;
     let select = dev.kernel("dgc", "select_at_least")?;
     let slots = indices.elements() as u64;
     let (mut ptr, mut t2, mut idx, mut vals) =
@@ -110,51 +122,56 @@ unsafe fn top_k(
         (&mut n2 as *mut u64).cast(),
     ];
     dev.launch(select, n, &mut params)?;
-    let taken = counter.read()?.min(slots) as usize;
+    let mut got = [0u64; 1];
+    counter.read(&mut got)?;
     Ok(Answer::TopK {
-        taken,
+        taken: got[0].min(slots) as usize,
         threshold: t,
     })
 }
 
-/// One 64-bit counter in device memory, on the device's stream.
-struct Counter<'a> {
+/// A few zeroed bytes of device memory on the device's stream: a flag, a counter or a
+/// histogram whose values the host reads back.
+struct Scratch<'a> {
     dev: &'a CudaDevice,
     ptr: sys::CUdeviceptr,
+    bytes: usize,
 }
 
-impl<'a> Counter<'a> {
-    /// A zeroed counter.
-    fn new(dev: &'a CudaDevice) -> Result<Counter<'a>> {
+impl<'a> Scratch<'a> {
+    /// `bytes` zeroed bytes.
+    fn new(dev: &'a CudaDevice, bytes: usize) -> Result<Scratch<'a>> {
         // SAFETY: stream-ordered allocation on the device's stream, freed on drop.
-        let ptr =
-            unsafe { result::malloc_async(dev.stream, 8) }.map_err(driver("cuMemAllocAsync"))?;
-        let c = Counter { dev, ptr };
-        c.zero()?;
-        Ok(c)
+        let ptr = unsafe { result::malloc_async(dev.stream, bytes) }
+            .map_err(driver("cuMemAllocAsync"))?;
+        let s = Scratch { dev, ptr, bytes };
+        s.zero(bytes)?;
+        Ok(s)
     }
 
-    /// Queues setting it to zero.
-    fn zero(&self) -> Result<()> {
-        // SAFETY: 8 bytes of this counter's allocation.
-        unsafe { result::memset_d8_async(self.ptr, 0, 8, self.dev.stream) }
+    /// Queues setting its first `bytes` bytes to zero.
+    fn zero(&self, bytes: usize) -> Result<()> {
+        assert!(bytes <= self.bytes);
+        // SAFETY: within this allocation.
+        unsafe { result::memset_d8_async(self.ptr, 0, bytes, self.dev.stream) }
             .map_err(driver("cuMemsetD8Async"))
     }
 
-    /// Its value once the work queued so far has run (waits for the stream).
-    fn read(&self) -> Result<u64> {
-        let mut v = [0u64; 1];
-        // SAFETY: 8 bytes from this counter into `v`, waited for before `v` is read.
+    /// Its first values, into `out`, once the work queued so far has run (waits for
+    /// the stream).
+    fn read<T: Copy>(&self, out: &mut [T]) -> Result<()> {
+        assert!(std::mem::size_of_val(out) <= self.bytes);
+        // SAFETY: as many bytes as `out` holds, from this allocation into `out`, waited
+        // for before `out` is read; the values are plain integers.
         unsafe {
-            result::memcpy_dtoh_async(&mut v[..], self.ptr, self.dev.stream)
+            result::memcpy_dtoh_async(out, self.ptr, self.dev.stream)
                 .map_err(driver("cuMemcpyDtoHAsync"))?;
-            result::stream::synchronize(self.dev.stream).map_err(driver("cuStreamSynchronize"))?;
+            result::stream::synchronize(self.dev.stream).map_err(driver("cuStreamSynchronize"))
         }
-        Ok(v[0])
     }
 }
 
-impl Drop for Counter<'_> {
+impl Drop for Scratch<'_> {
     fn drop(&mut self) {
         // SAFETY: allocated on this stream; freed after the work that uses it.
         let _ = unsafe { result::free_async(self.ptr, self.dev.stream) };

@@ -477,6 +477,19 @@ impl CudaDevice {
             return Ok(());
         }
         let blocks = n.div_ceil(BLOCK as u64).min(MAX_BLOCKS) as u32;
+        self.launch_blocks(f, blocks, params)
+    }
+
+    /// Launches kernel `f` on `blocks` blocks of 256 threads on this stream.
+    ///
+    /// # Safety
+    /// As for [`CudaDevice::launch`].
+    pub(crate) unsafe fn launch_blocks(
+        &self,
+        f: sys::CUfunction,
+        blocks: u32,
+        params: &mut [*mut c_void],
+    ) -> Result<()> {
         result::launch_kernel(f, (blocks, 1, 1), (BLOCK, 1, 1), 0, self.stream, params)
             .map_err(driver("cuLaunchKernel"))
     }

@@ -44,8 +44,8 @@ def test_every_kernel_source_compiles_with_nvrtc():
     assert names == {"cast", "reduce", "scale", "nancheck", "dgc", "optimizers"}, names
     kernels = {k for c in compiled for k in c["kernels"]}
     for k in ("f32_to_f16_scaled", "f32_to_bf16_scaled", "reduce_f16", "scale_f32",
-              "nonfinite_f32", "count_at_least", "sgd", "adam", "sum_squares", "lamb_stage1",
-              "lamb_stage2"):
+              "nonfinite_f32", "radix_histogram", "select_at_least", "sgd", "adam",
+              "sum_squares", "lamb_stage1", "lamb_stage2"):
         assert k in kernels, (k, kernels)
     assert all(c["bytes"] > 100 for c in compiled), compiled
 

@@ -87,6 +87,40 @@ def test_scale_matches_torch(dtype):
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16,
+                                   torch.bfloat16])
+def test_views_off_the_vector_alignment_give_the_same_bits(dtype):
+    """The kernels load 16 bytes at a time where every pointer allows it; a view one
+    element in (x[1:]), alone or beside an aligned one, goes one element at a time with
+    the same results, and the element before it is left alone."""
+    a, b = data(N + 1, dtype, 6), data(N + 1, dtype, 7)
+    for dst_at, src_at in ((1, 1), (0, 1), (1, 0)):
+        got = a.clone()
+        kernels.reduce_(got[dst_at:dst_at + N], b[src_at:src_at + N], "sum")
+        same_bits(got[dst_at:dst_at + N], a[dst_at:dst_at + N] + b[src_at:src_at + N])
+        same_bits(got[:dst_at], a[:dst_at])
+    got = a.clone()
+    kernels.scale_(got[1:], 0.75)
+    same_bits(got[1:], a[1:] * 0.75)
+    same_bits(got[:1], a[:1])
+    if dtype == torch.float32:
+        for half in (torch.float16, torch.bfloat16):
+            down = kernels.cast(a[1:], half, 10.0)
+            same_bits(down, (a[1:] * 10.0).to(half))
+            h = down.new_empty(N + 1)
+            h[1:] = down
+            same_bits(kernels.cast(h[1:], torch.float32, 0.1), down.float() * 0.1)
+    if dtype in (torch.float32, torch.float16):
+        y = a.clone()
+        assert kernels.nonfinite(y[1:]) is False
+        y[0] = float("nan")  # outside the view
+        assert kernels.nonfinite(y[1:]) is False
+        y[N] = float("inf")
+        assert kernels.nonfinite(y[1:]) is True
+
+
+@pytest.mark.gpu
+@needs_gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_the_nonfinite_check_finds_one_nan_or_inf_anywhere(dtype):
     x = data(N, dtype, 4)

@@ -249,6 +249,43 @@ def test_fused_kernels_on_the_gpu_match_the_cpu(ref_cls, fused_cls, kwargs):
     assert _max_diff(ref, ours.cpu()) < 2e-5, _max_diff(ref, ours.cpu())
 
 
+# Around the 4096-element chunk of a multi-tensor launch, and empty.
+MANY = [1, 0, 3, 4095, 4096, 4097, 3 * 4096 + 5, 100_003, 17]
+
+
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("ref_cls,fused_cls,kwargs", [
+    (torch.optim.SGD, optim.FusedSGD, {"lr": 0.05, "momentum": 0.8, "nesterov": True}),
+    (torch.optim.AdamW, optim.FusedAdamW, {"lr": 0.01, "weight_decay": 0.1}),
+    (None, optim.LAMB, {"lr": 0.01, "weight_decay": 0.01, "max_grad_norm": 0.05}),
+], ids=["sgd", "adamw", "lamb"])
+def test_one_launch_updates_many_parameters_of_every_size(ref_cls, fused_cls, kwargs):
+    """A step on the GPU is one launch per kernel over every parameter, a block per
+    4096-element chunk: each parameter, whatever its size, gets its own update, as the
+    CPU step gives it; and the same step twice gives the same bits (LAMB's norms are
+    summed in a fixed order, so ranks never drift apart)."""
+    g = torch.Generator().manual_seed(4)
+    init = [torch.randn(n, generator=g) for n in MANY]
+    grads = [[torch.randn(n, generator=g) for n in MANY] for _ in range(4)]
+    ref = [torch.nn.Parameter(t.clone()) for t in init]
+    ours = [torch.nn.Parameter(t.cuda()) for t in init]
+    again = [torch.nn.Parameter(t.cuda()) for t in init]
+    opts = [(ref_cls or fused_cls)(ref, **kwargs), fused_cls(ours, **kwargs),
+            fused_cls(again, **kwargs)]
+    for step in grads:
+        for p, q, r, grad in zip(ref, ours, again, step):
+            p.grad, q.grad, r.grad = grad.clone(), grad.cuda(), grad.cuda()
+        for opt in opts:
+            opt.step()
+    for n, p, q, r, before in zip(MANY, ref, ours, again, init):
+        if n:
+            diff = (p.detach() - q.detach().cpu()).abs().max().item()
+            assert diff < 2e-5, (n, diff)
+            assert not torch.equal(q.detach().cpu(), before), n
+            assert torch.equal(q, r), n
+
+
 @pytest.mark.gpu
 @needs_gpu
 def test_the_fused_step_on_the_gpu_is_ordered_with_torchs_stream():

@@ -28,9 +28,11 @@ def base(k, count=1000, dtype=torch.float32):
 def check_collectives():
     for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32):
         x = base(r, dtype=dtype).to(dev)
-        for op, ref in ((hvd.Sum, sum(base(k, dtype=torch.float64) for k in range(n))),
-                        (hvd.Average, sum(base(k, dtype=torch.float64) for k in range(n)) / n),
-                        (hvd.Max, base(n - 1, dtype=torch.float64))):
+        # Each rank's values as its dtype holds them (int32 truncates the halves), summed
+        # in float64.
+        total = sum(base(k, dtype=dtype).double() for k in range(n))
+        for op, ref in ((hvd.Sum, total), (hvd.Average, total / n),
+                        (hvd.Max, base(n - 1, dtype=dtype).double())):
             if dtype == torch.int32 and op == hvd.Average:
                 continue
             y = hvd.allreduce(x, op=op, name=f"ar.{dtype}.{op}")
