@@ -5,6 +5,7 @@
 pub mod dtype;
 pub mod error;
 pub mod kernels;
+pub mod log;
 
 pub use dtype::{DataType, ReduceOp};
 pub use error::{PerseusError, Result};

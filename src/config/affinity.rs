@@ -90,9 +90,9 @@ pub fn pin_current_thread(core: usize) {
         libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) == 0
     };
     if !ok {
-        eprintln!(
-            "[perseus] warning: could not pin the engine thread to core {core} \
-             ({NAME}): {}",
+        crate::log!(
+            crate::log::Level::Warning,
+            "could not pin the engine thread to core {core} ({NAME}): {}",
             std::io::Error::last_os_error()
         );
     }

@@ -298,6 +298,25 @@ pub const PARAMS: &[Param] = &[
         allowed: "a file path (HOROVOD_TIMELINE is an alias)",
         doc: "write a Chrome-trace JSON of every operation to this file",
     },
+    Param {
+        name: "PERSEUS_LOG_LEVEL",
+        default: "INFO",
+        allowed: "TRACE, DEBUG, INFO, WARNING, ERROR or FATAL, any case \
+                  (HOROVOD_LOG_LEVEL is an alias)",
+        doc: "the least level of the core's log lines written to stderr",
+    },
+    Param {
+        name: "HOROVOD_LOG_HIDE_TIME",
+        default: "1",
+        allowed: "0 or 1",
+        doc: "0 starts each of the core's log lines with the UTC time",
+    },
+    Param {
+        name: "HOROVOD_TIMELINE_MARK_CYCLES",
+        default: "0",
+        allowed: "0 or 1",
+        doc: "1 marks each negotiation cycle in the timeline (an instant CYCLE_START)",
+    },
 ];
 
 /// Limits of the stall check (PERSEUS_STALL_CHECK_TIME_SECONDS and
@@ -353,6 +372,12 @@ pub struct Config {
     pub allgather_mode: u8,
     /// Timeline file to start with, if any.
     pub timeline: Option<String>,
+    /// HOROVOD_TIMELINE_MARK_CYCLES: the timeline marks each negotiation cycle.
+    pub timeline_mark_cycles: bool,
+    /// PERSEUS_LOG_LEVEL / HOROVOD_LOG_LEVEL: the least level of the log lines written.
+    pub log_level: crate::log::Level,
+    /// HOROVOD_LOG_HIDE_TIME=0: log lines start with the time.
+    pub log_time: bool,
     /// Ranks on one host use shared memory.
     pub shm: bool,
     /// PERSEUS_ACCUMULATE_N_STEPS: local gradient accumulation steps (read by front-ends).
@@ -404,6 +429,18 @@ fn invalid(name: &str, value: &str, allowed: &str) -> PerseusError {
         value: value.into(),
         allowed: allowed.into(),
     }
+}
+
+/// PERSEUS_LOG_LEVEL, else HOROVOD_LOG_LEVEL, else the default; a name that is no level
+/// is an error naming the variable it came from.
+fn log_level() -> Result<crate::log::Level> {
+    for name in ["PERSEUS_LOG_LEVEL", "HOROVOD_LOG_LEVEL"] {
+        if let Some(v) = var(name) {
+            return crate::log::Level::parse(&v)
+                .ok_or_else(|| invalid(name, &v, allowed_of("PERSEUS_LOG_LEVEL")));
+        }
+    }
+    Ok(crate::log::DEFAULT_LEVEL)
 }
 
 fn allowed_of(name: &str) -> &'static str {
@@ -528,6 +565,7 @@ fn precedence_notes() -> Vec<String> {
         ),
         ("PERSEUS_ALLREDUCE_STREAMS", "HOROVOD_NUM_NCCL_STREAMS"),
         ("PERSEUS_TIMELINE", "HOROVOD_TIMELINE"),
+        ("PERSEUS_LOG_LEVEL", "HOROVOD_LOG_LEVEL"),
         ("GLOO_TIMEOUT_SECONDS", "HOROVOD_GLOO_TIMEOUT_SECONDS"),
         ("PERSEUS_ALLREDUCE_MODE", "HOROVOD_HIERARCHICAL_ALLREDUCE"),
         ("PERSEUS_ALLREDUCE_MODE", "AIAK_HIERARCHICAL_ALLREDUCE"),
@@ -692,6 +730,9 @@ impl Config {
             cache_capacity,
             allgather_mode,
             timeline: var("PERSEUS_TIMELINE").or_else(|| var("HOROVOD_TIMELINE")),
+            timeline_mark_cycles: int_var("HOROVOD_TIMELINE_MARK_CYCLES", 0, 0, 1)? == 1,
+            log_level: log_level()?,
+            log_time: int_var("HOROVOD_LOG_HIDE_TIME", 1, 0, 1)? == 0,
             shm: int_var("PERSEUS_SHM", 1, 0, 1)? == 1,
             allreduce_fusion: var("PERSEUS_ALLREDUCE_FUSION")
                 .map(|_| int_var("PERSEUS_ALLREDUCE_FUSION", 0, 0, 128).map(|n| n as u32))
@@ -852,6 +893,18 @@ impl Config {
         m.insert(
             "PERSEUS_TIMELINE".into(),
             self.timeline.clone().unwrap_or_default(),
+        );
+        m.insert(
+            "PERSEUS_LOG_LEVEL".into(),
+            crate::log::LEVEL_NAMES[self.log_level as usize].into(),
+        );
+        m.insert(
+            "HOROVOD_LOG_HIDE_TIME".into(),
+            u8::from(!self.log_time).to_string(),
+        );
+        m.insert(
+            "HOROVOD_TIMELINE_MARK_CYCLES".into(),
+            u8::from(self.timeline_mark_cycles).to_string(),
         );
         m
     }

@@ -968,8 +968,9 @@ impl Groups {
             };
             if let Err(why) = &formed {
                 if self.use_nccl == NcclUse::Auto && comm.rank() == 0 {
-                    eprintln!(
-                        "[perseus] note: CUDA tensors of process set {ps} go through host \
+                    crate::log!(
+                        crate::log::Level::Info,
+                        "CUDA tensors of process set {ps} go through host \
                          memory, not NCCL: {why} (PERSEUS_NCCL_ENABLE=0 says this is meant)"
                     );
                 }

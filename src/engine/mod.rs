@@ -149,6 +149,7 @@ pub struct Engine {
 impl Engine {
     /// Connects to the job and starts the engine thread.
     pub fn start(mut config: Config) -> Result<Engine> {
+        crate::log::configure(config.log_level, config.log_time);
         let store = match (&config.rendezvous, config.host_store) {
             (Some((_, port)), true) => Some(
                 StoreServer::start(&format!("0.0.0.0:{port}"), &config.secret).map_err(|e| {
@@ -193,8 +194,21 @@ impl Engine {
             names: Mutex::new(Unnamed::default()),
         });
         if let Some(path) = &config.timeline {
-            shared.timeline.start(path)?;
+            shared.timeline.start(path, config.timeline_mark_cycles)?;
         }
+        crate::log!(
+            crate::log::Level::Debug,
+            "rank {} of {} (local rank {} of {}, host {} of {}): connected; fusion threshold \
+             {} bytes, cycle time {:?}",
+            t.rank,
+            t.size,
+            t.local_rank,
+            t.local_size,
+            t.cross_rank,
+            t.cross_size,
+            config.fusion_threshold,
+            config.cycle_time
+        );
         let inbox = Arc::new(Inbox::new()?);
         // More ranks than cores here: every wait sleeps at once (see Config::oversubscribed).
         let oversubscribed = config.oversubscribed();
@@ -452,6 +466,11 @@ impl Engine {
             let _ = t.join();
         }
         self.shared.timeline.stop();
+        crate::log!(
+            crate::log::Level::Debug,
+            "shut down after {} operation(s)",
+            self.shared.counters.operations.load(Ordering::Relaxed)
+        );
         match result {
             Err(PerseusError::Aborted(_)) | Err(PerseusError::Peer(_)) | Ok(()) => Ok(()),
             Err(e) => Err(e),
@@ -491,7 +510,7 @@ fn engine_died(shared: &Shared, inbox: &Inbox<Event>, what: &str) {
     inbox.close();
     inbox.take();
     shared.handles.fail_pending(&err);
-    eprintln!("[perseus] {err}");
+    crate::log!(crate::log::Level::Error, "{err}");
 }
 
 fn unregistered(set: u32) -> PerseusError {
@@ -781,8 +800,9 @@ impl State {
         };
         let found = coord.check_stalls(Instant::now());
         for w in &found.warnings {
-            eprintln!(
-                "[perseus] warning: stall: {w}. Every rank must submit the same collectives; \
+            crate::log!(
+                crate::log::Level::Warning,
+                "stall: {w}. Every rank must submit the same collectives; \
                  a rank may be stuck, slow, or on another code path \
                  (PERSEUS_STALL_CHECK_TIME_SECONDS)."
             );
@@ -961,6 +981,7 @@ impl State {
         }
         let sent = &self.shared.counters.negotiation_messages;
         sent.fetch_add(1, Ordering::Relaxed);
+        self.shared.timeline.mark_cycle(batch.len());
         match &mut self.uplink {
             Uplink::Coordinator { coord, .. } => {
                 let out = coord.submit(0, batch);
@@ -1026,8 +1047,9 @@ impl State {
         }
         self.warned_overflow = true;
         let which: Vec<&str> = bad.iter().map(|&i| names[i].as_str()).collect();
-        eprintln!(
-            "[perseus] warning: the float16 sum of gradient(s) {} overflowed at \
+        crate::log!(
+            crate::log::Level::Warning,
+            "the float16 sum of gradient(s) {} overflowed at \
              PERSEUS_ALLREDUCE_GRADIENT_SCALE={}; the buffer was resent uncompressed. \
              Lower the scale (e.g. PERSEUS_ALLREDUCE_GRADIENT_SCALE=1) if this repeats. \
              (Said once.)",
@@ -1057,6 +1079,12 @@ impl State {
                 ..
             } => {
                 let ps = *process_set;
+                crate::log!(
+                    crate::log::Level::Trace,
+                    "{kind:?} of {} tensor(s) in process set {ps}, from '{}'",
+                    names.len(),
+                    names.first().map_or("", String::as_str)
+                );
                 let mut taken = Vec::with_capacity(names.len());
                 for n in names {
                     match self.entries.remove(&(ps, n.clone())) {

@@ -224,7 +224,7 @@ pub fn open(
             if channels.len() > 1 && comm.rank() == 0 {
                 static SAID: std::sync::Once = std::sync::Once::new();
                 let note = concurrent_note(channels.len());
-                SAID.call_once(|| eprintln!("[perseus] note: {note}"));
+                SAID.call_once(|| crate::log!(crate::log::Level::Info, "{note}"));
             }
             Ok(Ok(NcclGroup::new(
                 dev,
@@ -504,8 +504,9 @@ impl NcclGroup {
             }))
         };
         if let Ok(Waited::Stopped(_)) = wait_for(&Watch::alone(DRAIN), idle, || None) {
-            eprintln!(
-                "[perseus] warning: the device streams were still busy {} s after NCCL's \
+            crate::log!(
+                crate::log::Level::Warning,
+                "the device streams were still busy {} s after NCCL's \
                  abort; a tensor of the failed collective may still change",
                 DRAIN.as_secs()
             );

@@ -264,8 +264,9 @@ impl Nccl {
         if non_blocking && !can {
             static SAID: std::sync::Once = std::sync::Once::new();
             SAID.call_once(|| {
-                eprintln!(
-                    "[perseus] note: PERSEUS_NCCL_NONBLOCKING=1 needs NCCL 2.19 or later; \
+                crate::log!(
+                    crate::log::Level::Info,
+                    "PERSEUS_NCCL_NONBLOCKING=1 needs NCCL 2.19 or later; \
                      NCCL {} forms blocking communicators",
                     self.version
                 )

@@ -546,8 +546,9 @@ impl DeviceMemory for CudaDevice {
             Err(e) => {
                 static SAID: std::sync::Once = std::sync::Once::new();
                 SAID.call_once(|| {
-                    eprintln!(
-                        "[perseus] warning: host copies of CUDA tensors use pageable memory \
+                    crate::log!(
+                        crate::log::Level::Warning,
+                        "host copies of CUDA tensors use pageable memory \
                          (slower): {bytes} bytes of page-locked memory could not be had: {e}"
                     )
                 });

@@ -245,6 +245,20 @@ fn _debug_panic(where_: &str) -> PyResult<()> {
     }
 }
 
+/// Writes `message` as one of the core's log lines of level `level` (a name of
+/// `HOROVOD_LOG_LEVEL`), so that the front-ends' lines are filtered and stamped alike.
+#[pyfunction]
+fn log(level: &str, message: &str) -> PyResult<()> {
+    let l = crate::log::Level::parse(level).ok_or_else(|| {
+        to_py(PerseusError::InvalidArgument(format!(
+            "log: no level {level:?}; there are {}",
+            crate::log::LEVEL_NAMES.join(", ")
+        )))
+    })?;
+    crate::log!(l, "{message}");
+    Ok(())
+}
+
 /// Where a PERSEUS_ variable overrides a HOROVOD_ one (said once at init).
 #[pyfunction]
 fn config_notes() -> PyResult<Vec<String>> {
@@ -491,14 +505,14 @@ fn release(handle: u64) {
     }
 }
 
-/// Starts writing the timeline to `path`.
+/// Starts writing the timeline to `path`; `mark_cycles`: with an instant `CYCLE_START`
+/// for each batch of requests sent to negotiation.
 #[pyfunction]
 #[pyo3(signature = (path, mark_cycles=false))]
 fn start_timeline(path: &str, mark_cycles: bool) -> PyResult<()> {
-    let _ = mark_cycles;
     engine()?
         .timeline()
-        .start(path)
+        .start(path, mark_cycles)
         .map_err(|e| to_py(e.into()))
 }
 
@@ -769,6 +783,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(config, m)?)?;
     m.add_function(wrap_pyfunction!(counters, m)?)?;
     m.add_function(wrap_pyfunction!(config_notes, m)?)?;
+    m.add_function(wrap_pyfunction!(log, m)?)?;
     m.add_function(wrap_pyfunction!(_debug_panic, m)?)?;
     m.add_function(wrap_pyfunction!(set_fusion_threshold, m)?)?;
     m.add_function(wrap_pyfunction!(add_process_set, m)?)?;

@@ -101,8 +101,12 @@ fn serve(mut conn: TcpStream, store: &Store, secret: &str) {
     let peer = conn
         .peer_addr()
         .map_or_else(|_| "?".into(), |a| a.to_string());
-    let drop_it =
-        |why: &str| eprintln!("[perseus] rendezvous: dropped the connection from {peer}: {why}");
+    let drop_it = |why: &str| {
+        crate::log!(
+            crate::log::Level::Warning,
+            "rendezvous: dropped the connection from {peer}: {why}"
+        )
+    };
     let _ = conn.set_nodelay(true);
     let _ = conn.set_read_timeout(Some(HANDSHAKE_TIME));
     let mut session = match auth::accept(&mut conn, secret) {

@@ -368,7 +368,10 @@ fn remove_stale_segments() {
         let gone = unsafe { libc::kill(pid, 0) } != 0
             && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH);
         if gone && std::fs::remove_file(e.path()).is_ok() {
-            eprintln!("[perseus] removed {name}, left in {SHM_DIR} by a job that crashed");
+            crate::log!(
+                crate::log::Level::Info,
+                "removed {name}, left in {SHM_DIR} by a job that crashed"
+            );
         }
     }
 }
@@ -427,7 +430,10 @@ fn admit(
         .peer_addr()
         .map_or_else(|_| "?".into(), |a| a.to_string());
     let drop_it = |why: &str| {
-        eprintln!("[perseus] rank {me}: dropped a connection from {peer}: {why}");
+        crate::log!(
+            crate::log::Level::Warning,
+            "rank {me}: dropped a connection from {peer}: {why}"
+        );
         None
     };
     conn.set_nonblocking(false).ok()?;

@@ -46,6 +46,10 @@ from _launch_helpers import clean_env
     ("HOROVOD_THREAD_AFFINITY", "0"),  # one core for the host's two ranks
     ("HOROVOD_THREAD_AFFINITY", "0,x"),
     ("HOROVOD_THREAD_AFFINITY", "1000,1001"),  # cores no rank here may run on
+    ("HOROVOD_LOG_LEVEL", "loud"),
+    ("PERSEUS_LOG_LEVEL", "warn"),
+    ("HOROVOD_LOG_HIDE_TIME", "yes"),
+    ("HOROVOD_TIMELINE_MARK_CYCLES", "2"),
 ])
 def test_invalid_env_value_fails_init(run_workers, variable, value):
     run_workers(2, "bad_env.py", variable, env={variable: value}, timeout=60)

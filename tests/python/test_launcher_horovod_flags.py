@@ -32,6 +32,10 @@ def test_tuning_flags_become_the_variables_the_core_reads():
     assert F.horovod_env(parse("-np 2 --no-hierarchical-allreduce --no-stall-check x")) == {
         "HOROVOD_HIERARCHICAL_ALLREDUCE": "0", "HOROVOD_STALL_CHECK_DISABLE": "1"}
     assert F.horovod_env(parse("-np 2 x")) == {}
+    assert F.horovod_env(parse("-np 2 --timeline-mark-cycles --log-with-timestamp x")) == {
+        "HOROVOD_TIMELINE_MARK_CYCLES": "1", "HOROVOD_LOG_HIDE_TIME": "0"}
+    assert F.horovod_env(parse("-np 2 --log-hide-timestamp x")) == {
+        "HOROVOD_LOG_HIDE_TIME": "1"}
     # the job's variables carry them, with seed 000's beside them
     env = L.job_env(parse("-np 2 --fusion-threshold-mb 0 --fuse-optimizer x"), "a", 1)
     assert env["HOROVOD_FUSION_THRESHOLD"] == "0" and env["PERSEUS_FUSED_OPTIMIZER"] == "1"
@@ -114,6 +118,7 @@ autotune:
   warmup_samples: 5
 timeline:
   filename: "tl.json"
+  mark_cycles: true
 stall_check:
   enabled: false
 library_options:
@@ -130,7 +135,8 @@ def test_config_file_fills_what_flags_do_not_give(tmp_path):
     assert F.horovod_env(args) == {
         "HOROVOD_FUSION_THRESHOLD": str(16 << 20), "HOROVOD_CYCLE_TIME": "7",
         "HOROVOD_CACHE_CAPACITY": "512", "HOROVOD_HIERARCHICAL_ALLREDUCE": "1",
-        "HOROVOD_TIMELINE": "tl.json", "HOROVOD_STALL_CHECK_DISABLE": "1",
+        "HOROVOD_TIMELINE": "tl.json", "HOROVOD_TIMELINE_MARK_CYCLES": "1",
+        "HOROVOD_STALL_CHECK_DISABLE": "1",
         "GLOO_TIMEOUT_SECONDS": "120", "HOROVOD_AUTOTUNE": "1",
         "HOROVOD_AUTOTUNE_WARMUP_SAMPLES": "5"}
     assert args.log_level == "DEBUG"
@@ -187,7 +193,7 @@ WORKER = textwrap.dedent("""
     keys = ["HOROVOD_FUSION_THRESHOLD", "HOROVOD_CYCLE_TIME", "HOROVOD_CACHE_CAPACITY",
             "GLOO_TIMEOUT_SECONDS", "PERSEUS_STALL_CHECK_TIME_SECONDS",
             "PERSEUS_STALL_SHUTDOWN_TIME_SECONDS", "PERSEUS_ALLREDUCE_MODE",
-            "HOROVOD_NUM_NCCL_STREAMS", "PERSEUS_TIMELINE"]
+            "HOROVOD_NUM_NCCL_STREAMS", "PERSEUS_TIMELINE", "HOROVOD_TIMELINE_MARK_CYCLES"]
     cfg = c.config()
     print("CONFIG", c.rank(), json.dumps({k: cfg[k] for k in keys}), flush=True)
     c.shutdown()
@@ -200,7 +206,7 @@ def test_ranks_run_with_the_settings_of_horovodrun_flags(tmp_path):
            "--fusion-threshold-mb", "8", "--cycle-time-ms", "2", "--cache-capacity", "16",
            "--gloo-timeout-seconds", "45", "--no-stall-check",
            "--stall-check-shutdown-time-seconds", "600", "--hierarchical-allreduce",
-           "--num-nccl-streams", "3", "--timeline-filename", "tl.json",
+           "--num-nccl-streams", "3", "--timeline-filename", "tl.json", "--timeline-mark-cycles",
            "--autotune", "--hierarchical-allgather", sys.executable, "-c", WORKER]
     out = subprocess.run(cmd, env=clean_env(), cwd=tmp_path, capture_output=True, text=True,
                          timeout=100, check=False)
@@ -209,7 +215,8 @@ def test_ranks_run_with_the_settings_of_horovodrun_flags(tmp_path):
             "HOROVOD_CACHE_CAPACITY": "16", "GLOO_TIMEOUT_SECONDS": "45",
             "PERSEUS_STALL_CHECK_TIME_SECONDS": "0",
             "PERSEUS_STALL_SHUTDOWN_TIME_SECONDS": "600", "PERSEUS_ALLREDUCE_MODE": "1",
-            "HOROVOD_NUM_NCCL_STREAMS": "3", "PERSEUS_TIMELINE": "tl.json"}
+            "HOROVOD_NUM_NCCL_STREAMS": "3", "PERSEUS_TIMELINE": "tl.json",
+            "HOROVOD_TIMELINE_MARK_CYCLES": "1"}
     seen = sorted(line.split(" ", 2)[1:] for line in out.stdout.splitlines()
                   if "CONFIG" in line)
     assert [rank for rank, _ in seen] == ["0", "1"], out.stdout

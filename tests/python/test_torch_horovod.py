@@ -116,16 +116,29 @@ def test_a_thread_waiting_long_does_not_block_the_ones_starting_operations(run_w
 
 
 @pytest.mark.timeout(120)
-def test_timeline_of_every_rank_is_whole_after_exit_without_shutdown(run_workers, tmp_path):
+@pytest.mark.parametrize("marks", [False, True])
+def test_timeline_of_every_rank_is_whole_after_exit_without_shutdown(run_workers, tmp_path,
+                                                                     marks):
     """One PERSEUS_TIMELINE path for all ranks: rank 0 writes it, rank r writes PATH.r,
-    and both files are complete JSON though the script never called shutdown()."""
+    and both files are complete JSON though the script never called shutdown(). With
+    HOROVOD_TIMELINE_MARK_CYCLES=1 each rank's file also marks its negotiation cycles."""
     path = tmp_path / "timeline.json"
-    run_workers(2, "timeline_exit.py", env={"PERSEUS_TIMELINE": str(path)})
+    env = {"PERSEUS_TIMELINE": str(path), "HOROVOD_TIMELINE_MARK_CYCLES": str(int(marks))}
+    run_workers(2, "timeline_exit.py", env=env)
     for rank, file in enumerate((path, tmp_path / "timeline.json.1")):
         events = json.loads(file.read_text())
         rows = {(e["pid"], e["tid"], e["name"]) for e in events}
         assert (rank, "at.exit", "ALLREDUCE") in rows, (file, rows)
         assert {e["pid"] for e in events} == {rank}, file
+        cycles = [e for e in events if e["name"] == "CYCLE_START"]
+        if not marks:
+            assert cycles == [], cycles
+            continue
+        assert cycles and all(e["ph"] == "i" and e["args"]["requests"] >= 1
+                              for e in cycles), cycles
+        # The cycle that sent the allreduce's request comes before its operation.
+        op = next(e for e in events if e["tid"] == "at.exit" and e["name"] == "ALLREDUCE")
+        assert min(e["ts"] for e in cycles) <= op["ts"], (cycles, op)
 
 
 @pytest.mark.timeout(60)

@@ -3,7 +3,6 @@
 import atexit
 import functools
 import os
-import sys
 
 from perseus import _core
 from perseus.common import process_sets as _process_sets
@@ -57,7 +56,7 @@ def init(comm=None, process_sets=None):
         atexit.register(_close_timeline)
     if _core.rank() == 0:
         for note in _core.config_notes():
-            print(f"perseus: {note}", file=sys.stderr, flush=True)
+            _core.log("INFO", note)
     _process_sets._after_init(sets)
     _rank_copy.mark([_core.rank(), _core.size(), _core.local_rank(), _core.local_size(),
                      _core.cross_rank(), _core.cross_size()])

@@ -4,9 +4,9 @@ the PERSEUS_ALLREDUCE_NANCHECK report and the PERSEUS_PERF_CHECK_N_STEPS compari
 import os
 import socket
 import statistics
-import sys
 import warnings
 
+from perseus import _core
 from perseus.common.basics import config, local_rank
 from perseus.common.objects import allgather_object
 from perseus.common.ops import Average
@@ -135,9 +135,8 @@ def perf_check(compute_times, every, name, process_set):
     median = statistics.median_low(times)
     if mine > 1.5 * median and mine - median > 1e-3:
         host = os.environ.get("PERSEUS_HOSTNAME") or socket.gethostname()
-        print(f"[perseus] PERSEUS_PERF_CHECK_N_STEPS: this rank (host {host}, "
-              f"local rank {local_rank()}) computed "
-              f"{mine * 1e3:.1f} ms per step over the last {every} steps, "
-              f"{mine / median:.1f}x the median rank's {median * 1e3:.1f} ms; every rank "
-              f"waits for it. Check this machine's load, clocks and devices.",
-              file=sys.stderr, flush=True)
+        _core.log("WARNING", f"PERSEUS_PERF_CHECK_N_STEPS: this rank (host {host}, "
+                  f"local rank {local_rank()}) computed "
+                  f"{mine * 1e3:.1f} ms per step over the last {every} steps, "
+                  f"{mine / median:.1f}x the median rank's {median * 1e3:.1f} ms; every "
+                  f"rank waits for it. Check this machine's load, clocks and devices.")

@@ -55,9 +55,7 @@ def _dest(flag):
 # Settings of Horovod features Perseus does not have: dest -> why they change nothing.
 _NO_EFFECT = {
     "hierarchical_allgather": "allgather has no hierarchical variant here",
-    "timeline_mark_cycles": "the timeline has no cycle marks",
     "mpi_threads_disable": "Perseus's traffic does not go through MPI",
-    "log_with_timestamp": "the ranks' log lines have no timestamps",
 }
 # The --autotune-* options, which act only with --autotune.
 _AUTOTUNE_OPTIONS = [flag for flag, *_ in _VALUED if flag.startswith("--autotune-")]
@@ -104,6 +102,16 @@ def add_horovod_flags(p):
                        default=None, help="no stall warning (HOROVOD_STALL_CHECK_DISABLE=1)")
     stall.add_argument("--stall-check", dest="stall_check", action="store_true",
                        help=argparse.SUPPRESS)
+    stamps = g.add_mutually_exclusive_group()
+    stamps.add_argument("--log-with-timestamp", action="store_true", default=None,
+                        help="start each of the Perseus core's log lines with the UTC time "
+                             "(HOROVOD_LOG_HIDE_TIME=0)")
+    stamps.add_argument("--log-without-timestamp", "--log-hide-timestamp",
+                        dest="log_with_timestamp", action="store_false",
+                        help="without it (HOROVOD_LOG_HIDE_TIME=1, the default)")
+    g.add_argument("--timeline-mark-cycles", action="store_true", default=None,
+                   help="mark each negotiation cycle in the timeline of --timeline-filename "
+                        "(HOROVOD_TIMELINE_MARK_CYCLES=1)")
     g.add_argument("--autotune", action="store_true", default=None,
                    help="tune the fusion threshold, cycle time and allreduce mode during the "
                         "first steps (HOROVOD_AUTOTUNE=1); those set by flag or variable stay "
@@ -126,12 +134,8 @@ def add_horovod_flags(p):
     allgather.add_argument("--hierarchical-allgather", action="store_true", default=None)
     allgather.add_argument("--no-hierarchical-allgather", dest="hierarchical_allgather",
                            action="store_false")
-    no.add_argument("--timeline-mark-cycles", action="store_true", default=None)
     no.add_argument("--mpi-threads-disable", action="store_true", default=None)
-    stamps = no.add_mutually_exclusive_group()
-    stamps.add_argument("--log-with-timestamp", action="store_true", default=None)
-    stamps.add_argument("--log-without-timestamp", "--log-hide-timestamp",
-                        dest="log_with_timestamp", action="store_false")
+
 
 
 def apply_config_file(args):
@@ -233,6 +237,10 @@ def horovod_env(args):
             raise ValueError("--no-hierarchical-allreduce contradicts "
                              "--nccl-hierarchical-allreduce")
         env["HOROVOD_HIERARCHICAL_ALLREDUCE"] = "1" if args.hierarchical_allreduce else "0"
+    if args.timeline_mark_cycles:
+        env["HOROVOD_TIMELINE_MARK_CYCLES"] = "1"
+    if args.log_with_timestamp is not None:
+        env["HOROVOD_LOG_HIDE_TIME"] = "0" if args.log_with_timestamp else "1"
     if args.autotune:
         env["HOROVOD_AUTOTUNE"] = "1"
     if args.stall_check is False:

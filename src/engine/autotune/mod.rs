@@ -281,8 +281,9 @@ impl Tuner {
             } else {
                 String::new()
             };
-            eprintln!(
-                "[perseus] autotune: after {} samples, keeping HOROVOD_FUSION_THRESHOLD={} \
+            crate::log!(
+                crate::log::Level::Info,
+                "autotune: after {} samples, keeping HOROVOD_FUSION_THRESHOLD={} \
                  HOROVOD_CYCLE_TIME={}{mode}",
                 self.scored.len(),
                 best.fusion,

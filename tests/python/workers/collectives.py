@@ -309,7 +309,12 @@ def check_timeline(r, n):
         events = json.load(f)
     spans = {}
     for e in events:
-        spans.setdefault(e["tid"], {})[e["name"]] = (e["ts"], e["ts"] + e["dur"])
+        if e["ph"] == "X":
+            spans.setdefault(e["tid"], {})[e["name"]] = (e["ts"], e["ts"] + e["dur"])
+    # mark_cycles=True: each batch of requests sent to negotiation is an instant mark.
+    cycles = [e for e in events if e["name"] == "CYCLE_START"]
+    assert cycles and all(e["ph"] == "i" and e["args"]["requests"] >= 1 for e in cycles), \
+        cycles
     lone = spans["timeline.op"]
     assert {"NEGOTIATE", "ALLREDUCE", "TRANSFER", "REDUCE", "COMPLETE"} <= set(lone), lone
     outer = lone["ALLREDUCE"]
