@@ -119,11 +119,17 @@ impl Plan {
             Encoding::Half => format!("float16 (scale {})", self.scale),
             Encoding::HalfBetweenHosts => format!("float16 between hosts (scale {})", self.scale),
         };
-        let mode = match self.mode {
+        format!("{enc}, {} mode", self.mode.name())
+    }
+}
+
+impl Mode {
+    /// In a word, for mismatch errors.
+    pub fn name(self) -> &'static str {
+        match self {
             Mode::Auto => "automatic",
             Mode::Flat => "flat",
             Mode::Hierarchical => "hierarchical",
-        };
-        format!("{enc}, {mode} mode")
+        }
     }
 }

@@ -34,6 +34,7 @@ fn config(rank: usize, size: usize, port: u16, shm: bool) -> Config {
         allgather_mode: 0,
         timeline: None,
         timeline_mark_cycles: false,
+        hierarchical_allgather: false,
         log_level: perseus::log::DEFAULT_LEVEL,
         log_time: false,
         shm,

@@ -1,5 +1,5 @@
-//! Hierarchical allreduce for groups that span hosts with several ranks on
-//! each. With `L` ranks per host: a ring reduce-scatter within each host
+//! Hierarchical allreduce and allgather for groups that span hosts with several
+//! ranks on each. With `L` ranks per host: a ring reduce-scatter within each host
 //! leaves local rank `i` owning shard `i` of the host's sum; the ranks with
 //! the same local index (one per host: the shard's leaders) allreduce that
 //! shard across hosts; a ring allgather within each host shares the shards.
@@ -7,6 +7,8 @@
 //! once, each carrying `1/L` of the data, and the exchange between hosts
 //! takes `2(H-1)` steps for `H` hosts rather than the flat ring's `2(n-1)`.
 //! That stage alone may travel as float16.
+
+use std::ops::Range;
 
 use super::ring::{allgather_ranges, allreduce, byte_parts, reduce_scatter_ranges};
 use super::{Comm, SubComm};
@@ -75,4 +77,65 @@ pub fn allreduce_hierarchical(
         allreduce(&cross, shard, dtype, op, 1.0, scratch)?;
     }
     allgather_ranges(&intra, buf, &parts)
+}
+
+/// Hierarchical allgather of blocks of `sizes[i]` bytes from group rank `i`, laid out
+/// in rank order in `buf`; this rank's block must already be in place, and the group
+/// must [`fits`] (`L` ranks on each of `H` hosts).
+///
+/// First the ranks with the same local index on every host (one per host) gather
+/// their blocks across hosts, `L` such groups at once: each block crosses to each other
+/// host once, where the flat ring sends up to `n - 1` blocks over each of its links
+/// between hosts. Then the ranks of each host share what they gathered. The blocks
+/// travel through a staging buffer ordered by local index, then host, so that what
+/// each step moves is one contiguous range per rank; the result is copied back into
+/// rank order.
+pub fn allgatherv_hierarchical(comm: &dyn Comm, buf: &mut [u8], sizes: &[usize]) -> Result<()> {
+    let hosts = hosts_of(comm);
+    let (mine, peers) = host_and_peers(comm);
+    let li = mine.iter().position(|&r| r == comm.rank()).unwrap();
+    let in_place = offsets(sizes.iter().copied());
+    // Group ranks in staging order: local index 0 of every host, then local index 1...
+    let order: Vec<usize> = (0..mine.len())
+        .flat_map(|i| hosts.iter().map(move |g| g[i]))
+        .collect();
+    let staged_ranges = offsets(order.iter().map(|&r| sizes[r]));
+    let mut staged = vec![0..0; sizes.len()];
+    for (k, &r) in order.iter().enumerate() {
+        staged[r] = staged_ranges[k].clone();
+    }
+    let mut stage = AlignedBuf::zeroed(buf.len());
+    let me = comm.rank();
+    stage.as_mut_slice()[staged[me].clone()].copy_from_slice(&buf[in_place[me].clone()]);
+    // Across hosts: this local index's blocks, one per host.
+    let cross = SubComm::new(comm, peers.clone());
+    let parts: Vec<Range<usize>> = peers.iter().map(|&r| staged[r].clone()).collect();
+    allgather_ranges(&cross, stage.as_mut_slice(), &parts)?;
+    // Within the host: local index i brings the blocks of local index i of every host,
+    // one contiguous range.
+    let intra = SubComm::new(comm, mine.clone());
+    let columns: Vec<Range<usize>> = (0..mine.len())
+        .map(|i| {
+            let first = staged[hosts[0][i]].start;
+            let last = staged[hosts[hosts.len() - 1][i]].end;
+            first..last
+        })
+        .collect();
+    debug_assert_eq!(columns[li], parts[0].start..parts[parts.len() - 1].end);
+    allgather_ranges(&intra, stage.as_mut_slice(), &columns)?;
+    for r in (0..sizes.len()).filter(|&r| r != me) {
+        buf[in_place[r].clone()].copy_from_slice(&stage.as_slice()[staged[r].clone()]);
+    }
+    Ok(())
+}
+
+/// Consecutive ranges of the given lengths, from 0.
+fn offsets(lens: impl Iterator<Item = usize>) -> Vec<Range<usize>> {
+    let mut start = 0;
+    lens.map(|n| {
+        let r = start..start + n;
+        start += n;
+        r
+    })
+    .collect()
 }

@@ -20,7 +20,9 @@ pub(crate) mod tests;
 pub use alltoall::alltoallv;
 pub use barrier::barrier;
 pub use broadcast::broadcast;
-pub use hierarchical::{allreduce_hierarchical, fits, host_and_peers, hosts_of};
+pub use hierarchical::{
+    allgatherv_hierarchical, allreduce_hierarchical, fits, host_and_peers, hosts_of,
+};
 pub use ring::{allgatherv, allreduce, allreduce_half_links, reduce_scatter};
 pub use stripe::{striped, stripes, MIN_STRIPE};
 

@@ -454,6 +454,64 @@ fn hierarchical_allreduce_is_exact_and_identical_everywhere() {
     }
 }
 
+/// The hierarchical allgather gives every rank the flat ring's bytes, on hosts of
+/// consecutive or interleaved ranks, and each block crosses to each other host once.
+#[test]
+fn hierarchical_allgather_matches_the_ring_and_crosses_each_host_once() {
+    for hosts in [
+        vec![0, 0, 1, 1],
+        vec![0, 1, 0, 1],
+        vec![0, 0, 0, 1, 1, 1],
+        vec![0, 0, 1, 1, 2, 2],
+        vec![2, 0, 1, 0, 1, 2],
+    ] {
+        let n = hosts.len();
+        let h = *hosts.iter().max().unwrap() + 1;
+        // Uneven blocks, rank 0's empty.
+        let sizes: Vec<usize> = (0..n).map(|i| (i * 37_003) % 90_000).collect();
+        let want: Vec<u8> = sizes
+            .iter()
+            .enumerate()
+            .flat_map(|(r, &s)| (0..s).map(move |k| (r * 31 + k) as u8))
+            .collect();
+        let on = hosts.clone();
+        let sz = sizes.clone();
+        let gather = move |hier: bool| {
+            let sz = sz.clone();
+            run_on(&on, move |c| {
+                let mut b = vec![0u8; sz.iter().sum()];
+                let off: usize = sz[..c.rank()].iter().sum();
+                for k in 0..sz[c.rank()] {
+                    b[off + k] = (c.rank() * 31 + k) as u8;
+                }
+                if hier {
+                    assert!(fits(&hosts_of(c)));
+                    allgatherv_hierarchical(c, &mut b, &sz).unwrap();
+                } else {
+                    allgatherv(c, &mut b, &sz).unwrap();
+                }
+                (b, c.inter.load(Ordering::Relaxed))
+            })
+        };
+        let (flat, hier) = (gather(false), gather(true));
+        for (r, ((fb, _), (hb, _))) in flat.iter().zip(&hier).enumerate() {
+            assert!(
+                fb == &want && hb == &want,
+                "hosts={hosts:?}: rank {r} differs"
+            );
+        }
+        let inter = |x: &[(Vec<u8>, usize)]| x.iter().map(|y| y.1).sum::<usize>();
+        let total: usize = sizes.iter().sum();
+        assert_eq!(inter(&hier), total * (h - 1), "hosts={hosts:?}");
+        assert!(
+            inter(&flat) > inter(&hier),
+            "hosts={hosts:?}: {} vs {}",
+            inter(&flat),
+            inter(&hier)
+        );
+    }
+}
+
 #[test]
 fn hierarchy_needs_several_hosts_with_equal_ranks() {
     let shapes = |hosts: Vec<usize>| {

@@ -299,6 +299,13 @@ pub const PARAMS: &[Param] = &[
         doc: "write a Chrome-trace JSON of every operation to this file",
     },
     Param {
+        name: "HOROVOD_HIERARCHICAL_ALLGATHER",
+        default: "0",
+        allowed: "0 or 1",
+        doc: "1: allgathers over hosts with the same number (two or more) of ranks gather \
+              across hosts first, then within each host",
+    },
+    Param {
         name: "PERSEUS_LOG_LEVEL",
         default: "INFO",
         allowed: "TRACE, DEBUG, INFO, WARNING, ERROR or FATAL, any case \
@@ -374,6 +381,8 @@ pub struct Config {
     pub timeline: Option<String>,
     /// HOROVOD_TIMELINE_MARK_CYCLES: the timeline marks each negotiation cycle.
     pub timeline_mark_cycles: bool,
+    /// HOROVOD_HIERARCHICAL_ALLGATHER: allgathers across hosts first, then within them.
+    pub hierarchical_allgather: bool,
     /// PERSEUS_LOG_LEVEL / HOROVOD_LOG_LEVEL: the least level of the log lines written.
     pub log_level: crate::log::Level,
     /// HOROVOD_LOG_HIDE_TIME=0: log lines start with the time.
@@ -731,6 +740,7 @@ impl Config {
             allgather_mode,
             timeline: var("PERSEUS_TIMELINE").or_else(|| var("HOROVOD_TIMELINE")),
             timeline_mark_cycles: int_var("HOROVOD_TIMELINE_MARK_CYCLES", 0, 0, 1)? == 1,
+            hierarchical_allgather: int_var("HOROVOD_HIERARCHICAL_ALLGATHER", 0, 0, 1)? == 1,
             log_level: log_level()?,
             log_time: int_var("HOROVOD_LOG_HIDE_TIME", 1, 0, 1)? == 0,
             shm: int_var("PERSEUS_SHM", 1, 0, 1)? == 1,
@@ -901,6 +911,10 @@ impl Config {
         m.insert(
             "HOROVOD_LOG_HIDE_TIME".into(),
             u8::from(!self.log_time).to_string(),
+        );
+        m.insert(
+            "HOROVOD_HIERARCHICAL_ALLGATHER".into(),
+            u8::from(self.hierarchical_allgather).to_string(),
         );
         m.insert(
             "HOROVOD_TIMELINE_MARK_CYCLES".into(),

@@ -621,6 +621,13 @@ fn decide(
                 r.plan.describe(),
             );
         }
+        if kind == OpKind::Allgather && r.plan.mode != first.plan.mode {
+            return mismatch(
+                "allgather modes (HOROVOD_HIERARCHICAL_ALLGATHER)",
+                first.plan.mode.name().into(),
+                r.plan.mode.name().into(),
+            );
+        }
         if kind == OpKind::Broadcast && r.root != first.root {
             return mismatch("root ranks", first.root.to_string(), r.root.to_string());
         }

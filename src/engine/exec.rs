@@ -160,7 +160,14 @@ pub fn run_op(
             collective::broadcast(comm, buf, *root as usize)?;
             Ok(Output::default())
         })()),
-        OpKind::Allgather => one(allgather(comm, &shapes[0], *dtype, sizes, entries)),
+        OpKind::Allgather => one(allgather(
+            comm,
+            &shapes[0],
+            *dtype,
+            sizes,
+            plan.mode == Mode::Hierarchical,
+            entries,
+        )),
         OpKind::Alltoall => one(alltoall(comm, &shapes[0], *dtype, sizes, entries)),
         OpKind::Reducescatter => one(reducescatter(
             comm, &shapes[0], *dtype, *op, *prescale, post, entries,
@@ -529,11 +536,15 @@ fn input_of(entries: &[Option<Entry>]) -> Result<&TensorView> {
         .ok_or_else(|| PerseusError::Protocol("response names a tensor this rank lacks".into()))
 }
 
+/// Allgather along dim 0; `hierarchical` (HOROVOD_HIERARCHICAL_ALLGATHER): across hosts
+/// first, then within each, where the set's hosts each hold the same number (two or
+/// more) of its ranks.
 fn allgather(
     comm: &dyn Comm,
     shape: &[i64],
     dtype: DataType,
     dims: &[i64],
+    hierarchical: bool,
     entries: &[Option<Entry>],
 ) -> Result<Output> {
     let input = input_of(entries)?;
@@ -543,7 +554,11 @@ fn allgather(
     let off: usize = block[..comm.rank()].iter().sum();
     // SAFETY: the front-end keeps the input alive until completion.
     out.as_mut_slice()[off..off + block[comm.rank()]].copy_from_slice(unsafe { input.bytes() });
-    collective::allgatherv(comm, out.as_mut_slice(), &block)?;
+    if hierarchical && collective::fits(&collective::hosts_of(comm)) {
+        collective::allgatherv_hierarchical(comm, out.as_mut_slice(), &block)?;
+    } else {
+        collective::allgatherv(comm, out.as_mut_slice(), &block)?;
+    }
     let mut oshape = shape.to_vec();
     oshape[0] = dims.iter().sum();
     Ok(Output {

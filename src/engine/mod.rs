@@ -367,6 +367,14 @@ impl Engine {
             members.len()
         };
         check_locally(&req, set_size)?;
+        if req.kind == OpKind::Allgather {
+            // Every rank's request says how it gathers; rank 0 checks they agree.
+            req.plan.mode = if self.config.hierarchical_allgather {
+                crate::plan::Mode::Hierarchical
+            } else {
+                crate::plan::Mode::Flat
+            };
+        }
         if req.name.is_empty() {
             let name = self
                 .shared

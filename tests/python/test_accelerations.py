@@ -1,5 +1,7 @@
 """The PERSEUS_* switches of issue 5, each through its effect on results and counters."""
 
+import re
+
 import pytest
 
 pytest.importorskip("torch")
@@ -116,3 +118,26 @@ def test_allreduce_streams(run_workers, n, streams, hosts):
 def test_allreduce_streams_must_agree(run_workers):
     """Ranks that disagree on PERSEUS_ALLREDUCE_STREAMS all fail init, naming the other."""
     run_workers(2, "streams_mismatch.py", timeout=45)
+
+
+@pytest.mark.timeout(150)
+def test_hierarchical_allgather_is_exact_and_sends_less_between_hosts(run_workers):
+    """HOROVOD_HIERARCHICAL_ALLGATHER=1 on 2 hosts of 2 ranks: the same blocks on every
+    rank as the flat ring, with each block crossing to the other host once (the ring
+    sends most of them over both of its links between the hosts)."""
+    sent = {}
+    for mode in ("0", "1"):
+        out = run_workers(4, "hier_allgather.py", hosts="127.0.0.1:2,127.0.0.2:2",
+                          env={"HOROVOD_HIERARCHICAL_ALLGATHER": mode,
+                               "PERSEUS_CHANGE_HVD_ALLGATHER": "1"},  # Horovod's concat
+                          timeout=120)
+        found = re.search(r"INTER-HOST BYTES (\d+) BLOCKS (\d+)", out)
+        sent[mode], blocks = int(found.group(1)), int(found.group(2))
+    assert sent["1"] == blocks, (sent, blocks)  # each block to the other host, once
+    assert sent["0"] > blocks, (sent, blocks)
+
+
+@pytest.mark.timeout(90)
+def test_allgather_modes_that_differ_fail_on_every_rank_naming_the_variable(run_workers):
+    run_workers(4, "hier_allgather.py", "mismatch", hosts="127.0.0.1:2,127.0.0.2:2",
+                timeout=60)

@@ -112,7 +112,7 @@ params:
   cycle_time_ms: 3
   cache_capacity: 512
   hierarchical_allreduce: true
-  hierarchical_allgather: false   # what Perseus does anyway
+  hierarchical_allgather: false
 autotune:
   enabled: true
   warmup_samples: 5
@@ -135,6 +135,7 @@ def test_config_file_fills_what_flags_do_not_give(tmp_path):
     assert F.horovod_env(args) == {
         "HOROVOD_FUSION_THRESHOLD": str(16 << 20), "HOROVOD_CYCLE_TIME": "7",
         "HOROVOD_CACHE_CAPACITY": "512", "HOROVOD_HIERARCHICAL_ALLREDUCE": "1",
+        "HOROVOD_HIERARCHICAL_ALLGATHER": "0",
         "HOROVOD_TIMELINE": "tl.json", "HOROVOD_TIMELINE_MARK_CYCLES": "1",
         "HOROVOD_STALL_CHECK_DISABLE": "1",
         "GLOO_TIMEOUT_SECONDS": "120", "HOROVOD_AUTOTUNE": "1",
@@ -193,7 +194,8 @@ WORKER = textwrap.dedent("""
     keys = ["HOROVOD_FUSION_THRESHOLD", "HOROVOD_CYCLE_TIME", "HOROVOD_CACHE_CAPACITY",
             "GLOO_TIMEOUT_SECONDS", "PERSEUS_STALL_CHECK_TIME_SECONDS",
             "PERSEUS_STALL_SHUTDOWN_TIME_SECONDS", "PERSEUS_ALLREDUCE_MODE",
-            "HOROVOD_NUM_NCCL_STREAMS", "PERSEUS_TIMELINE", "HOROVOD_TIMELINE_MARK_CYCLES"]
+            "HOROVOD_NUM_NCCL_STREAMS", "PERSEUS_TIMELINE", "HOROVOD_TIMELINE_MARK_CYCLES",
+            "HOROVOD_HIERARCHICAL_ALLGATHER"]
     cfg = c.config()
     print("CONFIG", c.rank(), json.dumps({k: cfg[k] for k in keys}), flush=True)
     c.shutdown()
@@ -207,7 +209,8 @@ def test_ranks_run_with_the_settings_of_horovodrun_flags(tmp_path):
            "--gloo-timeout-seconds", "45", "--no-stall-check",
            "--stall-check-shutdown-time-seconds", "600", "--hierarchical-allreduce",
            "--num-nccl-streams", "3", "--timeline-filename", "tl.json", "--timeline-mark-cycles",
-           "--autotune", "--hierarchical-allgather", sys.executable, "-c", WORKER]
+           "--autotune", "--hierarchical-allgather", "--mpi-threads-disable", sys.executable,
+           "-c", WORKER]
     out = subprocess.run(cmd, env=clean_env(), cwd=tmp_path, capture_output=True, text=True,
                          timeout=100, check=False)
     assert out.returncode == 0, out.stderr
@@ -216,15 +219,15 @@ def test_ranks_run_with_the_settings_of_horovodrun_flags(tmp_path):
             "PERSEUS_STALL_CHECK_TIME_SECONDS": "0",
             "PERSEUS_STALL_SHUTDOWN_TIME_SECONDS": "600", "PERSEUS_ALLREDUCE_MODE": "1",
             "HOROVOD_NUM_NCCL_STREAMS": "3", "PERSEUS_TIMELINE": "tl.json",
-            "HOROVOD_TIMELINE_MARK_CYCLES": "1"}
+            "HOROVOD_TIMELINE_MARK_CYCLES": "1", "HOROVOD_HIERARCHICAL_ALLGATHER": "1"}
     seen = sorted(line.split(" ", 2)[1:] for line in out.stdout.splitlines()
                   if "CONFIG" in line)
     assert [rank for rank, _ in seen] == ["0", "1"], out.stdout
     for _, text in seen:
         assert json.loads(text) == want, text
     assert (tmp_path / "tl.json").exists()
-    assert ("perseusrun: warning: no effect in Perseus: --hierarchical-allgather (allgather "
-            "has no hierarchical variant here)\n") in out.stderr, out.stderr
+    assert ("perseusrun: warning: no effect in Perseus: --mpi-threads-disable (Perseus's "
+            "traffic does not go through MPI)\n") in out.stderr, out.stderr
     # All three knobs autotuning moves were given, so it has nothing to tune; rank 0 says so.
     assert out.stderr.count("HOROVOD_AUTOTUNE=1 has nothing to tune") == 1, out.stderr
 

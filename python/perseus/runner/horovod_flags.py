@@ -54,7 +54,6 @@ def _dest(flag):
 
 # Settings of Horovod features Perseus does not have: dest -> why they change nothing.
 _NO_EFFECT = {
-    "hierarchical_allgather": "allgather has no hierarchical variant here",
     "mpi_threads_disable": "Perseus's traffic does not go through MPI",
 }
 # The --autotune-* options, which act only with --autotune.
@@ -97,6 +96,12 @@ def add_horovod_flags(p):
                       help="hierarchical allreduce (HOROVOD_HIERARCHICAL_ALLREDUCE=1)")
     hier.add_argument("--no-hierarchical-allreduce", dest="hierarchical_allreduce",
                       action="store_false", help="flat allreduce (=0)")
+    allgather = g.add_mutually_exclusive_group()
+    allgather.add_argument("--hierarchical-allgather", action="store_true", default=None,
+                           help="allgather across hosts first, then within each "
+                                "(HOROVOD_HIERARCHICAL_ALLGATHER=1)")
+    allgather.add_argument("--no-hierarchical-allgather", dest="hierarchical_allgather",
+                           action="store_false", help="one ring over all ranks (=0)")
     stall = g.add_mutually_exclusive_group()
     stall.add_argument("--no-stall-check", dest="stall_check", action="store_false",
                        default=None, help="no stall warning (HOROVOD_STALL_CHECK_DISABLE=1)")
@@ -130,10 +135,6 @@ def add_horovod_flags(p):
     g.add_argument("--jsrun", action="store_true", help=argparse.SUPPRESS)
     no = p.add_argument_group("horovodrun's flags of features Perseus does not have: "
                               "accepted, named in a warning, no effect")
-    allgather = no.add_mutually_exclusive_group()
-    allgather.add_argument("--hierarchical-allgather", action="store_true", default=None)
-    allgather.add_argument("--no-hierarchical-allgather", dest="hierarchical_allgather",
-                           action="store_false")
     no.add_argument("--mpi-threads-disable", action="store_true", default=None)
 
 
@@ -237,6 +238,8 @@ def horovod_env(args):
             raise ValueError("--no-hierarchical-allreduce contradicts "
                              "--nccl-hierarchical-allreduce")
         env["HOROVOD_HIERARCHICAL_ALLREDUCE"] = "1" if args.hierarchical_allreduce else "0"
+    if args.hierarchical_allgather is not None:
+        env["HOROVOD_HIERARCHICAL_ALLGATHER"] = "1" if args.hierarchical_allgather else "0"
     if args.timeline_mark_cycles:
         env["HOROVOD_TIMELINE_MARK_CYCLES"] = "1"
     if args.log_with_timestamp is not None:
