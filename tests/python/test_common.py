@@ -220,6 +220,30 @@ def test_a_rank_copy_is_a_process_under_the_mark_of_another_live_one_of_that_job
     assert rank_copy.MARK not in os.environ
 
 
+@pytest.mark.timeout(60)
+def test_a_process_that_finds_its_ranks_init_under_way_and_failed_says_so(monkeypatch):
+    """A process that finds no mark but a rank's announcement of its init() waits for
+    that rank's mark; an announcement with no init() behind it any more (the rank's
+    failed) is an error saying so, and another job's announcement is not waited for."""
+    from perseus.common import rank_copy
+
+    monkeypatch.setenv("PERSEUS_RANK", "3")
+    monkeypatch.setenv("PERSEUS_SIZE", "4")
+    monkeypatch.delenv(rank_copy.MARK, raising=False)
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        monkeypatch.setenv(rank_copy.PENDING, f"{sleeper.pid}:{rank_copy._identity()}")
+        with pytest.raises(RuntimeError, match=rf"started by a rank \(pid {sleeper.pid}\) "
+                                               r"whose own hvd.init\(\) was under way; that "
+                                               r"init\(\) ended without success"):
+            rank_copy.copy_of()
+        monkeypatch.setenv(rank_copy.PENDING, f"{sleeper.pid}:0123456789abcdef")
+        assert rank_copy.copy_of() is None
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
 def test_a_copy_answers_for_its_rank_as_it_is_now_and_finds_it_without_the_mark(
         monkeypatch, tmp_path):
     """A forkserver keeps the environment it started with: a worker it starts after an

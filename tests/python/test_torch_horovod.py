@@ -100,6 +100,11 @@ def test_dataloader_workers_of_a_script_that_inits_at_its_top_level(run_workers)
 
 
 @pytest.mark.timeout(150)
+def test_a_spawned_process_that_reaches_init_during_its_ranks_init_waits_for_it(run_workers):
+    run_workers(2, "spawn_during_init.py", timeout=120)
+
+
+@pytest.mark.timeout(150)
 def test_dataloader_workers_of_a_forkserver_started_before_init(run_workers):
     """The forkserver started before hvd.init() (the script used multiprocessing first):
     its workers inherit no mark in their environment, and find their rank through the

@@ -46,20 +46,25 @@ def init(comm=None, process_sets=None):
     from perseus.common import elastic
 
     start = functools.partial(_core.init, [ps.ranks for ps in sets] if sets else None)
-    if elastic.enabled():
-        elastic.start(start)  # in the job's next round that forms
-    else:
-        _start_knowing_rank0(start)
-    _config = dict(_core.config())
-    _generation += 1
-    if _generation == 1:
-        atexit.register(_close_timeline)
-    if _core.rank() == 0:
-        for note in _core.config_notes():
-            _core.log("INFO", note)
-    _process_sets._after_init(sets)
-    _rank_copy.mark([_core.rank(), _core.size(), _core.local_rank(), _core.local_size(),
-                     _core.cross_rank(), _core.cross_size()])
+    # Processes this one starts meanwhile wait for its mark instead of joining the job.
+    _rank_copy.begin()
+    try:
+        if elastic.enabled():
+            elastic.start(start)  # in the job's next round that forms
+        else:
+            _start_knowing_rank0(start)
+        _config = dict(_core.config())
+        _generation += 1
+        if _generation == 1:
+            atexit.register(_close_timeline)
+        if _core.rank() == 0:
+            for note in _core.config_notes():
+                _core.log("INFO", note)
+        _process_sets._after_init(sets)
+        _rank_copy.mark([_core.rank(), _core.size(), _core.local_rank(),
+                         _core.local_size(), _core.cross_rank(), _core.cross_size()])
+    finally:
+        _rank_copy.end_pending()
 
 
 def _start_knowing_rank0(start):

@@ -26,14 +26,26 @@ that file when its rank has one, so a worker that a forkserver started after an 
 reset answers for the rank as it is now, not as it was when the forkserver started. A
 process without the mark (its forkserver started before the rank's ``init()``) looks for
 the file of its parent, or the parent's parent, up a few generations.
+
+A process can also reach ``init()`` while its rank is still in its own (a ``spawn`` pool
+started before ``hvd.init()``, whose workers import the script while the rank waits for
+the others to join). So a rank announces its ``init()`` before it connects: a variable in
+its environment and a ``<pid>.pending`` file beside its mark's. A process that finds no
+mark but such an announcement, from a running process with the same rank variables,
+waits for that rank's mark and then answers for it; if that ``init()`` fails instead,
+its own fails saying so.
 """
 
 import atexit
 import hashlib
 import os
 import tempfile
+import time
 
 MARK = "PERSEUS_INITIALIZED_IN"
+PENDING = "PERSEUS_INITIALIZING_IN"
+# How long a process waits for the mark of a rank whose init() it found under way.
+_WAIT_SECONDS = 600
 
 # The variables that make a process one rank of one job: the launchers' rank and size,
 # and where the job meets. A process started with other values is another job's rank.
@@ -74,6 +86,37 @@ def _stat(pid):
         return None
 
 
+def begin():
+    """Announce this rank's ``init()``, before it connects: processes it starts from now
+    on, and those started earlier that reach ``init()`` meanwhile, wait for its mark
+    instead of joining the job as this rank."""
+    if not any(os.environ.get(k) for k in _IDENTITY):
+        return
+    identity = _identity()
+    os.environ[PENDING] = f"{os.getpid()}:{identity}"
+    me = _stat(os.getpid())
+    if me is None:
+        return
+    path = os.path.join(_folder(), f"{os.getpid()}.pending")
+    try:
+        os.makedirs(_folder(), mode=0o700, exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            f.write(f"{me[1]}:{identity}")
+        os.replace(path + ".tmp", path)
+    except OSError:
+        pass
+
+
+def end_pending():
+    """This rank's ``init()`` has ended, marked or failed: no more announcement."""
+    if os.environ.get(PENDING, "").split(":")[0] == str(os.getpid()):
+        os.environ.pop(PENDING, None)
+    try:
+        os.unlink(os.path.join(_folder(), f"{os.getpid()}.pending"))
+    except OSError:
+        pass
+
+
 def mark(topology):
     """Leave this rank's mark (``topology``: rank, size, local rank, local size, cross
     rank, cross size) for the processes it starts. A process that no launcher started
@@ -84,6 +127,7 @@ def mark(topology):
     identity = _identity()
     os.environ[MARK] = ":".join(str(f) for f in [os.getpid(), *topology, identity])
     _write_file(topology, identity)
+    end_pending()
 
 
 def _write_file(topology, identity):
@@ -114,7 +158,11 @@ def _remove_stale():
     except OSError:
         return
     for name in names:
-        if name.isdigit() and _read_file(int(name)) is None:
+        pid = name.removesuffix(".pending")
+        if not pid.isdigit():
+            continue
+        read = _read_file if name == pid else _read_pending
+        if read(int(pid)) is None:
             try:
                 os.unlink(os.path.join(_folder(), name))
             except OSError:
@@ -148,6 +196,7 @@ def unmark():
     """This process is no longer a rank (``shutdown()``)."""
     os.environ.pop(MARK, None)
     _remove_file(os.getpid())
+    end_pending()
 
 
 def _alive(pid):
@@ -177,28 +226,88 @@ def _from_environment():
     return pid, topology if now is None else now[0]
 
 
-def _from_ancestors():
-    """``(pid, topology)`` from the file of the nearest ancestor that is a rank with the
-    same rank variables as this process; else None."""
+def _ancestors():
+    """This process's parent, its parent's parent..., up to ``_GENERATIONS`` of them,
+    short of init (pid 1)."""
     pid = os.getpid()
     for _ in range(_GENERATIONS):
         st = _stat(pid)
         if st is None or st[0] <= 1:
-            return None
+            return
         pid = st[0]
+        yield pid
+
+
+def _from_ancestors():
+    """``(pid, topology)`` from the file of the nearest ancestor that is a rank with the
+    same rank variables as this process; else None."""
+    for pid in _ancestors():
         found = _read_file(pid)
         if found is not None and found[1] == _identity():
             return pid, found[0]
     return None
 
 
+def _read_pending(pid):
+    """The identity in the announcement file of process ``pid``, when it is that
+    process's (its start time matches); else None."""
+    try:
+        with open(os.path.join(_folder(), f"{pid}.pending")) as f:
+            start, identity = f.read().split(":")
+    except (OSError, ValueError):
+        return None
+    st = _stat(pid)
+    return identity if st is not None and str(st[1]) == start else None
+
+
+def _pending_rank():
+    """The process id of the rank whose ``init()`` this process found under way: the
+    announcement it inherited, or an ancestor's pending file, from a running process
+    with the same rank variables; else None."""
+    identity = _identity()
+    fields = os.environ.get(PENDING, "").split(":")
+    if len(fields) == 2 and fields[1] == identity and fields[0].isdigit():
+        pid = int(fields[0])
+        if pid != os.getpid() and _alive(pid):
+            return pid
+    return next((pid for pid in _ancestors() if _read_pending(pid) == identity), None)
+
+
+def _wait_for_mark(pid):
+    """``(pid, topology)`` once rank process ``pid`` has marked; ``RuntimeError`` when its
+    ``init()`` ended without a mark (it failed) or it ended."""
+    deadline = time.monotonic() + _WAIT_SECONDS
+    pending = os.path.join(_folder(), f"{pid}.pending")
+    while time.monotonic() < deadline:
+        found = _read_file(pid)
+        if found is not None and found[1] == _identity():
+            return pid, found[0]
+        if not _alive(pid) or not os.path.exists(pending):
+            # One more look: the mark is written before the announcement goes.
+            found = _read_file(pid)
+            if found is not None and found[1] == _identity():
+                return pid, found[0]
+            break
+        time.sleep(0.02)
+    raise RuntimeError(
+        f"hvd.init(): this process was started by a rank (pid {pid}) whose own hvd.init() "
+        f"was under way; that init() ended without success, so this process cannot answer "
+        f"for the rank. Put hvd.init() under `if __name__ == \"__main__\":` to keep it out "
+        f"of the processes multiprocessing starts")
+
+
 def copy_of():
     """``(topology, why)`` when this process was started by a rank that is still running:
     it inherited the mark of another process, made with the same rank variables, or an
-    ancestor's file holds one; else None. The topology is the rank's as it is now."""
+    ancestor's file holds one; else None. The topology is the rank's as it is now. When
+    no rank has marked yet but one announced its ``init()`` (:func:`begin`), this waits
+    for that rank's mark."""
     found = _from_environment() or _from_ancestors()
     if found is None:
-        return None
+        pending = _pending_rank()
+        if pending is None:
+            return None
+        found = _wait_for_mark(pending)
     pid, topology = found
     rank = topology[0]
     why = (f"this process was started by rank {rank} (pid {pid}) after its hvd.init() and "
