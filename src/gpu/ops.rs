@@ -6,9 +6,7 @@
 
 use std::ffi::c_void;
 
-use cudarc::driver::{result, sys};
-
-use super::runtime::{driver, CudaDevice};
+use super::runtime::{CudaDevice, DeviceBuffer};
 use crate::device_kernels::{threshold, Answer, Call, RADIX_DIGITS};
 use crate::dtype::DataType;
 use crate::engine::TensorView;
@@ -47,7 +45,7 @@ pub fn run(ordinal: i32, call: Call) -> Result<Answer> {
                 Ok(Answer::Queued)
             }
             Call::Nonfinite { x } => {
-                let flag = Scratch::new(&dev, 4)?;
+                let flag = DeviceBuffer::zeroed(&dev, 4)?;
                 dev.nonfinite(x.ptr as u64, x.elements(), x.dtype, flag.ptr)?;
                 let mut seen = [0i32; 1];
                 flag.read(&mut seen)?;
@@ -84,7 +82,7 @@ unsafe fn top_k(
         });
     }
     let most = 1usize << RADIX_DIGITS.iter().map(|d| d.1).max().unwrap_or(0);
-    let hist = Scratch::new(dev, most * 4)?;
+    let hist = DeviceBuffer::new(dev, most * 4)?;
     let histogram = dev.kernel("dgc", "radix_histogram")?;
     // Fewer blocks than an elementwise launch: each block flushes its own histogram.
     let blocks = n.div_ceil(256 * 16).clamp(1, 2048) as u32;
@@ -106,7 +104,7 @@ unsafe fn top_k(
         hist.read(&mut counts)?;
         Ok(counts.into_iter().map(u64::from).collect())
     })?;
-    let counter = Scratch::new(dev, 8)?;
+    let counter = DeviceBuffer::zeroed(dev, 8)?;
     let select = dev.kernel("dgc", "select_at_least")?;
     let slots = indices.elements() as u64;
     let (mut ptr, mut t2, mut idx, mut vals) =
@@ -128,52 +126,4 @@ unsafe fn top_k(
         taken: got[0].min(slots) as usize,
         threshold: t,
     })
-}
-
-/// A few zeroed bytes of device memory on the device's stream: a flag, a counter or a
-/// histogram whose values the host reads back.
-struct Scratch<'a> {
-    dev: &'a CudaDevice,
-    ptr: sys::CUdeviceptr,
-    bytes: usize,
-}
-
-impl<'a> Scratch<'a> {
-    /// `bytes` zeroed bytes.
-    fn new(dev: &'a CudaDevice, bytes: usize) -> Result<Scratch<'a>> {
-        // SAFETY: stream-ordered allocation on the device's stream, freed on drop.
-        let ptr = unsafe { result::malloc_async(dev.stream, bytes) }
-            .map_err(driver("cuMemAllocAsync"))?;
-        let s = Scratch { dev, ptr, bytes };
-        s.zero(bytes)?;
-        Ok(s)
-    }
-
-    /// Queues setting its first `bytes` bytes to zero.
-    fn zero(&self, bytes: usize) -> Result<()> {
-        assert!(bytes <= self.bytes);
-        // SAFETY: within this allocation.
-        unsafe { result::memset_d8_async(self.ptr, 0, bytes, self.dev.stream) }
-            .map_err(driver("cuMemsetD8Async"))
-    }
-
-    /// Its first values, into `out`, once the work queued so far has run (waits for
-    /// the stream).
-    fn read<T: Copy>(&self, out: &mut [T]) -> Result<()> {
-        assert!(std::mem::size_of_val(out) <= self.bytes);
-        // SAFETY: as many bytes as `out` holds, from this allocation into `out`, waited
-        // for before `out` is read; the values are plain integers.
-        unsafe {
-            result::memcpy_dtoh_async(out, self.ptr, self.dev.stream)
-                .map_err(driver("cuMemcpyDtoHAsync"))?;
-            result::stream::synchronize(self.dev.stream).map_err(driver("cuStreamSynchronize"))
-        }
-    }
-}
-
-impl Drop for Scratch<'_> {
-    fn drop(&mut self) {
-        // SAFETY: allocated on this stream; freed after the work that uses it.
-        let _ = unsafe { result::free_async(self.ptr, self.dev.stream) };
-    }
 }

@@ -5,10 +5,10 @@
 //! framework's before the step and the framework's wait for it after (events: no host or
 //! device-wide sync).
 
-use super::runtime::{driver, CudaDevice};
+use super::runtime::{CudaDevice, DeviceBuffer};
 use crate::error::Result;
 use crate::optim::{needs_grad_norm, Group, LambScalars, Rule, Slot};
-use cudarc::driver::{result, sys};
+use cudarc::driver::sys;
 use std::ffi::c_void;
 
 /// Elements per block of a multi-tensor launch (`CHUNK` in the kernel source).
@@ -134,7 +134,7 @@ unsafe fn launch<T: Copy>(
     }
     let f = dev.kernel("optimizers", kernel)?;
     let table_bytes = std::mem::size_of_val(table).next_multiple_of(8);
-    let mem = DeviceCopy::new(dev, table_bytes + std::mem::size_of_val(&map[..]))?;
+    let mem = DeviceBuffer::new(dev, table_bytes + std::mem::size_of_val(&map[..]))?;
     mem.write(0, table)?;
     mem.write(table_bytes, &map[..])?;
     let (mut t, mut m, mut p) = (mem.ptr, mem.ptr + table_bytes as u64, partials.unwrap_or(0));
@@ -144,37 +144,6 @@ unsafe fn launch<T: Copy>(
         params.push((&mut p as *mut u64).cast());
     }
     dev.launch_blocks(f, map.len() as u32, &mut params)
-}
-
-/// Device memory holding a copy of host values for the launches queued after it; freed
-/// (stream-ordered, after them) when dropped.
-struct DeviceCopy<'a> {
-    dev: &'a CudaDevice,
-    ptr: sys::CUdeviceptr,
-}
-
-impl<'a> DeviceCopy<'a> {
-    fn new(dev: &'a CudaDevice, bytes: usize) -> Result<DeviceCopy<'a>> {
-        // SAFETY: stream-ordered allocation on the device's stream, freed on drop.
-        let ptr = unsafe { result::malloc_async(dev.stream, bytes) }
-            .map_err(driver("cuMemAllocAsync"))?;
-        Ok(DeviceCopy { dev, ptr })
-    }
-
-    /// Queues copying `values` to `offset` bytes in. Pageable host memory: the driver has
-    /// taken the values when this returns.
-    fn write<T: Copy>(&self, offset: usize, values: &[T]) -> Result<()> {
-        // SAFETY: the caller sized the allocation for every write.
-        unsafe { result::memcpy_htod_async(self.ptr + offset as u64, values, self.dev.stream) }
-            .map_err(driver("cuMemcpyHtoDAsync"))
-    }
-}
-
-impl Drop for DeviceCopy<'_> {
-    fn drop(&mut self) {
-        // SAFETY: allocated on this stream; freed after the work queued so far.
-        let _ = unsafe { result::free_async(self.ptr, self.dev.stream) };
-    }
 }
 
 fn ptr(t: &crate::engine::TensorView) -> u64 {
@@ -188,34 +157,21 @@ pub fn step(ordinal: i32, groups: &[Group]) -> Result<()> {
     // A caller's thread: its own context (the framework's device) is current again
     // once this returns.
     let _current = dev.enter()?;
-    let stream = dev.stream;
     // Device floats for LAMB: [0] the global squared gradient norm, then the squared
-    // norms of the weight and of the update of each LAMB parameter.
+    // norms of the weight and of the update of each LAMB parameter (freed, stream-ordered,
+    // after the kernels reading them).
     let lamb: usize = groups
         .iter()
         .filter(|g| matches!(g.rule, Rule::Lamb(_)))
         .map(|g| g.slots.len())
         .sum();
-    let bytes = if lamb > 0 { 4 * (1 + 2 * lamb) } else { 0 };
-    let norms: sys::CUdeviceptr = if bytes > 0 {
-        // SAFETY: stream-ordered allocation on this device's stream, zeroed before use and
-        // freed (stream-ordered) after the kernels reading it.
-        unsafe {
-            let p = result::malloc_async(stream, bytes).map_err(driver("cuMemAllocAsync"))?;
-            result::memset_d8_async(p, 0, bytes, stream).map_err(driver("cuMemsetD8Async"))?;
-            p
-        }
-    } else {
-        0
+    let norms = match lamb {
+        0 => None,
+        _ => Some(DeviceBuffer::zeroed(&dev, 4 * (1 + 2 * lamb))?),
     };
     // SAFETY: the tensors are the caller's (alive, on this device, not shared); `norms`
     // holds `1 + 2 * lamb` floats.
-    let queued = unsafe { queue(&dev, groups, norms) };
-    if norms != 0 {
-        // SAFETY: allocated above on this stream.
-        unsafe { result::free_async(norms, stream) }.map_err(driver("cuMemFreeAsync"))?;
-    }
-    queued
+    unsafe { queue(&dev, groups, norms.as_ref().map_or(0, |b| b.ptr)) }
 }
 
 /// The rows of one multi-tensor launch and each row's element count.
@@ -299,7 +255,7 @@ unsafe fn queue(dev: &CudaDevice, groups: &[Group], norms: sys::CUdeviceptr) -> 
     let seg = stage1.segments();
     let blocks = seg[seg.len() - 1];
     let partial_bytes = 8 * (blocks as usize).max(1);
-    let scratch = DeviceCopy::new(dev, partial_bytes + 4 * seg.len() + 8)?;
+    let scratch = DeviceBuffer::new(dev, partial_bytes + 4 * seg.len() + 8)?;
     let partials = scratch.ptr;
     let (each, all) = (partial_bytes, partial_bytes + 4 * seg.len());
     scratch.write(each, &seg[..])?;

@@ -558,6 +558,70 @@ impl DeviceMemory for CudaDevice {
     }
 }
 
+/// Device memory allocated on a device's stream (stream-ordered) and freed on it when
+/// dropped, after the work queued so far: the small buffers one call uses, such as a
+/// flag, a histogram or a table of kernel arguments.
+pub(crate) struct DeviceBuffer<'a> {
+    dev: &'a CudaDevice,
+    /// Its address on the device.
+    pub(crate) ptr: sys::CUdeviceptr,
+    bytes: usize,
+}
+
+impl<'a> DeviceBuffer<'a> {
+    /// `bytes` bytes, uninitialized.
+    pub(crate) fn new(dev: &'a CudaDevice, bytes: usize) -> Result<DeviceBuffer<'a>> {
+        // SAFETY: stream-ordered allocation on the device's stream, freed on drop.
+        let ptr = unsafe { result::malloc_async(dev.stream, bytes) }
+            .map_err(driver("cuMemAllocAsync"))?;
+        Ok(DeviceBuffer { dev, ptr, bytes })
+    }
+
+    /// `bytes` zeroed bytes.
+    pub(crate) fn zeroed(dev: &'a CudaDevice, bytes: usize) -> Result<DeviceBuffer<'a>> {
+        let b = DeviceBuffer::new(dev, bytes)?;
+        b.zero(bytes)?;
+        Ok(b)
+    }
+
+    /// Queues setting its first `bytes` bytes to zero.
+    pub(crate) fn zero(&self, bytes: usize) -> Result<()> {
+        assert!(bytes <= self.bytes);
+        // SAFETY: within this allocation.
+        unsafe { result::memset_d8_async(self.ptr, 0, bytes, self.dev.stream) }
+            .map_err(driver("cuMemsetD8Async"))
+    }
+
+    /// Queues copying `values` to `offset` bytes in. Pageable host memory: the driver has
+    /// taken the values when this returns.
+    pub(crate) fn write<T: Copy>(&self, offset: usize, values: &[T]) -> Result<()> {
+        assert!(offset + std::mem::size_of_val(values) <= self.bytes);
+        // SAFETY: within this allocation; the values are plain data.
+        unsafe { result::memcpy_htod_async(self.ptr + offset as u64, values, self.dev.stream) }
+            .map_err(driver("cuMemcpyHtoDAsync"))
+    }
+
+    /// Its first values, into `out`, once the work queued so far has run (waits for
+    /// the stream).
+    pub(crate) fn read<T: Copy>(&self, out: &mut [T]) -> Result<()> {
+        assert!(std::mem::size_of_val(out) <= self.bytes);
+        // SAFETY: as many bytes as `out` holds, from this allocation into `out`, waited
+        // for before `out` is read; the values are plain data.
+        unsafe {
+            result::memcpy_dtoh_async(out, self.ptr, self.dev.stream)
+                .map_err(driver("cuMemcpyDtoHAsync"))?;
+            result::stream::synchronize(self.dev.stream).map_err(driver("cuStreamSynchronize"))
+        }
+    }
+}
+
+impl Drop for DeviceBuffer<'_> {
+    fn drop(&mut self) {
+        // SAFETY: allocated on this stream; freed after the work queued so far.
+        let _ = unsafe { result::free_async(self.ptr, self.dev.stream) };
+    }
+}
+
 /// A context made current on the calling thread, until dropped: then the context that
 /// was current before (or none) is current again. Not `Send`: it ends on the thread it
 /// began on.
