@@ -11,7 +11,7 @@
 use std::ops::Range;
 
 use super::ring::{allgather_ranges, allreduce, byte_parts, reduce_scatter_ranges};
-use super::{Comm, SubComm};
+use super::{consecutive, Comm, SubComm};
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::Result;
 use crate::kernels::{from_half, to_half, AlignedBuf};
@@ -94,12 +94,12 @@ pub fn allgatherv_hierarchical(comm: &dyn Comm, buf: &mut [u8], sizes: &[usize])
     let hosts = hosts_of(comm);
     let (mine, peers) = host_and_peers(comm);
     let li = mine.iter().position(|&r| r == comm.rank()).unwrap();
-    let in_place = offsets(sizes.iter().copied());
+    let in_place = consecutive(sizes.iter().copied());
     // Group ranks in staging order: local index 0 of every host, then local index 1...
     let order: Vec<usize> = (0..mine.len())
         .flat_map(|i| hosts.iter().map(move |g| g[i]))
         .collect();
-    let staged_ranges = offsets(order.iter().map(|&r| sizes[r]));
+    let staged_ranges = consecutive(order.iter().map(|&r| sizes[r]));
     let mut staged = vec![0..0; sizes.len()];
     for (k, &r) in order.iter().enumerate() {
         staged[r] = staged_ranges[k].clone();
@@ -127,15 +127,4 @@ pub fn allgatherv_hierarchical(comm: &dyn Comm, buf: &mut [u8], sizes: &[usize])
         buf[in_place[r].clone()].copy_from_slice(&stage.as_slice()[staged[r].clone()]);
     }
     Ok(())
-}
-
-/// Consecutive ranges of the given lengths, from 0.
-fn offsets(lens: impl Iterator<Item = usize>) -> Vec<Range<usize>> {
-    let mut start = 0;
-    lens.map(|n| {
-        let r = start..start + n;
-        start += n;
-        r
-    })
-    .collect()
 }

@@ -196,6 +196,17 @@ impl Comm for Channel<'_> {
     }
 }
 
+/// Consecutive ranges of the given lengths, from 0 (blocks laid out one after another).
+pub fn consecutive(lens: impl Iterator<Item = usize>) -> Vec<Range<usize>> {
+    let mut start = 0;
+    lens.map(|n| {
+        let r = start..start + n;
+        start += n;
+        r
+    })
+    .collect()
+}
+
 /// Splits `count` elements into `n` parts as evenly as possible, the first
 /// `count % n` parts one larger; returns element ranges.
 pub fn partition(count: usize, n: usize) -> Vec<Range<usize>> {

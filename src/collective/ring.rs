@@ -279,17 +279,9 @@ pub(super) fn allgather_ranges(
 /// Ring allgather of blocks of `sizes[i]` bytes from rank `i`, laid out in
 /// rank order in `buf`; this rank's block must already be in place.
 pub fn allgatherv(comm: &dyn Comm, buf: &mut [u8], sizes: &[usize]) -> Result<()> {
-    let mut start = 0;
-    let parts: Vec<Range<usize>> = sizes
-        .iter()
-        .map(|s| {
-            let r = start..start + s;
-            start += s;
-            r
-        })
-        .collect();
+    let parts = super::consecutive(sizes.iter().copied());
     assert_eq!(
-        start,
+        parts.last().map_or(0, |p| p.end),
         buf.len(),
         "allgatherv: sizes do not cover the buffer"
     );

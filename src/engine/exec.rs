@@ -572,17 +572,6 @@ fn allgather(
     })
 }
 
-fn ranges(sizes: impl Iterator<Item = usize>) -> Vec<std::ops::Range<usize>> {
-    let mut start = 0;
-    sizes
-        .map(|s| {
-            let r = start..start + s;
-            start += s;
-            r
-        })
-        .collect()
-}
-
 fn alltoall(
     comm: &dyn Comm,
     shape: &[i64],
@@ -595,9 +584,9 @@ fn alltoall(
     let row = elems(&shape[1..]) * dtype.size();
     // SAFETY: the front-end keeps the input alive until completion.
     let inp = unsafe { input.bytes() };
-    let send = ranges((0..n).map(|d| matrix[r * n + d] as usize * row));
+    let send = collective::consecutive((0..n).map(|d| matrix[r * n + d] as usize * row));
     let got: Vec<i64> = (0..n).map(|s| matrix[s * n + r]).collect();
-    let recv = ranges(got.iter().map(|&g| g as usize * row));
+    let recv = collective::consecutive(got.iter().map(|&g| g as usize * row));
     let mut out = AlignedBuf::zeroed(recv.last().map_or(0, |x| x.end));
     collective::alltoallv(comm, inp, &send, out.as_mut_slice(), &recv)?;
     let mut oshape = shape.to_vec();
