@@ -94,17 +94,7 @@ def begin():
         return
     identity = _identity()
     os.environ[PENDING] = f"{os.getpid()}:{identity}"
-    me = _stat(os.getpid())
-    if me is None:
-        return
-    path = os.path.join(_folder(), f"{os.getpid()}.pending")
-    try:
-        os.makedirs(_folder(), mode=0o700, exist_ok=True)
-        with open(path + ".tmp", "w") as f:
-            f.write(f"{me[1]}:{identity}")
-        os.replace(path + ".tmp", path)
-    except OSError:
-        pass
+    _write_own(f"{os.getpid()}.pending", [identity])
 
 
 def end_pending():
@@ -134,21 +124,42 @@ def _write_file(topology, identity):
     """This rank's mark in its file (best effort: without it, copies read the mark in
     their environment)."""
     global _cleanup_registered
-    me = _stat(os.getpid())
-    if me is None:
-        return
-    path = os.path.join(_folder(), str(os.getpid()))
-    try:
-        os.makedirs(_folder(), mode=0o700, exist_ok=True)
-        with open(path + ".tmp", "w") as f:
-            f.write(":".join(str(x) for x in [me[1], *topology, identity]))
-        os.replace(path + ".tmp", path)
-    except OSError:
+    if not _write_own(str(os.getpid()), [*topology, identity]):
         return
     if not _cleanup_registered:
         _cleanup_registered = True
         atexit.register(_remove_file, os.getpid())
         _remove_stale()
+
+
+def _write_own(name, fields):
+    """Writes this process's start time and ``fields`` to the file ``name`` of the
+    folder, whole (a reader never sees half of it); False when it could not."""
+    me = _stat(os.getpid())
+    if me is None:
+        return False
+    path = os.path.join(_folder(), name)
+    try:
+        os.makedirs(_folder(), mode=0o700, exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            f.write(":".join(str(x) for x in [me[1], *fields]))
+        os.replace(path + ".tmp", path)
+    except OSError:
+        return False
+    return True
+
+
+def _read_own(pid, name):
+    """The fields after the start time in the file ``name`` of process ``pid``, when
+    that process wrote it (its start time matches: not another process that reused the
+    id); else None."""
+    try:
+        with open(os.path.join(_folder(), name)) as f:
+            start, *fields = f.read().split(":")
+    except (OSError, ValueError):
+        return None
+    st = _stat(pid)
+    return fields if st is not None and str(st[1]) == start else None
 
 
 def _remove_stale():
@@ -180,16 +191,13 @@ def _remove_file(pid):
 def _read_file(pid):
     """``(topology, identity)`` from the file of rank process ``pid``, when it is that
     process's (its start time matches) and well formed; else None."""
+    fields = _read_own(pid, str(pid))
+    if fields is None or len(fields) != 7:
+        return None
     try:
-        with open(os.path.join(_folder(), str(pid))) as f:
-            fields = f.read().split(":")
-        start, *topology = (int(x) for x in fields[:7])
-    except (OSError, ValueError):
+        return [int(x) for x in fields[:6]], fields[6]
+    except ValueError:
         return None
-    st = _stat(pid)
-    if len(fields) != 8 or st is None or st[1] != start:
-        return None
-    return topology, fields[7]
 
 
 def unmark():
@@ -251,13 +259,8 @@ def _from_ancestors():
 def _read_pending(pid):
     """The identity in the announcement file of process ``pid``, when it is that
     process's (its start time matches); else None."""
-    try:
-        with open(os.path.join(_folder(), f"{pid}.pending")) as f:
-            start, identity = f.read().split(":")
-    except (OSError, ValueError):
-        return None
-    st = _stat(pid)
-    return identity if st is not None and str(st[1]) == start else None
+    fields = _read_own(pid, f"{pid}.pending")
+    return fields[0] if fields is not None and len(fields) == 1 else None
 
 
 def _pending_rank():
