@@ -24,6 +24,10 @@ pub enum DataType {
     F64 = 7,
     /// Boolean, one byte per element.
     Bool = 8,
+    /// Signed 16-bit integer.
+    I16 = 9,
+    /// Unsigned 16-bit integer.
+    U16 = 10,
 }
 
 impl DataType {
@@ -31,7 +35,7 @@ impl DataType {
     pub fn size(self) -> usize {
         match self {
             DataType::U8 | DataType::I8 | DataType::Bool => 1,
-            DataType::F16 | DataType::BF16 => 2,
+            DataType::F16 | DataType::BF16 | DataType::I16 | DataType::U16 => 2,
             DataType::I32 | DataType::F32 => 4,
             DataType::I64 | DataType::F64 => 8,
         }
@@ -54,6 +58,8 @@ impl DataType {
             6 => DataType::F32,
             7 => DataType::F64,
             8 => DataType::Bool,
+            9 => DataType::I16,
+            10 => DataType::U16,
             _ => return Err(PerseusError::Protocol(format!("unknown dtype code {code}"))),
         })
     }
@@ -70,6 +76,8 @@ impl DataType {
             DataType::F32 => "float32",
             DataType::F64 => "float64",
             DataType::Bool => "bool",
+            DataType::I16 => "int16",
+            DataType::U16 => "uint16",
         }
     }
 }

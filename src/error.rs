@@ -27,6 +27,10 @@ pub enum PerseusError {
     /// An argument is wrong (bad root, bad splits, rank outside a process set, ...).
     #[error("{0}")]
     InvalidArgument(String),
+    /// An operation Horovod defines but does not implement for these arguments (Adasum
+    /// for a reducescatter); raised as Python's NotImplementedError, as Horovod raises it.
+    #[error("{0}")]
+    NotImplemented(String),
     /// A tensor has a data type the core cannot reduce or move.
     #[error("unsupported tensor data type: {0}")]
     UnsupportedType(String),

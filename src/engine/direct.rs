@@ -210,7 +210,8 @@ pub fn supports(resp: &Response) -> bool {
         OpKind::Broadcast => true,
         OpKind::Allreduce => {
             let scaled = *prescale != 1.0 || *postscale != 1.0 || *op == ReduceOp::Average;
-            *dtype != DataType::Bool && *op != ReduceOp::Adasum && (floating || !scaled)
+            let nccl_type = !matches!(dtype, DataType::Bool | DataType::I16 | DataType::U16);
+            nccl_type && *op != ReduceOp::Adasum && (floating || !scaled)
         }
         _ => false,
     }

@@ -539,7 +539,7 @@ fn check_locally(req: &Request, set_size: usize) -> Result<()> {
         DataType::F16 | DataType::BF16 | DataType::F32 | DataType::F64
     );
     if req.op == ReduceOp::Adasum && req.kind == OpKind::Reducescatter {
-        return Err(PerseusError::InvalidArgument(
+        return Err(PerseusError::NotImplemented(
             "reducescatter takes Sum or Average; Adasum is an allreduce op".into(),
         ));
     }

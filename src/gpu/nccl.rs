@@ -322,6 +322,12 @@ pub fn data_type(d: DataType) -> Result<c_int> {
         DataType::F32 => 7,
         DataType::F64 => 8,
         DataType::BF16 => 9,
+        DataType::I16 | DataType::U16 => {
+            return Err(PerseusError::UnsupportedType(format!(
+                "NCCL has no {} reduction; such tensors go through host memory",
+                d.name()
+            )))
+        }
     })
 }
 

@@ -116,6 +116,8 @@ fn reduce_untimed(dst: &mut [u8], src: &[u8], dtype: DataType, op: ReduceOp) {
     match dtype {
         DataType::U8 => int_reduce!(u8, dst, src, op),
         DataType::I8 => int_reduce!(i8, dst, src, op),
+        DataType::I16 => int_reduce!(i16, dst, src, op),
+        DataType::U16 => int_reduce!(u16, dst, src, op),
         DataType::I32 => int_reduce!(i32, dst, src, op),
         DataType::I64 => int_reduce!(i64, dst, src, op),
         DataType::F32 => float_reduce(
@@ -171,6 +173,8 @@ pub fn scale(buf: &mut [u8], dtype: DataType, factor: f64) {
     match dtype {
         DataType::U8 => int_scale!(u8, buf, factor),
         DataType::I8 => int_scale!(i8, buf, factor),
+        DataType::I16 => int_scale!(i16, buf, factor),
+        DataType::U16 => int_scale!(u16, buf, factor),
         DataType::I32 => int_scale!(i32, buf, factor),
         DataType::I64 => int_scale!(i64, buf, factor),
         DataType::F32 => {

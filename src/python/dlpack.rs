@@ -49,9 +49,11 @@ const KDL_CUDA: i32 = 2;
 fn dtype_of(t: DLDataType) -> Result<DataType> {
     Ok(match (t.code, t.bits, t.lanes) {
         (0, 8, 1) => DataType::I8,
+        (0, 16, 1) => DataType::I16,
         (0, 32, 1) => DataType::I32,
         (0, 64, 1) => DataType::I64,
         (1, 8, 1) => DataType::U8,
+        (1, 16, 1) => DataType::U16,
         (2, 16, 1) => DataType::F16,
         (2, 32, 1) => DataType::F32,
         (2, 64, 1) => DataType::F64,
@@ -71,8 +73,8 @@ fn dtype_of(t: DLDataType) -> Result<DataType> {
                 format!(" x{lanes}")
             };
             return Err(PerseusError::UnsupportedType(format!(
-                "{what}{lanes}; supported: uint8, int8, int32, int64, float16, bfloat16, \
-                 float32, float64, bool"
+                "{what}{lanes}; supported: uint8, int8, uint16, int16, int32, int64, float16, \
+                 bfloat16, float32, float64, bool"
             )));
         }
     })
@@ -81,6 +83,8 @@ fn dtype_of(t: DLDataType) -> Result<DataType> {
 fn dl_of(d: DataType) -> DLDataType {
     let (code, bits) = match d {
         DataType::I8 => (0, 8),
+        DataType::I16 => (0, 16),
+        DataType::U16 => (1, 16),
         DataType::I32 => (0, 32),
         DataType::I64 => (0, 64),
         DataType::U8 => (1, 8),

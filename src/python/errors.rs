@@ -2,8 +2,10 @@
 
 use crate::error::PerseusError;
 use pyo3::create_exception;
-use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
-use pyo3::PyErr;
+use pyo3::exceptions::{PyNotImplementedError, PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyDict, PyTuple, PyType};
 
 create_exception!(
     _core,
@@ -14,10 +16,48 @@ create_exception!(
 
 create_exception!(
     _core,
+    MismatchError,
+    HorovodInternalError,
+    "Ranks disagreed about a collective (its name, shape, dtype, op or root): a HorovodInternalError that front-ends may raise as their framework's own type."
+);
+
+create_exception!(
+    _core,
     GpuUnavailableError,
     PyRuntimeError,
     "A GPU library (CUDA driver, NVRTC or NCCL) is missing or unusable; the message says where it was looked for."
 );
+
+static UNSUPPORTED_OPERATION: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+
+/// `UnsupportedOperationError`: an operation Horovod defines but does not implement for
+/// the arguments given. It derives from `NotImplementedError` (what Horovod raises, a
+/// `RuntimeError`) and from `ValueError` (what Perseus raised for bad arguments before),
+/// so an `except` clause written for either catches it.
+pub fn unsupported_operation(py: Python<'_>) -> PyResult<&Bound<'_, PyType>> {
+    UNSUPPORTED_OPERATION
+        .get_or_try_init(py, || {
+            let bases = PyTuple::new(
+                py,
+                [
+                    py.get_type::<PyNotImplementedError>(),
+                    py.get_type::<PyValueError>(),
+                ],
+            )?;
+            let body = PyDict::new(py);
+            body.set_item("__module__", "perseus._core")?;
+            body.set_item(
+                "__doc__",
+                "An operation Horovod defines but does not implement for these arguments \
+                 (a NotImplementedError, and a ValueError).",
+            )?;
+            let made = py
+                .get_type::<PyType>()
+                .call1(("UnsupportedOperationError", bases, body))?;
+            Ok::<_, PyErr>(made.cast_into::<PyType>()?.unbind())
+        })
+        .map(|t| t.bind(py))
+}
 
 /// Maps a core error to its Python exception.
 pub fn to_py(e: PerseusError) -> PyErr {
@@ -27,9 +67,13 @@ pub fn to_py(e: PerseusError) -> PyErr {
         | PerseusError::NotARank(_)
         | PerseusError::InvalidConfig { .. }
         | PerseusError::InvalidArgument(_) => PyValueError::new_err(msg),
+        PerseusError::NotImplemented(_) => Python::attach(|py| match unsupported_operation(py) {
+            Ok(t) => PyErr::from_type(t.clone(), msg),
+            Err(e) => e,
+        }),
         PerseusError::UnsupportedType(_) => PyTypeError::new_err(msg),
-        PerseusError::Mismatch(_)
-        | PerseusError::Peer(_)
+        PerseusError::Mismatch(_) => MismatchError::new_err(msg),
+        PerseusError::Peer(_)
         | PerseusError::Protocol(_)
         | PerseusError::Io(_)
         | PerseusError::Aborted(_)

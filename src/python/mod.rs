@@ -13,7 +13,7 @@ use crate::dtype::ReduceOp;
 use crate::engine::{Engine, OpKind, Output, Request};
 use crate::error::PerseusError;
 use crate::rendezvous::{StoreClient, StoreServer};
-use errors::{to_py, GpuUnavailableError, HorovodInternalError};
+use errors::{to_py, GpuUnavailableError, HorovodInternalError, MismatchError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 use std::collections::{BTreeMap, HashMap};
@@ -750,6 +750,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
         "HorovodInternalError",
         m.py().get_type::<HorovodInternalError>(),
     )?;
+    m.add("MismatchError", m.py().get_type::<MismatchError>())?;
     m.add("OP_AVERAGE", 0)?;
     m.add("OP_SUM", 1)?;
     m.add("OP_ADASUM", 2)?;
@@ -763,6 +764,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     )?;
     m.add_function(wrap_pyfunction!(gpu_libraries, m)?)?;
     m.add_function(wrap_pyfunction!(gpu_compile_kernels, m)?)?;
+    m.add(
+        "UnsupportedOperationError",
+        errors::unsupported_operation(m.py())?,
+    )?;
     m.add("GPU_BUILT", cfg!(feature = "cuda"))?;
     m.add_function(wrap_pyfunction!(gpu_search_dirs, m)?)?;
     m.add_function(wrap_pyfunction!(gpu_stream, m)?)?;

@@ -28,6 +28,16 @@ def test_errors(run_workers, n):
     run_workers(n, "errors.py")
 
 
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("n,mode", [(2, "1"), (3, "1"), (2, "0"), (3, "0")])
+def test_horovod_dtypes_and_gradients(run_workers, n, mode):
+    """Every dtype Horovod accepts (int16 and uint16 among them) through every collective,
+    and every differentiable op's gradient (Sum and Average, grouped forms, pre- and
+    postscale) against autograd in one process under Horovod's definitions; a scalar
+    reducescatter and an Adasum one raise Horovod's errors."""
+    run_workers(n, "horovod_semantics.py", env={"PERSEUS_CHANGE_HVD_ALLGATHER": mode})
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_adasum(run_workers, n):

@@ -217,12 +217,26 @@ def gloo_enabled():
 
 
 def nccl_built():
-    """True when this build has the GPU path and NCCL can be loaded (docs/gpu.md)."""
+    """NCCL's version code, as Horovod's ``nccl_built()`` returns it (``2708`` for 2.7.8,
+    ``22809`` for 2.28.9), when this build has the GPU path and NCCL can be loaded
+    (docs/gpu.md); 0 otherwise."""
     if not _core.GPU_BUILT:
-        return False
+        return 0
     from perseus.common import gpu
 
-    return any(lib["name"] == "NCCL" and lib["path"] for lib in gpu.libraries())
+    for lib in gpu.libraries():
+        if lib["name"] == "NCCL" and lib["path"]:
+            return nccl_version_code(lib["version"])
+    return 0
+
+
+def nccl_version_code(version):
+    """NCCL's ``NCCL_VERSION_CODE`` for a version ``"major.minor.patch"``: NCCL 2.8 and
+    older code it ``major*1000 + minor*100 + patch``, later ones ``major*10000 +
+    minor*100 + patch``."""
+    major, minor, patch = ([int(p) for p in version.split(".")[:3]] + [0, 0, 0])[:3]
+    scale = 1000 if (major, minor) <= (2, 8) else 10000
+    return major * scale + minor * 100 + patch
 
 
 def ddl_built():

@@ -10,6 +10,11 @@ HorovodInternalError = _core.HorovodInternalError
 PerseusInternalError = HorovodInternalError
 
 
+#: An operation Horovod defines but does not implement for the arguments given (Adasum
+#: for a reducescatter): a ``NotImplementedError``, as Horovod raises, and a ``ValueError``.
+UnsupportedOperationError = _core.UnsupportedOperationError
+
+
 class HostsUpdatedInterrupt(RuntimeError):
     """Raised in elastic mode when the set of hosts changed and workers must re-form.
 

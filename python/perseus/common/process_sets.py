@@ -86,7 +86,15 @@ def _normalize(process_sets):
         return []
     if isinstance(process_sets, ProcessSet):
         process_sets = [process_sets]
-    return [ps if isinstance(ps, ProcessSet) else ProcessSet(ps) for ps in process_sets]
+    sets = [ps if isinstance(ps, ProcessSet) else ProcessSet(ps) for ps in process_sets]
+    seen = set()
+    for i, ps in enumerate(sets):
+        ranks = tuple(sorted(ps.ranks))
+        if ranks in seen:  # Horovod's ValueError, raised here before anything starts
+            raise ValueError(f"Perseus could not be initialized because process_sets entry "
+                             f"number {i} is a duplicate: {ps}")
+        seen.add(ranks)
+    return sets
 
 
 def _after_init(sets):

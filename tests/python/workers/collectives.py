@@ -471,8 +471,16 @@ def main():
     assert 0 <= hvd.local_rank() < hvd.local_size() and 0 <= hvd.cross_rank() < hvd.cross_size()
     assert hvd.gloo_built() and hvd.gloo_enabled() and not hvd.mpi_built()
     assert hvd.cuda_built() == gpu.built()
-    nccl_found = any(lib["name"] == "NCCL" and lib["path"] for lib in gpu.libraries())
-    assert hvd.nccl_built() == (gpu.built() and nccl_found)
+    nccl = [lib["version"] for lib in gpu.libraries() if lib["name"] == "NCCL" and lib["path"]]
+    # Horovod's nccl_built() is NCCL's version code (an int compared against versions), or 0.
+    code = hvd.nccl_built()
+    assert type(code) is int, f"nccl_built() = {code!r}, an int in Horovod"
+    if gpu.built() and nccl:
+        major, minor, patch = (int(p) for p in nccl[0].split(".")[:3])
+        assert code == major * (1000 if (major, minor) <= (2, 8) else 10000) + minor * 100 + patch
+        assert code >= 2700
+    else:
+        assert code == 0
     assert not (hvd.mpi_enabled() or hvd.rocm_built()
                 or hvd.ddl_built() or hvd.ccl_built() or hvd.mpi_threads_supported())
     set_b = process_sets()[2]

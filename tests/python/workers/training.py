@@ -143,6 +143,22 @@ def check_broadcast_state(r, n):
             close(s[k], states[0][k], f"Adam state {k} after broadcast")
     assert adam.param_groups[0]["lr"] == 0.01 * n
 
+    # An optimizer with no state yet: as in Horovod, a zero-gradient step creates it, and
+    # every parameter that requires a gradient has a zero-filled .grad afterwards.
+    model = make_model(seed=300 + r)
+    frozen = next(model.parameters())
+    frozen.requires_grad_(False)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=model.named_parameters())
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    assert frozen.grad is None, "a frozen parameter got a gradient"
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            assert p.grad is not None, f"{name}.grad is None after broadcast_optimizer_state"
+            close(p.grad, torch.zeros_like(p), f"{name}.grad after broadcast_optimizer_state")
+            close(opt.state[p]["momentum_buffer"], torch.zeros_like(p), "momentum created")
+            hvd.broadcast_(p.grad, root_rank=0)  # Horovod users' code reads it right away
+
     # A scheduler made on the torch optimizer before wrapping keeps steering the wrapper
     # after the broadcast: the group dicts stay the same objects on every rank.
     model = make_model()

@@ -200,8 +200,9 @@ def gradients(r, n):
         with tf.GradientTape() as tape:
             loss = tf.reduce_sum(hvd.reducescatter(w, op=hvd.Sum) * (r + 1))
         return tape.gradient(loss, w)
-    for mode, g in modes(rs_grad):
-        close(g(tf.Variable(tf.zeros([n, 2]))), np.repeat(np.arange(1, n + 1), 2).reshape(n, 2),
+    for mode, g in modes(rs_grad):  # Horovod's: the gathered gradient times n for Sum
+        close(g(tf.Variable(tf.zeros([n, 2]))),
+              n * np.repeat(np.arange(1, n + 1), 2).reshape(n, 2),
               f"reducescatter gradient {mode}")
 
 

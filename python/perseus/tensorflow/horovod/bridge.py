@@ -22,14 +22,20 @@ ops in any order), so there an unnamed collective is named when the graph is bui
 after its op: the same on every rank that builds the same graph.
 """
 
+import contextlib
+import os
+import threading
+
 import tensorflow as tf
 from tensorflow.python.ops import control_flow_util as _control_flow
+
+from perseus.tensorflow.horovod.errors import as_tf_error
 
 _to_dlpack = tf.experimental.dlpack.to_dlpack
 _from_dlpack = tf.experimental.dlpack.from_dlpack
 
-SUPPORTED_DTYPES = (tf.uint8, tf.int8, tf.int32, tf.int64, tf.float16, tf.bfloat16,
-                    tf.float32, tf.float64, tf.bool)
+SUPPORTED_DTYPES = (tf.uint8, tf.int8, tf.uint16, tf.int16, tf.int32, tf.int64, tf.float16,
+                    tf.bfloat16, tf.float32, tf.float64, tf.bool)
 
 def as_tensor(value):
     """``value`` as a tf.Tensor (variables are read), with its dtype checked."""
@@ -103,8 +109,69 @@ def run(fn, inputs, out_dtypes, kind):
             "jit_compile=True, or called from one): XLA cannot call the Perseus core. "
             "Compile that function with jit_compile=False (Keras models compiled with a "
             "Perseus DistributedOptimizer already are)")
-    outs = tf.py_function(body, list(inputs), list(out_dtypes), name=kind)
-    return list(outs) if isinstance(outs, (list, tuple)) else [outs]
+    graph = tf.compat.v1.get_default_graph()
+    chained = _chained(graph)
+    with tf.control_dependencies([_order.last] if chained and _order.last is not None else []):
+        outs = tf.py_function(body, list(inputs), list(out_dtypes), name=kind)
+    outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
+    if chained and outs:
+        _order.last = outs[0].op
+    return outs
+
+
+# --------------------------------------------------------------------------- graphs' order
+# Each collective's op holds the thread that runs it until every rank has submitted it. A
+# tf.compat.v1 session runs independent ops in an order of its own, different on each
+# rank, on its inter-op threads: ranks whose threads all wait on collectives the others
+# have not reached would hang. Two things keep sessions going. The collectives one call
+# makes (a grouped op's parts, a gradient batch's dense and sparse reductions) run in the
+# order they were made, the same on every rank, one after another (``ordered``). And
+# sessions get enough inter-op threads for every collective of a step to wait at once
+# (``SESSION_THREADS``, set at init where the program set none). A tf.function needs
+# neither: py_functions are stateful, so it runs them in program order.
+
+#: Inter-op threads Perseus gives TensorFlow at ``init()`` where the program chose none:
+#: how many independent collectives one ``session.run`` may hold waiting at once.
+SESSION_THREADS = 64
+
+_order = threading.local()
+
+
+@contextlib.contextmanager
+def ordered():
+    """Collectives made inside run in the order they are made, in a tf.compat.v1 graph."""
+    outer = getattr(_order, "depth", 0)
+    if outer == 0:
+        _order.last = None
+    _order.depth = outer + 1
+    try:
+        yield
+    finally:
+        _order.depth = outer
+        if outer == 0:
+            _order.last = None
+
+
+def _chained(graph):
+    """Whether a collective made now in ``graph`` follows the one made before it: inside
+    :func:`ordered`, in a tf.compat.v1 graph (not a tf.function), outside control flow."""
+    return (getattr(_order, "depth", 0) > 0
+            and not getattr(graph, "_building_function", False)
+            and graph._get_control_flow_context() is None)
+
+
+def give_sessions_threads():
+    """Raise TensorFlow's inter-op threads to :data:`SESSION_THREADS` (or the number of
+    cores, if more) where the program set none and the runtime has not started: sessions
+    made without a config of their own take it, and then hold a thread for each of a
+    step's collectives while they wait. Returns the number now set (0: left to TF)."""
+    if tf.config.threading.get_inter_op_parallelism_threads() == 0:
+        try:
+            tf.config.threading.set_inter_op_parallelism_threads(
+                max(SESSION_THREADS, os.cpu_count() or 1))
+        except RuntimeError:
+            pass  # the runtime started already: its threads stay as they are
+    return tf.config.threading.get_inter_op_parallelism_threads()
 
 
 def through_host(fn):
@@ -116,7 +183,13 @@ def through_host(fn):
         gpu = next((d for d in map(_gpu_device, xs) if d is not None), None)
         with tf.device("/cpu:0"):
             host = [tf.identity(x) if _gpu_device(x) is not None else x for x in xs]
-            outs = list(fn(*host))
+            try:
+                outs = list(fn(*host))
+            except Exception as e:  # re-raised as the tf.errors type Horovod raises for it
+                converted = as_tf_error(e)
+                if converted is e:
+                    raise
+                raise converted from e
         if gpu is None:
             return outs
         with tf.device(gpu):

@@ -21,7 +21,7 @@ def broadcast_variables(variables, root_rank, process_set=global_process_set):
         return None if tf.executing_eagerly() else tf.no_op()
     result = broadcast_(variables, root_rank, name="broadcast_variables",
                         process_set=process_set)
-    return None if tf.executing_eagerly() else result
+    return None if tf.executing_eagerly() else tf.group(*result)
 
 
 def broadcast_global_variables(root_rank):

@@ -21,7 +21,6 @@ from perseus.common.basics import (  # noqa: F401 - re-exported
     ddl_built,
     gloo_built,
     gloo_enabled,
-    init,
     is_homogeneous,
     is_initialized,
     local_rank,
@@ -53,6 +52,15 @@ from perseus.common.process_sets import set_rank as _set_rank
 from perseus.common.timeline import start_timeline, stop_timeline  # noqa: F401
 from perseus.tensorflow.horovod import bridge as _bridge
 from perseus.tensorflow.horovod.compression import Compression
+from perseus.tensorflow.horovod.errors import InvalidArgumentError as _InvalidArgument
+
+
+def init(comm=None, process_sets=None):
+    """Start Perseus on this rank (see :func:`perseus.common.basics.init`), and give
+    TensorFlow's sessions enough inter-op threads for their collectives
+    (:func:`.bridge.give_sessions_threads`)."""
+    _basics.init(comm, process_sets)
+    _bridge.give_sessions_threads()
 
 
 def cuda_built():
@@ -138,13 +146,16 @@ def _grouped_allreduce_raw(tensors, name, op, prescale_factor, postscale_factor,
     return list(reduce(*tensors))
 
 
-def _sparse_allreduce(slices, name, op, process_set):
-    """IndexedSlices: every rank's values and indices gathered (Horovod's way)."""
+def _sparse_allreduce(slices, name, op, process_set, prescale_factor=1.0,
+                      postscale_factor=1.0):
+    """IndexedSlices: every rank's values and indices gathered (Horovod's way), in one op."""
     if op not in (Average, Sum):
-        raise NotImplementedError("IndexedSlices can be reduced with Sum and Average only")
-    base = name or None
-    values = _allgather_concat(slices.values, base and f"{base}.values", process_set)
-    indices = _allgather_concat(slices.indices, base and f"{base}.indices", process_set)
+        raise NotImplementedError("Only Sum and Average ops are supported with tf.IndexedSlices")
+    if prescale_factor != 1.0 or postscale_factor != 1.0:
+        raise NotImplementedError("Pre/postscale_factor are not supported with tf.IndexedSlices")
+    names = [f"{name}.values", f"{name}.indices"] if name else None
+    values, indices = _grouped_allgather([slices.values, slices.indices], names, process_set,
+                                         stack=False)
     if op == Average:
         values = values / tf.cast(_ps_size(process_set), values.dtype)
     return tf.IndexedSlices(values, indices, dense_shape=slices.dense_shape)
@@ -163,7 +174,8 @@ def allreduce(tensor, average=None, device_dense="", device_sparse="",
     """
     op = _ops.check_op(_ops.resolve_op(op, average))
     if isinstance(tensor, tf.IndexedSlices):
-        return _sparse_allreduce(tensor, name, op, process_set)
+        return _sparse_allreduce(tensor, name, op, process_set, prescale_factor,
+                                 postscale_factor)
     compressed, ctx = compression.compress(_bridge.as_tensor(tensor))
     reduced = _grouped_allreduce_raw([compressed], name, op, prescale_factor, postscale_factor,
                                      process_set)[0]
@@ -179,16 +191,18 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
     tensors = list(tensors)
     dense = [i for i, t in enumerate(tensors) if not isinstance(t, tf.IndexedSlices)]
     results = list(tensors)
-    for i, t in enumerate(tensors):
-        if isinstance(t, tf.IndexedSlices):
-            results[i] = _sparse_allreduce(t, name and f"{name}.{i}", op, process_set)
-    compressed, ctxs = [], []
-    for i in dense:
-        c, ctx = compression.compress(_bridge.as_tensor(tensors[i]))
-        compressed.append(c)
-        ctxs.append(ctx)
-    reduced = _grouped_allreduce_raw(compressed, name, op, prescale_factor, postscale_factor,
-                                     process_set)
+    with _bridge.ordered():
+        for i, t in enumerate(tensors):
+            if isinstance(t, tf.IndexedSlices):
+                results[i] = _sparse_allreduce(t, name and f"{name}.{i}", op, process_set,
+                                               prescale_factor, postscale_factor)
+        compressed, ctxs = [], []
+        for i in dense:
+            c, ctx = compression.compress(_bridge.as_tensor(tensors[i]))
+            compressed.append(c)
+            ctxs.append(ctx)
+        reduced = _grouped_allreduce_raw(compressed, name, op, prescale_factor,
+                                         postscale_factor, process_set)
     for i, r, ctx in zip(dense, reduced, ctxs):
         results[i] = compression.decompress(r, ctx)
     return results
@@ -198,40 +212,58 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
 
 def _allgather_concat(tensor, name, process_set):
     """Horovod's allgather (concatenate along dim 0) whatever PERSEUS_CHANGE_HVD_ALLGATHER."""
-    return _allgather(tensor, name, process_set, stack=False)
+    return _grouped_allgather([tensor], [name], process_set, stack=False)[0]
 
 
-def _allgather(tensor, name, process_set, stack):
-    t = _bridge.as_tensor(tensor)
+def _gathered_shape(shape, stack, set_size):
+    if stack:
+        return tf.TensorShape([set_size]).concatenate(shape)
+    return _rows_shape(shape) if shape.rank else tf.TensorShape([set_size])
+
+
+def _allgather_grads(dys, xs, outs, stack, process_set):
+    """Horovod's gradient of allgathers: each output gradient averaged over the set, then
+    this rank's rows of it."""
+    dys = [tf.zeros_like(o) if dy is None else dy for dy, o in zip(dys, outs)]
+    reduced = _grouped_allreduce_raw(dys, None, Average, 1.0, 1.0, process_set)
+    r = _set_rank(process_set)
+    if stack:
+        return [g[r] for g in reduced]
+    rows = tf.stack([tf.shape(x, out_type=tf.int64)[0] if x.shape.rank else
+                     tf.constant(1, tf.int64) for x in xs])
+    counts = tf.reshape(_allgather_concat(rows, None, process_set), [-1, len(xs)])
+    offsets = tf.reduce_sum(counts[:r], axis=0)
+    grads = []
+    for i, (g, x) in enumerate(zip(reduced, xs)):
+        rest = tf.shape(g, out_type=tf.int64)[1:]
+        part = tf.slice(g, tf.concat([offsets[i:i + 1], tf.zeros_like(rest)], 0),
+                        tf.concat([rows[i:i + 1], rest], 0))
+        grads.append(tf.reshape(part, tf.shape(x)))
+    return grads
+
+
+def _grouped_allgather(tensors, names, process_set, stack):
+    """Gathers each tensor, all in one op (one submission batch, fused where they fit);
+    ``names``: one per tensor, or None."""
+    ts = [_bridge.as_tensor(t) for t in tensors]
+    if not ts:
+        return []
     set_size = _ps_size(process_set)
-    name = _bridge.op_name(name, "PerseusAllgather")
+    names = [_bridge.op_name(n, "PerseusAllgather") for n in (names or [None] * len(ts))]
 
     @tf.custom_gradient
-    def gather(x):
-        def body(e):
-            return _allgather_now([e], [name], stack, process_set)
-        out = _bridge.run(body, [x], [x.dtype], "PerseusAllgather")[0]
-        if stack:
-            out.set_shape(tf.TensorShape([set_size]).concatenate(x.shape))
-        else:
-            out.set_shape(_rows_shape(x.shape) if x.shape.rank else tf.TensorShape([set_size]))
+    def gather(*xs):
+        def body(*e):
+            return _allgather_now(e, names, stack, process_set)
+        outs = _bridge.run(body, xs, [x.dtype for x in xs], "PerseusAllgather")
+        for out, x in zip(outs, xs):
+            out.set_shape(_gathered_shape(x.shape, stack, set_size))
 
-        def grad(dy):
-            reduced = _grouped_allreduce_raw([dy], None, Average, 1.0, 1.0, process_set)[0]
-            r = _set_rank(process_set)
-            if stack:
-                return reduced[r]
-            rows = tf.shape(x)[:1] if x.shape.rank else tf.constant([1])
-            counts = _allgather_concat(tf.cast(rows, tf.int64), None, process_set)
-            offset = tf.reduce_sum(counts[:r])
-            part = tf.slice(reduced, tf.concat([[offset], tf.zeros_like(tf.shape(reduced)[1:],
-                                                                         tf.int64)], 0),
-                            tf.concat([tf.cast(rows, tf.int64),
-                                       tf.cast(tf.shape(reduced)[1:], tf.int64)], 0))
-            return tf.reshape(part, tf.shape(x))
-        return out, grad
+        def grad(*dys):
+            return _allgather_grads(dys, xs, outs, stack, process_set)
+        return outs, grad
 
-    return gather(t)
+    return list(gather(*ts))
 
 
 def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_process_set):
@@ -242,14 +274,15 @@ def allgather(tensor, name=None, ignore_name_scope=False, process_set=global_pro
     tensors are concatenated along dimension 0, as Horovod does, so their first
     dimensions may differ. Differentiable.
     """
-    return _allgather(tensor, name, process_set, stack=_basics.allgather_stacks())
+    return _grouped_allgather([tensor], [name], process_set, _basics.allgather_stacks())[0]
 
 
 def grouped_allgather(tensors, name=None, ignore_name_scope=False,
                       process_set=global_process_set):
-    """Gather each tensor of a list; returns the list of results."""
-    return [allgather(t, n, process_set=process_set)
-            for t, n in zip(tensors, _group_names(name, len(tensors)))]
+    """Gather each tensor of a list (one op); returns the list of results. Differentiable."""
+    tensors = list(tensors)
+    names = _group_names(name, len(tensors)) if name is not None else None
+    return _grouped_allgather(tensors, names, process_set, _basics.allgather_stacks())
 
 
 # --------------------------------------------------------------------------- broadcast
@@ -290,8 +323,8 @@ def broadcast(tensor, root_rank, name=None, ignore_name_scope=False,
 
 
 def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
-    """Overwrite each variable with ``root_rank``'s value; returns the variables (eager)
-    or the grouped assign op (graph)."""
+    """Overwrite each variable with ``root_rank``'s value; returns the list of their new
+    values (tensors read after the assignments), as Horovod does."""
     variables = list(variables)
     values = [tf.convert_to_tensor(v) for v in variables]
     names = _group_names(_bridge.op_name(name, "PerseusBroadcastVariables"), len(values))
@@ -300,9 +333,8 @@ def broadcast_(variables, root_rank, name=None, process_set=global_process_set):
     for o, v in zip(outs, values):
         o.set_shape(v.shape)
     assigns = [v.assign(o) for v, o in zip(variables, outs)]
-    if tf.executing_eagerly():
-        return variables
-    return tf.group(*assigns)
+    with tf.control_dependencies(assigns):  # Horovod returns the variables' new values
+        return [tf.identity(v) for v in variables]
 
 
 # --------------------------------------------------------------------------- alltoall
@@ -353,49 +385,74 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False,
 
 # --------------------------------------------------------------------------- reducescatter
 
+def _reducescatter_grads(dys, op, prescale_factor, postscale_factor, process_set):
+    """Horovod 0.28's gradient of reducescatters: each output gradient times the scale
+    factors, times the set's size for Sum (not divided for Average), gathered back to
+    every rank's rows."""
+    if op not in (Average, Sum):
+        raise NotImplementedError("reducescatter gradients exist for Sum and Average only")
+    scale = prescale_factor * postscale_factor * (_ps_size(process_set) if op == Sum else 1)
+    scaled = [dy * tf.cast(scale, dy.dtype) if scale != 1.0 else dy for dy in dys]
+    return _grouped_allgather(scaled, None, process_set, stack=False)
+
+
+def _grouped_reducescatter(tensors, names, op, prescale_factor, postscale_factor,
+                           process_set):
+    """Reduce-scatters each tensor, all in one op; ``names``: one per tensor, or None."""
+    for t in tensors:
+        if t.shape.rank == 0:
+            raise _InvalidArgument("Reducescatter does not support scalar inputs: it "
+                                   "scatters the rows of a tensor of one dimension or more")
+    names = [_bridge.op_name(n, "PerseusReducescatter") for n in (names or [None] * len(tensors))]
+
+    @tf.custom_gradient
+    def scatter(*xs):
+        def body(*e):
+            return _ops.GroupHandle([_ops.reducescatter_async(
+                _bridge.export(x), name=n, op=op, prescale_factor=prescale_factor,
+                postscale_factor=postscale_factor, process_set=process_set, keep=x,
+                finish=lambda h: _bridge.imported(h.output())) for x, n in zip(e, names)]).wait()
+        outs = _bridge.run(body, xs, [x.dtype for x in xs], "PerseusReducescatter")
+        for out, x in zip(outs, xs):
+            out.set_shape(_rows_shape(x.shape))
+
+        def grad(*dys):
+            return _reducescatter_grads(dys, op, prescale_factor, postscale_factor,
+                                        process_set)
+        return outs, grad
+
+    return list(scatter(*tensors))
+
+
 def reducescatter(tensor, device_dense="", compression=Compression.none, op=Average, name=None,
                   process_set=global_process_set, ignore_name_scope=False, prescale_factor=1.0,
                   postscale_factor=1.0):
     """Reduce ``tensor`` over the set and return this rank's block of dim-0 rows.
 
     Dim 0 is split as evenly as possible, the first ``d0 % size`` ranks getting one
-    more row. Differentiable for Sum and Average.
+    more row. Differentiable for Sum and Average, as in Horovod: the gradient is the
+    output gradient times the scale factors (and the set's size for Sum), allgathered.
     """
     op = _ops.check_op(op)
     compressed, ctx = compression.compress(_bridge.as_tensor(tensor))
-    name = _bridge.op_name(name, "PerseusReducescatter")
-
-    @tf.custom_gradient
-    def scatter(x):
-        def body(e):
-            h = _ops.reducescatter_async(
-                _bridge.export(e), name=name, op=op, prescale_factor=prescale_factor,
-                postscale_factor=postscale_factor, process_set=process_set, keep=e,
-                finish=lambda h: _bridge.imported(h.output()))
-            return [h.wait()]
-        out = _bridge.run(body, [x], [x.dtype], "PerseusReducescatter")[0]
-        out.set_shape(_rows_shape(x.shape))
-
-        def grad(dy):
-            if op not in (Average, Sum):
-                raise NotImplementedError("reducescatter gradients exist for Sum and Average only")
-            g = _allgather_concat(dy, None, process_set)
-            scale = prescale_factor * postscale_factor
-            if op == Average:
-                scale /= _ps_size(process_set)
-            return g * tf.cast(scale, g.dtype) if scale != 1.0 else g
-        return out, grad
-
-    return compression.decompress(scatter(compressed), ctx)
+    out = _grouped_reducescatter([compressed], [name], op, prescale_factor, postscale_factor,
+                                 process_set)[0]
+    return compression.decompress(out, ctx)
 
 
 def grouped_reducescatter(tensors, device_dense="", compression=Compression.none, op=Average,
                           name=None, process_set=global_process_set, ignore_name_scope=False,
                           prescale_factor=1.0, postscale_factor=1.0):
-    """Reduce-scatter each tensor of a list; returns the list of this rank's blocks."""
-    return [reducescatter(t, compression=compression, op=op, name=n, process_set=process_set,
-                          prescale_factor=prescale_factor, postscale_factor=postscale_factor)
-            for t, n in zip(tensors, _group_names(name, len(tensors)))]
+    """Reduce-scatter each tensor of a list (one op); returns the list of this rank's
+    blocks. Differentiable as :func:`reducescatter`."""
+    op = _ops.check_op(op)
+    pairs = [compression.compress(_bridge.as_tensor(t)) for t in tensors]
+    if not pairs:
+        return []
+    names = _group_names(name, len(pairs)) if name is not None else None
+    outs = _grouped_reducescatter([c for c, _ in pairs], names, op, prescale_factor,
+                                  postscale_factor, process_set)
+    return [compression.decompress(o, ctx) for o, (_, ctx) in zip(outs, pairs)]
 
 
 # --------------------------------------------------------------------------- join, barrier

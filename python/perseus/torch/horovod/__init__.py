@@ -27,6 +27,7 @@ from perseus.torch.horovod.mpi_ops import (
     ProcessSet,
     Product,
     Sum,
+    UnsupportedOperationError,
     add_process_set,
     allgather,
     allgather_async,
@@ -87,7 +88,7 @@ from perseus.torch.horovod.sync_batch_norm import SyncBatchNorm
 __all__ = [
     "Adasum", "Average", "Compression", "DistributedOptimizer", "HorovodInternalError",
     "HostsUpdatedInterrupt", "Max", "Min", "PerseusInternalError", "ProcessSet", "Product",
-    "Sum", "SyncBatchNorm", "add_process_set", "allgather", "allgather_async",
+    "Sum", "SyncBatchNorm", "UnsupportedOperationError", "add_process_set", "allgather", "allgather_async",
     "allgather_object", "allreduce", "allreduce_", "allreduce_async", "allreduce_async_",
     "alltoall", "alltoall_async", "barrier", "broadcast", "broadcast_", "broadcast_async",
     "broadcast_async_", "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters",

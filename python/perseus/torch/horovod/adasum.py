@@ -88,6 +88,11 @@ class _DistributedAdasumOptimizer:
     def _trainable(self):
         return [p for group in self.param_groups for p in group["params"] if p.requires_grad]
 
+    def _step_locally(self):
+        """The wrapped optimizer's own step on this rank's gradients, reducing nothing:
+        ``broadcast_optimizer_state``'s zero-gradient step that creates the state."""
+        return super().step()
+
     def step(self, closure=None):
         """The wrapped optimizer's step on this rank's gradients, then the weights of every
         rank set to the start plus the Adasum of the ranks' changes."""

@@ -43,6 +43,8 @@ def broadcast_optimizer_state(optimizer, root_rank, process_set=global_process_s
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"expected a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    if not optimizer.state:
+        _create_state(optimizer)
     root = rank() == root_rank
     state = optimizer.state_dict() if root else None
     state = broadcast_object(state, root_rank, name="optimizer_state", process_set=process_set)
@@ -58,3 +60,19 @@ def broadcast_optimizer_state(optimizer, root_rank, process_set=global_process_s
             held.clear()
             held.update(loaded)
         optimizer.param_groups, optimizer.state = groups, held
+
+
+def _create_state(optimizer):
+    """Horovod's start of an optimizer that holds no state yet: every parameter that
+    requires a gradient and has none gets a zero-filled ``.grad`` (code that reads the
+    gradients right after, to broadcast them for one, finds them), and one step of the
+    wrapped optimizer, reducing nothing, creates its state (momentum buffers, Adam's
+    moments and step count) as Horovod's ``broadcast_optimizer_state`` does (a gradient
+    already there is zeroed too, as there)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+                if isinstance(optimizer, torch.optim.LBFGS):
+                    p.grad.requires_grad_(True)
+    getattr(optimizer, "_step_locally", optimizer.step)()

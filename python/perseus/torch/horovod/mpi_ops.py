@@ -39,6 +39,7 @@ from perseus.common.exceptions import (  # noqa: F401 - re-exported
     HorovodInternalError,
     HostsUpdatedInterrupt,
     PerseusInternalError,
+    UnsupportedOperationError,
 )
 from perseus.common.ops import Adasum, Average, Max, Min, Product, Sum  # noqa: F401
 from perseus.common.process_sets import (  # noqa: F401 - re-exported
@@ -52,8 +53,12 @@ from perseus.common.process_sets import set_rank as _set_rank
 from perseus.common.timeline import start_timeline, stop_timeline  # noqa: F401
 from perseus.torch.horovod.compression import Compression
 
-_SUPPORTED_DTYPES = (torch.uint8, torch.int8, torch.int32, torch.int64, torch.float16,
-                     torch.bfloat16, torch.float32, torch.float64, torch.bool)
+# Horovod's torch dtypes (uint16 where torch has it: 2.3 and later).
+_SUPPORTED_DTYPES = tuple(
+    d for d in (torch.uint8, torch.int8, getattr(torch, "uint16", None), torch.int16,
+                torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.float32,
+                torch.float64, torch.bool)
+    if d is not None)
 
 
 # --------------------------------------------------------------------------- tensor adaptation
@@ -331,6 +336,19 @@ def stacked_allgather_async(tensor, name=None, process_set=global_process_set):
                                 keep=(tensor, buf), finish=_output_on(tensor))
 
 
+def _allgather_grads(grads, shapes, stack, process_set):
+    """Horovod's gradient of an allgather of tensors of ``shapes``: the output gradients
+    averaged over the set, then this rank's rows of each."""
+    reduced = grouped_allreduce(grads, op=Average, process_set=process_set)
+    r = _set_rank(process_set)
+    if stack:
+        return [g[r] for g in reduced]
+    rows = [s[0] if len(s) else 1 for s in shapes]
+    counts = synchronize(_allgather_concat_async(torch.tensor(rows), None, process_set))
+    offsets = counts.reshape(-1, len(rows))[:r].sum(0).tolist()
+    return [g.narrow(0, o, n).reshape(s) for g, o, n, s in zip(reduced, offsets, rows, shapes)]
+
+
 class _Allgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name, process_set):
@@ -341,15 +359,8 @@ class _Allgather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        ps = ctx.process_set
-        reduced = allreduce(grad_output, op=Average, process_set=ps)
-        r = _set_rank(ps)
-        if ctx.stack:
-            return reduced[r], None, None
-        rows = ctx.shape[0] if len(ctx.shape) else 1
-        dims = synchronize(_allgather_concat_async(torch.tensor([rows]), None, ps))
-        offset = int(dims[:r].sum())
-        return reduced.narrow(0, offset, rows).reshape(ctx.shape), None, None
+        grad, = _allgather_grads([grad_output], [ctx.shape], ctx.stack, ctx.process_set)
+        return grad, None, None
 
 
 def allgather(tensor, name=None, process_set=global_process_set):
@@ -367,9 +378,26 @@ def grouped_allgather_async(tensors, name=None, process_set=global_process_set):
                              for t, n in zip(tensors, _group_names(name, len(tensors)))])
 
 
+class _GroupedAllgather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, process_set, *tensors):
+        ctx.shapes = [t.shape for t in tensors]
+        ctx.process_set = process_set
+        ctx.stack = _basics.allgather_stacks()
+        return tuple(synchronize(grouped_allgather_async(list(tensors), name, process_set)))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, None, *_allgather_grads(list(grads), ctx.shapes, ctx.stack,
+                                              ctx.process_set))
+
+
 def grouped_allgather(tensors, name=None, process_set=global_process_set):
-    """Gather each tensor of a list from every rank; returns the list of results."""
-    return synchronize(grouped_allgather_async(tensors, name, process_set))
+    """Gather each tensor of a list from every rank; returns the list of results
+    (differentiable, as :func:`allgather`)."""
+    if not tensors:
+        return []
+    return list(_GroupedAllgather.apply(name, process_set, *tensors))
 
 
 # --------------------------------------------------------------------------- broadcast
@@ -472,6 +500,13 @@ def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
 
 # --------------------------------------------------------------------------- reducescatter
 
+def _check_reducescatter(tensor):
+    _check_tensor(tensor)
+    if tensor.dim() == 0:
+        raise ValueError("Reducescatter does not support scalar inputs: it scatters the rows "
+                         "of a tensor of one dimension or more")
+
+
 def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set,
                         prescale_factor=1.0, postscale_factor=1.0):
     """Start a reduce-scatter: reduce ``tensor`` over the set, keep this rank's rows.
@@ -479,11 +514,26 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=global_proces
     Dim 0 is split as evenly as possible, the first ``d0 % size`` ranks getting one
     more row. ``synchronize`` returns this rank's block.
     """
-    _check_tensor(tensor)
+    _check_reducescatter(tensor)
     buf, cap = _export(tensor)
     return _ops.reducescatter_async(cap, name=name, op=op, prescale_factor=prescale_factor,
                                     postscale_factor=postscale_factor, process_set=process_set,
                                     keep=(tensor, buf), finish=_output_on(tensor))
+
+
+def _reducescatter_grads(grads, op, process_set, scale):
+    """Horovod 0.28's gradient of a reducescatter: the output gradients times the prescale
+    and postscale factors (``scale``), times the set's size for Sum (not divided for
+    Average), gathered back to every rank's rows (so learning rates tuned under Horovod
+    stay right)."""
+    if op not in (Average, Sum):
+        raise UnsupportedOperationError(
+            "reducescatter gradients exist for Sum and Average only")
+    if op == Sum:
+        scale *= _ps_size(process_set)
+    handles = [_allgather_concat_async(g * scale if scale != 1.0 else g, None, process_set)
+               for g in grads]
+    return [synchronize(h) for h in handles]
 
 
 class _Reducescatter(torch.autograd.Function):
@@ -495,18 +545,16 @@ class _Reducescatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        op, ps, scale = ctx.args
-        if op not in (Average, Sum):
-            raise NotImplementedError("reducescatter gradients exist for Sum and Average only")
-        grad = synchronize(_allgather_concat_async(grad_output, None, ps))
-        if op == Average:
-            scale = scale / _ps_size(ps)
-        return grad * scale if scale != 1.0 else grad, None, None, None, None, None
+        grad, = _reducescatter_grads([grad_output], *ctx.args)
+        return grad, None, None, None, None, None
 
 
 def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
                   process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
-    """Reduce ``tensor`` over the set and return this rank's block of rows (differentiable)."""
+    """Reduce ``tensor`` over the set and return this rank's block of rows.
+
+    Differentiable as in Horovod: the gradient is the output gradients times the scale
+    factors (and the set's size for Sum), allgathered."""
     compressed, ctx = compression.compress(tensor)
     out = _Reducescatter.apply(compressed, name, op, process_set, prescale_factor,
                                postscale_factor)
@@ -516,18 +564,35 @@ def reducescatter(tensor, name=None, compression=Compression.none, op=Average,
 def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set,
                                 prescale_factor=1.0, postscale_factor=1.0):
     """Start reduce-scattering each tensor of a list; ``synchronize`` returns a list."""
+    for t in tensors:
+        _check_reducescatter(t)
     return _ops.GroupHandle([
         reducescatter_async(t, n, op, process_set, prescale_factor, postscale_factor)
         for t, n in zip(tensors, _group_names(name, len(tensors)))])
 
 
+class _GroupedReducescatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, op, process_set, prescale_factor, postscale_factor, *tensors):
+        ctx.args = (op, process_set, prescale_factor * postscale_factor)
+        return tuple(synchronize(grouped_reducescatter_async(
+            list(tensors), name, op, process_set, prescale_factor, postscale_factor)))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, None, None, None, None, *_reducescatter_grads(list(grads), *ctx.args))
+
+
 def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
                           process_set=global_process_set, prescale_factor=1.0,
                           postscale_factor=1.0):
-    """Reduce-scatter each tensor of a list; returns the list of this rank's blocks."""
-    compressed, ctxs = zip(*[compression.compress(t) for t in tensors]) if tensors else ((), ())
-    outs = synchronize(grouped_reducescatter_async(list(compressed), name, op, process_set,
-                                                   prescale_factor, postscale_factor))
+    """Reduce-scatter each tensor of a list; returns the list of this rank's blocks
+    (differentiable, as :func:`reducescatter`)."""
+    if not tensors:
+        return []
+    compressed, ctxs = zip(*[compression.compress(t) for t in tensors])
+    outs = _GroupedReducescatter.apply(name, op, process_set, prescale_factor,
+                                       postscale_factor, *compressed)
     return [compression.decompress(t, c) for t, c in zip(outs, ctxs)]
 
 

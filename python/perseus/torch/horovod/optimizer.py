@@ -736,6 +736,11 @@ class _DistributedOptimizer:
         finally:
             self._should_synchronize = True
 
+    def _step_locally(self):
+        """The wrapped optimizer's own step on this rank's gradients, reducing nothing:
+        ``broadcast_optimizer_state``'s zero-gradient step that creates the state."""
+        return super().step()
+
     def step(self, closure=None):
         """Wait for the averaged gradients, then take the wrapped optimizer's step.
 

@@ -1,0 +1,49 @@
+"""Perseus's errors as the ``tf.errors`` types Horovod's TensorFlow ops raise.
+
+Horovod raises ``tf.errors.FailedPreconditionError`` when ranks disagree about a
+collective and ``tf.errors.InvalidArgumentError`` for bad arguments (alltoall splits, a
+first dimension that does not divide, a scalar to reducescatter), in eager mode and from
+``session.run`` alike. Each class here is that TensorFlow type and Perseus's own
+(``HorovodInternalError`` for a mismatch, ``ValueError`` or ``TypeError`` for an
+argument), so ``except`` clauses written for either catch it. Raised inside a graph's
+``py_function``, a ``tf.errors`` type keeps its code: ``session.run`` raises the same type.
+"""
+
+import tensorflow as tf
+
+from perseus import _core
+
+
+class _Converted:
+    """What the classes below share: made from a message alone, and picklable so."""
+
+    def __init__(self, message):
+        super().__init__(None, None, message)
+
+    def __reduce__(self):
+        return type(self), (self.message,)
+
+
+class MismatchError(_Converted, tf.errors.FailedPreconditionError, _core.MismatchError):
+    """Ranks disagreed about a collective (name, shape, dtype, op or root)."""
+
+
+class InvalidArgumentError(_Converted, tf.errors.InvalidArgumentError, ValueError):
+    """A collective's arguments are wrong (splits, root, shape)."""
+
+
+class InvalidTypeError(_Converted, tf.errors.InvalidArgumentError, TypeError):
+    """A collective got a tensor of a type it cannot take."""
+
+
+def as_tf_error(e):
+    """``e`` as the ``tf.errors`` type Horovod raises for it, or ``e`` itself."""
+    if isinstance(e, (tf.errors.OpError, NotImplementedError)):
+        return e
+    if isinstance(e, _core.MismatchError):
+        return MismatchError(str(e))
+    if isinstance(e, ValueError):
+        return InvalidArgumentError(str(e))
+    if isinstance(e, TypeError):
+        return InvalidTypeError(str(e))
+    return e
