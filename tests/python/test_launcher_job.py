@@ -94,16 +94,22 @@ def test_ranks_get_their_environment_and_prefixed_output():
 
 
 @pytest.mark.timeout(60)
-def test_output_filename_writes_one_log_per_rank(tmp_path):
+def test_output_filename_writes_each_ranks_stdout_and_stderr_and_still_prints(tmp_path):
+    # horovodrun's layout: DIR/rank.<R>/stdout and DIR/rank.<R>/stderr, the lines
+    # prefixed as on the terminal, which gets them too (test_launcher_output_filename.py).
     worker = ("import os, sys; print('hello', os.environ['PERSEUS_RANK']); "
               "print('oops', file=sys.stderr)")
     r = launch(["-np", "2", "--output-filename", str(tmp_path / "logs"), sys.executable, "-c",
                 worker])
     assert r.returncode == 0, r.stderr
-    assert "<stdout>" not in r.stdout
+    assert sorted(os.listdir(tmp_path / "logs")) == ["rank.0", "rank.1"]
     for rank in range(2):
-        text = (tmp_path / "logs" / f"rank.{rank}.log").read_text()
-        assert f"hello {rank}" in text and "oops" in text
+        out = (tmp_path / "logs" / f"rank.{rank}" / "stdout").read_text()
+        err = (tmp_path / "logs" / f"rank.{rank}" / "stderr").read_text()
+        assert out == f"[{rank}]<stdout>:hello {rank}\n", out
+        assert err == f"[{rank}]<stderr>:oops\n", err
+        assert f"[{rank}]<stdout>:hello {rank}\n" in r.stdout, r.stdout
+        assert f"[{rank}]<stderr>:oops\n" in r.stderr, r.stderr
 
 
 FAIL_WORKER = PIDS + textwrap.dedent("""

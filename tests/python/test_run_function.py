@@ -146,15 +146,16 @@ def test_rank_output_reaches_text_streams_without_a_byte_buffer():
 def test_arguments_it_cannot_run_are_refused_naming_why():
     got, _ = drive("refusals")
     assert got["np"] == "ValueError: perseus.run needs np, a number of ranks >= 1, got 0", got
-    assert got["both"] == "ValueError: perseus.run takes use_gloo or use_mpi, not both", got
+    assert got["both"] == "ValueError: Argument use_gloo and use_mpi only allow one set True.", got
     assert got["mpi_args"] == "ValueError: perseus.run: mpi_args go with use_mpi=True", got
     assert got["elastic_mpi"] == ("ValueError: perseus.run: elastic jobs run with Perseus's "
                                   "own launcher, not mpirun (use_mpi)"), got
     assert got["cooldown"] == ("ValueError: perseus.run: cooldown_range is (min, max) "
                                "seconds, got 5"), got
     # Tuning flags alone do not make a job elastic: perseusrun refuses a cooldown there.
-    assert got["cooldown_fixed"] == ("ValueError: perseus.run: perseusrun refused these "
-                                     "arguments (its message is above)"), got
+    assert got["cooldown_fixed"] == ("ValueError: perseus.run: perseusrun refuses these "
+                                     "arguments: --blacklist-cooldown-range is for elastic "
+                                     "jobs (--min-np, --max-np or --host-discovery-script)"), got
     assert got["not_callable"] == "TypeError: perseus.run needs a function to run, got int", got
     assert got["typo"] == "TypeError: run() got an unexpected keyword argument 'hots'", got
     assert got["hosts"] == ("HostError: -np 4 is more than the 2 slots available "

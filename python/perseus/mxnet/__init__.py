@@ -5,9 +5,10 @@ Two ways in, as Horovod and AIACC users know them:
 - the Horovod API (``horovod.mxnet`` of Horovod 0.28): ``hvd.init()``,
   ``hvd.broadcast_parameters(net.collect_params())``, ``hvd.DistributedTrainer(params,
   opt)`` (gluon) or ``hvd.DistributedOptimizer(opt)`` (Module API), and the collectives;
-- the Perseus KVStore: ``kv = perseus.mxnet.create("dist_sync_perseus")`` passed where
-  MXNet takes a kvstore (``mod.fit(kvstore=kv)``, ``gluon.Trainer(..., kvstore=kv)``),
-  with ``kv.local_rank``, ``init(key, value, param_only=False)`` and
+- the Perseus KVStore: ``kv = perseus.mxnet.create("dist_sync_perseus")`` (or
+  ``mx.kv.create("dist_sync_perseus")``, or the name itself) passed where MXNet takes a
+  kvstore (``mod.fit(kvstore=kv)``, ``gluon.Trainer(..., kvstore=kv)``), with
+  ``kv.local_rank``, ``init(key, value, param_only=False)`` and
   ``push(key, value, op=PerseusOp.Sum / Max / Min)``.
 
 ``DistributedTrainer`` and ``DistributedOptimizer`` honour the PERSEUS_* gradient switches
@@ -30,6 +31,7 @@ from perseus.mxnet.mpi_ops import (
     HorovodInternalError,
     Max,
     Min,
+    MXNetValueError,
     ProcessSet,
     Product,
     Sum,
@@ -76,7 +78,7 @@ from perseus.mxnet.trainer import DistributedOptimizer, DistributedTrainer
 
 __all__ = [
     "Adasum", "Average", "Compression", "DistributedOptimizer", "DistributedTrainer",
-    "HorovodInternalError", "Max", "Min", "PerseusKVStore", "PerseusOp", "PerseusSyncBatchNorm",
+    "HorovodInternalError", "MXNetValueError", "Max", "Min", "PerseusKVStore", "PerseusOp", "PerseusSyncBatchNorm",
     "ProcessSet", "Product", "Sum", "add_process_set", "allgather", "allgather_object",
     "allreduce", "allreduce_", "alltoall", "barrier", "broadcast", "broadcast_",
     "broadcast_object", "broadcast_parameters", "ccl_built", "create", "cross_rank", "cross_size",

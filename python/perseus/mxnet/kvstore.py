@@ -1,4 +1,6 @@
-"""The Perseus KVStore (seed 003 §4.6.1): ``perseus.mxnet.create("dist_sync_perseus")``.
+"""The Perseus KVStore (seed 003 §4.6.1): ``perseus.mxnet.create("dist_sync_perseus")``,
+or MXNet's own ``mx.kv.create("dist_sync_perseus")`` and
+``gluon.Trainer(..., kvstore="dist_sync_perseus")`` once ``perseus.mxnet`` is imported.
 
 A ``mx.kvstore.KVStoreBase`` without servers: ``push`` reduces across every rank at
 once (Sum by default, or Max / Min), and the store keeps one value per key on every
@@ -14,8 +16,12 @@ Sums pushed to weight keys are gradients: they travel as ``PERSEUS_ALLREDUCE_DTY
 says, and ``set_gradient_compression`` quantizes them as MXNet's ``2bit`` and ``1bit``
 compressions do, sending the packed codes. ``param_only`` keys and Max / Min pushes are
 reduced exactly.
+
+``push(key, value, op)``: seed 003 passes the op third, where MXNet's ``push`` takes
+``priority``. A :class:`PerseusOp` there is the op; a plain int stays a priority.
 """
 
+import enum
 import math
 import pickle
 
@@ -28,12 +34,24 @@ from perseus.common.process_sets import global_process_set
 from perseus.mxnet.mpi_ops import _allgather, _allreduce_into, barrier, broadcast_
 
 
-class PerseusOp:
-    """The reductions a push can ask for."""
+class PerseusOp(enum.IntEnum):
+    """The reductions a push can ask for: ints equal to Horovod's ``Sum``, ``Max`` and
+    ``Min``, of their own type so that ``push`` knows one in its ``priority`` slot."""
 
     Sum = _ops.Sum
     Max = _ops.Max
     Min = _ops.Min
+
+
+def _op_and_priority(priority, op, what):
+    """``(op, priority)`` of a push or pushpull: a :class:`PerseusOp` given where MXNet
+    takes the priority (seed 003's ``push(key, value, op)``) is the op."""
+    if isinstance(priority, PerseusOp):
+        if op is not None:
+            raise TypeError(f"kvstore {what}: the op is given twice (PerseusOp."
+                            f"{priority.name} where MXNet takes the priority, and op={op!r})")
+        return priority, 0
+    return (PerseusOp.Sum if op is None else op), priority
 
 
 def _as_list(x):
@@ -127,7 +145,8 @@ def _compression_from(params):
 
 @mx.kvstore.KVStoreBase.register
 class PerseusKVStore(mx.kvstore.KVStoreBase):
-    """See the module documentation; made by :func:`create`."""
+    """See the module documentation; made by :func:`create`, or by MXNet's
+    ``mx.kv.create`` under the names ``"dist_sync_perseus"`` and ``"perseuskvstore"``."""
 
     def __init__(self, name="dist_sync_perseus"):
         basics.init()
@@ -213,10 +232,15 @@ class PerseusKVStore(mx.kvstore.KVStoreBase):
         summed = self._compression.decode_sum(gathered.asnumpy(), total.size)
         return mx.nd.array(summed.reshape(total.shape), ctx=total.context, dtype=np.float32)
 
-    def push(self, key, value, priority=0, op=PerseusOp.Sum):
+    def push(self, key, value, priority=0, op=None):
         """Reduce ``value`` (an NDArray, or a list of them summed locally first) across the
-        ranks with ``op`` (``PerseusOp.Sum``, ``Max`` or ``Min``). A weight key with an
-        optimizer set is updated with the result; any other key stores it."""
+        ranks with ``op`` (``PerseusOp.Sum``, the default, ``Max`` or ``Min``). A weight key
+        with an optimizer set is updated with the result; any other key stores it.
+
+        ``priority`` is accepted for MXNet's callers and unused. A :class:`PerseusOp` passed
+        third (``push(key, value, PerseusOp.Max)``, as seed 003 writes it) is the op; given
+        there and as ``op=`` too, ``TypeError``."""
+        op, _ = _op_and_priority(priority, op, "push")
         keys = _as_list(key)
         values = value if isinstance(key, (list, tuple)) else [value]
         for k, v in zip(keys, values):
@@ -238,9 +262,15 @@ class PerseusKVStore(mx.kvstore.KVStoreBase):
             for dst in _as_list(o):
                 self._store[k].copyto(dst)
 
-    def pushpull(self, key, value, out=None, priority=0):
-        """``push`` then ``pull``; without ``out`` the result lands in ``value``."""
-        self.push(key, value, priority)
+    def pushpull(self, key, value, out=None, priority=0, op=None):
+        """``push`` (with ``op``, as :meth:`push` takes it) then ``pull``; without ``out``
+        the result lands in ``value``. A :class:`PerseusOp` in the ``priority`` slot is the
+        op; one in the ``out`` slot (MXNet's third argument) raises ``TypeError``."""
+        if isinstance(out, PerseusOp):
+            raise TypeError(f"kvstore pushpull: the third argument is out, as in MXNet; "
+                            f"pass the op as op=PerseusOp.{out.name}")
+        op, priority = _op_and_priority(priority, op, "pushpull")
+        self.push(key, value, priority, op=op)
         self.pull(key, value if out is None else out, priority)
 
     def broadcast(self, key, value, out, priority=0):
@@ -293,6 +323,12 @@ class PerseusKVStore(mx.kvstore.KVStoreBase):
 
     def __getstate__(self):
         raise pickle.PicklingError("a kvstore cannot be pickled")
+
+
+# MXNet's register() keys a store by its lower-cased class name ("perseuskvstore");
+# mx.kv.create() and gluon.Trainer(kvstore=...) look names up in the same registry, so
+# the name users pass (seed 003: --kv-store dist_sync_perseus) gets its own entry.
+mx.kvstore.KVStoreBase.kv_registry["dist_sync_perseus"] = PerseusKVStore
 
 
 def create(name="dist_sync_perseus"):

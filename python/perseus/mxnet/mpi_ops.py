@@ -9,7 +9,14 @@ once the collective is done, so what follows in the engine sees the result.
 NDArrays on a GPU cross through host memory: the core reads and writes a copy in
 ``mx.cpu()``, which is copied back into the array (or results into arrays on its
 context). Perseus's NCCL path serves PyTorch's CUDA tensors only (docs/gpu.md).
+
+Argument errors that Horovod's MXNet front-end reports from its C++ side (alltoall's
+splits) raise :class:`MXNetValueError`, both an ``mxnet.base.MXNetError`` (as Horovod)
+and a ``ValueError`` (as Perseus's other front-ends).
 """
+
+import ctypes
+import numbers
 
 import mxnet as mx
 import numpy as np
@@ -43,12 +50,61 @@ from perseus.common.process_sets import (  # noqa: F401 - re-exported
     ProcessSet,
     add_process_set,
     global_process_set,
+    process_set_size,
     remove_process_set,
 )
 from perseus.common.timeline import start_timeline, stop_timeline  # noqa: F401 - re-exported
 
 _SUPPORTED_DTYPES = (np.uint8, np.int8, np.int32, np.int64, np.float16, np.float32, np.float64,
                      np.bool_)
+
+
+class MXNetValueError(mx.base.MXNetError, ValueError):
+    """A bad argument that Horovod's MXNet front-end reports as ``mxnet.base.MXNetError``
+    (its C++ checks surface through MXNet): both that and a ``ValueError``, so either
+    ``except`` clause catches it."""
+
+
+# --------------------------------------------------------------------------- DLPack bool
+#
+# MXNet 1.9 tags bool arrays in DLPack as 1-bit unsigned integers (stored one byte per
+# element all the same), which the core does not read; the core's bool is DLPack's
+# kDLBool (8 bits). The tag of the capsules that cross is rewritten, both ways.
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensorHead(ctypes.Structure):
+    """The start of DLPack's ``DLTensor``, up to its dtype (MXNet's ``DLContext`` and the
+    core's ``DLDevice`` have the same layout)."""
+
+    _fields_ = [("data", ctypes.c_void_p), ("device_type", ctypes.c_int32),
+                ("device_id", ctypes.c_int32), ("ndim", ctypes.c_int32), ("dtype", _DLDataType)]
+
+
+# A function object of our own: MXNet's capsule deleter calls
+# ctypes.pythonapi.PyCapsule_GetPointer with its own argument types, which must stay as
+# they are.
+_capsule_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)(
+    ("PyCapsule_GetPointer", ctypes.pythonapi))
+
+_MX_BOOL = (1, 1)    # kDLUInt, 1 bit: MXNet 1.9's bool
+_CORE_BOOL = (6, 8)  # kDLBool, 8 bits: the core's bool
+
+
+def _retag(capsule, old, new):
+    """Rewrite the dtype of a ``dltensor`` capsule from ``old`` to ``new`` (code, bits);
+    other dtypes are left alone. Returns the capsule."""
+    dtype = _DLTensorHead.from_address(_capsule_pointer(capsule, b"dltensor")).dtype
+    if (dtype.code, dtype.bits) == old:
+        dtype.code, dtype.bits = new
+    return capsule
+
+
+def _export(capsule):
+    """An MXNet capsule, as the core reads it."""
+    return _retag(capsule, _MX_BOOL, _CORE_BOOL)
 
 
 def _check(tensor):
@@ -86,12 +142,12 @@ def _readable(tensor):
     in host memory (a GPU array, or one oneDNN keeps in its own layout)."""
     if _off_host(tensor):
         copy = tensor.as_in_context(mx.cpu())
-        return copy, copy.to_dlpack_for_read()
+        return copy, _export(copy.to_dlpack_for_read())
     try:
-        return tensor, tensor.to_dlpack_for_read()
+        return tensor, _export(tensor.to_dlpack_for_read())
     except mx.base.MXNetError:
         copy = _default_layout_copy(tensor)
-        return copy, copy.to_dlpack_for_read()
+        return copy, _export(copy.to_dlpack_for_read())
 
 
 def _writable(tensor):
@@ -102,19 +158,19 @@ def _writable(tensor):
         copy = tensor.as_in_context(mx.cpu())
     else:
         try:
-            return tensor, tensor.to_dlpack_for_write(), lambda: tensor
+            return tensor, _export(tensor.to_dlpack_for_write()), lambda: tensor
         except mx.base.MXNetError:
             copy = _default_layout_copy(tensor)
 
     def finish():
         tensor[:] = copy
         return tensor
-    return copy, copy.to_dlpack_for_write(), finish
+    return copy, _export(copy.to_dlpack_for_write()), finish
 
 
 def _imported(handle, ctx):
     """The result the core allocated, on ``ctx`` (the input's context)."""
-    out = mx.nd.from_dlpack(handle.output())
+    out = mx.nd.from_dlpack(_retag(handle.output(), _CORE_BOOL, _MX_BOOL))
     return out if out.context == ctx else out.as_in_context(ctx)
 
 
@@ -176,6 +232,8 @@ def grouped_allreduce_(tensors, average=None, name=None, priority=0, prescale_fa
                        gradient=False):
     """Reduce a list of NDArrays in place as one group; returns the list."""
     op = _ops.resolve_op(op, average)
+    for t in tensors:  # all checked before any is submitted
+        _check(t)
     return _ops.GroupHandle([
         _allreduce_into(t, t, n, op, prescale_factor, postscale_factor, process_set, gradient)
         for t, n in zip(tensors, _group_names(name, len(tensors)))]).wait()
@@ -185,9 +243,10 @@ def grouped_allreduce_(tensors, average=None, name=None, priority=0, prescale_fa
 
 def _allgather(tensor, name, process_set, stack):
     _check(tensor)
-    src = tensor.reshape((1,)) if not stack and tensor.ndim == 0 else tensor
-    if stack:
-        src = src.expand_dims(0)
+    if tensor.ndim == 0:  # MXNet's expand_dims refuses a scalar
+        src = tensor.reshape((1,))
+    else:
+        src = tensor.expand_dims(0) if stack else tensor
     src, cap = _readable(src)
     return _ops.allgather_async(cap, name=name, stack=stack, process_set=process_set,
                                 keep=(tensor, src),
@@ -206,6 +265,8 @@ def allgather(tensor, name=None, priority=0, process_set=global_process_set):
 def grouped_allgather(tensors, name=None, priority=0, process_set=global_process_set):
     """Gather each NDArray of a list; returns the list of results."""
     stack = _basics.allgather_stacks()
+    for t in tensors:  # all checked before any is submitted
+        _check(t)
     return _ops.GroupHandle([_allgather(t, n, process_set, stack)
                              for t, n in zip(tensors, _group_names(name, len(tensors)))]).wait()
 
@@ -219,8 +280,10 @@ def _broadcast_into(buf, root_rank, name, process_set, keep):
 
 
 def broadcast(tensor, root_rank, name=None, priority=0, process_set=global_process_set):
-    """``root_rank``'s value of ``tensor`` (a rank of the job, in the set), as a new NDArray."""
-    out = _check(tensor).copy()
+    """``root_rank``'s value of ``tensor`` (a rank of the job, in the set), as a new NDArray
+    (not recorded by autograd, as no collective here is)."""
+    with mx.autograd.pause():
+        out = _check(tensor).copy()
     return _broadcast_into(out, root_rank, name, process_set, tensor).wait()
 
 
@@ -231,6 +294,44 @@ def broadcast_(tensor, root_rank, name=None, priority=0, process_set=global_proc
 
 # --------------------------------------------------------------------------- alltoall, reducescatter
 
+def _alltoall_splits(tensor, splits, process_set):
+    """Horovod's checks of alltoall's arguments: the splits as a list of ints (None
+    without), or :class:`MXNetValueError` saying what is wrong."""
+    if tensor.ndim == 0:
+        raise MXNetValueError("alltoall does not support scalar inputs")
+    set_size = process_set_size(process_set)
+    d0 = tensor.shape[0]
+    if splits is None:
+        if d0 % set_size:
+            raise MXNetValueError(f"alltoall without splits needs a first dimension ({d0}) "
+                                  f"divisible by the number of ranks of the set ({set_size})")
+        return None
+    if isinstance(splits, (mx.nd.NDArray, np.ndarray)):
+        try:
+            kind = np.dtype(splits.dtype).kind
+        except TypeError:  # MXNet's own types (bfloat16)
+            kind = None
+        if kind not in ("i", "u"):
+            raise MXNetValueError(f"alltoall expects splits to contain integers, got an array "
+                                  f"of {splits.dtype}")
+        values = (splits.asnumpy() if isinstance(splits, mx.nd.NDArray) else splits).reshape(-1)
+        splits = [int(s) for s in values]
+    else:
+        values = list(splits)
+        if not all(isinstance(s, numbers.Integral) for s in values):
+            raise MXNetValueError(f"alltoall expects splits to contain integers, got {values}")
+        splits = [int(s) for s in values]
+    if len(splits) != set_size:
+        raise MXNetValueError(f"alltoall splits must have one entry per rank of the set "
+                              f"({set_size}), got {len(splits)}: {splits}")
+    if any(s < 0 for s in splits):
+        raise MXNetValueError(f"alltoall splits must be non-negative, got {splits}")
+    if sum(splits) != d0:
+        raise MXNetValueError(f"alltoall splits {splits} sum to {sum(splits)}, not to the "
+                              f"first dimension ({d0})")
+    return splits
+
+
 def alltoall(tensor, splits=None, name=None, priority=0, process_set=global_process_set):
     """Send ``splits[i]`` rows (dim 0) of ``tensor`` to rank i of the set (without
     ``splits``: equal blocks, dim 0 divisible by the set size).
@@ -238,12 +339,15 @@ def alltoall(tensor, splits=None, name=None, priority=0, process_set=global_proc
     Returns, as Horovod 0.28's MXNet alltoall: with ``splits`` given, ``(received rows,
     received_splits)``, the rows each rank sent here as an int32 NDArray; without
     ``splits``, the received rows alone.
+
+    ``splits`` (a list, or an integer NDArray or numpy array) must hold one non-negative
+    integer per rank of the set, summing to dim 0. Bad splits, dim 0 not divisible without
+    them, or a scalar raise :class:`MXNetValueError` (an ``mxnet.base.MXNetError``, as
+    Horovod's, and a ``ValueError``).
     """
     _check(tensor)
     want_splits = splits is not None
-    if want_splits:
-        splits = [int(s) for s in (splits.asnumpy() if isinstance(splits, mx.nd.NDArray)
-                                   else splits)]
+    splits = _alltoall_splits(tensor, splits, process_set)
 
     def finish(h):
         out = _imported(h, tensor.context)
@@ -256,8 +360,14 @@ def alltoall(tensor, splits=None, name=None, priority=0, process_set=global_proc
                                keep=(tensor, src), finish=finish).wait()
 
 
+def _check_reducescatter(tensor, what="reducescatter"):
+    if _check(tensor).ndim == 0:
+        raise ValueError(f"{what} does not support scalar inputs")
+    return tensor
+
+
 def _reducescatter(tensor, op, name, process_set, prescale_factor, postscale_factor):
-    src, cap = _readable(_check(tensor))
+    src, cap = _readable(tensor)
     return _ops.reducescatter_async(
         cap, name=name, op=op, prescale_factor=prescale_factor,
         postscale_factor=postscale_factor, process_set=process_set, keep=(tensor, src),
@@ -267,8 +377,8 @@ def _reducescatter(tensor, op, name, process_set, prescale_factor, postscale_fac
 def reducescatter(tensor, op=Average, name=None, priority=0, process_set=global_process_set,
                   prescale_factor=1.0, postscale_factor=1.0):
     """Reduce ``tensor`` over the set; returns this rank's block of dim-0 rows (the first
-    ``d0 % size`` ranks get one more)."""
-    return _reducescatter(tensor, op, name, process_set, prescale_factor,
+    ``d0 % size`` ranks get one more). A scalar raises ``ValueError``, as in Horovod."""
+    return _reducescatter(_check_reducescatter(tensor), op, name, process_set, prescale_factor,
                           postscale_factor).wait()
 
 
@@ -280,6 +390,8 @@ def grouped_reducescatter(tensors, op=Average, name=None, priority=0,
     if not isinstance(tensors, (list, tuple)):
         raise TypeError(f"grouped_reducescatter takes a list of NDArrays, "
                         f"got {type(tensors).__name__}")
+    for t in tensors:  # all checked before any is submitted
+        _check_reducescatter(t, "grouped_reducescatter")
     return _ops.GroupHandle([
         _reducescatter(t, op, n, process_set, prescale_factor, postscale_factor)
         for t, n in zip(tensors, _group_names(name, len(tensors)))]).wait()

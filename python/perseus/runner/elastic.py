@@ -224,7 +224,8 @@ class ElasticJob(_job.Launcher):
         self.launched += 1
         rank = self.launch(slot)
         try:
-            rank.start(self.out, self.err, self._lock, self.output_dir)
+            # Files under rank.<launch number>, padded as horovodrun pads them for -np.
+            rank.start(self.out, self.err, self._lock, self.output_dir, size=self.num_proc)
         except OSError as e:
             raise _Stop(f"cannot start worker {slot.id} ({' '.join(rank.argv)}): "
                         f"{e.strerror or e}; stopping the job", 127) from None

@@ -6,6 +6,7 @@ timeout, or the launcher gets SIGINT/SIGTERM, every group gets SIGTERM, then SIG
 after a grace period, so no process outlives the job.
 """
 
+import contextlib
 import os
 import queue
 import shlex
@@ -174,6 +175,12 @@ class StartWatch:
                 "--start-timeout); stopping the job")
 
 
+def output_dir_name(rank, size):
+    """The directory of a rank's output files under ``--output-filename`` (horovodrun's):
+    ``rank.<R>``, R zero-padded to the width of ``size - 1`` (``rank.0`` for one rank)."""
+    return f"rank.{str(rank).zfill(len(str(max(size - 1, 0))))}"
+
+
 class Rank:
     """One rank's process, its output relay and its process group. ``timestamps``: each
     relayed line starts with the time it was relayed, as ``time.asctime()`` writes it
@@ -184,33 +191,53 @@ class Rank:
         self.secret, self.remote, self.timestamps = secret, remote, timestamps
         self.proc = None
         self._threads = []
-        self._log = None
 
-    def start(self, out, err, lock, output_dir=None):
-        if output_dir:
-            path = os.path.join(output_dir, f"rank.{self.slot.rank}.log")
-            self._log = open(path, "wb")  # noqa: SIM115 - closed by close()
-            stdout, stderr = self._log, subprocess.STDOUT
-        else:
-            stdout = stderr = subprocess.PIPE
-        # The preexec_fn only calls prctl, getppid and _exit: no lock another thread holds.
-        self.proc = subprocess.Popen(
-            self.argv, env=self.env, start_new_session=True,
-            preexec_fn=_parent_death_signal(),  # noqa: PLW1509
-            stdin=subprocess.PIPE if self.remote else subprocess.DEVNULL,
-            stdout=stdout, stderr=stderr)
+    def _open_files(self, output_dir, size):
+        """``{"stdout": file, "stderr": file}`` in ``output_dir``/rank.<R>/ (made if
+        needed), as horovodrun writes them."""
+        where = os.path.join(output_dir, output_dir_name(self.slot.rank, size))
+        os.makedirs(where, exist_ok=True)
+        files = {}
+        try:
+            for tag in ("stdout", "stderr"):
+                files[tag] = open(os.path.join(where, tag), "wb")  # noqa: SIM115
+        except OSError:
+            for f in files.values():
+                f.close()
+            raise
+        return files
+
+    def start(self, out, err, lock, output_dir=None, size=None):
+        """Start the rank; its lines go to ``out`` and ``err`` prefixed with
+        ``[R]<stdout>:``/``[R]<stderr>:``, and, with ``output_dir``, the same lines to
+        ``output_dir``/rank.<R>/stdout and stderr too (R padded to the width of
+        ``size - 1``; ``size``: the slot's, else 1). The relay threads close the files."""
+        size = size or getattr(self.slot, "size", None) or 1
+        files = self._open_files(output_dir, size) if output_dir else {}
+        try:
+            # The preexec_fn only calls prctl, getppid and _exit: no lock another thread
+            # holds.
+            self.proc = subprocess.Popen(
+                self.argv, env=self.env, start_new_session=True,
+                preexec_fn=_parent_death_signal(),  # noqa: PLW1509
+                stdin=subprocess.PIPE if self.remote else subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        except BaseException:
+            for f in files.values():
+                f.close()
+            raise
         if self.remote:
             self.proc.stdin.write(self.secret.encode() + b"\n")
             self.proc.stdin.flush()
-        if not output_dir:
-            for stream, sink, tag in ((self.proc.stdout, out, "stdout"),
-                                      (self.proc.stderr, err, "stderr")):
-                prefix = f"[{self.slot.rank}]<{tag}>:".encode()
-                t = threading.Thread(target=_relay,
-                                     args=(stream, sink, prefix, lock, self.timestamps),
-                                     daemon=True)
-                t.start()
-                self._threads.append(t)
+        for stream, sink, tag in ((self.proc.stdout, out, "stdout"),
+                                  (self.proc.stderr, err, "stderr")):
+            prefix = f"[{self.slot.rank}]<{tag}>:".encode()
+            t = threading.Thread(target=_relay,
+                                 args=(stream, sink, prefix, lock, self.timestamps,
+                                       files.get(tag)),
+                                 daemon=True)
+            t.start()
+            self._threads.append(t)
 
     def signal_group(self, sig):
         """Send ``sig`` to the rank's process group; False when the group is gone."""
@@ -231,8 +258,6 @@ class Rank:
         deadline = time.monotonic() + timeout
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
-        if self._log:
-            self._log.close()
 
 
 class _TextSink:
@@ -255,8 +280,11 @@ def byte_sink(stream):
     return getattr(stream, "buffer", None) or _TextSink(stream)
 
 
-def _relay(stream, sink, prefix, lock, timestamps=False):
-    with stream:
+def _relay(stream, sink, prefix, lock, timestamps=False, copy=None):
+    """Relay ``stream``'s lines to ``sink`` (under ``lock``), each with ``prefix`` (and
+    the time), and the same lines to ``copy``, a file of ``--output-filename``, which is
+    closed at the end."""
+    with stream, copy or contextlib.nullcontext():
         for line in iter(stream.readline, b""):
             if not line.endswith(b"\n"):
                 line += b"\n"
@@ -264,6 +292,12 @@ def _relay(stream, sink, prefix, lock, timestamps=False):
                 line = time.asctime().encode() + prefix + line
             else:
                 line = prefix + line
+            if copy is not None:
+                try:
+                    copy.write(line)
+                    copy.flush()
+                except (OSError, ValueError):
+                    pass  # a full disk: the terminal still gets the line
             with lock:
                 try:
                     sink.write(line)
@@ -327,7 +361,8 @@ class Job(Launcher):
             os.makedirs(self.output_dir, exist_ok=True)
         for r in self.ranks:
             try:
-                r.start(self.out, self.err, self._lock, self.output_dir)
+                r.start(self.out, self.err, self._lock, self.output_dir,
+                        size=len(self.ranks))
             except OSError as e:
                 self._say(f"cannot start rank {r.slot.rank} ({shlex.join(r.argv)}): "
                           f"{e.strerror or e}; stopping the job")

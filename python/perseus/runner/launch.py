@@ -20,8 +20,36 @@ from perseus.runner import job as _job
 DEFAULT_SSH = "ssh -o BatchMode=yes -o StrictHostKeyChecking=no"
 
 
+class UsageError(ValueError):
+    """Arguments perseusrun refuses, raised (for perseus.run) where the command line
+    prints its usage and exits with status 2."""
+
+
+class LaunchError(ValueError):
+    """What keeps the job from starting (no mpirun, no Perseus core): perseus.run gets
+    it; the command line prints ``perseusrun: <message>`` and exits with status 1."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """perseusrun's parser: with ``raise_errors`` set, a refused argument raises
+    :class:`UsageError` instead of exiting (a library call never raises SystemExit)."""
+
+    raise_errors = False
+
+    def error(self, message):
+        if self.raise_errors:
+            raise UsageError(message)
+        super().error(message)
+
+    def exit(self, status=0, message=None):
+        if self.raise_errors:
+            raise UsageError((message or "").strip()
+                             or f"perseusrun would exit with status {status}")
+        super().exit(status, message)
+
+
 def build_parser():
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="perseusrun",
         usage="perseusrun -np NP [-H HOSTS | --hostfile FILE] [--gloo | --mpi] [--] "
               "COMMAND [ARG ...]",
@@ -57,7 +85,10 @@ def build_parser():
                         "standing for the host, e.g. 'ip netns exec {host}' "
                         "(default: ssh; env PERSEUS_RSH)")
     p.add_argument("--output-filename", metavar="DIR",
-                   help="write each rank's output to DIR/rank.N.log instead of the terminal")
+                   help="also write each rank's lines, prefixed as on the terminal, to "
+                        "DIR/rank.R/stdout and DIR/rank.R/stderr (horovodrun's layout; R "
+                        "zero-padded to the width of NP-1); with --mpi, mpirun's own "
+                        "--output-filename DIR")
     p.add_argument("--verbose", action="store_true", help="print placement and commands")
     p.add_argument("--log-level", choices=_hvd_flags.LOG_LEVELS, type=str.upper, help="log level of the ranks' Perseus core")
     p.add_argument("-cb", "--check-build", action="store_true",
@@ -218,8 +249,11 @@ def _join_ratios(argv):
     return argv[:at] + [" ".join(argv[at:end])] + argv[end:]
 
 
-def parse_args(argv=None):
+def parse_args(argv=None, raise_errors=False):
+    """perseusrun's arguments; a refused one prints the usage and exits with status 2, or
+    with ``raise_errors`` (perseus.run) raises :class:`UsageError` naming it."""
     parser = build_parser()
+    parser.raise_errors = raise_errors
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     if args.warmup_coeff is not None and args.command and _is_number(args.command[0]):
@@ -404,8 +438,8 @@ def start_rendezvous(secret):
     try:
         from perseus import _core
     except ImportError as e:
-        raise SystemExit(f"perseusrun: the Perseus core (perseus._core) is not built: {e}; "
-                         "run scripts/setup-venv.sh") from None
+        raise LaunchError(f"the Perseus core (perseus._core) is not built: {e}; "
+                          "run scripts/setup-venv.sh") from None
     return _core.RendezvousServer("0.0.0.0:0", secret)
 
 
@@ -456,8 +490,8 @@ def run_mpi(args, hosts, slots, exchange=None):
     :func:`run_gloo`'s (mpirun does not say which rank failed: None)."""
     mpirun = shutil.which("mpirun")
     if not mpirun:
-        raise SystemExit("perseusrun: --mpi needs mpirun, which is not on PATH; install "
-                         "Open MPI or use the default launcher (--gloo)")
+        raise LaunchError("--mpi needs mpirun, which is not on PATH; install Open MPI or "
+                          "use the default launcher (--gloo)")
     used = {s.hostname for s in slots}
     placement = ",".join(f"{h.name}:{h.slots}" for h in hosts if h.name in used)
     secret = secrets.token_hex(16)
@@ -490,7 +524,7 @@ def run_mpi(args, hosts, slots, exchange=None):
         try:
             proc = _job.spawn_launcher(cmd, dict(os.environ, **env))
         except OSError as e:
-            raise SystemExit(f"perseusrun: cannot start {mpirun}: {e.strerror or e}") from None
+            raise LaunchError(f"cannot start {mpirun}: {e.strerror or e}") from None
         watch = _job.StartWatch(slots, checked_in, args.start_timeout) if checked_in else None
         status = _job.supervise(proc, watch)
         if collect:
@@ -554,6 +588,8 @@ def main(argv=None):
         if args.mpi:
             return run_mpi(args, hosts, slots)
         return run_gloo(args, slots, _hosts.local_names())
+    except LaunchError as e:
+        raise SystemExit(f"perseusrun: {e}") from None
     except (_hosts.HostError, ValueError) as e:
         print(f"perseusrun: error: {e}", file=sys.stderr)
         return 2

@@ -168,10 +168,15 @@ def run(func, args=(), kwargs=None, num_proc=None, np=None, hosts=None, hostfile
     Python the ranks run (default: this one). The function calls ``hvd.init()`` itself.
 
     Raises ``RuntimeError`` when a rank fails, with the traceback of each rank whose
-    function raised; ``ValueError`` for arguments perseusrun refuses. ``use_mpi=True``
-    (or ``use_gloo=False``) starts the ranks through mpirun, as ``perseusrun --mpi``,
-    with ``mpi_args`` added to its command line. ``disable_cache`` is accepted and has
-    no effect.
+    function raised; ``ValueError`` naming the cause for arguments perseusrun refuses or
+    a job that cannot start (no mpirun for ``use_mpi=True``); never ``SystemExit``.
+    ``use_mpi=True`` starts the ranks through mpirun, as ``perseusrun --mpi``, with
+    ``mpi_args`` added to its command line. Otherwise (``use_gloo`` True, False or
+    None, ``use_mpi`` unset or False) Perseus's own launcher starts them, as
+    perseusrun's default: Horovod's choice when ``use_gloo=False`` is "MPI if built,
+    else Gloo", and Perseus's traffic never needs MPI. ``use_gloo=True`` with
+    ``use_mpi=True`` is a ``ValueError``, as in Horovod. ``disable_cache`` is accepted
+    and has no effect.
 
     ``min_np`` (``min_num_proc``), ``max_np`` (``max_num_proc``) or
     ``host_discovery_script`` make the job elastic, and ``slots``, ``reset_limit``,
@@ -184,8 +189,8 @@ def run(func, args=(), kwargs=None, num_proc=None, np=None, hosts=None, hostfile
     if not callable(func):
         raise TypeError(f"perseus.run needs a function to run, got {type(func).__name__}")
     if use_mpi and use_gloo:
-        raise ValueError("perseus.run takes use_gloo or use_mpi, not both")
-    mpi = bool(use_mpi) or (use_gloo is False)
+        raise ValueError("Argument use_gloo and use_mpi only allow one set True.")
+    mpi = bool(use_mpi)  # use_gloo=False alone: Horovod's "choose", here Perseus's launcher
     if mpi_args is not None and not mpi:
         raise ValueError("perseus.run: mpi_args go with use_mpi=True")
     np = np if np is not None else num_proc
@@ -206,12 +211,11 @@ def run(func, args=(), kwargs=None, num_proc=None, np=None, hosts=None, hostfile
     if mpi:
         argv[:0] = ["--mpi"] + ([f"--mpi-args={mpi_args}"] if mpi_args else [])
     try:
-        parsed = _launch.parse_args(argv)
-        listed = None if elastic else _launch.host_list(parsed)
-        placed = None if elastic else _hosts.place(listed, np)
-    except SystemExit:
-        raise ValueError("perseus.run: perseusrun refused these arguments (its message is "
-                         "above)") from None
+        parsed = _launch.parse_args(argv, raise_errors=True)
+    except _launch.UsageError as e:
+        raise ValueError(f"perseus.run: perseusrun refuses these arguments: {e}") from None
+    listed = None if elastic else _launch.host_list(parsed)
+    placed = None if elastic else _hosts.place(listed, np)
     payload = _payload(func, args, kwargs)
     outcomes, failure = {}, []
 
@@ -231,16 +235,21 @@ def run(func, args=(), kwargs=None, num_proc=None, np=None, hosts=None, hostfile
                     outcomes[r] = _loads(data)
         return collect
 
+    try:
+        if elastic:
+            status = _launch.run_elastic(parsed, _hosts.local_names(), exchange=exchange)
+        elif mpi:
+            status = _launch.run_mpi(parsed, listed, placed, exchange=exchange)
+        else:
+            status = _launch.run_gloo(parsed, placed, _hosts.local_names(), exchange=exchange)
+    except _launch.LaunchError as e:
+        how = " (use_mpi=True, which is perseusrun --mpi)" if mpi else ""
+        raise ValueError(f"perseus.run{how}: the job cannot start: {e}") from None
     if elastic:
-        status = _launch.run_elastic(parsed, _hosts.local_names(), exchange=exchange)
         result = _elastic_results(status, failure[0] if failure else None, outcomes)
         if isinstance(result, RuntimeError):
             raise result
         return result
-    if mpi:
-        status = _launch.run_mpi(parsed, listed, placed, exchange=exchange)
-    else:
-        status = _launch.run_gloo(parsed, placed, _hosts.local_names(), exchange=exchange)
     if status != 0 or len(outcomes) < np or any(o[0] != "ok" for o in outcomes.values()):
         raise _failure(status, failure[0] if failure else None, outcomes, np)
     return [outcomes[r][1] for r in range(np)]

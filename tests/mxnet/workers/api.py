@@ -12,6 +12,7 @@ import numpy as np
 import perseus.mxnet as hvd
 from _mxhelpers import close, done, raises
 from perseus import _core
+from perseus.common import basics
 from perseus.common.timeline import timeline_file
 
 
@@ -92,6 +93,7 @@ def capabilities():
     for name, value in want.items():
         got = getattr(hvd, name)()
         assert got is value, f"{name}() = {got!r}, expected {value!r}"
+    assert hvd.nccl_built is basics.nccl_built, "nccl_built is the common one, unchanged"
     assert type(hvd.nccl_built()) is int, "nccl_built() is NCCL's version code, as in Horovod"
     if not _core.GPU_BUILT:
         assert hvd.nccl_built() == 0, "NCCL without the GPU path"
