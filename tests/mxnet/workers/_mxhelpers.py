@@ -25,3 +25,18 @@ def make_net():
     for p in net.collect_params().values():
         p.set_data(mx.nd.array(rng.randn(*p.shape) * 0.5))
     return net
+
+
+def train_gluon(trainer_for, xs, ys, batch, steps):
+    """``steps`` steps of :func:`make_net` on ``xs``, ``ys`` (squared error) with the
+    trainer ``trainer_for(params)`` makes; returns the trainer and the weights."""
+    import mxnet as mx
+
+    net = make_net()
+    trainer = trainer_for(net.collect_params())
+    for _ in range(steps):
+        with mx.autograd.record():
+            loss = ((net(mx.nd.array(xs)) - mx.nd.array(ys)) ** 2).sum()
+        loss.backward()
+        trainer.step(batch)
+    return trainer, [p.data().asnumpy() for p in net.collect_params().values()]

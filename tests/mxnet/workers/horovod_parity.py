@@ -20,7 +20,7 @@ import _mxhelpers  # noqa: F401 - environment first
 import mxnet as mx
 import numpy as np
 import perseus.mxnet as hvd
-from _mxhelpers import close, done, make_net, raises, regression_batch
+from _mxhelpers import close, done, make_net, raises, regression_batch, train_gluon
 from mxnet.base import MXNetError
 
 ROWS = 4  # per rank
@@ -87,14 +87,7 @@ def scalar_reducescatter(r, n):
 
 
 def _train(trainer_for, xs, ys, batch):
-    net = make_net()
-    trainer = trainer_for(net.collect_params())
-    for _ in range(STEPS):
-        with mx.autograd.record():
-            loss = ((net(mx.nd.array(xs)) - mx.nd.array(ys)) ** 2).sum()
-        loss.backward()
-        trainer.step(batch)
-    return trainer, [p.data().asnumpy() for p in net.collect_params().values()]
+    return train_gluon(trainer_for, xs, ys, batch, STEPS)
 
 
 def kvstore_names(r, n):
