@@ -3,7 +3,7 @@
     python -m perseus.runner.launch -np 2 python benchmarks/profile_small.py
 
 Each rank writes a timeline (PERSEUS_TIMELINE format) of 200 allreduces separated by
-barriers, then reports the median NEGOTIATE span (submission to the coordinator's
+barriers, then reports the median NEGOTIATE_ALLREDUCE span (submission to the coordinator's
 answer) and ALLREDUCE span (the data exchange), against the median wall time of the
 call. Used for docs/benchmarks.md's account of the small-message targets.
 """
@@ -36,10 +36,13 @@ def main():
     with open(path) as f:
         events = json.load(f)
     os.unlink(path)
-    spans = {k: [e["dur"] for e in events if e["name"] == k and e["tid"] == "p"]
-             for k in ("NEGOTIATE", "ALLREDUCE")}
+    # Horovod's layout: a pid per tensor, named by its process_name metadata.
+    row = next(e["pid"] for e in events
+               if e["name"] == "process_name" and e["args"].get("name") == "allreduce.p")
+    spans = {k: [e["dur"] for e in events if e["name"] == k and e["pid"] == row]
+             for k in ("NEGOTIATE_ALLREDUCE", "ALLREDUCE")}
     print(f"rank {r}: call {statistics.median(walls) * 1e6:.0f} us, "
-          f"negotiate {statistics.median(spans['NEGOTIATE']):.0f} us, "
+          f"negotiate {statistics.median(spans['NEGOTIATE_ALLREDUCE']):.0f} us, "
           f"allreduce {statistics.median(spans['ALLREDUCE']):.0f} us (medians of 200)",
           flush=True)
     hvd.shutdown()

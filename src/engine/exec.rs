@@ -40,11 +40,25 @@ pub struct Buffers {
     pub staging: super::staged::StagingPool,
 }
 
-/// One phase of an allreduce, for the timeline: FUSE (inputs copied and
-/// prescaled into the fusion buffer), COMPRESS (cast to float16), TRANSFER
-/// (the collective), REDUCE (the part of TRANSFER the reduction kernels ran,
-/// in total, drawn from its start), COMPLETE (results checked, cast back,
-/// scaled and copied out).
+/// Timeline phase: inputs copied into the fusion buffer (Horovod's name).
+const MEMCPY_IN: &str = "MEMCPY_IN_FUSION_BUFFER";
+/// Timeline phase: results copied out of the fusion buffer (Horovod's name).
+const MEMCPY_OUT: &str = "MEMCPY_OUT_FUSION_BUFFER";
+/// Timeline phase: the transport's allreduce (as Horovod's MPI_ALLREDUCE).
+const TRANSPORT_ALLREDUCE: &str = "PERSEUS_ALLREDUCE";
+/// Timeline phase: the transport's allgather (Adasum's).
+const TRANSPORT_ALLGATHER: &str = "PERSEUS_ALLGATHER";
+
+/// One phase of an allreduce, for the timeline, named as Horovod's activities
+/// where Horovod has one: MEMCPY_IN_FUSION_BUFFER (inputs copied and prescaled
+/// into the fusion buffer), COMPRESS (cast to float16), PERSEUS_ALLREDUCE (the
+/// transport's collective, as Horovod's MPI_ALLREDUCE or GLOO_ALLREDUCE;
+/// PERSEUS_ALLGATHER for Adasum's gather), REDUCE (the part of it the
+/// reduction kernels ran, in total, drawn from its start),
+/// MEMCPY_OUT_FUSION_BUFFER (results checked, scaled and copied out of the
+/// fusion buffer) or, where there was none, COMPLETE (results checked, cast
+/// back from float16 or combined by Adasum, and scaled; empty for a tensor
+/// reduced in its own memory).
 pub struct Phase {
     /// Its name.
     pub name: &'static str,
@@ -65,8 +79,13 @@ impl Buffers {
         }
     }
 
-    /// Runs a collective as the TRANSFER phase, with its REDUCE share.
-    fn transfer(&mut self, f: impl FnOnce(&mut Buffers) -> Result<()>) -> Result<()> {
+    /// Runs a collective as the phase `name` (the transport's collective), with
+    /// its REDUCE share.
+    fn transfer(
+        &mut self,
+        name: &'static str,
+        f: impl FnOnce(&mut Buffers) -> Result<()>,
+    ) -> Result<()> {
         if self.phases.is_none() {
             return f(self);
         }
@@ -74,7 +93,7 @@ impl Buffers {
         clock::start();
         let r = f(self);
         let reduced = clock::stop();
-        self.mark("TRANSFER", start);
+        self.mark(name, start);
         if let Some(p) = &mut self.phases {
             p.push(Phase {
                 name: "REDUCE",
@@ -279,7 +298,7 @@ impl Allreduce<'_> {
         factor: f64,
         bufs: &mut Buffers,
     ) -> Result<()> {
-        bufs.transfer(|bufs| {
+        bufs.transfer(TRANSPORT_ALLREDUCE, |bufs| {
             if hier {
                 let mut half = AlignedBuf::default();
                 collective::allreduce_hierarchical(
@@ -360,12 +379,12 @@ impl Allreduce<'_> {
         let buf = fusion.as_mut_slice();
         let t = Instant::now();
         self.fuse_into(buf, self.pre, &fused);
-        bufs.mark("FUSE", t);
+        bufs.mark(MEMCPY_IN, t);
         let r = self.reduce(buf, self.dtype, hier, 1.0, bufs);
         if r.is_ok() {
             let t = Instant::now();
             self.scatter_from(buf, self.post, &fused);
-            bufs.mark("COMPLETE", t);
+            bufs.mark(MEMCPY_OUT, t);
         }
         bufs.fusion = fusion;
         r
@@ -419,8 +438,10 @@ impl Allreduce<'_> {
             self.pre,
             &self.all(),
         );
-        bufs.mark("FUSE", t);
-        let r = bufs.transfer(|_| collective::allgatherv(self.comm, buf, &vec![total; n]));
+        bufs.mark(MEMCPY_IN, t);
+        let r = bufs.transfer(TRANSPORT_ALLGATHER, |_| {
+            collective::allgatherv(self.comm, buf, &vec![total; n])
+        });
         if r.is_ok() {
             let t = Instant::now();
             for (i, range) in self.layout(&self.all()) {
@@ -493,8 +514,8 @@ impl Allreduce<'_> {
         let fused = fusion.as_mut_slice();
         let t = Instant::now();
         self.fuse_into(fused, self.pre * gscale, &self.all());
-        bufs.mark("FUSE", t);
-        let r = bufs.transfer(|bufs| {
+        bufs.mark(MEMCPY_IN, t);
+        let r = bufs.transfer(TRANSPORT_ALLREDUCE, |bufs| {
             if hier {
                 collective::allreduce_hierarchical(
                     self.comm,
@@ -523,7 +544,7 @@ impl Allreduce<'_> {
             }
             bad
         });
-        bufs.mark("COMPLETE", t);
+        bufs.mark(MEMCPY_OUT, t);
         bufs.fusion = fusion;
         r
     }

@@ -22,6 +22,7 @@ pub mod message;
 mod offline;
 pub mod staged;
 pub mod tensor;
+pub mod timeline_names;
 pub mod watch;
 
 pub use exec::Entry;
@@ -34,7 +35,7 @@ use crate::config::Config;
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::{PerseusError, Result};
 use crate::rendezvous::StoreServer;
-use crate::timeline::Timeline;
+use crate::timeline::{self, Timeline};
 use crate::transport::{connect_mesh, Mesh};
 use control::{Incoming, Uplink, FRAME_REQUESTS};
 use coordinator::Coordinator;
@@ -735,6 +736,8 @@ impl State {
         let mut held_since = Instant::now();
         let mut idle_since: Option<Instant> = None;
         loop {
+            // Events wait in memory for at most timeline::FLUSH_EVERY.
+            self.shared.timeline.tick();
             let mut got = false;
             for ev in self.inbox.take() {
                 got = true;
@@ -783,7 +786,12 @@ impl State {
                 // microseconds to wake.
                 std::thread::yield_now();
             } else {
-                let tick = self.stall_watch().then_some(STALL_TICK);
+                let stalls = self.stall_watch().then_some(STALL_TICK);
+                // Wake to write the timeline's last events, if any wait.
+                let tick = match (stalls, self.shared.timeline.due()) {
+                    (Some(a), Some(b)) => Some(a.min(b)),
+                    (a, b) => a.or(b),
+                };
                 self.uplink.sleep(Some(&self.inbox), tick);
                 idle_since = None;
             }
@@ -1084,6 +1092,9 @@ impl State {
                 process_set,
                 names,
                 kind,
+                shapes,
+                dtype,
+                op,
                 ..
             } => {
                 let ps = *process_set;
@@ -1138,11 +1149,14 @@ impl State {
                 drop(comm);
                 let end = Instant::now();
                 let phases = self.bufs.phases.take().unwrap_or_default();
+                // Every data-moving kind has its names.
+                let op_name = timeline_names::op_name(*kind, *op).unwrap_or("OPERATION");
+                let negotiate = timeline_names::negotiate_name(*kind, *op).unwrap_or("NEGOTIATE");
                 // Waiting for the group and the vote, when run from the offline schedule.
                 let wait = if matches!(self.mode, Mode::Running(_)) {
                     "OFFLINE"
                 } else {
-                    "NEGOTIATE"
+                    negotiate
                 };
                 if let Some((bad, finite)) = &outcome.resent {
                     self.note_resend(&members, names, bad, *finite);
@@ -1153,10 +1167,8 @@ impl State {
                 c.tensors.fetch_add(names.len() as u64, Ordering::Relaxed);
                 if names.len() > 1 {
                     c.fused_buffers.fetch_add(1, Ordering::Relaxed);
-                    if let Response::Op { shapes, dtype, .. } = &resp {
-                        let bytes: usize = shapes.iter().map(|s| shape_bytes(s, *dtype)).sum();
-                        c.fused_bytes_max.fetch_max(bytes as u64, Ordering::Relaxed);
-                    }
+                    let bytes: usize = shapes.iter().map(|s| shape_bytes(s, *dtype)).sum();
+                    c.fused_bytes_max.fetch_max(bytes as u64, Ordering::Relaxed);
                 }
                 let (intra, inter) = self.mesh.bytes_sent();
                 c.bytes_intra_host.store(intra, Ordering::Relaxed);
@@ -1165,25 +1177,29 @@ impl State {
                 c.bytes_extra_streams.store(extra, Ordering::Relaxed);
                 let shared = self.shared.clone();
                 let tl = &shared.timeline;
-                let phase = kind.name().to_uppercase();
-                for ((name, (e, at)), r) in names
+                for (i, ((name, (e, at)), r)) in names
                     .iter()
                     .zip(entries.into_iter().zip(queued))
                     .zip(results)
+                    .enumerate()
                 {
-                    if tl.active() {
+                    if tracing {
+                        let row = timeline_names::row_name(*kind, name);
                         if let Some(at) = at {
-                            tl.span(name, wait, at, start, "");
+                            tl.span(&row, wait, at, start, "");
                         }
-                        tl.span(
-                            name,
-                            &phase,
-                            start,
-                            end,
-                            &format!("\"fused\":{}", names.len()),
-                        );
+                        // This rank's tensor, as Horovod's; the negotiated shape where
+                        // this rank has joined.
+                        let view = e
+                            .as_ref()
+                            .and_then(|e| e.input.as_ref().or(e.output.as_ref()));
+                        let shape = view
+                            .map(|v| v.shape.as_slice())
+                            .or(shapes.get(i).map(Vec::as_slice));
+                        let args = timeline::op_args(*dtype, shape, names.len());
+                        tl.span(&row, op_name, start, end, &args);
                         for p in &phases {
-                            tl.span(name, p.name, p.start, p.end, "");
+                            tl.span(&row, p.name, p.start, p.end, "");
                         }
                     }
                     if let Some(e) = e {
@@ -1220,9 +1236,16 @@ impl State {
                 value,
             } => {
                 let ps = *process_set;
-                let Some((req, e, _)) = self.entries.remove(&(ps, name.clone())) else {
+                let Some((req, e, at)) = self.entries.remove(&(ps, name.clone())) else {
                     return;
                 };
+                // A barrier's or a join's row: its negotiation (NEGOTIATE_BARRIER,
+                // NEGOTIATE_JOIN), all there is of it, as in Horovod's timeline.
+                if let Some(negotiate) = timeline_names::negotiate_name(*kind, ReduceOp::Sum) {
+                    let row = timeline_names::row_name(*kind, name);
+                    let tl = &self.shared.timeline;
+                    tl.span(&row, negotiate, at, Instant::now(), "");
+                }
                 match kind {
                     OpKind::Join => {
                         self.joined.remove(&ps);

@@ -132,19 +132,30 @@ def test_a_thread_waiting_long_does_not_block_the_ones_starting_operations(run_w
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("marks", [False, True])
-def test_timeline_of_every_rank_is_whole_after_exit_without_shutdown(run_workers, tmp_path,
-                                                                     marks):
-    """One PERSEUS_TIMELINE path for all ranks: rank 0 writes it, rank r writes PATH.r,
-    and both files are complete JSON though the script never called shutdown(). With
+@pytest.mark.parametrize("ending", ["exit", "shutdown"])
+def test_timeline_of_every_rank_streams_and_is_whole_after_the_job(run_workers, tmp_path,
+                                                                   marks, ending):
+    """One PERSEUS_TIMELINE path for all ranks: rank 0 writes it, rank r writes PATH.r.
+    Each rank reads its file with json.load while the job runs (the file streams: whole
+    JSON, the allreduce's NEGOTIATE_ALLREDUCE on row allreduce.at.exit), and both files are
+    complete JSON after the job, whether the script called shutdown() or not. Horovod's
+    layout: a pid per tensor named by process_name metadata, pid 0 the rank's header. With
     HOROVOD_TIMELINE_MARK_CYCLES=1 each rank's file also marks its negotiation cycles."""
     path = tmp_path / "timeline.json"
     env = {"PERSEUS_TIMELINE": str(path), "HOROVOD_TIMELINE_MARK_CYCLES": str(int(marks))}
-    run_workers(2, "timeline_exit.py", env=env)
+    run_workers(2, "timeline_exit.py", *(["shutdown"] if ending == "shutdown" else []),
+                env=env)
     for rank, file in enumerate((path, tmp_path / "timeline.json.1")):
-        events = json.loads(file.read_text())
-        rows = {(e["pid"], e["tid"], e["name"]) for e in events}
-        assert (rank, "at.exit", "ALLREDUCE") in rows, (file, rows)
-        assert {e["pid"] for e in events} == {rank}, file
+        text = file.read_text()
+        assert text.endswith("\n]\n"), text[-200:]
+        events = json.loads(text)
+        assert events[0]["pid"] == 0 and events[0]["args"]["rank"] == rank, events[0]
+        names = {e["pid"]: e["args"]["name"] for e in events
+                 if e["name"] == "process_name" and e["pid"] != 0}
+        assert sorted(names.values()) == ["allreduce.at.exit"], names
+        rows = {(names[e["pid"]], e["name"]) for e in events if e["ph"] == "X"}
+        assert {("allreduce.at.exit", "NEGOTIATE_ALLREDUCE"),
+                ("allreduce.at.exit", "ALLREDUCE")} <= rows, (file, rows)
         cycles = [e for e in events if e["name"] == "CYCLE_START"]
         if not marks:
             assert cycles == [], cycles
@@ -152,7 +163,7 @@ def test_timeline_of_every_rank_is_whole_after_exit_without_shutdown(run_workers
         assert cycles and all(e["ph"] == "i" and e["args"]["requests"] >= 1
                               for e in cycles), cycles
         # The cycle that sent the allreduce's request comes before its operation.
-        op = next(e for e in events if e["tid"] == "at.exit" and e["name"] == "ALLREDUCE")
+        op = next(e for e in events if e["ph"] == "X" and e["name"] == "ALLREDUCE")
         assert min(e["ts"] for e in cycles) <= op["ts"], (cycles, op)
 
 

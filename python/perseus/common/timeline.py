@@ -1,4 +1,7 @@
-"""Timeline control: a Chrome-trace JSON of every operation (``chrome://tracing``)."""
+"""Timeline control: a Chrome-trace JSON of every operation (``chrome://tracing``), in
+Horovod's layout and names (a row ``<op>.<name>`` per tensor: ``NEGOTIATE_ALLREDUCE``,
+``ALLREDUCE``, ...; docs/environment.md lists them), valid JSON on disk while it is
+written."""
 
 import os
 

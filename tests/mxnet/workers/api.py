@@ -79,8 +79,12 @@ def timeline(r, directory):
     with open(mine) as f:
         text = f.read()
     events = json.loads(text)
-    assert any("mx.timeline.probe" in (str(e.get("tid")), str(e.get("name"))) for e in events), \
-        f"no event of the allreduce in {mine}: {text[:2000]}"
+    # Horovod's layout: a pid per tensor, named <op>.<name> by its process_name metadata.
+    rows = {e["pid"]: e["args"]["name"] for e in events
+            if e["name"] == "process_name" and "name" in e["args"]}
+    probe = [pid for pid, name in rows.items() if name == "allreduce.mx.timeline.probe"]
+    assert probe and any(e["ph"] == "X" and e["name"] == "ALLREDUCE" and e["pid"] == probe[0]
+                         for e in events), f"no event of the allreduce in {mine}: {text[:2000]}"
     assert "mx.after.stop" not in text, "the timeline went on after stop_timeline"
 
 

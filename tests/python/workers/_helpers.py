@@ -145,3 +145,42 @@ def step_batch(n, rows, step):
 
     g = torch.Generator().manual_seed(100 + step)
     return torch.randn(n * rows, 6, generator=g), torch.randn(n * rows, 3, generator=g)
+
+
+def timeline_rows(events):
+    """A timeline's spans by row (Horovod's layout: a ``pid`` per tensor, named by its
+    ``process_name`` metadata): ``{row name: {phase: (start, end)}}`` in microseconds, the
+    last span of each phase."""
+    names = {e["pid"]: e["args"]["name"] for e in events
+             if e["ph"] == "M" and e["name"] == "process_name" and "name" in e["args"]}
+    rows = {}
+    for e in events:
+        if e["ph"] == "X":
+            rows.setdefault(names[e["pid"]], {})[e["name"]] = (e["ts"], e["ts"] + e["dur"])
+    return rows
+
+
+def read_timeline_while_running(path, row, phase, timeout=10.0):
+    """Reads the timeline ``path`` with ``json.load`` while the job runs, until its row
+    ``row`` holds a ``phase`` span (events reach the file within 0.1 s); returns the
+    events. A read that meets a write half done is tried again; the file must parse in
+    the end."""
+    import json
+    import time
+
+    deadline = time.monotonic() + timeout
+    why = "no such file"
+    while True:
+        try:
+            with open(path) as f:
+                events = json.load(f)
+            rows = timeline_rows(events)
+            if phase in rows.get(row, {}):
+                return events
+            why = f"rows so far: {rows}"
+        except (OSError, ValueError) as e:
+            why = f"{type(e).__name__}: {e}"
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{path} had no {phase} on row {row} within {timeout} s "
+                                 f"while the job ran ({why})")
+        time.sleep(0.02)

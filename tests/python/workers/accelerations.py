@@ -19,7 +19,7 @@ import time
 import perseus.torch.horovod as hvd
 import torch
 import torch.nn.functional as F
-from _helpers import close, done, raises
+from _helpers import close, done, raises, timeline_rows
 from perseus.common import basics
 from perseus.common.timeline import timeline_file
 from torch import nn
@@ -235,12 +235,14 @@ def check_dtype(r, n):
     hvd.stop_timeline()
     path = timeline_file(path, r)
     with open(path) as f:
-        phases = {e["name"] for e in json.load(f) if e["tid"] == "w"}
+        phases = set(timeline_rows(json.load(f))["allreduce.w"])
     os.remove(path)
     # float16 everywhere casts before the transfer (1 MiB: float32 partial sums, float16
-    # links, the inputs fused first); exact runs in the output's memory.
-    assert {"TRANSFER", "REDUCE", "COMPLETE"} <= phases, phases
-    assert ("FUSE" in phases) == (dtype == "0"), phases
+    # links, the inputs fused first, then copied out); exact runs in the output's memory.
+    assert {"NEGOTIATE_ALLREDUCE", "ALLREDUCE", "PERSEUS_ALLREDUCE", "REDUCE"} <= phases, phases
+    fused = {"MEMCPY_IN_FUSION_BUFFER", "MEMCPY_OUT_FUSION_BUFFER"}
+    assert (fused <= phases) == (dtype == "0") and ("COMPLETE" in phases) == (dtype != "0"), \
+        phases
     wire = nbytes // 2 if dtype == "0" else nbytes  # one host: 2 means exact
     assert total(sent(d)) == 2 * (n - 1) * wire, (dtype, d)
     assert d["compression_resends"] == 0, d

@@ -8,7 +8,7 @@ import warnings
 
 import perseus.torch.horovod as hvd
 import torch
-from _helpers import close, done, raises, tol
+from _helpers import close, done, raises, read_timeline_while_running, timeline_rows, tol
 from perseus.common import gpu
 from perseus.common.process_sets import process_sets
 from perseus.common.timeline import timeline_file
@@ -294,38 +294,56 @@ def check_join(r, n):
 
 
 def check_timeline(r, n):
-    """Every tensor's row: the wait for negotiation, the operation, and its phases inside
-    it (FUSE only where tensors were fused; REDUCE within TRANSFER)."""
+    """Horovod's layout and names: a row per tensor named ``<op>.<name>``, with the wait
+    for negotiation (NEGOTIATE_ALLREDUCE), the operation (ALLREDUCE) and its phases inside
+    it (MEMCPY_IN/OUT_FUSION_BUFFER only where tensors were fused; REDUCE within the
+    transport's PERSEUS_ALLREDUCE). The file is whole JSON while the job runs."""
     path = os.path.join(tempfile.gettempdir(), f"perseus-timeline-{os.getpid()}-{r}.json")
     hvd.start_timeline(path, mark_cycles=True)
     hvd.allreduce(torch.ones(4), name="timeline.op")
     pair = [torch.ones(8), torch.ones(8)]
     for h in [hvd.allreduce_async_(t, name=f"timeline.f{k}") for k, t in enumerate(pair)]:
         hvd.synchronize(h)
-    hvd.stop_timeline()
     path = timeline_file(path, r)
+    # Before stop_timeline: what ran is on disk, as valid JSON, within a moment.
+    live = read_timeline_while_running(path, "allreduce.timeline.op", "NEGOTIATE_ALLREDUCE")
+    assert "ALLREDUCE" in timeline_rows(live)["allreduce.timeline.op"], live
+    unnamed = hvd.allreduce(torch.ones(2), op=hvd.Sum)
+    assert unnamed.sum().item() == 2 * n
+    hvd.barrier()
+    hvd.stop_timeline()
     assert os.path.exists(path) and os.path.getsize(path) > 0, "no timeline written"
     with open(path) as f:
         events = json.load(f)
-    spans = {}
-    for e in events:
-        if e["ph"] == "X":
-            spans.setdefault(e["tid"], {})[e["name"]] = (e["ts"], e["ts"] + e["dur"])
+    # Everything read while it ran is still there, in the same place.
+    assert events[:len(live)] == live
+    header = events[0]
+    assert header["pid"] == 0 and header["args"]["rank"] == r, header
+    spans = timeline_rows(events)
     # mark_cycles=True: each batch of requests sent to negotiation is an instant mark.
     cycles = [e for e in events if e["name"] == "CYCLE_START"]
-    assert cycles and all(e["ph"] == "i" and e["args"]["requests"] >= 1 for e in cycles), \
-        cycles
-    lone = spans["timeline.op"]
-    assert {"NEGOTIATE", "ALLREDUCE", "TRANSFER", "REDUCE", "COMPLETE"} <= set(lone), lone
+    assert cycles and all(e["ph"] == "i" and e["s"] == "g" and e["args"]["requests"] >= 1
+                          for e in cycles), cycles
+    lone = spans["allreduce.timeline.op"]
+    assert {"NEGOTIATE_ALLREDUCE", "ALLREDUCE", "PERSEUS_ALLREDUCE", "REDUCE",
+            "COMPLETE"} <= set(lone), lone
     outer = lone["ALLREDUCE"]
-    for phase in ("TRANSFER", "REDUCE", "COMPLETE"):
+    for phase in ("PERSEUS_ALLREDUCE", "REDUCE", "COMPLETE"):
         lo, hi = lone[phase]
         assert outer[0] - 1 <= lo <= hi <= outer[1] + 1, (phase, lone)
-    assert lone["REDUCE"][1] <= lone["TRANSFER"][1] + 1, lone
-    assert lone["NEGOTIATE"][1] <= outer[0] + 1, lone
-    fused = [spans[f"timeline.f{k}"] for k in range(2)]
-    if any("FUSE" in f for f in fused):  # fused when both arrived together, as usual
-        assert all({"FUSE", "TRANSFER", "COMPLETE"} <= set(f) for f in fused), fused
+    assert lone["REDUCE"][1] <= lone["PERSEUS_ALLREDUCE"][1] + 1, lone
+    assert lone["NEGOTIATE_ALLREDUCE"][1] <= outer[0] + 1, lone
+    op = next(e for e in events if e["name"] == "ALLREDUCE" and e["ts"] == outer[0])
+    assert op["args"]["dtype"] == "HOROVOD_FLOAT32" and op["args"]["shape"] == "[4]", op
+    fused = [spans[f"allreduce.timeline.f{k}"] for k in range(2)]
+    if any("MEMCPY_IN_FUSION_BUFFER" in f for f in fused):  # fused when both came together
+        assert all({"MEMCPY_IN_FUSION_BUFFER", "PERSEUS_ALLREDUCE",
+                    "MEMCPY_OUT_FUSION_BUFFER"} <= set(f) for f in fused), fused
+    # The automatic name keeps its one prefix; a barrier is its negotiation alone.
+    auto = [row for row in spans if row.startswith("allreduce.noname.")]
+    assert auto and not any(row.startswith("allreduce.allreduce.") for row in spans), spans
+    barriers = [v for row, v in spans.items() if row.startswith("barrier.")]
+    assert barriers and set(barriers[0]) == {"NEGOTIATE_BARRIER"}, spans
     if os.path.exists(path):
         os.remove(path)
 

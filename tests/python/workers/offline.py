@@ -10,7 +10,7 @@ import time
 import perseus.torch.horovod as hvd
 import torch
 import torch.nn.functional as F
-from _helpers import close, done
+from _helpers import close, done, timeline_rows
 from perseus.common.timeline import timeline_file
 from torch import nn
 
@@ -110,9 +110,10 @@ def main():
     hvd.stop_timeline()
     path = timeline_file(path, hvd.rank())
     with open(path) as f:
-        rows = {(e["tid"], e["name"]) for e in json.load(f)}
+        rows = timeline_rows(json.load(f))
     os.remove(path)
-    assert {("w", "OFFLINE"), ("w", "ALLREDUCE")} <= rows and ("w", "NEGOTIATE") not in rows, rows
+    w = set(rows["allreduce.w"])
+    assert {"OFFLINE", "ALLREDUCE"} <= w and "NEGOTIATE_ALLREDUCE" not in w, rows
 
     # Other collectives in between: back to negotiation, same results.
     x = torch.tensor([float(r)])
