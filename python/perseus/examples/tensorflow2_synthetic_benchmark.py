@@ -18,8 +18,8 @@ import timeit
 import numpy as np
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-import keras
 import tensorflow as tf
+from tensorflow import keras  # Keras 3, or tf-keras under TF_USE_LEGACY_KERAS=1
 
 
 def build(model_name, classes=10):

@@ -12,10 +12,10 @@ import argparse
 import os
 import sys
 
-import keras
 import numpy as np
 import perseus.tensorflow.horovod as hvd
 import tensorflow as tf
+from tensorflow import keras  # Keras 3, or tf-keras under TF_USE_LEGACY_KERAS=1
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import synthetic_mnist

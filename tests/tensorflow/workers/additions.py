@@ -5,12 +5,11 @@ moving averages and gradients against one process normalizing the whole batch, a
 op=Adasum on gradients (tape and Keras optimizer) against the NumPy rule."""
 
 import _tfhelpers  # noqa: F401 - quiets TensorFlow's logging first
-import keras
 import numpy as np
 import perseus.tensorflow.horovod as hvd
 import tensorflow as tf
 from _adasum_rule import reference as adasum_reference
-from _tfhelpers import check_local_update, close, done, raises
+from _tfhelpers import KERAS3, check_local_update, close, done, keras, raises, vname
 
 
 def modes(fn):
@@ -95,7 +94,7 @@ def partial_tape(r, n):
                     want = np.mean([e[i] for e in everyone], axis=0)
                 else:
                     want = own[i] / n if scale_local else own[i]
-                close(g, want, f"partial tape {v.path} scale_local={scale_local} {mode}",
+                close(g, want, f"partial tape {vname(v)} scale_local={scale_local} {mode}",
                       1e-5, 1e-6)
             mine, common = (split if mode == "eager" else tf.function(split))()
             pairs = list(zip(model.trainable_variables, grads))
@@ -140,16 +139,16 @@ def adasum_gradients(r, n):
 
     for mode, f in modes(tape_step):
         for v, g, w in zip(model.trainable_variables, f(), want):
-            close(g, w, f"Adasum tape {v.path} {mode}", 1e-5, 1e-6)
+            close(g, w, f"Adasum tape {vname(v)} {mode}", 1e-5, 1e-6)
     # Adasum is not the average here: the check can fail.
     mean = np.mean([e[0] for e in everyone], axis=0)
     assert not np.allclose(want[0], mean, rtol=1e-3), "Adasum equals the mean"
     before = [v.numpy() for v in model.trainable_variables]
     lr = 0.1
     opt = hvd.DistributedOptimizer(keras.optimizers.SGD(lr), op=hvd.Adasum)
-    opt.apply(local_grads(model, x, y), model.trainable_variables)
+    opt.apply_gradients(zip(local_grads(model, x, y), model.trainable_variables))
     for v, b, w in zip(model.trainable_variables, before, want):
-        close(v, b - lr * w, f"Adasum Keras step {v.path}", 1e-5, 1e-6)
+        close(v, b - lr * w, f"Adasum Keras step {vname(v)}", 1e-5, 1e-6)
 
 
 # Horovod's delta optimizer: rank k's gradient of w is the constant ADASUM_GRADS(k)[i].
@@ -255,7 +254,7 @@ def register_local_var_keras(r, n):
         opt.register_local_var(v)
     with raises(TypeError, "register_local_var takes a variable", what="a tensor"):
         opt.register_local_var(tf.ones(2))
-    opt.apply(local_grads(model, x, y), model.trainable_variables)
+    opt.apply_gradients(zip(local_grads(model, x, y), model.trainable_variables))
     check_local_update(model, local, shared, before, own, everyone, n, lr,
                        "keras register_local_var")
 
@@ -295,10 +294,18 @@ def global_batch(n, spatial):
     return rows, weights, counts
 
 
+def plain_batch_norm(**kw):
+    """Keras' BatchNormalization, unfused as SyncBatchNormalization is (Keras 2's fused
+    kernel, its choice for 4-D inputs, moves the moving variance by the unbiased one)."""
+    if not KERAS3:
+        kw["fused"] = False
+    return keras.layers.BatchNormalization(**kw)
+
+
 def bn_pair(sync_cls, shape, **kw):
     """A SyncBatchNormalization and a plain one with the same non-trivial parameters, for
     inputs of ``shape``."""
-    layers = [sync_cls(**kw), keras.layers.BatchNormalization(**kw)]
+    layers = [sync_cls(**kw), plain_batch_norm(**kw)]
     for layer in layers:
         layer.build((None, *shape[1:]))
         layer.gamma.assign([1.5, 0.5, 2.0])
@@ -365,7 +372,7 @@ def sync_batch_norm_training_step(r, n):
         return tf.reduce_sum(model(x, training=True) * w) / sum(counts)
 
     model = build(hvd.SyncBatchNormalization)
-    ref = build(keras.layers.BatchNormalization)
+    ref = build(plain_batch_norm)
     opt, ref_opt = keras.optimizers.SGD(0.5), keras.optimizers.SGD(0.5)
     opt.build(model.trainable_variables)
 
@@ -375,19 +382,19 @@ def sync_batch_norm_training_step(r, n):
             loss = loss_fn(model, x, w)
         tape = hvd.DistributedGradientTape(tape, op=hvd.Sum)
         grads = tape.gradient(loss, model.trainable_variables)
-        opt.apply(grads, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
         return grads
 
     grads = step(tf.constant(rows[r]), tf.constant(weights[start:start + counts[r]]))
     with tf.GradientTape() as tape:
         loss = loss_fn(ref, tf.constant(np.concatenate(rows)), tf.constant(weights))
     ref_grads = tape.gradient(loss, ref.trainable_variables)
-    ref_opt.apply(ref_grads, ref.trainable_variables)
+    ref_opt.apply_gradients(zip(ref_grads, ref.trainable_variables))
     assert np.abs(ref_grads[0].numpy()).max() > 1e-3, "the Dense kernel gets no gradient"
     for g, rg, v in zip(grads, ref_grads, ref.trainable_variables):
-        close(g, rg, f"training step gradient of {v.path}", 1e-4, 1e-5)
+        close(g, rg, f"training step gradient of {vname(v)}", 1e-4, 1e-5)
     for v, rv in zip(model.variables, ref.variables):
-        close(v, rv, f"after the step: {rv.path}", 1e-4, 1e-5)
+        close(v, rv, f"after the step: {vname(rv)}", 1e-4, 1e-5)
 
 
 def sync_batch_norm_arguments():

@@ -9,6 +9,7 @@ with KerasState and the state callbacks. Set in the environment:
 - BPC: the CommitStateCallback's batches_per_commit (default 100: epochs' ends only);
 - FAIL_ID and FAIL_AT (``epoch,batch``, default ``1,1``): that worker exits with status
   3 before that batch of its first round; the others go back to their last commit;
+- LEGACY_OPTIMIZER: under Keras 2, train with ``tf.keras.optimizers.legacy.SGD``;
 - GROW_FILE (the discovery script's file) and GROW_AT: rank 0 adds host 127.0.0.2:1
   after that many steps; the job takes in its worker at the next commit. Each batch of
   the first round sleeps STEP_SLEEP seconds, to give the launcher the time.
@@ -27,12 +28,11 @@ import sys
 import time
 
 import _tfhelpers  # noqa: F401 - quiets TensorFlow's logging first
-import keras
 import numpy as np
 import perseus.tensorflow.horovod as hvd_tf
 import perseus.tensorflow.keras as hvd
 import tensorflow as tf
-from _tfhelpers import done
+from _tfhelpers import done, keras
 
 EPOCHS, BATCHES, LR = 4, 3, 0.5
 
@@ -109,8 +109,10 @@ def main():
     model = keras.Sequential([keras.Input((1,)),
                               keras.layers.Dense(1, use_bias=False, kernel_initializer="zeros")])
     # the mean of the prediction w * 1: every rank's gradient is 1, and so is the average
-    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(LR)),
-                  loss=lambda y, p: keras.ops.mean(p))
+    sgd = (keras.optimizers.legacy.SGD if os.environ.get("LEGACY_OPTIMIZER")
+           else keras.optimizers.SGD)
+    model.compile(optimizer=hvd.DistributedOptimizer(sgd(LR)),
+                  loss=lambda y, p: tf.reduce_mean(p))
     state = hvd.elastic.KerasState(model, epoch=0, batch=0, sizes=[])
     events = Events(state, me)
     state.register_reset_callbacks([lambda: setattr(events, "first_round", False)])

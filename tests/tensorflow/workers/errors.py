@@ -3,11 +3,10 @@ requests that disagree across ranks (every rank fails naming the tensor, eagerly
 tf.function, and the job goes on)."""
 
 import _tfhelpers  # noqa: F401 - quiets TensorFlow's logging first
-import keras
 import numpy as np
 import perseus.tensorflow.horovod as hvd
 import tensorflow as tf
-from _tfhelpers import close, done, raises
+from _tfhelpers import close, done, keras, raises
 
 NOT_INIT = "not been initialized"
 

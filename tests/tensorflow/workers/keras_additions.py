@@ -11,12 +11,11 @@ import os
 import sys
 
 import _tfhelpers  # noqa: F401 - quiets TensorFlow's logging first
-import keras
 import numpy as np
 import perseus.tensorflow.horovod as hvd
 import perseus.tensorflow.keras as hvd_keras
 import tensorflow as tf
-from _tfhelpers import check_local_update, close, done, raises
+from _tfhelpers import KERAS3, check_local_update, close, done, keras, raises, to_float, vname
 from perseus.common import basics
 
 
@@ -43,9 +42,13 @@ def timeline(r, n, workdir):
     mine = path if r == 0 else f"{path}.{r}"
     with open(mine) as f:
         events = json.load(f)
-    names = {(e.get("tid"), e.get("name")) for e in events}
-    assert ("keras.timeline.probe", "ALLREDUCE") in names, sorted(names)[:20]
-    assert not any(tid == "keras.after.stop" for tid, _ in names), "recorded after stop"
+    # Horovod's layout: a pid per tensor, named <op>.<name> by its process_name metadata.
+    rows = {e["pid"]: e["args"]["name"] for e in events
+            if e["name"] == "process_name" and "name" in e["args"]}
+    names = {(rows[e["pid"]], e["name"]) for e in events if e["ph"] == "X"}
+    assert ("allreduce.keras.timeline.probe", "ALLREDUCE") in names, sorted(names)[:20]
+    assert ("allreduce.keras.timeline.probe", "NEGOTIATE_ALLREDUCE") in names, sorted(names)
+    assert not any("keras.after.stop" in row for row in rows.values()), "recorded after stop"
     with raises(ValueError, "file path", what="start_timeline without a path"):
         hvd_keras.start_timeline("")
 
@@ -73,7 +76,19 @@ def own_gradients(model, x, y):
     return [g.numpy() for g in tape.gradient(loss, model.trainable_variables)]
 
 
+def sgd_classes():
+    """The Keras SGD classes to wrap: Keras 2 has its legacy optimizers too."""
+    if KERAS3:
+        return [keras.optimizers.SGD]
+    return [keras.optimizers.SGD, keras.optimizers.legacy.SGD]
+
+
 def partial_fit(r, n):
+    for sgd in sgd_classes():
+        partial_fit_of(r, n, sgd)
+
+
+def partial_fit_of(r, n, sgd):
     """One fit step (the whole local batch): shared layers take the averaged gradient,
     the local layer its own divided by the size."""
     model, shared, local = two_layer_model(5)
@@ -83,12 +98,12 @@ def partial_fit(r, n):
     everyone = hvd.allgather_object(own)
     before = [v.numpy() for v in model.trainable_variables]
     lr = 0.1
-    opt = hvd_keras.PartialDistributedOptimizer(keras.optimizers.SGD(lr), local_layers=[local])
-    assert isinstance(opt, keras.optimizers.SGD), type(opt)
+    opt = hvd_keras.PartialDistributedOptimizer(sgd(lr), local_layers=[local])
+    assert isinstance(opt, sgd), type(opt)
     model.compile(optimizer=opt, loss="mse")
     model.fit(x, y, batch_size=6, epochs=1, shuffle=False, verbose=0)
     check_local_update(model, local, shared, before, own, everyone, n, lr,
-                       "PartialDistributedOptimizer fit")
+                       f"PartialDistributedOptimizer({sgd.__module__}) fit")
 
 
 def partial_accumulated(r, n):
@@ -97,21 +112,24 @@ def partial_accumulated(r, n):
     model, _shared, local = two_layer_model(6)
     variables = model.trainable_variables
     local_ids = {id(v) for v in local.trainable_weights}
-    for average in (True, False):
-        opt = hvd_keras.PartialDistributedOptimizer(
-            keras.optimizers.SGD(1.0), local_layers=local, backward_passes_per_step=2,
-            average_aggregated_gradients=average)
-        before = [v.numpy() for v in variables]
-        passes = [[tf.fill(v.shape, float(r + 1 + k)) for v in variables] for k in range(2)]
-        opt.apply(passes[0], variables)
-        for v, b in zip(variables, before):
-            close(v, b, f"no update after the first pass (average={average})", 0, 0)
-        opt.apply(passes[1], variables)
-        # Per rank the aggregate is (r + 1) + (r + 2), halved when averaged.
-        agg = [(2 * i + 3) / (2 if average else 1) for i in range(n)]
-        for v, b in zip(variables, before):
-            g = agg[r] / n if id(v) in local_ids else np.mean(agg)
-            close(v, b - g, f"accumulated update of {v.path} (average={average})", 1e-5, 1e-5)
+    for sgd in sgd_classes():
+        for average in (True, False):
+            what = f"{sgd.__module__}, average={average}"
+            opt = hvd_keras.PartialDistributedOptimizer(
+                sgd(1.0), local_layers=local, backward_passes_per_step=2,
+                average_aggregated_gradients=average)
+            before = [v.numpy() for v in variables]
+            passes = [[tf.fill(v.shape, float(r + 1 + k)) for v in variables]
+                      for k in range(2)]
+            opt.apply_gradients(zip(passes[0], variables))
+            for v, b in zip(variables, before):
+                close(v, b, f"no update after the first pass ({what})", 0, 0)
+            opt.apply_gradients(zip(passes[1], variables))
+            # Per rank the aggregate is (r + 1) + (r + 2), halved when averaged.
+            agg = [(2 * i + 3) / (2 if average else 1) for i in range(n)]
+            for v, b in zip(variables, before):
+                g = agg[r] / n if id(v) in local_ids else np.mean(agg)
+                close(v, b - g, f"accumulated update of {vname(v)} ({what})", 1e-5, 1e-5)
 
 
 def partial_errors():
@@ -171,19 +189,21 @@ def best_checkpoint(r, n, workdir):
     no_path = hvd_keras.callbacks.BestModelCheckpoint()
     with raises(ValueError, "BestModelCheckpoint has no file to write", what="no filepath"):
         model.fit(x, y, epochs=1, verbose=0, callbacks=[no_path])
-    no_path.filepath = os.path.join(workdir, "best.txt")
-    with raises(ValueError, "must end in .keras or .h5", "best.txt", what="bad extension"):
-        model.fit(x, y, epochs=1, verbose=0, callbacks=[no_path])
+    if KERAS3:  # Keras 2's ModelCheckpoint takes any path (a SavedModel's directory too)
+        no_path.filepath = os.path.join(workdir, "best.txt")
+        with raises(ValueError, "must end in .keras or .h5", "best.txt", what="bad extension"):
+            model.fit(x, y, epochs=1, verbose=0, callbacks=[no_path])
 
 
 def without_xla(r, n):
     """XLA-compiled code cannot call the core: a model compiled with a Perseus optimizer
-    trains with jit_compile=False (a warning when True was asked for; "auto" resolved
-    as on a GPU machine, where Keras picks XLA), and trains alike on every rank; other
-    models keep XLA; a collective in a jit_compile=True function is refused by name."""
+    trains with jit_compile=False (a warning when True was asked for; Keras 3's "auto"
+    resolved as on a GPU machine, where Keras picks XLA), and trains alike on every
+    rank; other models keep XLA; a collective in a jit_compile=True function is refused
+    by name."""
     import warnings
 
-    for asked in (True, "auto"):
+    for asked in (True, "auto") if KERAS3 else (True,):
         model, _, _ = two_layer_model(7)
         if asked == "auto":  # Keras' choice on a machine with a GPU
             model._resolve_auto_jit_compile = lambda: True
@@ -215,7 +235,8 @@ def loss_scale_alike(r, n):
     """mixed_float16: Keras wraps the Perseus optimizer in a LossScaleOptimizer. Rank 0's
     first batch overflows float16 and the other ranks' do not: every rank skips that
     step and halves the scale; the next step, finite everywhere, moves every rank's
-    weights alike."""
+    weights alike. (Keras 3: through the hook on check_finite; Keras 2: its
+    LossScaleOptimizer has the Perseus optimizer reduce before it checks.)"""
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
         model, _, _ = two_layer_model(9)
@@ -228,7 +249,8 @@ def loss_scale_alike(r, n):
         assert isinstance(opt, keras.mixed_precision.LossScaleOptimizer), type(opt)
         for v, b in zip(model.trainable_variables, before):
             close(v, b, f"rank {r}: the overflowed step was skipped", 0, 0)
-        scales = hvd.allgather_object(float(opt.dynamic_scale.numpy()))
+        scales = hvd.allgather_object(to_float(opt.dynamic_scale if KERAS3 else
+                                               opt.loss_scale))
         assert scales == [2.0 ** 14] * n, f"loss scales after the overflow: {scales}"
         x = np.full((4, 4), 0.5 * (r + 1), np.float32)
         model.fit(x, np.ones((4, 1), np.float32), batch_size=4, verbose=0)

@@ -2,41 +2,48 @@
 every batch under LearningRateScheduleCallback (a constant multiplier is exponential
 decay, by epoch or by fractions of one) and LearningRateWarmupCallback (Horovod's
 schedule, the number of ranks read at each batch, rank 0 alone reporting the end,
-initial_lr required); BroadcastGlobalVariablesCallback's local_variables; and
+initial_lr required); the momentum correction (Keras 2's legacy optimizers);
+BroadcastGlobalVariablesCallback's local_variables; and
 compile(experimental_run_tf_function=False) as Horovod's TF2 examples write it."""
 
 import contextlib
 import io
 
 import _tfhelpers  # noqa: F401 - quiets TensorFlow's logging first
-import keras
 import numpy as np
 import perseus.tensorflow.keras as hvd
 import tensorflow as tf
-from _tfhelpers import close, done, raises
+from _tfhelpers import KERAS3, close, done, keras, raises, to_float, vname
 from perseus.tensorflow.keras import callbacks as callbacks_module
 
 STEPS = 4  # batches per epoch
 
 
 class Rates(keras.callbacks.Callback):
-    """The learning rate each batch runs with (put it after the schedules)."""
+    """The learning rate each batch runs with (put it after the schedules), and the
+    momentum, before and after the batch."""
 
     def __init__(self):
         super().__init__()
-        self.rates = []
+        self.rates, self.momenta, self.after = [], [], []
 
     def on_train_batch_begin(self, batch, logs=None):
-        self.rates.append(float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate)))
+        self.rates.append(to_float(self.model.optimizer.learning_rate))
+        self.momenta.append(to_float(self.model.optimizer.momentum))
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.after.append(to_float(self.model.optimizer.momentum))
 
 
-def fit_rates(schedule, epochs, lr=0.3):
+def fit_rates(schedule, epochs, lr=0.3, sgd=None, rates=None):
     """Per-batch rates (epochs x STEPS) and the logged ``lr`` of a fit under ``schedule``."""
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
-    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(lr)), loss="mse")
-    rates = Rates()
+    sgd = sgd or keras.optimizers.SGD(lr)
+    model.compile(optimizer=hvd.DistributedOptimizer(sgd), loss="mse")
+    rates = rates or Rates()
     x, y = np.ones((STEPS * 2, 2), np.float32), np.zeros((STEPS * 2, 1), np.float32)
+    # The recorder after the schedule: on_train_batch_end restores the momentum first.
     history = model.fit(x, y, batch_size=2, epochs=epochs, shuffle=False, verbose=0,
                         callbacks=[schedule, rates])
     return np.array(rates.rates).reshape(epochs, STEPS), history.history.get("lr")
@@ -115,6 +122,28 @@ def warmup(r, n):
             make()
 
 
+def momentum_correction():
+    """Keras 2's legacy optimizers keep the momentum in a variable: as in Horovod, each
+    batch whose rate the schedule changed runs with momentum * new_lr / old_lr, and the
+    momentum is restored when the batch ends."""
+    if KERAS3:
+        return
+    for correct in (True, False):
+        rates = Rates()
+        got, _ = fit_rates(hvd.callbacks.LearningRateScheduleCallback(
+            initial_lr=1.0, multiplier=0.5, start_epoch=1, end_epoch=3,
+            momentum_correction=correct), epochs=3,
+            sgd=keras.optimizers.legacy.SGD(0.3, momentum=0.9), rates=rates)
+        momenta = np.array(rates.momenta).reshape(3, STEPS)
+        want = np.full((3, STEPS), 0.9)
+        if correct:  # the first batch of epochs 1 (0.3 -> 1.0) and 2 (1.0 -> 0.5)
+            want[1, 0], want[2, 0] = 0.9 * 1.0 / 0.3, 0.9 * 0.5
+        close(momenta, want, f"momentum_correction={correct}", 1e-6, 1e-6)
+        close(rates.after, np.full(3 * STEPS, 0.9), "momentum restored after each batch",
+              1e-6, 1e-6)
+        close(got[:, 0], [0.3, 1.0, 0.5], "rates with a legacy optimizer", 1e-6, 1e-7)
+
+
 def broadcast_local_variables(r, n):
     keras.utils.set_random_seed(100 + r)  # different weights on every rank
     x, y = np.ones((2, 3), np.float32), np.zeros((2, 2), np.float32)
@@ -135,13 +164,15 @@ def broadcast_local_variables(r, n):
         assert cb.broadcast_done, what
         root = hvd.broadcast_object(own, 0)
         for i, v in enumerate(model.weights):
-            close(v, own[i] if i in kept else root[i], f"{what}: {v.path}", 0, 0)
+            close(v, own[i] if i in kept else root[i], f"{what}: {vname(v)}", 0, 0)
         kernels = hvd.allgather_object(model.layers[1].kernel.numpy())
         assert not np.array_equal(kernels[0], kernels[-1]), f"{what}: local kernel broadcast"
 
     check(lambda m: m.layers[1].trainable_variables, {2, 3}, "a local layer's variables")
     check(lambda m: m.layers[1].kernel, {2}, "one Keras variable")
-    check(lambda m: [m.layers[1].kernel.value], {2}, "the TensorFlow variable of a Keras one")
+    if KERAS3:
+        check(lambda m: [m.layers[1].kernel.value], {2},
+              "the TensorFlow variable of a Keras one")
     for bad in ([np.ones(2)], tf.constant(1.0), ["kernel"]):
         with raises(ValueError, "local_variables must be variables", what=f"{bad!r}"):
             hvd.callbacks.BroadcastGlobalVariablesCallback(0, local_variables=bad)
@@ -150,7 +181,7 @@ def broadcast_local_variables(r, n):
     model.fit(x, y, batch_size=2, epochs=1, verbose=0,
               callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0)])
     for v, want in zip(model.weights, hvd.broadcast_object(own, 0)):
-        close(v, want, f"no local variables: {v.path}", 0, 0)
+        close(v, want, f"no local variables: {vname(v)}", 0, 0)
 
 
 def horovod_compile(r, n):
@@ -171,6 +202,7 @@ def main():
     r, n = hvd.rank(), hvd.size()
     schedules()
     warmup(r, n)
+    momentum_correction()
     broadcast_local_variables(r, n)
     horovod_compile(r, n)
     done(r)

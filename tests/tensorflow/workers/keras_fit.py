@@ -1,16 +1,16 @@
 """Keras fit with the callbacks (broadcast, metric average, warmup, schedule), load_model,
-and the Estimator-style session loop with BroadcastGlobalVariablesHook."""
+and the Estimator-style session loop with BroadcastGlobalVariablesHook, with tf.keras's
+Keras (Keras 3, or tf_keras under TF_USE_LEGACY_KERAS=1: Horovod's script, unchanged)."""
 
 import os
 import sys
 
 import _tfhelpers  # noqa: F401 - quiets TensorFlow's logging first
-import keras
 import numpy as np
 import perseus.tensorflow.horovod as hvd
 import perseus.tensorflow.keras as hvd_keras
 import tensorflow as tf
-from _tfhelpers import close, done, raises
+from _tfhelpers import KERAS3, close, done, keras, raises, vname
 
 ROWS = 8
 
@@ -56,7 +56,7 @@ def fit_with_callbacks(r, n, workdir):
     # Same weights everywhere; the averaged loss is the mean of the ranks' own.
     for w in model.trainable_variables:
         g = hvd.allgather(tf.convert_to_tensor(w)).numpy()
-        close(g[1:], np.repeat(g[:1], n - 1, axis=0), f"weights after fit ({w.path})", 0, 0)
+        close(g[1:], np.repeat(g[:1], n - 1, axis=0), f"weights after fit ({vname(w)})", 0, 0)
     own = hvd.allgather_object(local.losses)
     close(history.history["loss"], np.mean(own, axis=0), "MetricAverageCallback")
     # Warmup: the last batch of epoch e < 2 runs at base/n * (e' * (n-1)/2 + 1) with
@@ -104,6 +104,20 @@ def save_and_load(r, n, model, workdir):
     close(g[1:], np.repeat(g[:1], n - 1, axis=0), "weights after loading an XLA model", 0, 0)
 
 
+def which_keras():
+    """Perseus uses tf.keras's Keras; under Keras 2 a Keras 3 optimizer is refused with
+    the reason."""
+    assert keras.optimizers.SGD is tf.keras.optimizers.SGD, (keras, tf.keras)
+    assert isinstance(hvd.keras.callbacks.MetricAverageCallback(), keras.callbacks.Callback)
+    if KERAS3:
+        return
+    import keras as keras3
+
+    with raises(TypeError, "comes from the keras package", "TF_USE_LEGACY_KERAS",
+                what="a Keras 3 optimizer under Keras 2"):
+        hvd.DistributedOptimizer(keras3.optimizers.SGD(0.01))
+
+
 def estimator_style(r, n, workdir):
     """model_fn / input_fn with MonitoredTrainingSession and the hook, as Estimators did."""
     graph = tf.Graph()
@@ -142,6 +156,7 @@ def main():
     workdir = sys.argv[1]
     hvd.init()
     r, n = hvd.rank(), hvd.size()
+    which_keras()
     model = fit_with_callbacks(r, n, workdir)
     save_and_load(r, n, model, workdir)
     estimator_style(r, n, workdir)

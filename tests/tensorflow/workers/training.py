@@ -1,13 +1,14 @@
 """Data-parallel training equals one process on the whole batch: DistributedGradientTape
-(eager and tf.function), the Keras DistributedOptimizer (custom loop, fit, accumulated
-passes) and the tf.compat.v1 DistributedOptimizer (session, accumulated passes, eager).
-Every rank ends with the same weights as the reference each rank computes alone."""
+(eager and tf.function), the Keras DistributedOptimizer (custom loop, minimize, fit,
+accumulated passes; under Keras 2 both tf.keras.optimizers and
+tf.keras.optimizers.legacy) and the tf.compat.v1 DistributedOptimizer (session,
+accumulated passes, eager). Every rank ends with the same weights as the reference each
+rank computes alone."""
 
 import _tfhelpers  # noqa: F401 - quiets TensorFlow's logging first
-import keras
 import perseus.tensorflow.horovod as hvd
 import tensorflow as tf
-from _tfhelpers import close, done, regression_batch
+from _tfhelpers import KERAS3, close, done, keras, regression_batch, vname
 
 ROWS = 4  # per rank
 STEPS = 3
@@ -31,7 +32,7 @@ def same_everywhere(model, what):
     for w in model.trainable_variables:
         gathered = hvd.allgather(tf.convert_to_tensor(w)).numpy()
         for other in gathered:
-            close(other, gathered[0], f"{what}: ranks differ on {w.path}", 0, 0)
+            close(other, gathered[0], f"{what}: ranks differ on {vname(w)}", 0, 0)
 
 
 def reference(x, y, lr=0.1, momentum=0.9, steps=STEPS, seed=0):
@@ -77,10 +78,22 @@ def tape_training(r, n, x, y, want):
     close(grads[-1], local.gradient(own, bias) / n, "local source: own gradient / size")
 
 
+def sgd_classes():
+    """The Keras SGD classes to wrap: Keras 2 has its legacy optimizers too."""
+    if KERAS3:
+        return [("", keras.optimizers.SGD)]
+    return [("", keras.optimizers.SGD), ("legacy ", keras.optimizers.legacy.SGD)]
+
+
 def keras_optimizer(r, n, x, y, want):
+    for kind, sgd in sgd_classes():
+        keras_optimizer_of(r, n, x, y, want, kind, sgd)
+
+
+def keras_optimizer_of(r, n, x, y, want, kind, sgd):
     model = make_model()
-    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9))
-    assert isinstance(opt, keras.optimizers.SGD), type(opt)
+    opt = hvd.DistributedOptimizer(sgd(0.1, momentum=0.9))
+    assert isinstance(opt, sgd), type(opt)
 
     @tf.function
     def step(xb, yb):
@@ -92,35 +105,47 @@ def keras_optimizer(r, n, x, y, want):
     for _ in range(STEPS):
         step(shard(x, r), shard(y, r))
     for got, ref in zip(weights(model), want):
-        close(got, ref, "Keras DistributedOptimizer, custom loop", 1e-5, 1e-6)
+        close(got, ref, f"Keras {kind}DistributedOptimizer, custom loop", 1e-5, 1e-6)
+
+    if not KERAS3:
+        # Keras 2's minimize (eagerly, a loss callable), as Horovod's TF2 examples use it.
+        model = make_model()
+        opt = hvd.DistributedOptimizer(sgd(0.1, momentum=0.9))
+        xs, ys = shard(x, r), shard(y, r)
+        for _ in range(STEPS):
+            opt.minimize(lambda: tf.reduce_mean((model(xs) - ys) ** 2),
+                         model.trainable_variables)
+        for got, ref in zip(weights(model), want):
+            close(got, ref, f"Keras {kind}DistributedOptimizer, minimize", 1e-5, 1e-6)
 
     # model.fit: one batch per step, no shuffling.
     model = make_model()
-    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9)),
-                  loss="mse")
+    model.compile(optimizer=hvd.DistributedOptimizer(sgd(0.1, momentum=0.9)), loss="mse")
     model.fit(shard(x, r), shard(y, r), batch_size=ROWS, epochs=STEPS, shuffle=False, verbose=0)
     for got, ref in zip(weights(model), want):
-        close(got, ref, "Keras DistributedOptimizer, fit", 1e-5, 1e-6)
-    same_everywhere(model, "fit")
+        close(got, ref, f"Keras {kind}DistributedOptimizer, fit", 1e-5, 1e-6)
+    same_everywhere(model, f"{kind}fit")
 
     # Two passes of half a shard each, averaged, make one step of the whole batch.
     model = make_model()
-    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.1, momentum=0.9),
-                                   backward_passes_per_step=2, average_aggregated_gradients=True)
+    opt = hvd.DistributedOptimizer(sgd(0.1, momentum=0.9), backward_passes_per_step=2,
+                                   average_aggregated_gradients=True)
     model.compile(optimizer=opt, loss="mse")
     model.fit(shard(x, r), shard(y, r), batch_size=ROWS // 2, epochs=STEPS, shuffle=False,
               verbose=0)
     for got, ref in zip(weights(model), want):
-        close(got, ref, "Keras backward_passes_per_step=2 (averaged)", 1e-5, 1e-6)
+        close(got, ref, f"Keras {kind}backward_passes_per_step=2 (averaged)", 1e-5, 1e-6)
+    # Keras 2: every pass counts in the optimizer's iterations, as in Horovod; Keras 3's
+    # gradient_accumulation_steps counts the updates.
+    close(opt.iterations, STEPS if KERAS3 else 2 * STEPS, f"Keras {kind}iterations", 0, 0)
     # Horovod's default sums the passes: the same as twice the learning rate here.
     model = make_model()
-    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.05, momentum=0.9),
-                                   backward_passes_per_step=2)
+    opt = hvd.DistributedOptimizer(sgd(0.05, momentum=0.9), backward_passes_per_step=2)
     model.compile(optimizer=opt, loss="mse")
     model.fit(shard(x, r), shard(y, r), batch_size=ROWS // 2, epochs=STEPS, shuffle=False,
               verbose=0)
     for got, ref in zip(weights(model), want):
-        close(got, ref, "Keras backward_passes_per_step=2 (summed)", 1e-5, 1e-6)
+        close(got, ref, f"Keras {kind}backward_passes_per_step=2 (summed)", 1e-5, 1e-6)
 
 
 def legacy_graph(r, n, x, y, passes, use_hvd):

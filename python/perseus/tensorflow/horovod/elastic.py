@@ -126,17 +126,17 @@ class TensorFlowKerasState(TensorFlowState):
     holds the same list as rank 0 to receive its values."""
 
     def __init__(self, model, optimizer=None, backend=None, **kwargs):
+        from perseus.tensorflow.keras_module import build_optimizer
+
         self.model = model
         self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer",
                                                                         None)
-        if self.optimizer is not None and not getattr(self.optimizer, "built", True):
-            self.optimizer.build(model.trainable_variables)
+        if self.optimizer is not None:
+            build_optimizer(self.optimizer, model.trainable_variables)
         super().__init__(**kwargs)
 
     def _variables(self):
-        variables = list(self.model.variables)
-        if self.optimizer is not None:
-            found = self.optimizer.variables
-            variables += list(found() if callable(found) else found)
-        return variables
+        from perseus.tensorflow.keras_module import optimizer_variables
+
+        return list(self.model.variables) + optimizer_variables(self.optimizer)
 

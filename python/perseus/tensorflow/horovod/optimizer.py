@@ -95,18 +95,28 @@ class LocalAggregation:
             out[i] = v
         return out
 
-    def apply(self, apply_fn):
-        """Run ``apply_fn`` (and clear the accumulators) on update calls only."""
+    def apply(self, apply_fn, skip_fn=None):
+        """Run ``apply_fn`` (and clear the accumulators) on update calls only; on the
+        others ``skip_fn`` when given (a Keras optimizer counts every pass in its
+        ``iterations``, as Horovod's aggregation does)."""
         def do():
-            with tf.control_dependencies([apply_fn()]):
+            applied = apply_fn()
+            with tf.control_dependencies([] if applied is None else [applied]):
                 return tf.group(*[a.assign(tf.zeros_like(a)) for a in self._acc
                                   if a is not None])
+
+        def skip():
+            if skip_fn is None:
+                return tf.no_op()
+            return tf.group(skip_fn())
 
         if tf.executing_eagerly():
             if self._is_step:
                 do()
+            elif skip_fn is not None:
+                skip_fn()
             return None
-        return tf.cond(self._is_step, do, tf.no_op)
+        return tf.cond(self._is_step, do, skip)
 
 
 def _adasum_legacy(optimizer, name, use_locking, compression, backward_passes_per_step,
@@ -286,7 +296,7 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="",
 def local_layer_variables(local_layers):
     """The trainable variables of ``local_layers`` (a Keras layer, a list of them, or
     None), checked: Horovod's ``local_layers`` argument."""
-    import keras
+    from perseus.tensorflow.keras_module import keras
 
     if local_layers is None:
         return []

@@ -1,21 +1,25 @@
-"""Horovod 0.28's ``horovod.tensorflow.keras`` on Perseus, for Keras 3 (the Keras that
-TensorFlow 2.16 and later use)::
+"""Horovod 0.28's ``horovod.tensorflow.keras`` on Perseus, for the Keras that ``tf.keras``
+is: Keras 3 (TensorFlow 2.16 and later), or Keras 2 (``tf_keras`` under
+``TF_USE_LEGACY_KERAS=1``; perseus.tensorflow.keras_module chooses)::
 
     import perseus.tensorflow.keras as hvd      # or: perseus.tensorflow.horovod.keras
     hvd.init()
-    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(0.01 * hvd.size()))
+    opt = hvd.DistributedOptimizer(tf.keras.optimizers.SGD(0.01 * hvd.size()))
     model.compile(optimizer=opt, loss=...)
     model.fit(x, y, callbacks=[hvd.callbacks.BroadcastGlobalVariablesCallback(0),
                                hvd.callbacks.MetricAverageCallback()])
 
-A wrapped optimizer is an instance of a subclass of the optimizer's class: its
-``apply`` (and so ``apply_gradients`` and ``model.fit``) averages the gradients over
-the ranks first. XLA-compiled code cannot call the core: a model compiled with a
-wrapped optimizer trains with ``jit_compile=False``, whatever Keras' ``"auto"`` would
-choose on a GPU machine (perseus.tensorflow.keras.hooks).
+A wrapped optimizer is an instance of a subclass of the optimizer's class whose updates
+use the gradients averaged over the ranks. Keras 3: its ``apply`` (and so
+``apply_gradients`` and ``model.fit``) reduces them first. Keras 2: the optimizer's own
+aggregation step reduces them (``aggregate_gradients`` of ``tf.keras.optimizers``,
+``_aggregate_gradients`` of ``tf.keras.optimizers.legacy``), which ``apply_gradients``
+(and so ``minimize`` and ``model.fit``) runs before clipping and which a
+``LossScaleOptimizer`` runs before its check for overflow. XLA-compiled code cannot
+call the core: a model compiled with a wrapped optimizer trains with
+``jit_compile=False``, whatever Keras would choose (perseus.tensorflow.keras.hooks).
 """
 
-import keras
 import tensorflow as tf
 
 from perseus.common.ops import Average
@@ -65,6 +69,7 @@ from perseus.tensorflow.horovod.gradients import (
     reduce_except_local,
 )
 from perseus.tensorflow.horovod.optimizer import (
+    LocalAggregation,
     _check_common,
     local_layer_variables,
     passes_per_step,
@@ -74,13 +79,16 @@ from perseus.tensorflow.keras import (
     elastic,  # noqa: F401 - hvd.elastic
 )
 from perseus.tensorflow.keras import hooks as _hooks
+from perseus.tensorflow.keras_module import KERAS3 as _KERAS3
+from perseus.tensorflow.keras_module import keras as _keras
+from perseus.tensorflow.keras_module import other_keras_hint as _other_keras_hint
 
 _LegacyOptimizer = tf.compat.v1.train.Optimizer
 _classes = {}  # optimizer class -> its distributed subclass
 
 
 class _DistributedKerasOptimizer:
-    """Mixed into a Keras optimizer's class (see :func:`DistributedOptimizer`)."""
+    """What every distributed Keras optimizer has (see :func:`DistributedOptimizer`)."""
 
     def register_local_var(self, var):
         """Keep ``var``'s gradient local: it is not reduced (only divided by the set's size
@@ -90,6 +98,10 @@ class _DistributedKerasOptimizer:
     def _perseus_reduce(self, grads, variables):
         return reduce_except_local(self._perseus_reducer, grads, variables,
                                    self._perseus_local, self._perseus_scale_local)
+
+
+class _Keras3Optimizer(_DistributedKerasOptimizer):
+    """Mixed into a Keras 3 optimizer's class."""
 
     def apply(self, grads, trainable_variables=None):
         """Average the gradients over the ranks, then apply them (every
@@ -125,11 +137,93 @@ class _DistributedKerasOptimizer:
         return super()._clip_gradients(grads)
 
 
+class _Keras2Base(_DistributedKerasOptimizer):
+    """The Keras 2 (tf_keras) part shared by both kinds of its optimizers: the gradients
+    are reduced where Keras 2 aggregates them across replicas, which ``apply_gradients``
+    does before clipping and before the update, and which a ``LossScaleOptimizer`` does
+    before its check for overflow (so that every rank skips a step, or none does). With
+    ``backward_passes_per_step`` > 1 they are summed locally and reduced every that
+    many calls, and ``apply_gradients`` updates on those calls only (the others count
+    in ``iterations``, as Horovod's aggregation does)."""
+
+    def _perseus_aggregate(self, grads_and_vars):
+        grads_and_vars = list(grads_and_vars)
+        grads = [g for g, _ in grads_and_vars]
+        variables = [v for _, v in grads_and_vars]
+        aggregation = self._perseus_aggregation
+        if aggregation is None:
+            reduced = self._perseus_reduce(grads, variables)
+        else:
+            reduced = aggregation.reduce(grads, lambda gs: self._perseus_reduce(gs, variables))
+        return list(zip(reduced, variables))
+
+    def _perseus_gate(self, apply_fn):
+        """``apply_fn`` on update calls; the others add one to ``iterations``."""
+        return self._perseus_aggregation.apply(
+            apply_fn, lambda: self.iterations.assign_add(1, read_value=False))
+
+
+class _Keras2Optimizer(_Keras2Base):
+    """Mixed into the class of a Keras 2 ``tf.keras.optimizers.Optimizer``."""
+
+    def aggregate_gradients(self, grads_and_vars):
+        """The gradients averaged over the ranks (Keras 2's cross-replica aggregation)."""
+        return self._perseus_aggregate(grads_and_vars)
+
+    def apply_gradients(self, grads_and_vars, name=None, skip_gradients_aggregation=False,
+                        **kwargs):
+        """Reduce the gradients (``aggregate_gradients``), then apply them (every
+        ``backward_passes_per_step``-th call when passes are accumulated)."""
+        if self._perseus_aggregation is None:
+            return super().apply_gradients(
+                grads_and_vars, name=name,
+                skip_gradients_aggregation=skip_gradients_aggregation, **kwargs)
+        grads_and_vars = list(grads_and_vars)
+        if not skip_gradients_aggregation and kwargs.pop("experimental_aggregate_gradients",
+                                                         True):
+            grads_and_vars = self.aggregate_gradients(grads_and_vars)
+        kwargs.pop("experimental_aggregate_gradients", None)
+        apply = super().apply_gradients
+        return self._perseus_gate(lambda: apply(grads_and_vars, name=name,
+                                                skip_gradients_aggregation=True, **kwargs))
+
+
+class _Keras2LegacyOptimizer(_Keras2Base):
+    """Mixed into the class of a Keras 2 ``tf.keras.optimizers.legacy.Optimizer``."""
+
+    def _aggregate_gradients(self, grads_and_vars):
+        return self._perseus_aggregate(grads_and_vars)
+
+    def apply_gradients(self, grads_and_vars, name=None, experimental_aggregate_gradients=True):
+        """Reduce the gradients (``_aggregate_gradients``), then apply them (every
+        ``backward_passes_per_step``-th call when passes are accumulated)."""
+        if self._perseus_aggregation is None:
+            return super().apply_gradients(grads_and_vars, name, experimental_aggregate_gradients)
+        grads_and_vars = [(g, v) for g, v in grads_and_vars if g is not None]
+        if experimental_aggregate_gradients:
+            grads_and_vars = self._transform_unaggregated_gradients(grads_and_vars)
+            grads_and_vars = self._aggregate_gradients(grads_and_vars)
+        apply = super().apply_gradients
+        return self._perseus_gate(lambda: apply(grads_and_vars, name, False))
+
+
+def _optimizer_classes():
+    """The Keras optimizer classes DistributedOptimizer wraps."""
+    legacy = None if _KERAS3 else getattr(_keras.optimizers, "legacy", None)
+    return (_keras.optimizers.Optimizer,) + (() if legacy is None else (legacy.Optimizer,))
+
+
 def _distributed_class(base):
     cls = _classes.get(base)
     if cls is None:
+        if _KERAS3:
+            mixin = _Keras3Optimizer
+        elif hasattr(base, "aggregate_gradients"):  # tf.keras.optimizers (Keras 2.11+)
+            mixin = _Keras2Optimizer
+        else:  # OptimizerV2: tf.keras.optimizers.legacy (before 2.11: tf.keras.optimizers)
+            mixin = _Keras2LegacyOptimizer
         # Same name and module as the base: saved models name the plain optimizer.
-        cls = type(base.__name__, (_DistributedKerasOptimizer, base),
+        cls = type(base.__name__, (mixin, base),
                    {"__module__": base.__module__, "__qualname__": base.__qualname__})
         _classes[base] = cls
     return cls
@@ -141,6 +235,9 @@ def _attach(optimizer, reducer, passes, average, scale_local=True):
     optimizer._perseus_average = average
     optimizer._perseus_local = LocalVariables()
     optimizer._perseus_scale_local = bool(scale_local)
+    if not _KERAS3:  # Keras 3 accumulates itself (gradient_accumulation_steps)
+        optimizer._perseus_aggregation = (LocalAggregation(passes, average) if passes > 1
+                                          else None)
 
 
 def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse="",
@@ -151,7 +248,9 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
     """A copy of Keras ``optimizer`` (same class and configuration, fresh state) whose
     updates use gradients averaged over the ranks.
 
-    ``backward_passes_per_step`` > 1 accumulates that many steps locally (Keras'
+    ``optimizer`` is one of ``tf.keras``'s: Keras 3's, or under Keras 2 (tf_keras) a
+    ``tf.keras.optimizers`` or ``tf.keras.optimizers.legacy`` one.
+    ``backward_passes_per_step`` > 1 accumulates that many steps locally (Keras 3: its
     ``gradient_accumulation_steps``) and reduces once; the aggregate is their sum, as
     in Horovod, or their mean with ``average_aggregated_gradients``.
     ``PERSEUS_ACCUMULATE_N_STEPS`` sets it (averaging) when left at 1.
@@ -166,14 +265,14 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
             gradient_predivide_factor=gradient_predivide_factor,
             average_aggregated_gradients=average_aggregated_gradients, groups=groups,
             process_set=process_set, scale_local_gradients=scale_local_gradients)
-    if not isinstance(optimizer, keras.optimizers.Optimizer):
+    if not isinstance(optimizer, _optimizer_classes()):
         raise TypeError(f"expected a Keras optimizer or a tf.compat.v1.train.Optimizer, got "
-                        f"{type(optimizer).__name__}")
+                        f"{type(optimizer).__name__}{_other_keras_hint(optimizer)}")
     _check_common(op, gradient_predivide_factor, num_groups, groups)
     _hooks.install()  # no XLA, and loss scaling decided alike on every rank
     passes, average = passes_per_step(backward_passes_per_step, average_aggregated_gradients)
     config = optimizer.get_config()
-    if passes > 1:
+    if passes > 1 and _KERAS3:
         if config.get("gradient_accumulation_steps"):
             raise ValueError("the optimizer already accumulates gradients "
                              "(gradient_accumulation_steps); leave backward_passes_per_step "
@@ -213,7 +312,7 @@ def PartialDistributedOptimizer(optimizer, name=None, device_dense="", device_sp
 
 
 def broadcast_global_variables(root_rank):
-    """TF1 graphs only (Keras 3 has no global variables): use the
+    """TF1 graphs only (eager Keras has no global variables): use the
     ``BroadcastGlobalVariablesCallback`` or ``broadcast_variables(model.variables)``."""
     return _hvd.broadcast_global_variables(root_rank)
 
@@ -252,21 +351,25 @@ def load_model(filepath, custom_optimizers=None, custom_objects=None,
     """Load a saved Keras model and wrap its optimizer (state kept) in DistributedOptimizer.
 
     ``custom_optimizers``: optimizer classes the file may name besides Keras' own;
-    ``custom_objects``: passed to ``keras.models.load_model``.
+    ``custom_objects``: passed to ``tf.keras.models.load_model``.
     """
     objects = dict(custom_objects or {})
     for cls in custom_optimizers or ():
         objects.setdefault(cls.__name__, cls)
-    model = keras.models.load_model(filepath, custom_objects=objects or None)
+    model = _keras.models.load_model(filepath, custom_objects=objects or None)
     opt = getattr(model, "optimizer", None)
+    if opt is not None and not _KERAS3 and getattr(opt, "inner_optimizer", None) is not None:
+        # Keras 2's LossScaleOptimizer aggregates through its inner optimizer.
+        opt = opt.inner_optimizer
     if opt is not None and not isinstance(opt, _DistributedKerasOptimizer):
         # In place, so that the restored slots and iteration count stay.
-        # A saved gradient_accumulation_steps keeps accumulating (Keras averages).
-        passes = opt.gradient_accumulation_steps or 1
+        # A saved gradient_accumulation_steps (Keras 3) keeps accumulating (Keras averages).
+        passes = (getattr(opt, "gradient_accumulation_steps", None) or 1) if _KERAS3 else 1
         opt.__class__ = _distributed_class(type(opt))
         _attach(opt, GradientReducer("DistributedOptimizer", compression), passes, True)
     if opt is not None:
         _hooks.install()
-        if model.compiled:  # by Keras, with the plain optimizer: the hook did not see it
+        # Compiled by Keras, with the plain optimizer: the hook did not see it.
+        if getattr(model, "compiled", getattr(model, "_is_compiled", False)):
             _hooks.without_xla(model)
     return model

@@ -1,11 +1,18 @@
-"""Keras callbacks of Horovod 0.28 (``hvd.callbacks`` / ``hvd.keras.callbacks``)."""
+"""Keras callbacks of Horovod 0.28 (``hvd.callbacks`` / ``hvd.keras.callbacks``), subclasses
+of ``tf.keras``'s ``Callback`` (Keras 3 or Keras 2: perseus.tensorflow.keras_module)."""
 
-import keras
 import numpy as np
 import tensorflow as tf
 
 from perseus.common.ops import Average
 from perseus.tensorflow.horovod import allreduce, broadcast_variables, rank, size
+from perseus.tensorflow.keras_module import (
+    KERAS3,
+    is_variable,
+    keras,
+    optimizer_variables,
+    to_float,
+)
 
 __all__ = ["BestModelCheckpoint", "BroadcastGlobalVariablesCallback",
            "LearningRateScheduleCallback", "LearningRateWarmupCallback",
@@ -17,7 +24,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     the first step, so that every rank starts from the same state (also after loading a
     checkpoint on the root only). ``device`` is accepted for compatibility.
 
-    ``local_variables`` (a variable or a collection of them: ``tf.Variable`` or
+    ``local_variables`` (a variable or a collection of them: ``tf.Variable`` or Keras 3's
     ``keras.Variable``) are left out of the broadcast: each rank keeps its own value, as
     for the local layers of a model-parallel job. Only the variables named are left
     out; name the optimizer's slots of a local variable too if they should stay.
@@ -38,16 +45,15 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
 
     def _broadcast(self):
         variables = list(self.model.variables)
-        opt = getattr(self.model, "optimizer", None)
-        if opt is not None and getattr(opt, "built", False):
-            variables += list(opt.variables)
+        variables += optimizer_variables(getattr(self.model, "optimizer", None))
         if self._local_ids:
             variables = [v for v in variables if not self._is_local(v)]
         broadcast_variables(variables, self.root_rank)
         self.broadcast_done = True
 
     def on_train_begin(self, logs=None):
-        """Broadcast, when fit has built the model already (Keras 3 does before this)."""
+        """Broadcast, when fit has built the model already (Keras 3 does before this;
+        Keras 2 has when the model has an input shape)."""
         if not self.broadcast_done and self.model.built:
             self._broadcast()
 
@@ -58,7 +64,7 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
 
 
 def _is_variable(obj):
-    return isinstance(obj, (tf.Variable, keras.Variable))
+    return is_variable(obj)
 
 
 def _variable_list(variables):
@@ -81,7 +87,7 @@ def _variable_list(variables):
 def _variable_ids(var):
     """The ids a variable is known by: a Keras variable's and its TensorFlow variable's."""
     ids = {id(var)}
-    if isinstance(var, keras.Variable):
+    if KERAS3 and isinstance(var, keras.Variable):
         inner = getattr(var, "value", None)
         if isinstance(inner, tf.Variable):
             ids.add(id(inner))
@@ -118,9 +124,14 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
     ``m ** (epoch - start_epoch)``. With ``staircase`` the rate changes at epoch starts;
     otherwise at every batch, with the fractional epoch ``epoch + batch /
     steps_per_epoch`` (``steps_per_epoch`` defaults to the steps ``fit`` reports, read
-    when each ``fit`` begins). ``momentum_correction`` is accepted for compatibility:
-    Keras 3 compiles an optimizer's momentum into the training step as a constant, so it
-    cannot be corrected per batch.
+    when each ``fit`` begins).
+
+    ``momentum_correction`` (Goyal et al.), as Horovod's: when the rate changes, the
+    momentum of the batch that follows is multiplied by ``new_lr / old_lr``, and
+    restored when that batch ends. It acts where the optimizer keeps its momentum in a
+    variable that the training step reads: Keras 2's ``tf.keras.optimizers.legacy``
+    optimizers. Keras 3's and Keras 2's ``tf.keras.optimizers`` compile the momentum
+    into the training step as a constant, so there it has no effect.
     """
 
     def __init__(self, initial_lr, multiplier, start_epoch=0, end_epoch=None, staircase=True,
@@ -142,12 +153,37 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
         self.steps_per_epoch = steps_per_epoch
         self.current_epoch = None
         self._steps = steps_per_epoch  # this fit's steps per epoch
+        self._restore_momentum = None  # (variable, value) until the batch ends
 
     def _in_range(self, epoch):
         return epoch >= self.start_epoch and (self.end_epoch is None or epoch < self.end_epoch)
 
+    def _momentum_variable(self):
+        """The optimizer's momentum if a variable holds it (Keras 2's legacy optimizers
+        create it on first use), else None."""
+        opt = self.model.optimizer
+        opt = getattr(opt, "inner_optimizer", None) or opt
+        momentum = getattr(opt, "momentum", None)
+        return momentum if isinstance(momentum, tf.Variable) else None
+
     def _set_lr(self, epoch):
-        self.model.optimizer.learning_rate = self.initial_lr * float(self.multiplier(epoch))
+        opt = self.model.optimizer
+        new_lr = self.initial_lr * float(self.multiplier(epoch))
+        momentum = self._momentum_variable() if self.momentum_correction else None
+        if momentum is not None:
+            old_lr = to_float(opt.learning_rate)
+            self._restore_momentum_if_needed()
+            if old_lr != 0:
+                value = float(momentum.numpy())
+                self._restore_momentum = (momentum, value)
+                momentum.assign(value * new_lr / old_lr)
+        opt.learning_rate = new_lr
+
+    def _restore_momentum_if_needed(self):
+        if self._restore_momentum is not None:
+            momentum, value = self._restore_momentum
+            momentum.assign(value)
+            self._restore_momentum = None
 
     def on_train_begin(self, logs=None):
         """Smooth schedules: the steps per epoch, given or as ``fit`` reports them."""
@@ -168,10 +204,17 @@ class LearningRateScheduleCallback(keras.callbacks.Callback):
             return
         self._set_lr(self.current_epoch + batch / self._steps)
 
+    def on_train_batch_end(self, batch, logs=None):
+        """The momentum as it was before a correction."""
+        self._restore_momentum_if_needed()
+
+    def on_train_end(self, logs=None):
+        self._restore_momentum_if_needed()
+
     def on_epoch_end(self, epoch, logs=None):
         """Report the rate as ``lr`` in the logs."""
         if logs is not None:
-            logs["lr"] = float(keras.ops.convert_to_numpy(self.model.optimizer.learning_rate))
+            logs["lr"] = to_float(self.model.optimizer.learning_rate)
 
 
 class LearningRateWarmupCallback(LearningRateScheduleCallback):
@@ -216,8 +259,9 @@ class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
     ``monitor`` and ``mode`` (``"auto"``, ``"min"``, ``"max"``) choose what "best"
     means, as in Keras; put :class:`MetricAverageCallback` before this callback to
     judge on the ranks' average. Horovod's signature has no path: give it with
-    ``filepath=`` (a ``.keras`` file, or ``.weights.h5`` with ``save_weights_only``) or
-    set ``.filepath`` before ``fit``.
+    ``filepath=`` or set ``.filepath`` before ``fit`` (Keras 3: a ``.keras`` or ``.h5``
+    file, or ``.weights.h5`` with ``save_weights_only``; Keras 2: any path its
+    ``ModelCheckpoint`` takes).
     """
 
     def __init__(self, monitor="val_loss", verbose=0, mode="auto", save_freq="epoch", *,
@@ -238,7 +282,7 @@ class BestModelCheckpoint(keras.callbacks.ModelCheckpoint):
                              "set its .filepath before fit")
         path = str(self.filepath)
         exts = (".weights.h5",) if self.save_weights_only else (".keras", ".h5")
-        if not path.endswith(exts):
+        if KERAS3 and not path.endswith(exts):
             raise ValueError(f"BestModelCheckpoint's filepath must end in {' or '.join(exts)}"
                              f"{' (save_weights_only=True)' if self.save_weights_only else ''},"
                              f" got {path!r}")

@@ -16,14 +16,13 @@ Typical use (either ``fit`` call works)::
     train(state)
 """
 
-import keras
-
 from perseus.tensorflow.horovod.elastic import (
     ObjectState,
     State,
     TensorFlowKerasState,
     run,
 )
+from perseus.tensorflow.keras_module import keras
 
 __all__ = ["CommitStateCallback", "KerasState", "ObjectState", "State",
            "UpdateBatchStateCallback", "UpdateEpochStateCallback", "run"]
@@ -84,7 +83,7 @@ class UpdateBatchStateCallback(_StateCallback):
     ``model.stop_training``: it is set after the epoch's last batch and cleared again
     in this callback's ``on_epoch_end``, so put callbacks that stop the training at an
     epoch's end (``EarlyStopping``) after this one. Horovod shortens the epoch by
-    ``params["steps"]``, which Keras 3 does not read.
+    ``params["steps"]``, which neither Keras 3 nor tf_keras reads.
 
     Horovod stores the index of the last batch done (one less than this count).
     """

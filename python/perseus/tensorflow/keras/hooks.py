@@ -1,38 +1,41 @@
 """What Keras does differently for models that train with a Perseus optimizer.
 
-:func:`install` (done by the first Keras ``DistributedOptimizer``) makes two changes,
+:func:`install` (done by the first Keras ``DistributedOptimizer``) makes these changes,
 each only where a Perseus optimizer reduces the gradients; everything else is Keras' own.
 
 - **No XLA.** Keras compiles a model's training step with XLA when ``jit_compile`` is
-  true, and ``compile()``'s default, ``jit_compile="auto"``, means true on every machine
-  with a GPU. Code compiled by XLA cannot call Python, so it cannot reach the Perseus
-  core, and the step would fail to compile. ``Model.compile`` turns
-  ``jit_compile`` off for a model whose optimizer is a Perseus one, as Keras itself does
-  for layers XLA cannot compile: silently for ``"auto"``, with a warning when
-  ``jit_compile=True`` was asked for.
-- **Loss scaling decided alike on every rank.** Under a ``mixed_float16`` policy Keras
-  wraps the optimizer in a ``LossScaleOptimizer``, which skips a step and halves its
-  loss scale when the gradients hold an inf or a NaN. It checks the gradients it is
-  given, which for a Perseus optimizer are the rank's own (they are reduced inside the
-  wrapped optimizer's ``apply``): a rank whose gradients overflowed would skip the
-  step, and its reduction, while the others reduce. ``check_finite`` of a
-  LossScaleOptimizer that wraps a Perseus optimizer therefore takes the minimum of the
-  ranks' answers (one scalar allreduce a step): every rank skips, or none does.
+  true. Keras 3's ``compile()`` default, ``jit_compile="auto"``, means true on every
+  machine with a GPU; Keras 2 (tf_keras) uses XLA when asked to. Code compiled by XLA
+  cannot call Python, so it cannot reach the Perseus core, and the step would fail to
+  compile. ``Model.compile`` turns ``jit_compile`` off for a model whose optimizer is a
+  Perseus one, as Keras itself does for layers XLA cannot compile: silently for
+  ``"auto"``, with a warning when ``jit_compile=True`` was asked for.
+- **Loss scaling decided alike on every rank** (Keras 3). Under a ``mixed_float16``
+  policy Keras wraps the optimizer in a ``LossScaleOptimizer``, which skips a step and
+  halves its loss scale when the gradients hold an inf or a NaN. Keras 3's checks the
+  gradients it is given, which for a Perseus optimizer are the rank's own (they are
+  reduced inside the wrapped optimizer's ``apply``): a rank whose gradients overflowed
+  would skip the step, and its reduction, while the others reduce. ``check_finite`` of
+  a LossScaleOptimizer that wraps a Perseus optimizer therefore takes the minimum of the
+  ranks' answers (one scalar allreduce a step): every rank skips, or none does. Keras
+  2's LossScaleOptimizer needs no change: it has the wrapped optimizer aggregate (here:
+  reduce) the gradients before it checks them, so an overflow on one rank makes the
+  reduced gradients non-finite on every rank.
 
 ``compile()`` also drops ``experimental_run_tf_function``, whatever the model: Horovod's
 TF2 Keras examples pass it (``False``), and Keras 3, which has no counterpart of what it
-meant in TensorFlow 2.0 - 2.1, would reject it.
+meant in TensorFlow 2.0 - 2.1, would reject it (Keras 2 ignores it).
 """
 
 import functools
 import inspect
 import warnings
 
-import keras
 import tensorflow as tf
 
 from perseus.common.ops import Min
 from perseus.tensorflow.horovod import allreduce
+from perseus.tensorflow.keras_module import KERAS3, keras
 
 _installed = False
 
@@ -91,11 +94,12 @@ def install():
     global _installed
     if _installed:
         return
-    # Patched where Keras defines it (its trainer base class), not on keras.Model: Keras
-    # takes a compile() that differs from its own for a model's custom one, and then
-    # does not compile models it loads.
+    # Patched where Keras defines it (Keras 3: its trainer base class), not on a
+    # subclass: Keras takes a compile() that differs from its own for a model's custom
+    # one, and then does not compile models it loads.
     owner = next(c for c in keras.Model.__mro__ if "compile" in vars(c))
     owner.compile = _compile_without_xla(owner.compile)
-    scaler = keras.mixed_precision.LossScaleOptimizer
-    scaler.check_finite = _finite_on_every_rank(scaler.check_finite)
+    if KERAS3:
+        scaler = keras.mixed_precision.LossScaleOptimizer
+        scaler.check_finite = _finite_on_every_rank(scaler.check_finite)
     _installed = True
