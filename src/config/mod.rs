@@ -51,7 +51,7 @@ pub const PARAMS: &[Param] = &[
     Param {
         name: "HOROVOD_CYCLE_TIME",
         default: "1",
-        allowed: "a number of milliseconds >= 0",
+        allowed: "a number of milliseconds from 0 to 60000",
         doc: "longest a request is held back, while others await their answer, to batch a burst",
     },
     Param {
@@ -606,6 +606,19 @@ pub fn float_var(name: &str, default: f64) -> Result<f64> {
     }
 }
 
+/// The longest cycle time, HOROVOD_CYCLE_TIME's upper bound: a minute (a larger value,
+/// 1e300 say, is a mistake, and no `Duration` holds some of them).
+const MAX_CYCLE_MS: f64 = 60_000.0;
+
+/// [`float_var`] no larger than `max`.
+fn float_var_at_most(name: &str, default: f64, max: f64) -> Result<f64> {
+    let x = float_var(name, default)?;
+    if x > max {
+        return Err(invalid(name, &x.to_string(), allowed_of(name)));
+    }
+    Ok(x)
+}
+
 /// The gradient allreduce plan from PERSEUS_ALLREDUCE_DTYPE, _GRADIENT_SCALE
 /// and _MODE (or HOROVOD_HIERARCHICAL_ALLREDUCE).
 fn gradient_plan() -> Result<Plan> {
@@ -717,7 +730,7 @@ impl Config {
             86_400,
         )?;
         let fusion_threshold = int_var("HOROVOD_FUSION_THRESHOLD", 64 << 20, 0, u64::MAX)?;
-        let cycle_ms = float_var("HOROVOD_CYCLE_TIME", 1.0)?;
+        let cycle_ms = float_var_at_most("HOROVOD_CYCLE_TIME", 1.0, MAX_CYCLE_MS)?;
         let cache_capacity = int_var("HOROVOD_CACHE_CAPACITY", 1024, 0, 1 << 24)? as usize;
         let allgather_mode = int_var("PERSEUS_CHANGE_HVD_ALLGATHER", 0, 0, 1)? as u8;
         let unauthenticated = rendezvous.is_some() && var("PERSEUS_SECRET").is_none();

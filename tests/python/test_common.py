@@ -50,6 +50,8 @@ from _launch_helpers import clean_env
     ("PERSEUS_LOG_LEVEL", "warn"),
     ("HOROVOD_LOG_HIDE_TIME", "yes"),
     ("HOROVOD_TIMELINE_MARK_CYCLES", "2"),
+    ("HOROVOD_CYCLE_TIME", "1e300"),  # was a PanicException: no Duration holds it
+    ("HOROVOD_CYCLE_TIME", "60001"),
 ])
 def test_invalid_env_value_fails_init(run_workers, variable, value):
     run_workers(2, "bad_env.py", variable, env={variable: value}, timeout=60)
