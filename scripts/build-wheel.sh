@@ -65,24 +65,7 @@ if [[ $triple != "$host" ]]; then
 fi
 
 cache=${PERSEUS_CACHE:-$HOME/.cache/perseus}
-requirements="$root/requirements/build.txt"
-venv="$cache/venv-build-$(sha256sum "$requirements" | cut -c1-12)"
-stamp="$venv/.perseus-requirements-installed"
-mkdir -p "$cache"
-(
-    # One setup at a time per venv (several clones may share it).
-    exec 9>"$venv.lock"
-    flock 9
-    if [[ ! -x $venv/bin/python ]]; then
-        echo "build-wheel: creating $venv" >&2
-        "${PYTHON:-python3}" -m venv "$venv"
-    fi
-    if [[ ! -f $stamp ]]; then
-        echo "build-wheel: installing $requirements" >&2
-        "$venv/bin/python" -m pip install --disable-pip-version-check -r "$requirements"
-        cp "$requirements" "$stamp"
-    fi
-) >&2
+venv=$(bash "$root/scripts/make-venv.sh" build "$root/requirements/build.txt" | tail -n 1)
 python="$venv/bin/python"
 
 if command -v git >/dev/null && git -C "$root" rev-parse --git-dir >/dev/null 2>&1 &&
@@ -105,6 +88,10 @@ args=(build --release --sdist --zig --compatibility manylinux2014 --auditwheel c
 [[ -n $target ]] && args+=(--target "$target")
 (
     cd "$root"
+    # The wheel is built from the unpacked sdist, whose files carry the sdist's fixed
+    # times: cargo would take the last build's perseus for current and ship it. So
+    # perseus (not its dependencies) is always compiled anew.
+    CARGO_TARGET_DIR="$cache/target-wheel" cargo clean --release -p perseus --target "$triple"
     PATH="$venv/bin:$PATH" CARGO_TARGET_DIR="$cache/target-wheel" "$python" -m maturin "${args[@]}"
 ) >&2
 

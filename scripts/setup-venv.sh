@@ -17,24 +17,12 @@ if [[ ! -f $requirements ]]; then
     exit 2
 fi
 cache=${PERSEUS_CACHE:-$HOME/.cache/perseus}
-hash=$(sha256sum "$requirements" | cut -c1-12)
-venv="$cache/venv-$framework-$hash"
-stamp="$venv/.perseus-requirements-installed"
-mkdir -p "$cache"
+venv=$(bash "$root/scripts/make-venv.sh" "$framework" "$requirements" | tail -n 1)
 
 {
-    # One setup at a time per venv (several clones may share it).
+    # One build at a time per venv (several clones may share it).
     exec 9>"$venv.lock"
     flock 9
-    if [[ ! -x $venv/bin/python ]]; then
-        echo "setup-venv: creating $venv" >&2
-        "${PYTHON:-python3}" -m venv "$venv"
-    fi
-    if [[ ! -f $stamp ]]; then
-        echo "setup-venv: installing $requirements" >&2
-        "$venv/bin/python" -m pip install --disable-pip-version-check -r "$requirements"
-        cp "$requirements" "$stamp"
-    fi
     echo "setup-venv: building Perseus into $venv" >&2
     cd "$root"
     VIRTUAL_ENV="$venv" PATH="$venv/bin:$PATH" CARGO_TARGET_DIR="$cache/target" \
