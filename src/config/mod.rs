@@ -511,6 +511,13 @@ pub fn int_var(name: &str, default: u64, min: u64, max: u64) -> Result<u64> {
         None => Ok(default),
         Some(v) => match v.parse::<u64>() {
             Ok(x) if (min..=max).contains(&x) => Ok(x),
+            // A launcher's variable (PERSEUS_RENDEZVOUS_PORT) has no PARAMS row: its
+            // range is the allowed values.
+            _ if PARAMS.iter().all(|p| p.name != name) => Err(invalid(
+                name,
+                &v,
+                &format!("an integer from {min} to {max}"),
+            )),
             _ => Err(invalid(name, &v, allowed_of(name))),
         },
     }
@@ -960,6 +967,20 @@ mod tests {
                 p.name
             );
         }
+    }
+
+    #[test]
+    fn a_launchers_variable_out_of_range_names_its_range() {
+        std::env::set_var("PERSEUS_TEST_PORT_LIKE", "99999");
+        let e = int_var("PERSEUS_TEST_PORT_LIKE", 0, 1, 65535)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("PERSEUS_TEST_PORT_LIKE")
+                && e.contains("\"99999\"")
+                && e.contains("an integer from 1 to 65535"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -207,16 +207,29 @@ def test_describe_ranks_and_checked_in_ranks():
 def test_start_watch():
     slots = H.place([H.Host("a", 1), H.Host("b", 2)], 3)
     now, seen = [0.0], set()
-    watch = J.StartWatch(slots, lambda: seen, 5, clock=lambda: now[0])
-    assert watch.check() is None  # before the deadline
+
+    def watch():
+        return J.StartWatch(slots, lambda: seen, 5, clock=lambda: now[0])
+
+    w = watch()
+    assert w.check() is None  # before the deadline
     now[0], seen = 5.0, {0}
-    message = watch.check(finished={2})  # rank 2 ended without error: not missing
-    assert message.startswith("rank 1 (host b) did not check in at the rendezvous within "
-                              "5 s (--start-timeout)")
-    seen.add(1)
-    assert watch.check(finished={2}) is None and watch.done
-    seen.clear()
-    assert watch.check() is None  # once everyone checked in, the watch is over
+    assert w.check().startswith("ranks 1, 2 (host b) did not check in at the rendezvous "
+                                "within 5 s (--start-timeout)")
+    # rank 2 ended without error and nobody waits for it: it is not missing
+    seen = set()
+    assert w.check(finished={2}).startswith("rank 0 (host a), rank 1 (host b) did not "
+                                            "check in")
+    # rank 0 waits in init() for rank 2, which ended without it: named at once
+    now[0], seen = 0.0, {0}
+    assert watch().check(finished={2}) == (
+        "rank 2 (host b) exited without error before reaching hvd.init(), while rank 0 "
+        "(host a) waits there for it; stopping the job")
+    seen = {0, 1, 2}  # rank 2 checked in before it ended
+    w = watch()
+    assert w.check(finished={2}) is None and w.done
+    seen = set()
+    assert w.check() is None  # once everyone checked in, the watch is over
 
 
 def test_rendezvous_address(monkeypatch):

@@ -5,6 +5,7 @@ rendezvous server).
 """
 
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -222,6 +223,64 @@ def test_local_ranks_go_when_the_launcher_dies(tmp_path):
     assert_all_gone(pids_in(tmp_path))
 
 
+# A rank behind a shell that starts a child of its own, which ignores SIGTERM: the
+# shell's pid, the rank's and the child's are written.
+FAMILY_WORKER = PIDS + textwrap.dedent("""
+    child = subprocess.Popen([sys.executable, "-c",
+                              "import signal, time; signal.signal(signal.SIGTERM, "
+                              "signal.SIG_IGN); time.sleep(60)"])
+    write_pids(os.getppid(), child.pid)
+    time.sleep(60)
+""")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux")
+@pytest.mark.parametrize("where", ["local", "remote"])
+def test_a_killed_launcher_leaves_no_shell_rank_or_child_behind(tmp_path, where):
+    # kill -9 perseusrun: each local rank's guard stops its whole process group, the
+    # shell the rank runs under and the child it started (SIGKILL after the grace for
+    # that one); a remote rank's script does the same when its stdin closes.
+    if where == "remote" and shutil.which("setsid") is None:
+        pytest.skip("needs setsid (util-linux)")
+    script = tmp_path / "family.py"
+    script.write_text(FAMILY_WORKER)
+    command = (f"{shlex.quote(sys.executable)} {shlex.quote(str(script))} "
+               f"{shlex.quote(str(tmp_path))}; true")
+    env, hosts = ENV, []
+    if where == "remote":  # a fake ssh, detached from the launcher's groups (see below)
+        fake = tmp_path / "bin" / "ssh"
+        fake.parent.mkdir()
+        fake.write_text('#!/bin/sh\nfor a; do last=$a; done\nexec setsid -w sh -c "$last"\n')
+        fake.chmod(0o755)
+        env = dict(ENV, PATH=f"{fake.parent}:{os.environ['PATH']}")
+        hosts = ["-H", "nodeB:2", "--network-interface", "lo"]
+    p = subprocess.Popen(LAUNCH + ["-np", "2", *hosts, "sh", "-c", command],
+                         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while len(pids_in(tmp_path)) < 6 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pids = pids_in(tmp_path)
+    assert len(pids) == 6 and all(alive(pid) for pid in pids), pids
+    p.kill()
+    p.wait()
+    assert_all_gone(pids, within=12.0)
+
+
+@pytest.mark.timeout(60)
+def test_the_guard_gives_the_launcher_the_ranks_own_exit_status(tmp_path):
+    r = launch(["-np", "1", "sh", "-c", "exit 7"])
+    assert r.returncode == 7, r.stderr
+    assert "exit code 7" in r.stderr
+    r = launch(["-np", "1", "sh", "-c", "kill -SEGV $$"])
+    assert r.returncode == 128 + signal.SIGSEGV, r.stderr
+    assert "signal SIGSEGV" in r.stderr
+    r = launch(["-np", "1", "no-such-command-perseus"])
+    assert r.returncode == 127, r.stderr
+    assert ("cannot start rank 0 (no-such-command-perseus): No such file or directory"
+            in r.stderr), r.stderr
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.skipif(shutil.which("setsid") is None, reason="needs setsid (util-linux)")
 def test_remote_ranks_go_when_the_launcher_dies(tmp_path):
@@ -266,7 +325,7 @@ def test_ranks_that_do_not_check_in_within_start_timeout_are_named(tmp_path):
     start = time.monotonic()
     r = launch(["-np", "4", "-H", "localhost:3,deadhost:1", "--network-interface", "lo",
                 "--rsh", hang, "--start-timeout", "2",
-                sys.executable, "-c", START_WORKER, str(tmp_path), "init,exit,sleep,init"])
+                sys.executable, "-c", START_WORKER, str(tmp_path), "init,init,sleep,init"])
     assert time.monotonic() - start < 12
     assert r.returncode == 1, r.stderr
     assert ("rank 2 (host localhost), rank 3 (host deadhost) did not check in at the "
@@ -274,6 +333,22 @@ def test_ranks_that_do_not_check_in_within_start_timeout_are_named(tmp_path):
     pids = pids_in(tmp_path)
     assert len(pids) == 4
     assert_all_gone(pids)
+
+
+@pytest.mark.timeout(60)
+def test_a_rank_that_exits_before_init_is_named_at_once_not_the_one_waiting(tmp_path):
+    # rank 1 ends (exit code 0) without calling init(); rank 0 waits in init() for it.
+    # perseusrun names rank 1 as soon as rank 0 is waiting, long before any timeout.
+    start = time.monotonic()
+    r = launch(["-np", "3", "--start-timeout", "30", sys.executable, "-c", START_WORKER,
+                str(tmp_path), "init,exit,init"], env=dict(ENV, GLOO_TIMEOUT_SECONDS="30"))
+    assert time.monotonic() - start < 20, r.stderr
+    assert r.returncode == 1, r.stderr
+    assert ("rank 1 (host localhost) exited without error before reaching hvd.init(), "
+            "while ranks 0, 2 (host localhost) wait there for it; stopping the job"
+            ) in r.stderr, r.stderr
+    assert "rank 0" not in r.stderr.replace("ranks 0, 2", ""), r.stderr
+    assert_all_gone(pids_in(tmp_path))
 
 
 @pytest.mark.timeout(60)

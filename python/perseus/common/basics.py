@@ -92,6 +92,8 @@ def shutdown():
     global _config
     from perseus.common import ops
 
+    if _core.is_initialized():
+        ops._before_shutdown()
     _core.shutdown()
     _rank_copy.unmark()
     _config = None

@@ -93,6 +93,16 @@ class Handle:
 
     __call__ = wait
 
+    def _abandon(self):
+        """``shutdown()`` came while this operation was pending."""
+        if not self._done:
+            self._error = _core.HorovodInternalError(
+                f"this operation (handle {self._id}) was still pending when shutdown() was "
+                "called, so it did not complete: wait for every handle (hvd.synchronize) "
+                "before shutdown()")
+            self._done = True
+            self._keep = self._finish = None
+
     def output(self):
         """The output capsule the core allocated (inside ``finish`` only)."""
         return _core.take_output(self._id)
@@ -154,8 +164,23 @@ class GroupHandle:
         return f"<perseus GroupHandle of {len(self._handles)}>"
 
 
+def _before_shutdown():
+    """Collects the results of the operations that finished but were not waited on, so
+    that ``wait()`` still gives them after ``shutdown()``."""
+    for handle in list(_inflight.values()):
+        if _core.poll(handle._id):
+            try:
+                handle.wait()
+            except Exception:  # noqa: BLE001, S110 - kept in the handle, raised by its wait()
+                pass
+
+
 def _after_shutdown():
-    """The engine is gone: nothing can write to kept memory any more."""
+    """The engine is gone: nothing can write to kept memory any more, and what was still
+    in flight never completes: its ``wait()`` says so (as Horovod's does), instead of
+    asking a later engine about a number that may by then be another operation's."""
+    for handle in list(_inflight.values()):
+        handle._abandon()
     _inflight.clear()
 
 

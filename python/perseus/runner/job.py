@@ -1,15 +1,18 @@
 """Run the ranks of one job: spawn them, relay their output, tear the job down.
 
-Every rank starts in its own session (process group). When one rank exits non-zero
+Every rank starts in its own session (process group), local ones under a guard
+(guard.py) that stops the group if the launcher dies. When one rank exits non-zero
 or dies by a signal, a rank does not check in at the rendezvous within the start
 timeout, or the launcher gets SIGINT/SIGTERM, every group gets SIGTERM, then SIGKILL
 after a grace period, so no process outlives the job.
 """
 
 import contextlib
+import errno
 import os
 import queue
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -42,17 +45,24 @@ def remote_script(command, env, cwd):
 
     The secret comes as the first line of stdin, so it appears on no command line.
     The rest of stdin stays open for the life of the job: when it closes (the launcher
-    or the remote shell connection went away) the rank gets SIGTERM, then SIGKILL.
+    or the remote shell connection went away) the rank gets SIGTERM, then SIGKILL. Where
+    the host has ``setsid`` (util-linux) the rank runs in its own process group and the
+    signals go to the whole group: the children it started, a shell it runs under.
     """
     assignments = " ".join(shlex.quote(f"{k}={v}") for k, v in sorted(env.items()))
     run = f"env {assignments} {shlex.join(command)}" if assignments else shlex.join(command)
     return (
         "IFS= read -r PERSEUS_SECRET; export PERSEUS_SECRET; "
         f"cd {shlex.quote(cwd)} || exit 127; exec 3<&0; "
-        f"{run} & p=$!; "
-        "{ cat <&3 >/dev/null 2>&1; kill -TERM $p; sleep 5; kill -KILL $p; } "
-        ">/dev/null 2>&1 & w=$!; "
-        "wait $p; rc=$?; kill $w 2>/dev/null; exit $rc"
+        # A background job is no group leader, so setsid runs the rank in place: $p is
+        # the rank and the leader of its own group, -$p the group.
+        "if command -v setsid >/dev/null 2>&1; then s=setsid g=-; else s= g=; fi; "
+        f"$s {run} & p=$!; "
+        # The watchdog outlives the signals a local rsh (ip netns exec) passes on to
+        # this shell's group, which no longer reach the rank's: stdin's end stops it.
+        "{ trap '' TERM INT HUP; cat <&3 >/dev/null 2>&1; kill -TERM $g$p; "
+        f"sleep {GRACE_SECONDS:g}; kill -KILL $g$p; }} >/dev/null 2>&1 & w=$!; "
+        "wait $p; rc=$?; kill -KILL $w 2>/dev/null; exit $rc"
     )
 
 
@@ -91,6 +101,13 @@ def _parent_death_signal(sig=signal.SIGKILL):
             os._exit(1)
 
     return set_signal
+
+
+def guarded(argv):
+    """A local rank's command under its guard (guard.py): if the launcher dies, the guard
+    stops the rank's whole process group, children and shells included."""
+    guard = os.path.join(os.path.dirname(os.path.abspath(__file__)), "guard.py")
+    return [sys.executable, "-I", guard, str(GRACE_SECONDS), *argv]
 
 
 def describe_status(code):
@@ -145,9 +162,11 @@ class StartWatch:
     """Whether every rank checked in at the rendezvous within the start timeout.
 
     ``checked_in()`` returns the ranks seen so far (from the rendezvous server's keys).
-    A rank that already ended without error counts as started. ``check()`` returns
-    None while all is well (or once every rank checked in) and the failure message
-    once the timeout passed with ranks missing.
+    A rank that already ended without error counts as started, unless another rank
+    checked in meanwhile: that one waits in ``hvd.init()`` for a rank that will never
+    come, and the job fails at once naming the rank that left. ``check()`` returns None
+    while all is well (or once every rank checked in) and the failure message once the
+    timeout passed with ranks missing.
     """
 
     def __init__(self, slots, checked_in, timeout, clock=time.monotonic):
@@ -156,14 +175,19 @@ class StartWatch:
         self.deadline = clock() + timeout
         self.done = False
 
-    def missing(self, finished=()):
-        seen = set(self.checked_in()) | set(finished)
-        return [s for s in self.slots if s.rank not in seen]
-
     def check(self, finished=()):
         if self.done:
             return None
-        missing = self.missing(finished)
+        seen, finished = set(self.checked_in()), set(finished)
+        left = [s for s in self.slots if s.rank in finished and s.rank not in seen]
+        waiting = [s for s in self.slots if s.rank in seen and s.rank not in finished]
+        if left and waiting:
+            # hvd.init() waits for every rank: these never come.
+            return (f"{describe_ranks(left)} exited without error before reaching "
+                    f"hvd.init(), while {describe_ranks(waiting)} wait"
+                    f"{'s' if len(waiting) == 1 else ''} there for "
+                    f"{'it' if len(left) == 1 else 'them'}; stopping the job")
+        missing = [s for s in self.slots if s.rank not in seen | finished]
         if not missing:
             self.done = True
             return None
@@ -213,12 +237,16 @@ class Rank:
         ``output_dir``/rank.<R>/stdout and stderr too (R padded to the width of
         ``size - 1``; ``size``: the slot's, else 1). The relay threads close the files."""
         size = size or getattr(self.slot, "size", None) or 1
+        if not self.remote and shutil.which(self.argv[0], path=self.env.get("PATH")) is None:
+            # What Popen would say without the guard in between.
+            raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), self.argv[0])
         files = self._open_files(output_dir, size) if output_dir else {}
         try:
             # The preexec_fn only calls prctl, getppid and _exit: no lock another thread
             # holds.
             self.proc = subprocess.Popen(
-                self.argv, env=self.env, start_new_session=True,
+                self.argv if self.remote else guarded(self.argv), env=self.env,
+                start_new_session=True,
                 preexec_fn=_parent_death_signal(),  # noqa: PLW1509
                 stdin=subprocess.PIPE if self.remote else subprocess.DEVNULL,
                 stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -249,12 +277,16 @@ class Rank:
         except (ProcessLookupError, PermissionError):
             return False
 
-    def close(self, timeout=2.0):
+    def hang_up(self):
+        """Close the rank's stdin (a remote rank's script stops the rank then)."""
         if self.proc is not None and self.proc.stdin:
             try:
                 self.proc.stdin.close()
             except OSError:
                 pass
+
+    def close(self, timeout=2.0):
+        self.hang_up()
         deadline = time.monotonic() + timeout
         for t in self._threads:
             t.join(max(0.0, deadline - time.monotonic()))
@@ -402,7 +434,12 @@ class Job(Launcher):
 
 
 def teardown(ranks, grace):
-    """SIGTERM every rank's process group, SIGKILL what is left after ``grace`` seconds."""
+    """SIGTERM every rank's process group, SIGKILL what is left after ``grace`` seconds.
+    A remote rank's stdin is closed first: its script on the host then stops the rank's
+    group there (remote_script), which the signals to the local rsh's group may not
+    reach."""
+    for r in ranks:
+        r.hang_up()
     alive = [r for r in ranks if r.signal_group(signal.SIGTERM)]
     deadline = time.monotonic() + grace
     while alive and time.monotonic() < deadline:

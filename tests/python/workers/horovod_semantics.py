@@ -2,6 +2,8 @@
 every collective, and every differentiable op's gradient against autograd of the same
 computation in one process (with Horovod's definitions of each gradient)."""
 
+import time
+
 import perseus.torch.horovod as hvd
 import torch
 from _helpers import close, done, raises
@@ -201,6 +203,28 @@ def errors(r, n):
     close(hvd.allreduce(torch.ones(3), op=hvd.Sum), torch.full((3,), float(n)), "after errors")
 
 
+def pending_at_shutdown(r, n):
+    """An operation that finished but was not waited on keeps its result through
+    shutdown(); one still pending fails with HorovodInternalError saying why (Horovod's
+    handles do the same), also after init() again, when its number is a new operation's."""
+    finished = hvd.allreduce_async(torch.full((2,), float(r)), op=hvd.Sum)
+    while not hvd.poll(finished):
+        time.sleep(0.005)
+    # Submitted by rank 0 alone: it cannot complete.
+    pending = hvd.allreduce_async(torch.ones(3), name="rank0.only") if r == 0 else None
+    hvd.shutdown()
+    close(hvd.synchronize(finished), torch.full((2,), float(n * (n - 1) // 2)),
+          "a result collected before shutdown()")
+    hvd.init()
+    fresh = [hvd.allreduce_async(torch.ones(2), op=hvd.Sum) for _ in range(3)]
+    if pending is not None:
+        with raises(hvd.HorovodInternalError, "still pending when shutdown() was called",
+                    what="a handle pending at shutdown()"):
+            hvd.synchronize(pending)
+    for h in fresh:
+        close(hvd.synchronize(h), torch.full((2,), float(n)), "after init() again")
+
+
 def main():
     hvd.init()
     r, n = hvd.rank(), hvd.size()
@@ -208,6 +232,7 @@ def main():
     gradient_sweep(r, n)
     uneven_allgather_gradient(r, n)
     errors(r, n)
+    pending_at_shutdown(r, n)
     done(r)
 
 
