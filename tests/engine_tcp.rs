@@ -289,6 +289,31 @@ fn streams_must_agree_on_every_rank() {
 }
 
 #[test]
+fn shared_memory_must_agree_on_every_rank() {
+    // PERSEUS_SHM=1 on rank 0 and 0 on rank 1: each names the variable and the other
+    // rank's value, before any connection is tried.
+    let server = StoreServer::start("127.0.0.1:0", "t").unwrap();
+    let port = server.port();
+    let threads: Vec<_> = (0..2)
+        .map(|r| {
+            std::thread::spawn(move || {
+                let err = Engine::start(config(r, 2, port, r == 0))
+                    .err()
+                    .expect("mismatched PERSEUS_SHM must fail");
+                let msg = err.to_string();
+                assert!(msg.contains("PERSEUS_SHM"), "{msg}");
+                let theirs = u8::from(r == 1);
+                assert!(
+                    msg.contains(&format!("rank {} has {theirs}", 1 - r)),
+                    "{msg}"
+                );
+            })
+        })
+        .collect();
+    threads.into_iter().for_each(|t| t.join().unwrap());
+}
+
+#[test]
 fn strangers_at_a_mesh_port_are_dropped_and_the_job_connects() {
     use perseus::rendezvous::StoreClient;
     use std::io::{Read, Write};
@@ -309,9 +334,9 @@ fn strangers_at_a_mesh_port_are_dropped_and_the_job_connects() {
     let t = Duration::from_secs(10);
     let mut store = StoreClient::connect("127.0.0.1", port, "t", t).unwrap();
     // Rank 0 accepts once it has read every peer's entry: give it rank 1's now (the
-    // real rank 1 publishes the same stream count later; without shared memory the
-    // host key does not matter).
-    store.set("mesh/1", b"127.0.0.1:1 elsewhere 1").unwrap();
+    // real rank 1 publishes the same stream count and PERSEUS_SHM later; without shared
+    // memory the host key does not matter).
+    store.set("mesh/1", b"127.0.0.1:1 elsewhere 1 0").unwrap();
     let entry = String::from_utf8(store.get("mesh/0", t).unwrap()).unwrap();
     let addr = entry.split(' ').next().unwrap().to_string();
     let hung_up = |mut s: TcpStream| {

@@ -80,7 +80,7 @@ pub fn connect_mesh(cfg: &Config) -> Result<MeshParts> {
     let listener = TcpListener::bind((ip, 0))?;
     let addr = listener.local_addr()?;
     let host = host_key(cfg);
-    let entry = format!("{addr} {host} {}", cfg.streams);
+    let entry = format!("{addr} {host} {} {}", cfg.streams, u8::from(cfg.shm));
     store.set(&mesh_key(&cfg.scope, rank, gen), entry.as_bytes())?;
     let mut peers = Vec::with_capacity(size);
     for p in 0..size {
@@ -89,6 +89,7 @@ pub fn connect_mesh(cfg: &Config) -> Result<MeshParts> {
                 addr: addr.to_string(),
                 host: host.clone(),
                 streams: cfg.streams,
+                shm: cfg.shm,
             }
         } else {
             published(&mut store, &cfg.scope, p, gen, timeout)?
@@ -105,6 +106,18 @@ pub fn connect_mesh(cfg: &Config) -> Result<MeshParts> {
             allowed: format!(
                 "the same value on every rank, but rank {p} has {}",
                 other.streams
+            ),
+        });
+    }
+    // Peers on one host must agree on shared memory, or one would wait for rings the
+    // other never maps: named here, before any connection.
+    if let Some((p, other)) = peers.iter().enumerate().find(|(_, e)| e.shm != cfg.shm) {
+        return Err(PerseusError::InvalidConfig {
+            var: "PERSEUS_SHM".into(),
+            value: u8::from(cfg.shm).to_string(),
+            allowed: format!(
+                "the same value on every rank, but rank {p} has {}",
+                u8::from(other.shm)
             ),
         });
     }
@@ -220,6 +233,8 @@ struct Published {
     host: String,
     /// Its PERSEUS_ALLREDUCE_STREAMS.
     streams: usize,
+    /// Its PERSEUS_SHM.
+    shm: bool,
 }
 
 /// How many times this process connected as `rank` of the job at the
@@ -250,7 +265,7 @@ fn mesh_key(scope: &str, rank: usize, gen: u64) -> String {
 /// never publish one (an elastic job's worker that did not start): `gone <why>`.
 const GONE: &str = "gone ";
 
-/// Reads `peer`'s published entry ("address host-key streams") of round `gen`.
+/// Reads `peer`'s published entry ("address host-key streams shm") of round `gen`.
 fn published(
     store: &mut StoreClient,
     scope: &str,
@@ -266,11 +281,17 @@ fn published(
     }
     let mut f = v.split(' ');
     let (addr, host, streams) = (f.next(), f.next(), f.next().and_then(|s| s.parse().ok()));
-    match (addr, host, streams) {
-        (Some(addr), Some(host), Some(streams)) => Ok(Published {
+    let shm = f.next().and_then(|s| match s {
+        "0" => Some(false),
+        "1" => Some(true),
+        _ => None,
+    });
+    match (addr, host, streams, shm) {
+        (Some(addr), Some(host), Some(streams), Some(shm)) => Ok(Published {
             addr: addr.to_string(),
             host: host.to_string(),
             streams,
+            shm,
         }),
         _ => Err(PerseusError::Protocol(format!(
             "rank {peer} published a malformed mesh entry {v:?}"
