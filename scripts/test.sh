@@ -33,7 +33,7 @@ step "cargo clippy (python and cuda features, as the wheel is built)"
 PYO3_PYTHON="$python" cargo clippy --release --features python,cuda -- -D warnings
 
 lint=()
-for dir in python tests benchmarks; do
+for dir in python tests benchmarks scripts; do
     if [[ -d $dir ]]; then lint+=("$dir"); fi
 done
 step "ruff check ${lint[*]}"
@@ -87,4 +87,22 @@ step "MXNet virtual environment"
 mx_venv=$(bash scripts/setup-venv.sh mxnet | tail -n 1)
 step "pytest tests/mxnet"
 PATH="$mx_venv/bin:$PATH" run_pytest "$mx_venv/bin/python" -m pytest -q tests/mxnet || status=$?
+
+# The release wheel and the compatibility matrix's extremes (docs/compatibility.md): the
+# oldest and the newest torch and TensorFlow, between them on the oldest and the newest
+# Python, each in its own environment with the wheel installed as a user would.
+step "the release wheel (scripts/build-wheel.sh)"
+dist="$PERSEUS_CACHE/ci-dist"
+rm -rf "$dist"
+if bash scripts/build-wheel.sh --out "$dist"; then
+    step "pytest tests/python/test_wheel.py (the wheel's tags and ELF)"
+    PERSEUS_TEST_WHEEL="$dist" run_pytest "$python" -m pytest -q tests/python/test_wheel.py \
+        || status=$?
+    step "compatibility matrix: the extremes"
+    wheel=$(ls "$dist"/perseus-*.whl)
+    bash scripts/compat-matrix.sh --wheel "$wheel" torch-2.1 torch-2.15-py3.13 \
+        tf-2.16-py3.9 tf-2.21-py3.13 || status=$?
+else
+    status=1
+fi
 exit "$status"

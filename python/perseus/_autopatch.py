@@ -17,6 +17,10 @@ _TARGET = "torch"
 
 def _after_torch():
     try:
+        from perseus import support
+
+        # An unsupported torch leaves DDP to torch, saying why (before ddp reaches torch).
+        support.check("torch", sys.modules[_TARGET].__version__)
         from perseus import ddp
 
         ddp.patch()

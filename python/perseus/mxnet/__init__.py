@@ -21,6 +21,13 @@ host's ranks or of every rank. ``hvd.elastic`` (``run``, ``MXNetState``) trains 
 the resets of an elastic job (docs/elastic.md).
 """
 
+import mxnet as _mx
+
+from perseus import support as _support
+
+# Before anything of Perseus's reaches MXNet: an unsupported one is named here.
+_support.check("mxnet", _mx.__version__)
+
 from perseus.mxnet import elastic
 from perseus.mxnet.compression import Compression
 from perseus.mxnet.functions import allgather_object, broadcast_object, broadcast_parameters

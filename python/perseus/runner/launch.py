@@ -542,14 +542,17 @@ def check_build(out=sys.stdout):
     def mark(ok):
         return "[X]" if ok else "[ ]"
 
-    frameworks = {}
+    from perseus import support
+
+    frameworks, versions = {}, []
     for name, module in (("PyTorch", "torch"), ("TensorFlow", "tensorflow"),
                          ("MXNet", "mxnet")):
         try:
-            importlib.import_module(module)
+            version = importlib.import_module(module).__version__
             frameworks[name] = True
         except Exception:  # noqa: BLE001 - a broken install counts as absent
-            frameworks[name] = False
+            frameworks[name], version = False, "not installed"
+        versions.append(f"    {module} {version} (supported: {support.span(module)})")
     try:
         from perseus import _core  # noqa: F401
 
@@ -568,6 +571,10 @@ def check_build(out=sys.stdout):
         lines += gpu.report_lines()
     else:
         lines.append("    [ ] (the Perseus core did not import)")
+    python = ".".join(map(str, sys.version_info[:3]))
+    lines += ["", "Versions (docs/compatibility.md):",
+              f"    Python {python} (supported: {support.PYTHONS[0]} to {support.PYTHONS[1]})"]
+    lines += versions
     print("\n".join(lines), file=out)
     return 0
 

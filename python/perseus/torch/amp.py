@@ -47,8 +47,15 @@ import weakref
 from collections import defaultdict
 
 import torch
-from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
 from torch.utils.weak import WeakIdKeyDictionary
+
+try:  # torch 2.3 and later: one GradScaler for every device, torch.cuda.amp's its subclass
+    from torch.amp import grad_scaler as _grad_scaler
+except ImportError:  # torch 2.1 and 2.2: CUDA's is the only one
+    from torch.cuda.amp import grad_scaler as _grad_scaler
+
+OptState = _grad_scaler.OptState
+_refresh_per_optimizer_state = _grad_scaler._refresh_per_optimizer_state
 
 __all__ = ["amp_decorate", "amp_parameters", "is_decorated"]
 
@@ -359,7 +366,7 @@ def patch_grad_scaler():
     if _scaler_patched:
         return
     _scaler_patched = True
-    scaler = torch.amp.GradScaler
+    scaler = _grad_scaler.GradScaler
     unscale, update, scale, step = scaler.unscale_, scaler.update, scaler.scale, scaler.step
 
     def scale_(self, outputs):
