@@ -84,6 +84,10 @@ def test_too_few_workers_left_fails_the_job_naming_the_limit():
     assert rc == 1, f"exit {rc}\n{out}"
     assert "fewer than --min-np 2 for 3 s (--elastic-timeout)" in out, out
     assert "blacklisted hosts: ['127.0.0.2']" in out, out
+    # While it waited, it said what for, at once (then every 30 s).
+    assert re.search(r"waiting for workers: 1 slots usable and 1 workers left, fewer than "
+                     r"--min-np 2; blacklisted hosts: \['127.0.0.2'\]; the job stops in "
+                     r"[23] s \(--elastic-timeout\) unless hosts come", out), out
 
 
 @pytest.mark.timeout(180)

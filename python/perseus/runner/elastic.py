@@ -28,6 +28,9 @@ from dataclasses import dataclass
 from perseus.runner import hosts as _hosts
 from perseus.runner import job as _job
 
+#: How often a driver short of workers says what it waits for (at once, then this often).
+WAIT_REPORT_SECONDS = 30.0
+
 
 class DiscoveryError(RuntimeError):
     """The discovery script failed or printed something else than hosts."""
@@ -336,6 +339,7 @@ class ElasticJob(_job.Launcher):
         self._discover()
         short_since = time.monotonic()
         last_discovery = time.monotonic()
+        next_report = 0.0  # seconds into a wait for workers when it is next described
         try:
             while True:
                 if self._signal is not None:
@@ -362,7 +366,7 @@ class ElasticJob(_job.Launcher):
                 if self.round < 0 or self._round_over():
                     target = self.num_proc if self.round < 0 else self.max_np
                     if self._next_round(target):
-                        short_since = time.monotonic()
+                        short_since, next_report = time.monotonic(), 0.0
                         continue
                     left = len([w for w in self.members if w in self.workers])
                     waited = time.monotonic() - short_since
@@ -376,8 +380,16 @@ class ElasticJob(_job.Launcher):
                                "and no workers left on a fixed host list; ")
                             + f"blacklisted hosts: {self.blacklist.hosts() or 'none'}; "
                             "stopping the job", 1)
+                    if waited >= next_report:
+                        self._say(
+                            f"waiting for workers: {len(self._usable())} slots usable and "
+                            f"{left} workers left, fewer than --min-np {self.min_np}; "
+                            f"blacklisted hosts: {self.blacklist.hosts() or 'none'}; the "
+                            f"job stops in {self.elastic_timeout - waited:.0f} s "
+                            "(--elastic-timeout) unless hosts come")
+                        next_report = waited + WAIT_REPORT_SECONDS
                 else:
-                    short_since = time.monotonic()
+                    short_since, next_report = time.monotonic(), 0.0
         except _Stop as e:
             self._say(e.message)
             self.stopped_because = e.message
