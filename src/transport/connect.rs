@@ -95,32 +95,10 @@ pub fn connect_mesh(cfg: &Config) -> Result<MeshParts> {
             published(&mut store, &cfg.scope, p, gen, timeout)?
         });
     }
-    if let Some((p, other)) = peers
-        .iter()
-        .enumerate()
-        .find(|(_, e)| e.streams != cfg.streams)
-    {
-        return Err(PerseusError::InvalidConfig {
-            var: "PERSEUS_ALLREDUCE_STREAMS".into(),
-            value: cfg.streams.to_string(),
-            allowed: format!(
-                "the same value on every rank, but rank {p} has {}",
-                other.streams
-            ),
-        });
-    }
-    // Peers on one host must agree on shared memory, or one would wait for rings the
-    // other never maps: named here, before any connection.
-    if let Some((p, other)) = peers.iter().enumerate().find(|(_, e)| e.shm != cfg.shm) {
-        return Err(PerseusError::InvalidConfig {
-            var: "PERSEUS_SHM".into(),
-            value: u8::from(cfg.shm).to_string(),
-            allowed: format!(
-                "the same value on every rank, but rank {p} has {}",
-                u8::from(other.shm)
-            ),
-        });
-    }
+    // Every rank must agree on these, or one would wait for streams or shared-memory rings
+    // the other never opens: named here, before any connection.
+    must_agree("PERSEUS_ALLREDUCE_STREAMS", &peers, rank, |e| e.streams)?;
+    must_agree("PERSEUS_SHM", &peers, rank, |e| u8::from(e.shm))?;
     let hosts: Vec<String> = peers.iter().map(|e| e.host.clone()).collect();
     // Pairs in shared memory keep one TCP data stream (unused once the rings are up).
     let streams_to = |p: usize| {
@@ -235,6 +213,25 @@ struct Published {
     streams: usize,
     /// Its PERSEUS_SHM.
     shm: bool,
+}
+
+/// Fails, naming `var` and the first rank that differs, unless `of` reads from every
+/// rank's entry the value it reads from `rank`'s (this one's, also in `peers`).
+fn must_agree<T: PartialEq + std::fmt::Display>(
+    var: &str,
+    peers: &[Published],
+    rank: usize,
+    of: impl Fn(&Published) -> T,
+) -> Result<()> {
+    let mine = of(&peers[rank]);
+    match peers.iter().enumerate().find(|(_, e)| of(e) != mine) {
+        None => Ok(()),
+        Some((p, e)) => Err(PerseusError::InvalidConfig {
+            var: var.into(),
+            value: mine.to_string(),
+            allowed: format!("the same value on every rank, but rank {p} has {}", of(e)),
+        }),
+    }
 }
 
 /// How many times this process connected as `rank` of the job at the
