@@ -371,23 +371,23 @@ class ElasticJob(_job.Launcher):
                     left = len([w for w in self.members if w in self.workers])
                     waited = time.monotonic() - short_since
                     hopeless = self.fixed and not left and not self.blacklist.cooldown
-                    if waited > self.elastic_timeout or hopeless:
+                    give_up = waited > self.elastic_timeout or hopeless
+                    if not give_up and waited < next_report:
+                        continue
+                    short = (f"{len(self._usable())} slots usable and {left} workers left, "
+                             f"fewer than --min-np {self.min_np}")
+                    blacklisted = f"blacklisted hosts: {self.blacklist.hosts() or 'none'}"
+                    if give_up:
                         raise _Stop(
-                            f"{len(self._usable())} slots usable and {left} workers "
-                            f"left, fewer than --min-np {self.min_np} "
+                            f"{short} "
                             + (f"for {self.elastic_timeout:g} s (--elastic-timeout); "
                                if waited > self.elastic_timeout else
                                "and no workers left on a fixed host list; ")
-                            + f"blacklisted hosts: {self.blacklist.hosts() or 'none'}; "
-                            "stopping the job", 1)
-                    if waited >= next_report:
-                        self._say(
-                            f"waiting for workers: {len(self._usable())} slots usable and "
-                            f"{left} workers left, fewer than --min-np {self.min_np}; "
-                            f"blacklisted hosts: {self.blacklist.hosts() or 'none'}; the "
-                            f"job stops in {self.elastic_timeout - waited:.0f} s "
-                            "(--elastic-timeout) unless hosts come")
-                        next_report = waited + WAIT_REPORT_SECONDS
+                            + f"{blacklisted}; stopping the job", 1)
+                    self._say(f"waiting for workers: {short}; {blacklisted}; the job stops "
+                              f"in {self.elastic_timeout - waited:.0f} s (--elastic-timeout) "
+                              "unless hosts come")
+                    next_report = waited + WAIT_REPORT_SECONDS
                 else:
                     short_since, next_report = time.monotonic(), 0.0
         except _Stop as e:
