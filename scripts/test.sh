@@ -75,13 +75,13 @@ run_pytest() {
 
 step "pytest tests/python"
 status=0
-run_pytest "$python" -m pytest -q tests/python || status=$?
+run_pytest "$python" -m pytest -q --durations=15 tests/python || status=$?
 
 step "TensorFlow virtual environment"
 tf_venv=$(bash scripts/setup-venv.sh tensorflow | tail -n 1)
 step "pytest tests/tensorflow"
 PATH="$tf_venv/bin:$PATH" TF_CPP_MIN_LOG_LEVEL=2 \
-    run_pytest "$tf_venv/bin/python" -m pytest -q tests/tensorflow || status=$?
+    run_pytest "$tf_venv/bin/python" -m pytest -q --durations=10 tests/tensorflow || status=$?
 
 step "MXNet virtual environment"
 mx_venv=$(bash scripts/setup-venv.sh mxnet | tail -n 1)
