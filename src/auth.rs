@@ -22,6 +22,7 @@ use crate::error::{PerseusError, Result};
 use crate::wire::{read_frame_max, write_frame, MAX_HANDSHAKE};
 use hmac::{Hmac, Mac};
 use sha2::Sha256;
+use std::io::{Read, Write};
 use std::net::TcpStream;
 
 type HmacSha256 = Hmac<Sha256>;
@@ -171,11 +172,10 @@ pub fn dial(conn: &mut TcpStream, secret: &str, fields: &[u8]) -> Result<Session
 
 /// Why the `what` frame of a handshake could not be read.
 fn unread(what: &str, e: &PerseusError) -> String {
-    match e {
-        PerseusError::Io(m) if m.contains("temporarily unavailable") || m.contains("timed out") => {
-            format!("no {what} within the handshake time")
-        }
-        e => format!("no {what}: {e}"),
+    if crate::deadline::ran_out(e) {
+        format!("no {what} within the handshake time")
+    } else {
+        format!("no {what}: {e}")
     }
 }
 
@@ -183,7 +183,7 @@ fn unread(what: &str, e: &PerseusError) -> String {
 /// Returns the dialer's fields and the session, or why it was refused (the
 /// dialer has been told; the caller logs and drops the connection).
 pub fn accept(
-    conn: &mut TcpStream,
+    conn: &mut (impl Read + Write),
     secret: &str,
 ) -> std::result::Result<(Vec<u8>, Session), String> {
     let (k, p) = read_frame_max(conn, MAX_HANDSHAKE).map_err(|e| unread("hello", &e))?;

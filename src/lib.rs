@@ -12,6 +12,7 @@ pub use error::{PerseusError, Result};
 pub mod auth;
 pub mod collective;
 pub mod config;
+pub mod deadline;
 pub mod device_kernels;
 pub mod engine;
 #[doc(hidden)]

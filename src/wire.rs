@@ -58,7 +58,7 @@ pub fn write_frame(w: &mut impl Write, kind: u16, payload: &[u8]) -> std::io::Re
 }
 
 /// A whole frame, header and payload, in one buffer (one write, one segment).
-fn framed(kind: u16, payload: &[u8]) -> Vec<u8> {
+pub fn framed(kind: u16, payload: &[u8]) -> Vec<u8> {
     let mut buf = Vec::with_capacity(HEADER + payload.len());
     buf.extend_from_slice(&header(kind, payload.len()));
     buf.extend_from_slice(payload);
@@ -158,41 +158,6 @@ impl FrameReader {
             None => Ok(frames),
         }
     }
-}
-
-/// Writes one whole frame to a non-blocking socket, waiting in poll(2) while
-/// its buffer is full, for at most `timeout` without progress.
-pub fn write_frame_nb(
-    s: &mut std::net::TcpStream,
-    kind: u16,
-    payload: &[u8],
-    timeout: std::time::Duration,
-) -> std::io::Result<()> {
-    use std::os::fd::AsRawFd;
-    let buf = framed(kind, payload);
-    let mut at = 0;
-    while at < buf.len() {
-        match s.write(&buf[at..]) {
-            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
-            Ok(n) => at += n,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                let mut fd = libc::pollfd {
-                    fd: s.as_raw_fd(),
-                    events: libc::POLLOUT,
-                    revents: 0,
-                };
-                let ms = timeout.as_millis().clamp(1, i32::MAX as u128) as libc::c_int;
-                // SAFETY: one valid pollfd for the duration of the call.
-                let rc = unsafe { libc::poll(&mut fd, 1, ms) };
-                if rc == 0 {
-                    return Err(std::io::ErrorKind::TimedOut.into());
-                }
-            }
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
 }
 
 /// Builds a message payload.

@@ -313,32 +313,38 @@ fn shared_memory_must_agree_on_every_rank() {
     threads.into_iter().for_each(|t| t.join().unwrap());
 }
 
+/// Starts rank `r` of 2 on a thread: init, an allreduce of 1000 floats checked, shutdown.
+fn rank_of_two(port: u16, r: usize) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        let e = Engine::start(config(r, 2, port, false)).unwrap();
+        let mut v = vec![1.0f32 + r as f32; 1000];
+        allreduce(&e, "after.strangers", &mut v, ReduceOp::Sum).unwrap();
+        assert_eq!(v, vec![3.0; 1000]);
+        e.shutdown().unwrap();
+    })
+}
+
+/// Rank 0's mesh address once it listens: it accepts once it has read every peer's
+/// entry, so rank 1's is published for it now (the real rank 1 publishes the same
+/// stream count and PERSEUS_SHM later; without shared memory the host key does not
+/// matter).
+fn mesh_address_of_rank_0(port: u16) -> String {
+    let t = Duration::from_secs(10);
+    let mut store = perseus::rendezvous::StoreClient::connect("127.0.0.1", port, "t", t).unwrap();
+    store.set("mesh/1", b"127.0.0.1:1 elsewhere 1 0").unwrap();
+    let entry = String::from_utf8(store.get("mesh/0", t).unwrap()).unwrap();
+    entry.split(' ').next().unwrap().to_string()
+}
+
 #[test]
 fn strangers_at_a_mesh_port_are_dropped_and_the_job_connects() {
-    use perseus::rendezvous::StoreClient;
     use std::io::{Read, Write};
     use std::net::TcpStream;
     let server = StoreServer::start("127.0.0.1:0", "t").unwrap();
     let port = server.port();
-    let rank = |r: usize| {
-        std::thread::spawn(move || {
-            let e = Engine::start(config(r, 2, port, false)).unwrap();
-            let mut v = vec![1.0f32 + r as f32; 1000];
-            allreduce(&e, "after.strangers", &mut v, ReduceOp::Sum).unwrap();
-            assert_eq!(v, vec![3.0; 1000]);
-            e.shutdown().unwrap();
-        })
-    };
     // Rank 0 waits in init for rank 1 to connect; strangers come first.
-    let r0 = rank(0);
-    let t = Duration::from_secs(10);
-    let mut store = StoreClient::connect("127.0.0.1", port, "t", t).unwrap();
-    // Rank 0 accepts once it has read every peer's entry: give it rank 1's now (the
-    // real rank 1 publishes the same stream count and PERSEUS_SHM later; without shared
-    // memory the host key does not matter).
-    store.set("mesh/1", b"127.0.0.1:1 elsewhere 1 0").unwrap();
-    let entry = String::from_utf8(store.get("mesh/0", t).unwrap()).unwrap();
-    let addr = entry.split(' ').next().unwrap().to_string();
+    let r0 = rank_of_two(port, 0);
+    let addr = mesh_address_of_rank_0(port);
     let hung_up = |mut s: TcpStream| {
         s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
         let mut buf = [0u8; 64];
@@ -363,7 +369,48 @@ fn strangers_at_a_mesh_port_are_dropped_and_the_job_connects() {
     let (k, why) = perseus::wire::read_frame(&mut s).unwrap();
     assert_eq!(k, 0x202, "refused");
     assert!(String::from_utf8_lossy(&why).contains("rank 9"), "{why:?}");
-    let r1 = rank(1);
+    let r1 = rank_of_two(port, 1);
     r0.join().unwrap();
     r1.join().unwrap();
+}
+
+#[test]
+fn strangers_at_a_mesh_port_cannot_hold_up_init() {
+    use std::io::Write;
+    use std::net::TcpStream;
+    use std::time::Instant;
+    let server = StoreServer::start("127.0.0.1:0", "t").unwrap();
+    let port = server.port();
+    let r0 = rank_of_two(port, 0);
+    let addr = mesh_address_of_rank_0(port);
+    // Twenty silent strangers (5 s each, vetted one after another, were 100 s), and one
+    // that trickles a hello a byte a second (never timed out by a per-read timeout).
+    let silent: Vec<TcpStream> = (0..20)
+        .map(|_| TcpStream::connect(&addr).unwrap())
+        .collect();
+    let mut trickler = TcpStream::connect(&addr).unwrap();
+    let trickle = std::thread::spawn(move || {
+        let hello = perseus::wire::header(0x100, 40)
+            .into_iter()
+            .chain([7u8; 40]);
+        for b in hello {
+            if trickler.write_all(&[b]).is_err() {
+                return;
+            }
+            std::thread::sleep(Duration::from_secs(1));
+        }
+    });
+    std::thread::sleep(Duration::from_millis(100));
+    let start = Instant::now();
+    let r1 = rank_of_two(port, 1);
+    r1.join().unwrap();
+    r0.join().unwrap();
+    // Both ranks connected and reduced long before any stranger's handshake time ran out.
+    assert!(
+        start.elapsed() < Duration::from_secs(4),
+        "{:?}",
+        start.elapsed()
+    );
+    drop(silent);
+    trickle.join().unwrap();
 }

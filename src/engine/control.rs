@@ -6,55 +6,194 @@
 
 use super::coordinator::{Coordinator, Outgoing};
 use super::inbox::Inbox;
-use super::message::{decode_requests, decode_responses, encode_responses, Response, WireRequest};
+use super::message::{
+    decode_requests, decode_responses, encode_responses, in_parts, Response, WireRequest,
+};
 use crate::error::{PerseusError, Result};
 use crate::transport::Control;
-use crate::wire::{write_frame_nb, FrameReader};
+use crate::wire::{framed, FrameReader};
 use std::collections::BTreeMap;
+use std::io::Write;
 use std::net::TcpStream;
 use std::os::fd::AsRawFd;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Frame kind of a batch of requests (worker to rank 0).
 pub const FRAME_REQUESTS: u16 = 0x300;
 /// Frame kind of a batch of responses (rank 0 to a worker).
 pub const FRAME_RESPONSES: u16 = 0x301;
+/// Set in the kind of every frame of a batch but its last: the receiver acts on
+/// none of a batch until all of it arrived, as if it had come as one frame (a
+/// worker that ran the first part's collectives would stop reading the rest,
+/// which rank 0 must write before it joins them).
+const MORE: u16 = 0x10;
 
-/// One non-blocking control stream and the frame it is in the middle of.
+/// A batch of requests or responses goes as frames of at most about this many
+/// bytes ([`in_parts`]), far below the frame limit whatever the batch.
+const FRAME_BYTES: usize = 1 << 20;
+
+/// One non-blocking control stream, the frame it is in the middle of reading,
+/// and what waits to be written.
+///
+/// A send never waits on a peer that may itself be waiting to write to us or
+/// to run a collective with us. A worker's requests are queued and written as
+/// the socket takes them ([`Stream::post_batch`], flushed on every
+/// [`Uplink::receive`] and woken for by [`Uplink::sleep`]). Rank 0's responses
+/// must be whole at the worker before rank 0 runs them, so
+/// [`Uplink::dispatch`] writes them all, reading what the worker sends
+/// meanwhile into `early`. Two engines that send large batches at the same
+/// moment thus both go on.
 pub struct Stream {
     sock: TcpStream,
     reader: FrameReader,
+    /// Frames read while a send waited, not yet received.
+    early: Vec<(u16, Vec<u8>)>,
+    /// How the stream broke while a send waited or flushed; reported after `early`.
+    broke: Option<PerseusError>,
+    /// The parts of a batch whose last frame has not arrived yet.
+    partial: Vec<Vec<u8>>,
+    /// Bytes queued to write, from `written` on.
+    out: Vec<u8>,
+    written: usize,
+    /// When the queue last moved (or filled).
+    moved: Instant,
+    /// How long the queue may stand still before the peer counts as gone.
+    timeout: Duration,
 }
 
 impl Stream {
-    fn new(sock: TcpStream) -> std::io::Result<Stream> {
+    fn new(sock: TcpStream, timeout: Duration) -> std::io::Result<Stream> {
         sock.set_nonblocking(true)?;
         Ok(Stream {
             sock,
             reader: FrameReader::default(),
+            early: Vec::new(),
+            broke: None,
+            partial: Vec::new(),
+            out: Vec::new(),
+            written: 0,
+            moved: Instant::now(),
+            timeout,
         })
     }
 
-    /// Payloads of the whole frames of `kind` that arrived.
-    fn receive(&mut self, kind: u16) -> Result<Vec<Vec<u8>>> {
-        self.reader
-            .read_from(&mut self.sock)?
-            .into_iter()
-            .map(|(k, p)| {
-                if k == kind {
-                    Ok(p)
-                } else {
-                    Err(PerseusError::Protocol(format!(
-                        "unexpected control frame kind {k:#x}"
-                    )))
-                }
-            })
-            .collect()
+    /// Whether frames (or the end of the stream) wait, already read.
+    fn pending(&self) -> bool {
+        !self.early.is_empty() || self.broke.is_some()
     }
 
-    /// Sends one frame, waiting while the socket buffer is full.
-    pub fn send(&mut self, kind: u16, payload: &[u8], timeout: Duration) -> std::io::Result<()> {
-        write_frame_nb(&mut self.sock, kind, payload, timeout)
+    /// Whether bytes wait to be written.
+    fn unwritten(&self) -> bool {
+        self.written < self.out.len()
+    }
+
+    /// Payloads of the whole batches of `kind` that arrived, a payload a frame.
+    fn receive(&mut self, kind: u16) -> Result<Vec<Vec<u8>>> {
+        if self.broke.is_none() {
+            if let Err(e) = self.flush(false) {
+                self.broke = Some(e.into());
+            }
+        }
+        let mut frames = std::mem::take(&mut self.early);
+        match &self.broke {
+            Some(e) if frames.is_empty() => return Err(e.clone()),
+            Some(_) => {}
+            None => match self.reader.read_from(&mut self.sock) {
+                Ok(more) => frames.extend(more),
+                Err(e) if frames.is_empty() => return Err(e),
+                Err(e) => self.broke = Some(e),
+            },
+        }
+        let mut whole = Vec::new();
+        for (k, p) in frames {
+            if k == kind | MORE {
+                self.partial.push(p);
+            } else if k == kind {
+                whole.append(&mut self.partial);
+                whole.push(p);
+            } else {
+                return Err(PerseusError::Protocol(format!(
+                    "unexpected control frame kind {k:#x}"
+                )));
+            }
+        }
+        Ok(whole)
+    }
+
+    /// Queues `items` encoded by `encode`, as frames of about [`FRAME_BYTES`].
+    fn queue<T>(&mut self, kind: u16, items: &[T], encode: fn(&[T]) -> Vec<u8>) {
+        if !self.unwritten() {
+            self.out.clear();
+            self.written = 0;
+            self.moved = Instant::now();
+        }
+        let parts = in_parts(items, FRAME_BYTES, encode);
+        let last = parts.len() - 1;
+        for (i, part) in parts.iter().enumerate() {
+            let k = if i == last { kind } else { kind | MORE };
+            self.out.extend_from_slice(&framed(k, part));
+        }
+    }
+
+    /// Queues a batch and writes what the socket takes now.
+    pub fn post_batch<T>(
+        &mut self,
+        kind: u16,
+        items: &[T],
+        encode: fn(&[T]) -> Vec<u8>,
+    ) -> std::io::Result<()> {
+        self.queue(kind, items, encode);
+        self.flush(false)
+    }
+
+    /// Writes what is queued: what the socket takes now, or (`all`) everything,
+    /// reading what the peer sends while the socket buffer is full. Fails once
+    /// the queue stood still for the timeout.
+    fn flush(&mut self, all: bool) -> std::io::Result<()> {
+        while self.unwritten() {
+            match self.sock.write(&self.out[self.written..]) {
+                Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+                Ok(n) => {
+                    self.written += n;
+                    self.moved = Instant::now();
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    let left = self.timeout.saturating_sub(self.moved.elapsed());
+                    if left.is_zero() {
+                        return Err(std::io::Error::new(
+                            std::io::ErrorKind::TimedOut,
+                            format!("the peer read nothing for {:?}", self.timeout),
+                        ));
+                    }
+                    if !all {
+                        return Ok(());
+                    }
+                    self.wait_writable(left);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits up to `left` for room to write, reading whole frames into `early`.
+    fn wait_writable(&mut self, left: Duration) {
+        let reading = self.broke.is_none();
+        let mut fd = libc::pollfd {
+            fd: self.sock.as_raw_fd(),
+            events: libc::POLLOUT | if reading { libc::POLLIN } else { 0 },
+            revents: 0,
+        };
+        let ms = left.as_millis().clamp(1, i32::MAX as u128) as libc::c_int;
+        // SAFETY: one valid pollfd for the duration of the call.
+        unsafe { libc::poll(&mut fd, 1, ms) };
+        if reading && fd.revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0 {
+            match self.reader.read_from(&mut self.sock) {
+                Ok(frames) => self.early.extend(frames),
+                Err(e) => self.broke = Some(e),
+            }
+        }
     }
 }
 
@@ -83,16 +222,17 @@ pub enum Uplink {
 
 impl Uplink {
     /// Takes over the control streams of [`crate::transport::connect_mesh`].
-    pub fn new(control: Control, coord: Coordinator) -> std::io::Result<Uplink> {
+    /// `timeout`: how long a write may find no room before the peer counts as gone.
+    pub fn new(control: Control, coord: Coordinator, timeout: Duration) -> std::io::Result<Uplink> {
         Ok(match control {
             Control::Coordinator(streams) => Uplink::Coordinator {
                 coord,
                 workers: streams
                     .into_iter()
-                    .map(|s| s.map(Stream::new).transpose())
+                    .map(|s| s.map(|s| Stream::new(s, timeout)).transpose())
                     .collect::<std::io::Result<_>>()?,
             },
-            Control::Worker(s) => Uplink::Worker(Some(Stream::new(s)?)),
+            Control::Worker(s) => Uplink::Worker(Some(Stream::new(s, timeout)?)),
         })
     }
 
@@ -143,7 +283,7 @@ impl Uplink {
     /// Sends the coordinator's answers: to each worker's stream, and rank 0's
     /// own into `local`. A failed write shows up as a lost stream on the next
     /// [`Uplink::receive`].
-    pub fn dispatch(&mut self, out: Outgoing, local: &mut Vec<Response>, timeout: Duration) {
+    pub fn dispatch(&mut self, out: Outgoing, local: &mut Vec<Response>) {
         let Uplink::Coordinator { workers, .. } = self else {
             return;
         };
@@ -157,7 +297,10 @@ impl Uplink {
             if r == 0 {
                 local.extend(resps);
             } else if let Some(s) = workers.get_mut(r).and_then(Option::as_mut) {
-                let _ = s.send(FRAME_RESPONSES, &encode_responses(&resps), timeout);
+                s.queue(FRAME_RESPONSES, &resps, encode_responses);
+                if let Err(e) = s.flush(true) {
+                    s.broke.get_or_insert(e.into());
+                }
             }
         }
     }
@@ -167,6 +310,14 @@ impl Uplink {
     /// at once when it already holds something). Without an inbox, callers'
     /// pushes cost them no wake-up system call.
     pub fn sleep<T>(&self, inbox: Option<&Inbox<T>>, timeout: Option<Duration>) {
+        let streams: Vec<&Stream> = match self {
+            Uplink::Coordinator { workers, .. } => workers.iter().flatten().collect(),
+            Uplink::Worker(s) => s.iter().collect(),
+        };
+        // Frames a send read early are not on the socket any more: no waiting for them.
+        if streams.iter().any(|s| s.pending()) {
+            return;
+        }
         if inbox.is_some_and(|i| !i.park()) {
             return;
         }
@@ -178,13 +329,9 @@ impl Uplink {
                 revents: 0,
             })
             .collect();
-        let socks: Vec<&Stream> = match self {
-            Uplink::Coordinator { workers, .. } => workers.iter().flatten().collect(),
-            Uplink::Worker(s) => s.iter().collect(),
-        };
-        fds.extend(socks.iter().map(|s| libc::pollfd {
+        fds.extend(streams.iter().map(|s| libc::pollfd {
             fd: s.sock.as_raw_fd(),
-            events: libc::POLLIN,
+            events: libc::POLLIN | if s.unwritten() { libc::POLLOUT } else { 0 },
             revents: 0,
         }));
         let ts = timeout.map(|d| libc::timespec {

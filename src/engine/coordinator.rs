@@ -730,10 +730,16 @@ fn decide(
     }
 }
 
-/// Merges runs of compatible single-tensor allreduces up to `threshold` bytes.
+/// Most bytes of names one fused response carries, so that a response frame stays
+/// small however many tiny tensors with long names fuse.
+const MAX_FUSED_NAME_BYTES: usize = 1 << 20;
+
+/// Merges runs of compatible single-tensor allreduces up to `threshold` bytes
+/// of data (and [`MAX_FUSED_NAME_BYTES`] of names).
 fn fuse(answers: Vec<Response>, threshold: usize) -> Vec<Response> {
     let mut out: Vec<Response> = Vec::with_capacity(answers.len());
     let mut fused_bytes = 0usize;
+    let mut name_bytes = 0usize;
     for a in answers {
         if let (
             Some(Response::Op {
@@ -767,18 +773,26 @@ fn fuse(answers: Vec<Response>, threshold: usize) -> Vec<Response> {
                 && postscale == q2
                 && plan == plan2
                 && fused_bytes + bytes <= threshold
+                && name_bytes + n2[0].len() <= MAX_FUSED_NAME_BYTES
             {
                 names.extend(n2.iter().cloned());
                 shapes.extend(s2.iter().cloned());
                 fused_bytes += bytes;
+                name_bytes += n2[0].len();
                 continue;
             }
         }
-        fused_bytes = match &a {
-            Response::Op { shapes, dtype, .. } => {
-                shapes[0].iter().product::<i64>().max(0) as usize * dtype.size()
-            }
-            _ => 0,
+        (fused_bytes, name_bytes) = match &a {
+            Response::Op {
+                shapes,
+                dtype,
+                names,
+                ..
+            } => (
+                shapes[0].iter().product::<i64>().max(0) as usize * dtype.size(),
+                names.iter().map(String::len).sum(),
+            ),
+            _ => (0, 0),
         };
         out.push(a);
     }

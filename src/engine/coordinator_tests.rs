@@ -516,3 +516,34 @@ fn autotune_changes_fusion_at_once_tells_every_rank_the_cycle_and_then_lets_offl
     }
     panic!("no offline schedule was offered after tuning: {params:?}");
 }
+
+#[test]
+fn fusion_bounds_the_names_of_one_response_and_batches_go_in_bounded_frames() {
+    use super::message::{decode_responses, encode_responses, in_parts};
+    // 1,000 one-element tensors with 3,000-character names: far below the data threshold,
+    // but fused names stop at a MiB, so every response frame stays small.
+    let name = |i: usize| format!("{i:08}").repeat(375);
+    let reqs: Vec<Request> = (0..1000).map(|i| ar(&name(i), &[1])).collect();
+    let mut c = Coordinator::new(2, 64 << 20);
+    c.submit(0, reqs.clone());
+    let out: Vec<Response> = c.submit(1, reqs).into_iter().map(|(_, r)| r).collect();
+    assert!(out.len() > 1, "fused into one response of 3 MB of names");
+    let all: Vec<String> = out.iter().flat_map(names).collect();
+    assert_eq!(
+        all,
+        (0..1000).map(name).collect::<Vec<_>>(),
+        "every name, in order"
+    );
+    for r in &out {
+        assert!(names(r).iter().map(String::len).sum::<usize>() <= 1 << 20);
+    }
+    // A batch larger than the frame size goes as several parts, in order.
+    let parts = in_parts(&out, 1 << 20, encode_responses);
+    assert!(parts.len() >= 3, "{} parts", parts.len());
+    assert!(parts.iter().all(|p| p.len() <= (1 << 20) + (64 << 10)));
+    let back: Vec<Response> = parts
+        .iter()
+        .flat_map(|p| decode_responses(p).unwrap())
+        .collect();
+    assert_eq!(back, out);
+}

@@ -296,6 +296,24 @@ pub enum WireRequest {
     Cached(u32),
 }
 
+/// Longest tensor name, in bytes (UTF-8), that an operation may carry: names
+/// travel in every negotiation, so they are bounded like any other field.
+pub const MAX_NAME_BYTES: usize = 16 << 10;
+
+/// Encodes `items` with `encode` as one payload or, when that would exceed `max`
+/// bytes, as several (the batch halved until each part fits or holds one item),
+/// in order. A batch of 40,000 long names thus goes as frames of a bounded size.
+pub fn in_parts<T>(items: &[T], max: usize, encode: fn(&[T]) -> Vec<u8>) -> Vec<Vec<u8>> {
+    let whole = encode(items);
+    if whole.len() <= max || items.len() <= 1 {
+        return vec![whole];
+    }
+    let (a, b) = items.split_at(items.len() / 2);
+    let mut parts = in_parts(a, max, encode);
+    parts.extend(in_parts(b, max, encode));
+    parts
+}
+
 /// Encodes a batch of requests.
 pub fn encode_requests(reqs: &[WireRequest]) -> Vec<u8> {
     let mut w = Writer::new();

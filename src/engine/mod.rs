@@ -227,10 +227,9 @@ impl Engine {
             } else {
                 parts.mesh
             },
-            uplink: Uplink::new(parts.control, coord)?,
+            uplink: Uplink::new(parts.control, coord, config.timeout)?,
             inbox: inbox.clone(),
             local: Vec::new(),
-            timeout: config.timeout,
             shared: shared.clone(),
             entries: HashMap::new(),
             joined: HashSet::new(),
@@ -535,6 +534,14 @@ fn lost_coordinator(why: &str) -> PerseusError {
 
 /// Checks what one rank can check alone, so the error is raised at the call.
 fn check_locally(req: &Request, set_size: usize) -> Result<()> {
+    if req.name.len() > message::MAX_NAME_BYTES {
+        return Err(PerseusError::InvalidArgument(format!(
+            "the name of this {} is {} bytes long; names may have at most {} bytes",
+            req.kind.name(),
+            req.name.len(),
+            message::MAX_NAME_BYTES
+        )));
+    }
     let floating = matches!(
         req.dtype,
         DataType::F16 | DataType::BF16 | DataType::F32 | DataType::F64
@@ -591,8 +598,6 @@ struct State {
     inbox: Arc<Inbox<Event>>,
     /// Rank 0: the coordinator's answers to this rank, not yet run.
     local: Vec<Response>,
-    /// How long a control write may wait for buffer space.
-    timeout: Duration,
     shared: Arc<Shared>,
     entries: HashMap<(u32, String), (Request, Entry, Instant)>,
     joined: HashSet<u32>,
@@ -824,11 +829,8 @@ impl State {
             );
         }
         if !found.abort.is_empty() {
-            self.uplink
-                .dispatch(found.abort, &mut self.local, self.timeout);
-            for r in std::mem::take(&mut self.local) {
-                self.execute(r);
-            }
+            self.uplink.dispatch(found.abort, &mut self.local);
+            self.run_local(&mut Vec::new());
         }
     }
 
@@ -836,13 +838,13 @@ impl State {
     /// coordinator; everyone runs the answers addressed to them. True when
     /// answers arrived.
     fn receive(&mut self, held: &mut Vec<Request>) -> bool {
-        let mut answered = false;
+        let mut answered = self.run_local(held);
         for inc in self.uplink.receive() {
             match inc {
                 Incoming::Requests(rank, reqs) => {
                     if let Uplink::Coordinator { coord, .. } = &mut self.uplink {
                         let out = coord.submit_wire(rank, reqs);
-                        self.uplink.dispatch(out, &mut self.local, self.timeout);
+                        self.uplink.dispatch(out, &mut self.local);
                     }
                 }
                 Incoming::Responses(rs) => {
@@ -859,7 +861,7 @@ impl State {
                         .also_ended(on_host(&self.mesh, rank, &why), Some(rank));
                     if let Uplink::Coordinator { coord, .. } = &mut self.uplink {
                         let out = coord.disconnect(rank, &why);
-                        self.uplink.dispatch(out, &mut self.local, self.timeout);
+                        self.uplink.dispatch(out, &mut self.local);
                     } else {
                         self.fail_all(lost_coordinator(&why));
                     }
@@ -868,15 +870,28 @@ impl State {
             if self.exit {
                 return answered;
             }
+            answered |= self.run_local(held);
         }
+        answered
+    }
+
+    /// Rank 0: runs its own share of what the coordinator answered, right after
+    /// each dispatch (`held`: requests to send up after, as an answer lets them go). The workers then hold each batch whole and rank 0 joins its
+    /// collectives before it writes the next, so it never waits to write to a
+    /// worker that waits for it in a collective. True when something ran.
+    fn run_local(&mut self, held: &mut Vec<Request>) -> bool {
+        let mut ran = false;
         while !self.local.is_empty() && !self.exit {
-            answered = true;
-            self.send_up(std::mem::take(held));
+            ran = true;
             for r in std::mem::take(&mut self.local) {
                 self.execute(r);
             }
         }
-        answered
+        // Only now: sending up dispatches again on rank 0.
+        if ran && !self.exit {
+            self.send_up(std::mem::take(held));
+        }
+        ran
     }
 
     fn handle(&mut self, ev: Event, batch: &mut Vec<Request>) {
@@ -939,13 +954,7 @@ impl State {
                 break;
             }
             did = true;
-            let voted = offline_vote(
-                &self.mesh,
-                &mut self.uplink,
-                &mut self.local,
-                self.timeout,
-                whole,
-            );
+            let voted = offline_vote(&self.mesh, &mut self.uplink, &mut self.local, whole);
             match voted {
                 Err(e) => self.fail_all(e),
                 Ok(false) => self.fall_back(),
@@ -1001,7 +1010,8 @@ impl State {
         match &mut self.uplink {
             Uplink::Coordinator { coord, .. } => {
                 let out = coord.submit(0, batch);
-                self.uplink.dispatch(out, &mut self.local, self.timeout);
+                self.uplink.dispatch(out, &mut self.local);
+                self.run_local(&mut Vec::new());
             }
             Uplink::Worker(stream) => {
                 let wire: Vec<WireRequest> = batch
@@ -1014,9 +1024,10 @@ impl State {
                         _ => WireRequest::Full(r),
                     })
                     .collect();
+                // Queued, never waited for: rank 0 may be in a collective with this rank.
                 let sent = match stream {
                     Some(s) => s
-                        .send(FRAME_REQUESTS, &encode_requests(&wire), self.timeout)
+                        .post_batch(FRAME_REQUESTS, &wire, encode_requests)
                         .map_err(|e| e.to_string()),
                     None => Err("the connection is closed".to_string()),
                 };
@@ -1318,7 +1329,6 @@ fn offline_vote(
     mesh: &Mesh,
     uplink: &mut Uplink,
     local: &mut Vec<Response>,
-    timeout: Duration,
     go: bool,
 ) -> Result<bool> {
     use crate::transport::{Recv, Send};
@@ -1331,7 +1341,7 @@ fn offline_vote(
                     // A rank that already left the schedule negotiates again.
                     if let Uplink::Coordinator { coord, .. } = uplink {
                         let out = coord.submit_wire(rank, reqs);
-                        uplink.dispatch(out, local, timeout);
+                        uplink.dispatch(out, local);
                     }
                 }
                 Incoming::Responses(rs) => {
@@ -1346,7 +1356,7 @@ fn offline_vote(
                     let why = mesh.also_ended(on_host(mesh, rank, &why), Some(rank));
                     if let Uplink::Coordinator { coord, .. } = uplink {
                         let out = coord.disconnect(rank, &why);
-                        uplink.dispatch(out, local, timeout);
+                        uplink.dispatch(out, local);
                         return Err(PerseusError::Peer(format!("rank {rank} is gone ({why})")));
                     }
                     return Err(lost_coordinator(&why));

@@ -91,4 +91,105 @@ mod tests {
         c.set("a", b"1").unwrap();
         assert_eq!(c.get("a", t).unwrap(), b"1");
     }
+
+    /// Whether the server closed `s` within `within` (end of file or a reset).
+    fn closed_within(s: &mut std::net::TcpStream, within: Duration) -> bool {
+        use std::io::Read;
+        s.set_read_timeout(Some(within)).unwrap();
+        let mut buf = [0u8; 256];
+        loop {
+            match s.read(&mut buf) {
+                Ok(0) => return true,
+                Ok(_) => continue,
+                Err(e) => {
+                    return !matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    )
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn strangers_cannot_hold_the_server_or_its_threads() {
+        use crate::deadline::{HANDSHAKE_TIME, MAX_UNPROVEN};
+        use std::io::Write;
+        use std::net::TcpStream;
+        let server = StoreServer::start("127.0.0.1:0", "k").unwrap();
+        let port = server.port();
+        // A trickler: one byte of a hello every 300 ms, which no per-read timeout ends.
+        let mut trickler = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        let trickle = {
+            let mut t = trickler.try_clone().unwrap();
+            std::thread::spawn(move || {
+                let hello = crate::wire::header(0x100, 40).into_iter().chain([7u8; 40]);
+                for b in hello {
+                    if t.write_all(&[b]).is_err() {
+                        return;
+                    }
+                    std::thread::sleep(Duration::from_millis(300));
+                }
+            })
+        };
+        // Silent strangers fill every vetting slot; those past the cap are closed unread.
+        let silent: Vec<TcpStream> = (0..MAX_UNPROVEN - 1)
+            .map(|_| TcpStream::connect(("127.0.0.1", port)).unwrap())
+            .collect();
+        std::thread::sleep(Duration::from_millis(200));
+        let mut extra: Vec<TcpStream> = (0..5)
+            .map(|_| TcpStream::connect(("127.0.0.1", port)).unwrap())
+            .collect();
+        for s in &mut extra {
+            assert!(
+                closed_within(s, Duration::from_secs(2)),
+                "not closed at once"
+            );
+        }
+        // Once the handshake time is up every stranger is gone, the trickler too, and a
+        // real client is served.
+        assert!(closed_within(
+            &mut trickler,
+            HANDSHAKE_TIME + Duration::from_secs(3)
+        ));
+        trickle.join().unwrap();
+        std::thread::sleep(Duration::from_millis(200));
+        let t = Duration::from_secs(5);
+        let mut c = StoreClient::connect("127.0.0.1", port, "k", t).unwrap();
+        c.set("after", b"strangers").unwrap();
+        assert_eq!(c.get("after", t).unwrap(), b"strangers");
+        drop(silent);
+    }
+
+    #[test]
+    fn a_request_must_arrive_whole_within_the_request_time() {
+        use std::io::Write;
+        use std::net::TcpStream;
+        let server = StoreServer::start("127.0.0.1:0", "k").unwrap();
+        let mut s = TcpStream::connect(("127.0.0.1", server.port())).unwrap();
+        crate::auth::dial(&mut s, "k", b"rendezvous").unwrap();
+        let (k, _) = crate::wire::read_frame(&mut s).unwrap();
+        assert_eq!(k, kind::OK);
+        // A proven client may idle as long as it likes between requests ...
+        std::thread::sleep(Duration::from_millis(300));
+        // ... but not trickle one: a header, then a byte every 300 ms.
+        s.write_all(&crate::wire::header(kind::SET, 64)).unwrap();
+        let start = std::time::Instant::now();
+        let mut t = s.try_clone().unwrap();
+        let trickle = std::thread::spawn(move || {
+            for _ in 0..64 {
+                if t.write_all(b"x").is_err() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(300));
+            }
+        });
+        assert!(closed_within(
+            &mut s,
+            server::REQUEST_TIME + Duration::from_secs(3)
+        ));
+        assert!(start.elapsed() < server::REQUEST_TIME + Duration::from_secs(3));
+        drop(s);
+        trickle.join().unwrap();
+    }
 }

@@ -1,7 +1,11 @@
-//! The store server: one thread accepting, one thread per client.
+//! The store server: one thread accepting, one thread per client. At most
+//! [`MAX_UNPROVEN`] connections are being vetted at once, each within one
+//! deadline for its whole handshake; once proven, a client may idle between
+//! requests, but each request must arrive whole within [`REQUEST_TIME`].
 
 use super::kind;
 use crate::auth;
+use crate::deadline::{Deadlined, Vetting, HANDSHAKE_TIME, MAX_UNPROVEN};
 use crate::error::{PerseusError, Result};
 use crate::wire::{read_frame, write_frame, Reader, Writer};
 use std::collections::HashMap;
@@ -37,15 +41,28 @@ impl StoreServer {
         std::thread::Builder::new()
             .name("perseus-store".into())
             .spawn(move || {
+                let vetting = Vetting::default();
                 for conn in listener.incoming() {
                     if stop.load(Ordering::SeqCst) {
                         break;
                     }
                     let Ok(conn) = conn else { continue };
+                    let Some(slot) = vetting.admit() else {
+                        let n = vetting.turned_away();
+                        if n.is_power_of_two() {
+                            crate::log!(
+                                crate::log::Level::Warning,
+                                "rendezvous: closed {n} connection(s) unread so far: \
+                                 {MAX_UNPROVEN} unproven ones were being vetted at the time \
+                                 (strangers at this port?)"
+                            );
+                        }
+                        continue;
+                    };
                     let (store, secret) = (shared.clone(), secret.clone());
                     let _ = std::thread::Builder::new()
                         .name("perseus-store-conn".into())
-                        .spawn(move || serve(conn, &store, &secret));
+                        .spawn(move || serve(conn, &store, &secret, slot));
                 }
             })?;
         Ok(StoreServer {
@@ -94,10 +111,13 @@ impl Drop for StoreServer {
     }
 }
 
-/// How long a new connection has to prove it knows the secret.
-const HANDSHAKE_TIME: Duration = Duration::from_secs(5);
+/// How long a proven client has to send the rest of a request once its first
+/// byte arrived, and to take the answer.
+pub const REQUEST_TIME: Duration = Duration::from_secs(5);
 
-fn serve(mut conn: TcpStream, store: &Store, secret: &str) {
+/// Serves one connection: vets it while it holds `slot`, then answers its
+/// requests until it leaves.
+fn serve(conn: TcpStream, store: &Store, secret: &str, slot: crate::deadline::Slot) {
     let peer = conn
         .peer_addr()
         .map_or_else(|_| "?".into(), |a| a.to_string());
@@ -108,31 +128,46 @@ fn serve(mut conn: TcpStream, store: &Store, secret: &str) {
         )
     };
     let _ = conn.set_nodelay(true);
-    let _ = conn.set_read_timeout(Some(HANDSHAKE_TIME));
-    let mut session = match auth::accept(&mut conn, secret) {
-        Ok((_, session)) => session,
-        Err(why) => return drop_it(&why),
+    let mut session = {
+        let mut vetted = Deadlined::new(&conn, HANDSHAKE_TIME);
+        let session = match auth::accept(&mut vetted, secret) {
+            Ok((_, session)) => session,
+            Err(why) => return drop_it(&why),
+        };
+        if write_frame(&mut vetted, kind::OK, &[]).is_err() {
+            return;
+        }
+        session
     };
-    if write_frame(&mut conn, kind::OK, &[]).is_err() || conn.set_read_timeout(None).is_err() {
-        return;
-    }
+    drop(slot);
     loop {
-        let (k, payload) = match read_frame(&mut conn) {
+        // Idle for as long as the client likes; then the whole request on time.
+        if conn.set_read_timeout(None).is_err() || conn.peek(&mut [0u8]).is_err() {
+            return;
+        }
+        let mut request = Deadlined::new(&conn, REQUEST_TIME);
+        let (k, payload) = match read_frame(&mut request) {
             Ok(f) => f,
+            Err(e) if crate::deadline::ran_out(&e) => {
+                return drop_it(&format!(
+                    "a request did not arrive whole within {REQUEST_TIME:?}"
+                ));
+            }
             Err(PerseusError::Io(_)) => return,
             Err(e) => return drop_it(&e.to_string()),
         };
         let payload = match session.open(k, &payload) {
             Ok(p) => p,
             Err(e) => {
-                let _ = write_frame(&mut conn, kind::ERR, e.to_string().as_bytes());
+                let _ = write_frame(&mut request, kind::ERR, e.to_string().as_bytes());
                 return drop_it(&e.to_string());
             }
         };
         let reply = handle(store, k, payload, MAX_WAIT);
+        let mut answer = Deadlined::new(&conn, REQUEST_TIME);
         let sent = match reply {
-            Ok((rk, body)) => write_frame(&mut conn, rk, &body),
-            Err(msg) => write_frame(&mut conn, kind::ERR, msg.as_bytes()),
+            Ok((rk, body)) => write_frame(&mut answer, rk, &body),
+            Err(msg) => write_frame(&mut answer, kind::ERR, msg.as_bytes()),
         };
         if sent.is_err() {
             return;

@@ -8,12 +8,13 @@ use super::shm::Segment;
 use super::{Link, Mesh};
 use crate::auth;
 use crate::config::Config;
+use crate::deadline::{Deadlined, Vetting, HANDSHAKE_TIME, MAX_UNPROVEN};
 use crate::error::{PerseusError, Result};
 use crate::rendezvous::StoreClient;
 use crate::wire::{read_frame, write_frame, Reader, Writer};
 use std::collections::BTreeMap;
 use std::net::{IpAddr, TcpListener, TcpStream, UdpSocket};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{mpsc, Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
 const HELLO_OK: u16 = 0x201;
@@ -130,28 +131,36 @@ pub fn connect_mesh(cfg: &Config) -> Result<MeshParts> {
     }
     listener.set_nonblocking(true)?;
     let deadline = Instant::now() + timeout;
+    // Each connection is vetted on a thread of its own, within one deadline for its
+    // whole handshake, so no stranger (silent, or trickling a byte at a time) delays
+    // a real peer; at most MAX_UNPROVEN at once, the rest closed unread.
+    let vetting = Vetting::default();
+    let (vetted, arrivals) = mpsc::channel::<Vetted>();
     while expect > 0 {
-        let conn = match listener.accept() {
-            Ok((c, _)) => c,
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                if Instant::now() >= deadline {
-                    let missing: Vec<usize> = (rank + 1..size)
-                        .filter(|&r| (0..streams_to(r)).any(|s| data[s][r].is_none()))
-                        .collect();
-                    return Err(PerseusError::Peer(format!(
-                        "rank {rank}: ranks {missing:?} did not connect within {timeout:?}"
-                    )));
-                }
-                std::thread::sleep(Duration::from_millis(2));
+        for (from, channel, s, conn) in arrivals.try_iter() {
+            let open = match channel {
+                CHANNEL_DATA => s < streams_to(from) && data[s][from].is_none(),
+                _ => control[from].is_none(),
+            };
+            if !open {
+                let msg = format!(
+                    "rank {from} is already connected (channel {channel}, stream {s}) or has \
+                     no such stream"
+                );
+                let _ = write_frame(
+                    &mut Deadlined::new(&conn, HANDSHAKE_TIME),
+                    HELLO_ERR,
+                    msg.as_bytes(),
+                );
+                dropped(rank, &conn, &msg);
                 continue;
             }
-            Err(e) => return Err(e.into()),
-        };
-        let open = |from: usize, channel: u8, s: usize| match channel {
-            CHANNEL_DATA => s < streams_to(from) && data[s][from].is_none(),
-            _ => control[from].is_none(),
-        };
-        if let Some((from, channel, s, conn)) = admit(conn, cfg, &open, timeout) {
+            if write_frame(&mut Deadlined::new(&conn, HANDSHAKE_TIME), HELLO_OK, &[]).is_err()
+                || conn.set_read_timeout(None).is_err()
+                || conn.set_write_timeout(None).is_err()
+            {
+                continue;
+            }
             if channel == CHANNEL_DATA {
                 data[s][from] = Some(conn);
             } else {
@@ -159,6 +168,57 @@ pub fn connect_mesh(cfg: &Config) -> Result<MeshParts> {
             }
             expect -= 1;
         }
+        if expect == 0 {
+            break;
+        }
+        match listener.accept() {
+            Ok((conn, _)) => {
+                if let Some(slot) = vetting.admit() {
+                    let (secret, tx) = (cfg.secret.clone(), vetted.clone());
+                    let within = timeout.min(HANDSHAKE_TIME);
+                    let spawned = std::thread::Builder::new()
+                        .name("perseus-vet".into())
+                        .spawn(move || {
+                            let _slot = slot;
+                            match vet(&conn, rank, size, &secret, within) {
+                                Ok((from, ch, s)) => {
+                                    let _ = tx.send((from, ch, s, conn));
+                                }
+                                Err(Refused::Unproven(why)) => dropped(rank, &conn, &why),
+                                Err(Refused::Told(why)) => {
+                                    let _ = write_frame(
+                                        &mut Deadlined::new(&conn, HANDSHAKE_TIME),
+                                        HELLO_ERR,
+                                        why.as_bytes(),
+                                    );
+                                    dropped(rank, &conn, &why);
+                                }
+                            }
+                        });
+                    spawned?;
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                if Instant::now() >= deadline {
+                    let missing: Vec<usize> = (rank + 1..size)
+                        .filter(|&r| (0..streams_to(r)).any(|s| data[s][r].is_none()))
+                        .collect();
+                    return Err(PerseusError::Peer(format!(
+                        "rank {rank}: ranks {missing:?} did not connect within {timeout:?}{}",
+                        turned_away(&vetting)
+                    )));
+                }
+                std::thread::sleep(Duration::from_millis(2));
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    if vetting.turned_away() > 0 {
+        crate::log!(
+            crate::log::Level::Warning,
+            "rank {rank}: connected{}",
+            turned_away(&vetting)
+        );
     }
     for s in data.iter().flatten().flatten() {
         s.set_nonblocking(true)?;
@@ -430,69 +490,66 @@ fn dial(
     Ok(s)
 }
 
-/// How long a new connection has to prove it knows the secret.
-const HANDSHAKE_TIME: Duration = Duration::from_secs(5);
+/// A connection that proved the secret, with the rank, channel and stream it
+/// says it is.
+type Vetted = (usize, u8, usize, TcpStream);
 
-/// Checks an incoming connection: the secret, then the hello's fields.
-/// Answers and returns (rank, channel, stream, connection), or logs why and
-/// drops it. `open(rank, channel, stream)` says whether that connection is
-/// still expected.
-fn admit(
-    mut conn: TcpStream,
-    cfg: &Config,
-    open: &dyn Fn(usize, u8, usize) -> bool,
-    timeout: Duration,
-) -> Option<(usize, u8, usize, TcpStream)> {
-    let me = cfg.topology.rank;
+/// Logs why rank `me` dropped `conn` (once per connection).
+fn dropped(me: usize, conn: &TcpStream, why: &str) {
     let peer = conn
         .peer_addr()
         .map_or_else(|_| "?".into(), |a| a.to_string());
-    let drop_it = |why: &str| {
-        crate::log!(
-            crate::log::Level::Warning,
-            "rank {me}: dropped a connection from {peer}: {why}"
-        );
-        None
-    };
-    conn.set_nonblocking(false).ok()?;
-    conn.set_nodelay(true).ok()?;
-    conn.set_read_timeout(Some(timeout.min(HANDSHAKE_TIME)))
-        .ok()?;
-    let fields = match auth::accept(&mut conn, &cfg.secret) {
-        Ok((fields, _)) => fields,
-        Err(why) => return drop_it(&why),
-    };
+    crate::log!(
+        crate::log::Level::Warning,
+        "rank {me}: dropped a connection from {peer}: {why}"
+    );
+}
+
+/// ", after closing N connections unread ..." when the vetting cap was reached.
+fn turned_away(v: &Vetting) -> String {
+    match v.turned_away() {
+        0 => String::new(),
+        n => format!(
+            " (and closed {n} connection(s) unread: {MAX_UNPROVEN} unproven ones were being \
+             vetted at the time; strangers at this port?)"
+        ),
+    }
+}
+
+/// Why [`vet`] refused a connection.
+enum Refused {
+    /// It did not prove the secret: closed without a word.
+    Unproven(String),
+    /// A peer of this job that must not connect so: told why.
+    Told(String),
+}
+
+/// Checks an incoming connection to rank `me` of `size`: the secret, then the
+/// hello's fields, all `within` (at most [`HANDSHAKE_TIME`]). Returns (rank,
+/// channel, stream) or why it is refused.
+fn vet(
+    conn: &TcpStream,
+    me: usize,
+    size: usize,
+    secret: &str,
+    within: Duration,
+) -> std::result::Result<(usize, u8, usize), Refused> {
+    let setup = conn.set_nonblocking(false).and(conn.set_nodelay(true));
+    setup.map_err(|e| Refused::Unproven(e.to_string()))?;
+    let (fields, _) =
+        auth::accept(&mut Deadlined::new(conn, within), secret).map_err(Refused::Unproven)?;
     let mut r = Reader::new(&fields);
     let parsed = (|| Some((r.u32().ok()? as usize, r.u8().ok()?, r.u8().ok()? as usize)))();
-    let verdict = match parsed {
-        None => Err("malformed hello".to_string()),
-        Some((from, ..)) if from <= me || from >= cfg.topology.size => {
-            Err(format!("rank {from} must not connect to rank {me}"))
+    let told = |why: String| Err(Refused::Told(why));
+    match parsed {
+        None => told("malformed hello".to_string()),
+        Some((from, ..)) if from <= me || from >= size => {
+            told(format!("rank {from} must not connect to rank {me}"))
         }
         Some((from, CHANNEL_CONTROL, _)) if me != 0 => {
-            Err(format!("unexpected control connection from rank {from}"))
+            told(format!("unexpected control connection from rank {from}"))
         }
-        Some((from, ch, s)) if ch == CHANNEL_DATA || ch == CHANNEL_CONTROL => {
-            if open(from, ch, s) {
-                Ok((from, ch, s))
-            } else {
-                Err(format!(
-                    "rank {from} is already connected (channel {ch}, stream {s}) or \
-                     has no such stream"
-                ))
-            }
-        }
-        Some((_, ch, _)) => Err(format!("unknown channel {ch}")),
-    };
-    match verdict {
-        Ok((from, ch, s)) => {
-            write_frame(&mut conn, HELLO_OK, &[]).ok()?;
-            conn.set_read_timeout(None).ok()?;
-            Some((from, ch, s, conn))
-        }
-        Err(msg) => {
-            let _ = write_frame(&mut conn, HELLO_ERR, msg.as_bytes());
-            drop_it(&msg)
-        }
+        Some((from, ch, s)) if ch == CHANNEL_DATA || ch == CHANNEL_CONTROL => Ok((from, ch, s)),
+        Some((_, ch, _)) => told(format!("unknown channel {ch}")),
     }
 }

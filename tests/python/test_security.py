@@ -122,3 +122,13 @@ def test_soak_of_mixed_operations(run_workers):
     out = run_workers(3, "soak.py", "10000", timeout=580,
                       env={"PERSEUS_CHANGE_HVD_ALLGATHER": "1"})  # uneven rows concatenate
     assert out.count("10000 operations checked") == 3, out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_huge_negotiation_batches_complete(run_workers, ranks):
+    """40,000 asynchronous allreduces with 3,000-character names at once on every rank
+    (120 MB of names each way): the control streams never block both ends, every
+    result is right, and a name over the limit is refused at the call."""
+    out = run_workers(ranks, "long_names.py", "40000", "3000", timeout=280)
+    assert out.count("40000 allreduces of 3000-character names checked") == ranks, out
