@@ -107,6 +107,52 @@ def test_a_failed_host_comes_back_after_its_cooldown():
 
 
 @pytest.mark.timeout(180)
+def test_a_failed_worker_of_a_shared_host_costs_only_its_slot():
+    # Both workers on one host: the second fails; the first goes on alone (min-np 1),
+    # where Horovod blacklisted the host, stopped the survivor and waited for
+    # --elastic-timeout.
+    hosts = "127.0.0.1:2"
+    flags = ["-np", "2", "--min-np", "1", "--host-discovery-script", f"echo {hosts}"]
+    rc, out = perseusrun(flags, "fail", FAIL_ID="127.0.0.1[1]", FAIL_AT=3)
+    assert rc == 0 and out.count(OK_MARK) == 1, f"exit {rc}\n{out}"
+    assert ("worker 127.0.0.1[1] failed with exit code 3; slot 127.0.0.1[1] is blacklisted, "
+            "and the job goes on without it") in out, out
+    assert "stopping worker 127.0.0.1[0]" not in out, out
+    assert "round 1: 1 workers (127.0.0.1[0])" in out, out
+    assert sizes(out) == {(2,) * 3 + (1,) * 9}, out
+
+
+@pytest.mark.timeout(180)
+def test_a_failed_slot_gets_a_new_worker_after_its_cooldown():
+    flags = ["-np", "2", "--min-np", "1", "--host-discovery-script", "echo 127.0.0.1:2",
+             "--blacklist-cooldown-range", "1", "30"]
+    rc, out = perseusrun(flags, "fail", FAIL_ID="127.0.0.1[1]", FAIL_AT=3, STEP_SLEEP=0.5)
+    assert rc == 0 and out.count(OK_MARK) == 2, f"exit {rc}\n{out}"
+    assert ("slot 127.0.0.1[1] is blacklisted for 1 s (--blacklist-cooldown-range)") in out
+    assert "slot 127.0.0.1[1] is back from the blacklist" in out, out
+    assert "round 2: 2 workers (127.0.0.1[0], 127.0.0.1[1])" in out, out
+    (seen,) = sizes(out)  # 2 ranks, then 1 while the slot cools down, then 2 again
+    ones = seen.count(1)
+    assert len(seen) == 12 and ones >= 1, out
+    assert seen == (2,) * 3 + (1,) * ones + (2,) * (9 - ones), out
+
+
+@pytest.mark.timeout(120)
+def test_an_error_in_a_reset_callback_stops_the_job_at_once_with_its_traceback():
+    flags = ["-np", "3", "--min-np", "2", "-H", "127.0.0.1:1,127.0.0.2:1,127.0.0.3:1"]
+    start = time.monotonic()
+    rc, out = perseusrun(flags, "fail", FAIL_ID="127.0.0.3[0]", FAIL_AT=2, RESET_RAISES=1)
+    assert time.monotonic() - start < 60, out  # not --elastic-timeout's 600 s
+    assert rc == 1, f"exit {rc}\n{out}"
+    said = re.search(r"worker (127\.0\.0\.[12]\[0\]) failed with exit code 1 in a reset "
+                     r"callback, which every round would repeat; stopping the job\. Its "
+                     r"traceback:\n(.*\n)*?.*RuntimeError: the reset callback of worker "
+                     r"(127\.0\.0\.[12]\[0\]) broke", out)
+    assert said and said[1] == said[3], out
+    assert "round 2" not in out, out  # the survivors re-formed once, then it stopped
+
+
+@pytest.mark.timeout(180)
 def test_a_worker_that_never_checks_in_is_left_behind_after_the_start_timeout():
     flags = ["-np", "3", "--min-np", "2", "-H", "127.0.0.1:1,127.0.0.2:1,127.0.0.3:1",
              "--start-timeout", "12"]

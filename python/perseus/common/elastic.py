@@ -23,6 +23,7 @@ import functools
 import os
 import sys
 import time
+import traceback
 
 from perseus import _core
 from perseus import _topology as topology
@@ -30,6 +31,10 @@ from perseus.common.exceptions import HorovodInternalError, HostsUpdatedInterrup
 
 #: Set to "1" by perseusrun in the workers of an elastic job.
 ELASTIC_VAR = "PERSEUS_ELASTIC"
+
+#: Where a worker that failed in a reset callback leaves its traceback for the
+#: launcher (``elastic/fatal/<worker id>``), which then stops the job at once.
+FATAL_KEY = "elastic/fatal/"
 
 _store = None  # this worker's connection to the launcher's rendezvous store
 _round = None  # the round this worker took part in last, and its table's host version
@@ -244,6 +249,21 @@ def run_fn(func, reset=reset):
             except HostsUpdatedInterrupt:
                 pass
             reset()
-            state.on_reset()
+            try:
+                state.on_reset()
+            except BaseException:
+                _report_fatal(traceback.format_exc())
+                raise
 
     return wrapper
+
+
+def _report_fatal(text):
+    """Leave ``text`` (a traceback) for perseusrun, which stops the job when this worker
+    ends; outside an elastic job, or with the launcher gone, there is no one to tell."""
+    if not enabled():
+        return
+    try:
+        _client().set(f"{FATAL_KEY}{worker_id()}", text.encode())
+    except (HorovodInternalError, OSError, KeyError):
+        pass

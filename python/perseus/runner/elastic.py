@@ -4,10 +4,13 @@ appear.
 
 The launcher starts workers without ranks and hands out *rounds* at its rendezvous
 store (perseus.common.elastic has the worker's side): round ``k``'s table gives each
-worker of the round its ranks. A worker that fails (exits non-zero) has its host
-blacklisted, as Horovod does (for good, or for a while with
-``--blacklist-cooldown-range``), and so is the host of a worker that does not reach
-the rendezvous within ``--start-timeout``. The workers left re-form once each has
+worker of the round its ranks. A worker that fails (exits non-zero) has its slot
+blacklisted (for good, or for a while with ``--blacklist-cooldown-range``, after which
+a new worker starts there at the next round); the other workers of its host go on.
+Horovod blacklists the whole host: here that happens only to a host of one slot, and
+to the host of a worker that does not reach the rendezvous within ``--start-timeout``
+(the host, not the program, is then in doubt). A worker that fails in a reset
+callback (``elastic/fatal/<id>``) stops the job at once: every round would fail so. The workers left re-form once each has
 asked for the next round (after its collectives failed) or ended. Hosts that the
 discovery script adds get workers, up to ``--max-np``, at the next round; the running workers
 learn of them at their next ``state.commit()``. The job ends when its workers have
@@ -25,6 +28,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from perseus.common.elastic import FATAL_KEY
 from perseus.runner import hosts as _hosts
 from perseus.runner import job as _job
 
@@ -99,8 +103,8 @@ def places(members):
 
 
 class Blacklist:
-    """Hosts whose workers failed. Without ``cooldown`` a host stays blacklisted for
-    the rest of the job; with ``cooldown=(low, high)`` seconds
+    """Hosts, and slots (``host[i]``), whose workers failed. Without ``cooldown`` one
+    stays blacklisted for the rest of the job; with ``cooldown=(low, high)`` seconds
     (``--blacklist-cooldown-range``) its n-th failure keeps it out for
     ``low * 2**(n-1)`` seconds, ``high`` at most, and then it is usable again."""
 
@@ -110,7 +114,8 @@ class Blacklist:
         self.failures = {}  # host -> how many times it was blacklisted
 
     def add(self, host):
-        """Blacklist ``host``; returns for how many seconds (``math.inf``: for good)."""
+        """Blacklist ``host`` (or a slot); returns for how many seconds (``math.inf``:
+        for good)."""
         n = self.failures[host] = self.failures.get(host, 0) + 1
         wait = math.inf
         if self.cooldown:
@@ -176,7 +181,7 @@ class ElasticJob(_job.Launcher):
     def _usable(self):
         """Slots the job may use now: ``[(host, index)]`` in discovery order."""
         return [(h, i) for h, n in self.hosts.items() if h not in self.blacklist
-                for i in range(n)]
+                for i in range(n) if f"{h}[{i}]" not in self.blacklist]
 
     def _discover(self):
         """Look for hosts, and tell the workers (``elastic/hosts``) when the usable
@@ -187,8 +192,12 @@ class ElasticJob(_job.Launcher):
         except DiscoveryError as e:
             self._say(f"host discovery: {e}; keeping the hosts found before")
         now = set(self._usable())
-        for host in sorted({h for h, _ in now - self.seen if h in self.blacklist.failures}):
-            self._say(f"host {host} is back from the blacklist")
+        back = sorted({h for h, _ in now - self.seen if h in self.blacklist.failures})
+        back += sorted(f"{h}[{i}]" for h, i in now - self.seen
+                       if f"{h}[{i}]" in self.blacklist.failures and h not in back)
+        for what in back:
+            self._say(f"{'slot' if what.endswith(']') else 'host'} {what} is back from the "
+                      "blacklist")
         gone = {f"{h}[{i}]" for h, i in self.seen - now}
         for wid in gone & set(self.workers):
             self._stop(wid, "its host left the job")
@@ -199,19 +208,23 @@ class ElasticJob(_job.Launcher):
             kind = "added" if added else "removed"
             self.server.set("elastic/hosts", f"{self.hosts_version} {kind}".encode())
 
-    def _blacklist(self, host, why):
-        """Leave ``host`` out (its workers are stopped); the failure that led here
-        re-forms the job, so the workers need no news of it."""
+    def _blacklist(self, host, why, slot=None):
+        """Leave ``host`` out (its workers are stopped), or only its slot ``slot`` (a
+        worker id, ``host[i]``); the failure that led here re-forms the job, so the
+        workers need no news of it."""
         if host in self.blacklist:
             self._say(f"{why}; host {host} is blacklisted already")
             return
-        wait = self.blacklist.add(host)
+        key, what = (slot, f"slot {slot}") if slot else (host, f"host {host}")
+        wait = self.blacklist.add(key)
         span = ("" if wait == math.inf else
                 f" for {wait:g} s (--blacklist-cooldown-range)")
-        self._say(f"{why}; host {host} is blacklisted{span}, and the job goes on without it")
-        self.seen = {(h, i) for h, i in self.seen if h != host}
-        for other in [w for w in self.workers if self.workers[w].slot.hostname == host]:
-            self._stop(other, f"host {host} is blacklisted")
+        self._say(f"{why}; {what} is blacklisted{span}, and the job goes on without it")
+        self.seen = {(h, i) for h, i in self.seen
+                     if (f"{h}[{i}]" if slot else h) != key}
+        for other in [w for w in self.workers
+                      if (w if slot else self.workers[w].slot.hostname) == key]:
+            self._stop(other, f"{what} is blacklisted")
 
     # ------------------------------------------------------------------ workers
 
@@ -254,8 +267,17 @@ class ElasticJob(_job.Launcher):
             return
         if self.finished is not None and not self.status:
             self.status = _job.exit_status(code)
-        self._blacklist(rank.slot.hostname,
-                        f"worker {wid} failed with {_job.describe_status(code)}")
+        why = f"worker {wid} failed with {_job.describe_status(code)}"
+        fatal = self.server.get(f"{FATAL_KEY}{wid}")
+        if fatal is not None:
+            raise _Stop(f"{why} in a reset callback, which every round would repeat; "
+                        "stopping the job. Its traceback:\n"
+                        + fatal.decode(errors="replace").rstrip(),
+                        _job.exit_status(code) or 1)
+        host = rank.slot.hostname
+        # Only this slot, where the host has others (their workers go on), and only
+        # while discovery lists more than one slot there.
+        self._blacklist(host, why, slot=wid if self.hosts.get(host, 1) > 1 else None)
 
     def _check_starts(self):
         """Blacklist the host of a worker that has not checked in at the rendezvous

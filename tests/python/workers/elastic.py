@@ -10,7 +10,8 @@ commit after the launcher discovers it (each step sleeps STEP_SLEEP seconds, to 
 the time). With WRAP=1 an ``hvd.DistributedOptimizer`` reduces the gradients.
 With HANG_ID set, that worker hangs before ``hvd.init()`` (the launcher must leave it
 behind after --start-timeout); with CRASH_ID, it exits with status 5 there.
-Each rank prints ``sizes <list>``: the number of ranks at each step.
+With RESET_RAISES=1 the reset callback raises RuntimeError (the launcher must stop the
+job at once). Each rank prints ``sizes <list>``: the number of ranks at each step.
 """
 
 import os
@@ -42,7 +43,13 @@ def main():
         opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
     state = hvd.elastic.TorchState(model, opt, step=0, sizes=[])
     first_round = [True]
-    state.register_reset_callbacks([lambda: first_round.__setitem__(0, False)])
+
+    def on_reset():
+        first_round[0] = False
+        if os.environ.get("RESET_RAISES") == "1":
+            raise RuntimeError(f"the reset callback of worker {me} broke")
+
+    state.register_reset_callbacks([on_reset])
 
     @hvd.elastic.run
     def train(state):
