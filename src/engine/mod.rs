@@ -20,6 +20,7 @@ mod handles;
 mod inbox;
 pub mod message;
 mod offline;
+pub mod recorder;
 pub mod staged;
 pub mod tensor;
 pub mod timeline_names;
@@ -81,6 +82,8 @@ struct Shared {
     last_waited: AtomicU64,
     /// The names given to unnamed requests.
     names: Mutex<Unnamed>,
+    /// This rank's last operations.
+    recorder: Mutex<recorder::Recorder>,
 }
 
 /// Names for unnamed requests: a count per process set and kind, which every rank
@@ -133,6 +136,7 @@ struct Counters {
     bytes_extra_streams: AtomicU64,
     nccl_operations: AtomicU64,
     autotune_changes: AtomicU64,
+    stall_warnings: AtomicU64,
 }
 
 /// A running engine.
@@ -193,6 +197,7 @@ impl Engine {
             offline: AtomicBool::new(false),
             last_waited: AtomicU64::new(0),
             names: Mutex::new(Unnamed::default()),
+            recorder: Mutex::default(),
         });
         if let Some(path) = &config.timeline {
             shared.timeline.start(path, config.timeline_mark_cycles)?;
@@ -280,6 +285,11 @@ impl Engine {
         &self.config
     }
 
+    /// This rank's last operations, oldest first (the flight recorder).
+    pub fn flight_record(&self) -> Vec<recorder::Record> {
+        self.shared.recorder.lock().unwrap().snapshot()
+    }
+
     /// Counters of this rank: collectives run (`operations`), tensors they
     /// carried, `fused_buffers` (collectives carrying several tensors) and the
     /// largest one's payload (`fused_bytes_max`),
@@ -292,7 +302,8 @@ impl Engine {
     /// `bytes_extra_streams`: payload bytes sent on streams other than the
     /// first (PERSEUS_ALLREDUCE_STREAMS), and `nccl_operations`: collectives
     /// of CUDA tensors carried by NCCL (the device-direct path), and
-    /// `autotune_changes`: settings HOROVOD_AUTOTUNE sent this rank.
+    /// `autotune_changes`: settings HOROVOD_AUTOTUNE sent this rank, and
+    /// `stall_warnings` (rank 0): stall warnings given.
     pub fn counters(&self) -> BTreeMap<String, u64> {
         let c = &self.shared.counters;
         let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
@@ -310,6 +321,7 @@ impl Engine {
             ("bytes_extra_streams", get(&c.bytes_extra_streams)),
             ("nccl_operations", get(&c.nccl_operations)),
             ("autotune_changes", get(&c.autotune_changes)),
+            ("stall_warnings", get(&c.stall_warnings)),
         ]
         .into_iter()
         .map(|(k, v)| (k.to_string(), v))
@@ -394,6 +406,7 @@ impl Engine {
             )));
         }
         let handle = self.shared.handles.create();
+        self.shared.recorder.lock().unwrap().submitted(handle, &req);
         let entry = Entry {
             handle,
             input,
@@ -820,6 +833,11 @@ impl State {
             return;
         };
         let found = coord.check_stalls(Instant::now());
+        let warned = found.warnings.len() as u64;
+        self.shared
+            .counters
+            .stall_warnings
+            .fetch_add(warned, Ordering::Relaxed);
         for w in &found.warnings {
             crate::log!(
                 crate::log::Level::Warning,
@@ -1044,6 +1062,8 @@ impl State {
             .lock()
             .unwrap()
             .remove(&(*ps, name.to_string()));
+        let ok = r.is_ok();
+        self.shared.recorder.lock().unwrap().finished(handle, ok);
         self.shared.handles.complete(handle, r);
     }
 
@@ -1131,6 +1151,8 @@ impl State {
                         }
                     }
                 }
+                let began = taken.iter().flatten().map(|(e, _)| e.handle);
+                self.shared.recorder.lock().unwrap().started(began);
                 let members = self.shared.sets.lock().unwrap().get(&ps).cloned();
                 let Some(members) = members else {
                     return self.fail_all(PerseusError::Protocol(format!("unknown set {ps}")));

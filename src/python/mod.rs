@@ -272,6 +272,43 @@ fn set_fusion_threshold(bytes: u64) -> PyResult<()> {
     Ok(())
 }
 
+/// One operation of the flight recorder: name, kind, process set, bytes, and the
+/// times it was submitted, negotiated and finished (seconds since the epoch).
+type FlightRow = (
+    String,
+    &'static str,
+    u32,
+    usize,
+    f64,
+    Option<f64>,
+    Option<f64>,
+    &'static str,
+);
+
+/// This rank's last operations, oldest first (see `engine::recorder`): (name,
+/// kind, process set, bytes, submitted, started, finished, stage).
+#[pyfunction]
+fn flight_record() -> PyResult<Vec<FlightRow>> {
+    Ok(engine()?
+        .flight_record()
+        .into_iter()
+        .map(|r| {
+            let (kind, stage) = (r.kind.name(), r.stage.name());
+            let (submitted, started, finished) = (r.submitted, r.started, r.finished);
+            (
+                r.name,
+                kind,
+                r.process_set,
+                r.bytes,
+                submitted,
+                started,
+                finished,
+                stage,
+            )
+        })
+        .collect())
+}
+
 /// What the engine has done so far on this rank (see `Engine::counters`).
 #[pyfunction]
 fn counters() -> PyResult<BTreeMap<String, u64>> {
@@ -762,6 +799,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
         "GpuUnavailableError",
         m.py().get_type::<GpuUnavailableError>(),
     )?;
+    m.add_function(wrap_pyfunction!(flight_record, m)?)?;
     m.add_function(wrap_pyfunction!(gpu_libraries, m)?)?;
     m.add_function(wrap_pyfunction!(gpu_compile_kernels, m)?)?;
     m.add(

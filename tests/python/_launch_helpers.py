@@ -27,7 +27,8 @@ def clean_env(**extra):
     """This environment without any launcher's rank variables, with PYTHONPATH set so
     that ranks import this perseus, plus ``extra``."""
     env = {k: v for k, v in os.environ.items()
-           if k not in _RANK_VARS and not k.startswith(_RANK_PREFIXES)}
+           if k == "PERSEUS_FLIGHT_RECORDER_DIR"  # the session's (conftest.py)
+           or (k not in _RANK_VARS and not k.startswith(_RANK_PREFIXES))}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (PKG_ROOT, os.environ.get("PYTHONPATH"))
                                         if p)
     env["PYTHONUNBUFFERED"] = "1"

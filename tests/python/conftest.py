@@ -4,12 +4,18 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 WORKERS = Path(__file__).parent / "workers"
 OK_MARK = "WORKER OK"
+
+# The flight records that the test jobs' failures write go to a directory of this test
+# session, not to the working directory (perseusrun's default), which is the checkout.
+os.environ.setdefault("PERSEUS_FLIGHT_RECORDER_DIR",
+                      tempfile.mkdtemp(prefix="perseus-flight-records-"))
 
 
 def launch(n, worker, *args, env=None, timeout=150, hosts=None, flags=()):

@@ -4,6 +4,7 @@ The workers are plain Python: only the launcher needs the native core (for its
 rendezvous server).
 """
 
+import json
 import os
 import re
 import shlex
@@ -12,7 +13,9 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
+from pathlib import Path
 
 import perseus
 import pytest
@@ -393,3 +396,58 @@ def test_ctrl_c_stops_an_mpi_job(tmp_path):
     assert p.returncode == 128 + signal.SIGINT, err
     assert "received SIGINT" in err
     assert_all_gone(pids_in(tmp_path))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("trigger", ["SIGUSR1 to perseusrun", "a stall warning on rank 0"])
+def test_the_flight_recorder_names_the_rank_that_does_not_submit_and_its_line(
+        tmp_path, trigger):
+    # Rank 1 sleeps in evaluate() while rank 0 waits in allreduce 'grad.layer4'; SIGUSR1 to
+    # perseusrun, or rank 0's stall warning, asks every rank for its record, and perseusrun
+    # prints the diagnosis.
+    worker = Path(__file__).parent / "workers" / "flight_stall.py"
+    sleep_line = worker.read_text().splitlines().index(
+        "    time.sleep(120)  # the line the diagnosis names") + 1
+    records = tmp_path / "records"
+    env = dict(ENV, PERSEUS_FLIGHT_RECORDER_DIR=str(records))
+    if trigger.startswith("a stall"):
+        env["PERSEUS_STALL_CHECK_TIME_SECONDS"] = "2"
+    p = subprocess.Popen(LAUNCH + ["-np", "2", sys.executable, str(worker)], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         start_new_session=True)
+    lines, errors = [], []
+    readers = [threading.Thread(target=lambda: lines.extend(p.stdout), daemon=True),
+               threading.Thread(target=lambda: errors.extend(p.stderr), daemon=True)]
+    for t in readers:
+        t.start()
+    try:
+        deadline = time.monotonic() + 60
+        while sum("READY" in line for line in lines) < 2:
+            assert p.poll() is None and time.monotonic() < deadline, "".join(lines + errors)
+            time.sleep(0.05)
+        if trigger.startswith("SIGUSR1"):
+            time.sleep(1.0)  # rank 0 is in its allreduce by now
+            os.kill(p.pid, signal.SIGUSR1)
+        want = ("flight recorder: rank 1 has not submitted allreduce 'grad.layer4' for")
+        while not any(want in line for line in errors):
+            assert p.poll() is None and time.monotonic() < deadline, "".join(errors)
+            time.sleep(0.05)
+        time.sleep(0.2)
+        said = next(line for line in errors if want in line)
+        assert "(rank 0 waits for it); its main thread is in " in said, said
+        assert said.rstrip().endswith(f"{worker}:{sleep_line} evaluate()"), said
+        assert f"flight recorder ({trigger}): 2 of 2 ranks wrote" in "".join(errors)
+        # Each rank's file: rank 0's allreduce pending, rank 1's warm-up done.
+        r0 = json.loads((records / "rank.0.json").read_text())
+        r1 = json.loads((records / "rank.1.json").read_text())
+        assert [(o["name"], o["stage"]) for o in r0["ops"]][-2:] == [
+            ("warm.up", "done"), ("grad.layer4", "submitted")], r0["ops"]
+        assert [(o["name"], o["stage"]) for o in r1["ops"]] == [("warm.up", "done")]
+        assert r1["reason"] == trigger
+        assert any(t["main"] and t["stack"][-1]["function"] == "evaluate"
+                   for t in r1["threads"]), r1["threads"]
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=30)
+    for t in readers:
+        t.join(5)

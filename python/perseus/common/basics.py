@@ -5,6 +5,7 @@ import functools
 import os
 
 from perseus import _core
+from perseus.common import flight_recorder
 from perseus.common import process_sets as _process_sets
 from perseus.common import rank_copy as _rank_copy
 
@@ -61,6 +62,7 @@ def init(comm=None, process_sets=None):
             for note in _core.config_notes():
                 _core.log("INFO", note)
         _process_sets._after_init(sets)
+        flight_recorder.watch()
         _rank_copy.mark([_core.rank(), _core.size(), _core.local_rank(),
                          _core.local_size(), _core.cross_rank(), _core.cross_size()])
     finally:
@@ -138,8 +140,9 @@ def counters():
     ``negotiations_skipped`` (tensors run from an offline schedule,
     PERSEUS_OFFLINE_NEG, without asking the coordinator), ``bytes_extra_streams``
     (payload bytes sent on streams other than the first, PERSEUS_ALLREDUCE_STREAMS),
-    ``nccl_operations`` (collectives of CUDA tensors NCCL carried, docs/gpu.md), and
-    ``autotune_changes`` (settings HOROVOD_AUTOTUNE sent this rank)."""
+    ``nccl_operations`` (collectives of CUDA tensors NCCL carried, docs/gpu.md),
+    ``autotune_changes`` (settings HOROVOD_AUTOTUNE sent this rank), and
+    ``stall_warnings`` (rank 0: stall warnings given)."""
     check_initialized()
     return dict(_core.counters())
 

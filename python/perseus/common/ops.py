@@ -9,6 +9,7 @@ received splits) into framework tensors when the handle is waited on.
 import warnings
 
 from perseus import _core
+from perseus.common import flight_recorder
 from perseus.common.process_sets import process_set_id, root_in_set
 
 Average = _core.OP_AVERAGE
@@ -83,6 +84,8 @@ class Handle:
                 raise  # still in flight: keep everything alive
             except Exception as e:  # noqa: BLE001 - stored and re-raised below
                 self._error = e
+                if isinstance(e, _core.HorovodInternalError):
+                    flight_recorder.on_failure(e)
             self._done = True
             self._keep = self._finish = None
             _inflight.pop(id(self), None)

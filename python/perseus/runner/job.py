@@ -19,6 +19,8 @@ import sys
 import threading
 import time
 
+from perseus.common import flight_recorder
+
 GRACE_SECONDS = 5.0
 HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # The launcher's exit status when ranks did not check in within the start timeout.
@@ -338,12 +340,56 @@ def _relay(stream, sink, prefix, lock, timestamps=False, copy=None):
                     pass  # the terminal went away: keep draining so the rank never blocks
 
 
+class FlightWatch:
+    """perseusrun's side of the flight recorder (perseus.common.flight_recorder): asks
+    every rank for its record (``flight/dump/<k>`` at the rendezvous ``server``), then,
+    once all ``size`` ranks wrote theirs to ``directory`` or :attr:`WAIT` seconds
+    passed, prints the diagnosis through ``say``."""
+
+    WAIT = 5.0
+
+    def __init__(self, server, directory, size, say):
+        self.server, self.directory, self.size, self.say = server, directory, size, say
+        self.asked = 0  # requests made
+        self.pending = None  # (reason, wall time asked, monotonic deadline)
+        self.stalls = 0  # stall reports of rank 0 seen
+        self.looked = 0.0  # when the rendezvous was last searched for them
+
+    def request(self, reason):
+        self.server.set(f"{flight_recorder.TRIGGER}{self.asked}", reason.encode())
+        self.asked += 1
+        self.pending = (reason, time.time() - 1.0, time.monotonic() + self.WAIT)
+
+    def tick(self):
+        if self.pending is None and time.monotonic() - self.looked >= 1.0:
+            self.looked = time.monotonic()
+            published = self.server.keys()  # the store's sorted keys (not a dict)
+            stalls = [k for k in published if k.startswith(flight_recorder.STALLED)]
+            if len(stalls) > self.stalls:
+                self.stalls = len(stalls)
+                self.request("a stall warning on rank 0")
+        if self.pending is None:
+            return
+        reason, since, deadline = self.pending
+        records = flight_recorder.read(self.directory, since)
+        if len(records) < self.size and time.monotonic() < deadline:
+            return
+        self.pending = None
+        self.say(f"flight recorder ({reason}): {len(records)} of {self.size} ranks wrote "
+                 f"their record to {self.directory}")
+        for line in flight_recorder.diagnose(records) if records else []:
+            self.say(f"flight recorder: {line}")
+
+
 class Launcher:
     """What a job runner shares: ``run()`` calls ``_run()`` with the signals caught and
     ``_teardown()`` after; ``_say()`` writes a line to the launcher's stderr (``err``,
-    under ``_lock``)."""
+    under ``_lock``). SIGUSR1 asks the ranks for their flight records (``flight``, a
+    :class:`FlightWatch`, where the runner has one)."""
 
     _signal = None  # set by the signal handler, which takes no lock
+    _flight_asked = False  # SIGUSR1 came: set by its handler
+    flight = None
 
     def _say(self, message):
         with self._lock:
@@ -359,6 +405,8 @@ class Launcher:
         if threading.current_thread() is threading.main_thread():
             for sig in HANDLED_SIGNALS:
                 handlers[sig] = signal.signal(sig, self._on_signal)
+            if self.flight is not None:
+                handlers[signal.SIGUSR1] = signal.signal(signal.SIGUSR1, self._on_usr1)
         try:
             return self._run()
         finally:
@@ -369,13 +417,27 @@ class Launcher:
     def _on_signal(self, signum, _frame):
         self._signal = signum
 
+    def _on_usr1(self, _signum, _frame):
+        self._flight_asked = True
+
+    def _watch_flight(self):
+        """Each turn of a runner's loop: ask for the records after SIGUSR1, and print
+        the diagnosis once they are in."""
+        if self.flight is None:
+            return
+        if self._flight_asked:
+            self._flight_asked = False
+            self.flight.request("SIGUSR1 to perseusrun")
+        self.flight.tick()
+
 
 class Job(Launcher):
     """Runs ranks to completion; ``run()`` returns the launcher's exit status."""
 
     def __init__(self, ranks, output_dir=None, out=None, err=None, grace=GRACE_SECONDS,
-                 checked_in=None, start_timeout=None):
+                 checked_in=None, start_timeout=None, flight=None):
         self.ranks = ranks
+        self.flight = flight  # a FlightWatch, made with self._say
         # ``checked_in()``: the ranks seen at the rendezvous; with ``start_timeout``
         # (seconds) every rank must be seen, or end without error, within that time.
         self.checked_in, self.start_timeout = checked_in, start_timeout
@@ -409,6 +471,7 @@ class Job(Launcher):
             if self._signal is not None:
                 self._say(f"received {signal.Signals(self._signal).name}; stopping all ranks")
                 return 128 + self._signal
+            self._watch_flight()
             failure = watch.check(finished) if watch else None
             if failure:
                 self._say(failure)

@@ -10,8 +10,10 @@ import shlex
 import shutil
 import socket
 import sys
+import time
 
 from perseus import _netif
+from perseus.common import flight_recorder
 from perseus.runner import elastic as _elastic
 from perseus.runner import horovod_flags as _hvd_flags
 from perseus.runner import hosts as _hosts
@@ -407,6 +409,10 @@ def job_env(args, addr, port):
         "PERSEUS_RENDEZVOUS_ADDR": addr,
         "PERSEUS_RENDEZVOUS_PORT": str(port),
         "PERSEUS_START_TIMEOUT": str(args.start_timeout),
+        # Where the ranks write their flight records (made only when they do).
+        flight_recorder.DIR_VAR: os.environ.get(flight_recorder.DIR_VAR) or os.path.join(
+            os.path.abspath(args.output_filename or os.getcwd()), "perseus-flight-recorder",
+            f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"),
     }
     if args.log_level:
         env["PERSEUS_LOG_LEVEL"] = env["HOROVOD_LOG_LEVEL"] = args.log_level
@@ -477,6 +483,8 @@ def run_gloo(args, slots, local_names, exchange=None):
             print(f"perseusrun: rendezvous at {addr}:{server.port}", file=sys.stderr)
         job = _job.Job(ranks, output_dir=args.output_filename,
                        checked_in=checkin_source(server), start_timeout=args.start_timeout)
+        job.flight = _job.FlightWatch(server, env[flight_recorder.DIR_VAR], len(ranks),
+                                      job._say)
         status = job.run()
         if collect:
             collect(status, job.failed)

@@ -23,7 +23,8 @@ def main():
                        "negotiation_messages",
                        "cache_hits", "bytes_intra_host", "bytes_inter_host",
                        "compression_resends", "negotiations_skipped",
-                       "bytes_extra_streams", "nccl_operations", "autotune_changes"}, c0
+                       "bytes_extra_streams", "nccl_operations", "autotune_changes",
+                       "stall_warnings"}, c0
 
     # One 1 MiB allreduce: a ring moves (n-1)/n of the buffer in each of its two
     # phases from every rank, 2(n-1) MiB over the whole job; no byte leaves the host.

@@ -1,0 +1,22 @@
+"""Rank 0 calls allreduce 'grad.layer4'; rank 1 evaluates instead (sleeps in
+``evaluate()``), so the job stops moving. Each rank prints READY first; the test then
+sends SIGUSR1 to perseusrun and reads its diagnosis.
+"""
+
+import time
+
+import perseus.torch.horovod as hvd
+import torch
+
+
+def evaluate():
+    time.sleep(120)  # the line the diagnosis names
+
+
+hvd.init()
+hvd.allreduce(torch.ones(2), name="warm.up")
+print(f"READY rank {hvd.rank()}", flush=True)
+if hvd.rank() == 1:
+    evaluate()
+else:
+    hvd.allreduce(torch.ones(2), name="grad.layer4")
