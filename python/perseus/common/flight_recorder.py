@@ -60,11 +60,8 @@ def snapshot(reason):
         ops = [dict(zip(FIELDS, row)) for row in _core.flight_record()]
     names = {t.ident: t.name for t in threading.enumerate()}
     main = threading.main_thread().ident
-    me = threading.get_ident()
     threads = []
     for ident, frame in sys._current_frames().items():
-        if ident == me:
-            continue  # the thread writing this file
         stack = [{"file": f.filename, "line": f.lineno, "function": f.name}
                  for f in traceback.extract_stack(frame)]
         threads.append({"name": names.get(ident, str(ident)), "main": ident == main,
