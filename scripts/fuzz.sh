@@ -26,7 +26,7 @@ else
 fi
 # The fuzz build has its own target dir in the cache (sanitizer flags differ).
 export CARGO_TARGET_DIR="$cache/fuzz-target"
-for target in frames messages rendezvous; do
+for target in frames messages rendezvous config; do
     echo "==> fuzz $target for ${seconds}s" >&2
     grown="$cache/fuzz-corpus/$target"
     mkdir -p "$grown"

@@ -4,8 +4,10 @@
 //! panicking, hanging or allocating beyond what the input justifies.
 
 use crate::auth::Session;
+use crate::config::{with_vars, Config, Topology};
 use crate::engine::message::{decode_requests, decode_responses};
 use crate::wire::{parse_header, read_frame_max, FrameReader, HEADER, MAX_HANDSHAKE};
+use std::collections::{BTreeSet, HashMap};
 use std::io::Read;
 
 /// A reader that hands out its bytes a few at a time, as a socket may.
@@ -58,4 +60,36 @@ pub fn rendezvous(data: &[u8]) {
     crate::rendezvous::fuzz_request(u16::from_le_bytes(*k), payload);
     let mut session = Session::for_fuzzing();
     let _ = session.open(u16::from_le_bytes(*k), payload);
+}
+
+/// The variables the configuration reads, less those that say where the job's
+/// ranks are (a fuzzed address would be resolved; the topology has its own tests).
+pub fn config_names() -> Vec<String> {
+    let ((), all) = with_vars(HashMap::new(), || {
+        let _ = Config::from_env();
+    });
+    let ((), topology) = with_vars(HashMap::new(), || {
+        let _ = Topology::from_env();
+    });
+    let place: BTreeSet<&str> = ["PERSEUS_RENDEZVOUS_ADDR", "PERSEUS_IFACE_ADDR"].into();
+    all.into_iter()
+        .filter(|n| !topology.contains(n) && !place.contains(n.as_str()))
+        .collect()
+}
+
+/// The whole configuration from arbitrary values: each line of `data` is
+/// `<index> <value>`, the value given to the index-th of [`config_names`]. It must
+/// come out as a configuration or an error naming the variable, never a panic.
+pub fn config(data: &[u8]) {
+    let names = config_names();
+    let text = String::from_utf8_lossy(data);
+    let values: HashMap<String, String> = text
+        .lines()
+        .filter_map(|line| {
+            let (i, value) = line.split_once(' ')?;
+            let name = names.get(i.trim().parse::<usize>().ok()? % names.len())?;
+            Some((name.clone(), value.to_string()))
+        })
+        .collect();
+    let _ = with_vars(values, Config::from_env);
 }

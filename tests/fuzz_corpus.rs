@@ -112,3 +112,52 @@ fn write_seed_corpus() {
     write("rendezvous", "get", &get);
     write("rendezvous", "unknown-kind", &[99, 0, 1, 2, 3]);
 }
+
+#[test]
+fn every_configuration_variable_takes_any_value_without_panic() {
+    use perseus::config::{with_vars, Config};
+    use std::collections::HashMap;
+    assert!(replay("config", fuzzing::config) >= 4);
+    let names = fuzzing::config_names();
+    assert!(names.len() >= 40, "{names:?}");
+    let values = [
+        "1e300",
+        "-1e300",
+        "nan",
+        "NaN",
+        "inf",
+        "-inf",
+        "-1",
+        "0",
+        "-0",
+        "1.5",
+        "0x10",
+        "18446744073709551616",
+        "99999999999999999999999999",
+        "1e-400",
+        "abc",
+        "１",
+        "\u{7f}",
+        "1,2,3",
+        ",",
+        "ALL",
+        "00000000000000000000000000001",
+    ];
+    for name in &names {
+        for value in values {
+            let given = HashMap::from([(name.clone(), value.to_string())]);
+            let (got, _) = with_vars(given, Config::from_env);
+            if let Err(e) = got {
+                // The error names the variable, or the alias it was read under.
+                let text = e.to_string();
+                let alias = name
+                    .replace("PERSEUS_", "HOROVOD_")
+                    .replace("AIAK_", "PERSEUS_");
+                assert!(
+                    text.contains(name.as_str()) || text.contains(&alias),
+                    "{name}={value:?}: {text}"
+                );
+            }
+        }
+    }
+}
