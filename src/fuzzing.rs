@@ -64,7 +64,13 @@ pub fn rendezvous(data: &[u8]) {
 
 /// The variables the configuration reads, less those that say where the job's
 /// ranks are (a fuzzed address would be resolved; the topology has its own tests).
-pub fn config_names() -> Vec<String> {
+/// Read once per process: every fuzz input uses the same list.
+pub fn config_names() -> &'static [String] {
+    static NAMES: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
+    NAMES.get_or_init(read_config_names)
+}
+
+fn read_config_names() -> Vec<String> {
     let ((), all) = with_vars(HashMap::new(), || {
         let _ = Config::from_env();
     });

@@ -143,7 +143,7 @@ fn every_configuration_variable_takes_any_value_without_panic() {
         "ALL",
         "00000000000000000000000000001",
     ];
-    for name in &names {
+    for name in names {
         for value in values {
             let given = HashMap::from([(name.clone(), value.to_string())]);
             let (got, _) = with_vars(given, Config::from_env);

@@ -894,7 +894,8 @@ impl State {
     }
 
     /// Rank 0: runs its own share of what the coordinator answered, right after
-    /// each dispatch (`held`: requests to send up after, as an answer lets them go). The workers then hold each batch whole and rank 0 joins its
+    /// each dispatch (`held`: requests to send up after, as an answer lets them
+    /// go). The workers then hold each batch whole and rank 0 joins its
     /// collectives before it writes the next, so it never waits to write to a
     /// worker that waits for it in a collective. True when something ran.
     fn run_local(&mut self, held: &mut Vec<Request>) -> bool {

@@ -143,16 +143,14 @@ pub fn connect_mesh(cfg: &Config) -> Result<MeshParts> {
                 _ => control[from].is_none(),
             };
             if !open {
-                let msg = format!(
-                    "rank {from} is already connected (channel {channel}, stream {s}) or has \
+                refuse(
+                    rank,
+                    &conn,
+                    &format!(
+                        "rank {from} is already connected (channel {channel}, stream {s}) or has \
                      no such stream"
+                    ),
                 );
-                let _ = write_frame(
-                    &mut Deadlined::new(&conn, HANDSHAKE_TIME),
-                    HELLO_ERR,
-                    msg.as_bytes(),
-                );
-                dropped(rank, &conn, &msg);
                 continue;
             }
             if write_frame(&mut Deadlined::new(&conn, HANDSHAKE_TIME), HELLO_OK, &[]).is_err()
@@ -171,6 +169,16 @@ pub fn connect_mesh(cfg: &Config) -> Result<MeshParts> {
         if expect == 0 {
             break;
         }
+        // Checked every turn: a flood of connections never lets accept() say WouldBlock.
+        if Instant::now() >= deadline {
+            let missing: Vec<usize> = (rank + 1..size)
+                .filter(|&r| (0..streams_to(r)).any(|s| data[s][r].is_none()))
+                .collect();
+            return Err(PerseusError::Peer(format!(
+                "rank {rank}: ranks {missing:?} did not connect within {timeout:?}{}",
+                turned_away(&vetting)
+            )));
+        }
         match listener.accept() {
             Ok((conn, _)) => {
                 if let Some(slot) = vetting.admit() {
@@ -185,29 +193,13 @@ pub fn connect_mesh(cfg: &Config) -> Result<MeshParts> {
                                     let _ = tx.send((from, ch, s, conn));
                                 }
                                 Err(Refused::Unproven(why)) => dropped(rank, &conn, &why),
-                                Err(Refused::Told(why)) => {
-                                    let _ = write_frame(
-                                        &mut Deadlined::new(&conn, HANDSHAKE_TIME),
-                                        HELLO_ERR,
-                                        why.as_bytes(),
-                                    );
-                                    dropped(rank, &conn, &why);
-                                }
+                                Err(Refused::Told(why)) => refuse(rank, &conn, &why),
                             }
                         });
                     spawned?;
                 }
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                if Instant::now() >= deadline {
-                    let missing: Vec<usize> = (rank + 1..size)
-                        .filter(|&r| (0..streams_to(r)).any(|s| data[s][r].is_none()))
-                        .collect();
-                    return Err(PerseusError::Peer(format!(
-                        "rank {rank}: ranks {missing:?} did not connect within {timeout:?}{}",
-                        turned_away(&vetting)
-                    )));
-                }
                 std::thread::sleep(Duration::from_millis(2));
             }
             Err(e) => return Err(e.into()),
@@ -503,6 +495,16 @@ fn dropped(me: usize, conn: &TcpStream, why: &str) {
         crate::log::Level::Warning,
         "rank {me}: dropped a connection from {peer}: {why}"
     );
+}
+
+/// Tells a peer of this job why rank `me` refuses `conn` (HELLO_ERR), and logs it.
+fn refuse(me: usize, conn: &TcpStream, why: &str) {
+    let _ = write_frame(
+        &mut Deadlined::new(conn, HANDSHAKE_TIME),
+        HELLO_ERR,
+        why.as_bytes(),
+    );
+    dropped(me, conn, why);
 }
 
 /// ", after closing N connections unread ..." when the vetting cap was reached.
