@@ -77,9 +77,11 @@ def _tail(path, lines=25):
         return ""
 
 
-def launch(script, impl, n, opts, env=None, timeout=600, hosts=None, places=None):
+def launch(script, impl, n, opts, env=None, timeout=600, hosts=None, places=None,
+           package=None):
     """Runs ``script --worker IMPL`` on ``n`` ranks and returns each rank's result, rank 0
-    first. Output of the ranks goes to a log file whose tail a failure reports. ``hosts``
+    first. ``package``: a directory holding the ``perseus`` package to run (its extension
+    built), instead of this tree's (ab.py compares two builds so). Output of the ranks goes to a log file whose tail a failure reports. ``hosts``
     (Perseus only) is perseusrun's ``-H``: loopback addresses such as
     ``127.0.0.1:2,127.0.0.2:2`` make separate hosts on this machine. ``places`` (torch-
     started jobs only) gives each rank ``(command prefix, its address)``, e.g. a network
@@ -92,7 +94,7 @@ def launch(script, impl, n, opts, env=None, timeout=600, hosts=None, places=None
     env = dict(os.environ, **(env or {}))
     # The source tree's package, when it holds a built extension (maturin develop);
     # otherwise whichever Perseus the interpreter finds (an installed wheel).
-    source = os.path.join(ROOT, "python")
+    source = package or os.path.join(ROOT, "python")
     # (the extension itself: _core.pyi, its type stub, is tracked and always there)
     built = any(n.startswith("_core.") and n.endswith(".so")
                 for n in os.listdir(os.path.join(source, "perseus")))
@@ -367,8 +369,17 @@ def worker_main(body, argv=None):
     p.add_argument("--out", required=True)
     p.add_argument("--opts", default="{}")
     a = p.parse_args(argv)
+    opts = json.loads(a.opts)
+    if opts.get("pin"):
+        # One CPU per rank, by its rank among the machine's ranks; the threads it starts
+        # (the engine's) inherit it.
+        cpus = sorted(os.sched_getaffinity(0))
+        local = int(next((os.environ[v] for v in ("PERSEUS_LOCAL_RANK", "LOCAL_RANK",
+                                                  "OMPI_COMM_WORLD_LOCAL_RANK")
+                          if v in os.environ), "0"))
+        os.sched_setaffinity(0, {cpus[local % len(cpus)]})
     comm = Comm(a.worker)
-    result = body(comm, json.loads(a.opts))
+    result = body(comm, opts)
     with open(f"{a.out}.{comm.rank}.json", "w") as f:
         json.dump(result, f)
     comm.close()

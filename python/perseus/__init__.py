@@ -9,8 +9,7 @@ framework and not the native core.
 """
 
 from perseus import _autopatch
-
-__version__ = "0.1.0"
+from perseus._version import __version__  # noqa: F401 - perseus.__version__
 
 _autopatch.install()
 

@@ -60,3 +60,49 @@ def test_records_are_read_back_newer_than_asked(tmp_path, monkeypatch):
     assert got[0]["reason"] == "asked by a test" and got[0]["ops"] == []
     assert any(t["main"] for t in got[0]["threads"])
     assert fr.read(tmp_path, since=got[0]["time"] + 1) == {}
+
+
+def test_a_rank_gone_and_a_collective_that_failed_since_are_named():
+    # Rank 2 ended; rank 0's allreduce failed 3 s before it was asked (still news), rank
+    # 1's older failure is not, and rank 1 has not submitted 'grad.c'.
+    failed = dict(op("grad.c", "failed", 90.0), finished=97.0)
+    old = dict(op("grad.a", "failed", 10.0), finished=20.0)
+    records = {0: record(0, [failed]), 1: record(1, [old], function="evaluate", line=5)}
+    assert fr.diagnose(records, now=100.0, gone={2: "ended with exit code 3"}) == [
+        ("rank 1 has not submitted allreduce 'grad.c' for 10 s (rank 0 waited for it); its "
+        "main thread is in /job/train.py:5 evaluate()"),
+        ("rank 2 ended with exit code 3 while rank 0 waited in allreduce 'grad.c'; it failed "
+        "there")]
+    both = {r: record(r, [failed]) for r in (0, 1)}
+    assert fr.diagnose(both, now=100.0) == ["allreduce 'grad.c' failed on every rank"]
+
+
+def test_a_summary_keeps_what_the_diagnosis_needs_and_little_else():
+    ops = ([op(f"d{i}", "done", i) for i in range(500)]
+           + [op(f"p{i}", "submitted", 600 + i) for i in range(100)]
+           + [dict(op("f", "failed", 700), finished=701)])
+    deep = [{"file": "/job/train.py", "line": i, "function": f"f{i}"} for i in range(100)]
+    rec = record(0, ops, extra_frames=deep)
+    small = fr.summary(rec)
+    assert [o["name"] for o in small["ops"]] == (
+        [f"p{i}" for i in range(100 - fr.SUMMARY_OPS + 1, 100)] + ["f"])
+    assert [t["main"] for t in small["threads"]] == [True]
+    assert small["threads"][0]["stack"] == rec["threads"][1]["stack"][-fr.SUMMARY_FRAMES:]
+    assert fr.where(small) == fr.where(rec) == "/job/train.py:99 f99()"
+    assert (small["rank"], small["time"]) == (0, 100.0)
+
+
+def test_the_report_from_files_names_ranks_without_one(tmp_path, capsys):
+    import json
+
+    from perseus.runner import flight_report
+
+    for r in (0, 2):
+        rec = dict(record(r, [op("grad", "submitted", 95.0)]), size=3)
+        (tmp_path / f"rank.{r}.json").write_text(json.dumps(rec))
+    assert flight_report.main([str(tmp_path)]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "records of ranks 0, 2 (none of 1)",
+        "rank 1 wrote no record while ranks 0, 2 waited in allreduce 'grad'"]
+    assert flight_report.main([str(tmp_path / "none")]) == 1
+    assert "no rank.<R>.json in" in capsys.readouterr().err

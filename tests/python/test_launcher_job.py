@@ -398,6 +398,57 @@ def test_ctrl_c_stops_an_mpi_job(tmp_path):
     assert_all_gone(pids_in(tmp_path))
 
 
+FLIGHT_WORKER = Path(__file__).parent / "workers" / "flight_stall.py"
+
+
+class FlightJob:
+    """perseusrun -np 2 of workers/flight_stall.py, its output read as it comes."""
+
+    def __init__(self, env, *args, flags=()):
+        self.p = subprocess.Popen(LAUNCH + ["-np", "2", *flags, sys.executable,
+                                            str(FLIGHT_WORKER), *args],
+                                  env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True, start_new_session=True)
+        self.lines, self.errors = [], []
+        self.readers = [
+            threading.Thread(target=lambda: self.lines.extend(self.p.stdout), daemon=True),
+            threading.Thread(target=lambda: self.errors.extend(self.p.stderr), daemon=True)]
+        for t in self.readers:
+            t.start()
+        self.deadline = time.monotonic() + 60
+
+    def wait_for(self, want, in_errors=True, count=1):
+        """Until ``count`` lines of stderr (else stdout) hold ``want``; the first one."""
+        where = self.errors if in_errors else self.lines
+        while sum(want in line for line in where) < count:
+            assert time.monotonic() < self.deadline, "".join(self.lines + self.errors)
+            if self.p.poll() is not None:
+                for t in self.readers:
+                    t.join(5)
+                assert sum(want in line for line in where) >= count, "".join(
+                    self.lines + self.errors)
+            time.sleep(0.05)
+        return next(line for line in where if want in line)
+
+    def ask_by_sigusr1(self):
+        """Once both ranks are READY (rank 0 then in its allreduce), SIGUSR1 to
+        perseusrun; the diagnosis line of rank 1, which must name ``evaluate()``."""
+        self.wait_for("READY", in_errors=False, count=2)
+        time.sleep(1.0)
+        os.kill(self.p.pid, signal.SIGUSR1)
+        said = self.wait_for("flight recorder: rank 1 has not submitted allreduce "
+                             "'grad.layer4'")
+        assert said.rstrip().endswith(" evaluate()"), said
+        return said
+
+    def stop(self):
+        if self.p.poll() is None:
+            self.p.send_signal(signal.SIGTERM)
+        self.p.wait(timeout=30)
+        for t in self.readers:
+            t.join(5)
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("trigger", ["SIGUSR1 to perseusrun", "a stall warning on rank 0"])
 def test_the_flight_recorder_names_the_rank_that_does_not_submit_and_its_line(
@@ -405,38 +456,24 @@ def test_the_flight_recorder_names_the_rank_that_does_not_submit_and_its_line(
     # Rank 1 sleeps in evaluate() while rank 0 waits in allreduce 'grad.layer4'; SIGUSR1 to
     # perseusrun, or rank 0's stall warning, asks every rank for its record, and perseusrun
     # prints the diagnosis.
-    worker = Path(__file__).parent / "workers" / "flight_stall.py"
-    sleep_line = worker.read_text().splitlines().index(
+    sleep_line = FLIGHT_WORKER.read_text().splitlines().index(
         "    time.sleep(120)  # the line the diagnosis names") + 1
     records = tmp_path / "records"
     env = dict(ENV, PERSEUS_FLIGHT_RECORDER_DIR=str(records))
     if trigger.startswith("a stall"):
         env["PERSEUS_STALL_CHECK_TIME_SECONDS"] = "2"
-    p = subprocess.Popen(LAUNCH + ["-np", "2", sys.executable, str(worker)], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                         start_new_session=True)
-    lines, errors = [], []
-    readers = [threading.Thread(target=lambda: lines.extend(p.stdout), daemon=True),
-               threading.Thread(target=lambda: errors.extend(p.stderr), daemon=True)]
-    for t in readers:
-        t.start()
+    job = FlightJob(env)
     try:
-        deadline = time.monotonic() + 60
-        while sum("READY" in line for line in lines) < 2:
-            assert p.poll() is None and time.monotonic() < deadline, "".join(lines + errors)
-            time.sleep(0.05)
+        job.wait_for("READY", in_errors=False, count=2)
         if trigger.startswith("SIGUSR1"):
             time.sleep(1.0)  # rank 0 is in its allreduce by now
-            os.kill(p.pid, signal.SIGUSR1)
-        want = ("flight recorder: rank 1 has not submitted allreduce 'grad.layer4' for")
-        while not any(want in line for line in errors):
-            assert p.poll() is None and time.monotonic() < deadline, "".join(errors)
-            time.sleep(0.05)
-        time.sleep(0.2)
-        said = next(line for line in errors if want in line)
+            os.kill(job.p.pid, signal.SIGUSR1)
+        said = job.wait_for("flight recorder: rank 1 has not submitted allreduce "
+                            "'grad.layer4' for")
         assert "(rank 0 waits for it); its main thread is in " in said, said
-        assert said.rstrip().endswith(f"{worker}:{sleep_line} evaluate()"), said
-        assert f"flight recorder ({trigger}): 2 of 2 ranks wrote" in "".join(errors)
+        assert said.rstrip().endswith(f"{FLIGHT_WORKER}:{sleep_line} evaluate()"), said
+        assert (f"flight recorder ({trigger}): records of 2 of 2 ranks; each rank's whole "
+                f"record is in {records} on its host") in "".join(job.errors)
         # Each rank's file: rank 0's allreduce pending, rank 1's warm-up done.
         r0 = json.loads((records / "rank.0.json").read_text())
         r1 = json.loads((records / "rank.1.json").read_text())
@@ -447,7 +484,58 @@ def test_the_flight_recorder_names_the_rank_that_does_not_submit_and_its_line(
         assert any(t["main"] and t["stack"][-1]["function"] == "evaluate"
                    for t in r1["threads"]), r1["threads"]
     finally:
-        p.send_signal(signal.SIGTERM)
-        p.wait(timeout=30)
-    for t in readers:
-        t.join(5)
+        job.stop()
+
+
+@pytest.mark.timeout(120)
+def test_an_elastic_job_answers_sigusr1_with_the_diagnosis_of_its_round(tmp_path):
+    job = FlightJob(dict(ENV, PERSEUS_FLIGHT_RECORDER_DIR=str(tmp_path)), flags=["--min-np", "2"])
+    try:
+        job.ask_by_sigusr1()
+        assert "flight recorder (SIGUSR1 to perseusrun): records of 2 of 2 ranks" in "".join(
+            job.errors)
+    finally:
+        job.stop()
+
+
+@pytest.mark.timeout(120)
+def test_records_reach_perseusrun_through_the_rendezvous_when_no_file_can_be_written(
+        tmp_path):
+    # The records travel through the rendezvous, not through files: a rank on another
+    # host, or one that cannot write its directory (here a path below a regular file),
+    # still gets into the diagnosis.
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    job = FlightJob(dict(ENV, PERSEUS_FLIGHT_RECORDER_DIR=str(blocker / "records")))
+    try:
+        job.ask_by_sigusr1()
+        assert "records of 2 of 2 ranks" in "".join(job.errors)
+        assert "perseus: flight recorder: cannot write" in "".join(job.errors)
+        assert not (blocker / "records").exists()
+    finally:
+        job.stop()
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_rank_is_followed_by_a_diagnosis_before_the_others_are_stopped(tmp_path):
+    # Rank 1 ends with exit code 3 in evaluate() while rank 0 waits in allreduce
+    # 'grad.layer4': perseusrun asks rank 0 for its record (or takes the one it published
+    # as its collective failed) before it stops it, and says what rank 0 was waiting in.
+    records = tmp_path / "records"
+    job = FlightJob(dict(ENV, PERSEUS_FLIGHT_RECORDER_DIR=str(records)), "exit")
+    try:
+        job.wait_for("READY", in_errors=False, count=2)
+        job.p.wait(timeout=60)
+        for t in job.readers:
+            t.join(5)
+        err = "".join(job.errors)
+        assert job.p.returncode == 3, err
+        failed = err.index("rank 1 (host ")
+        asked = err.index("flight recorder (rank 1 failed with exit code 3): records of 1 "
+                          "of 1 ranks")
+        said = err.index("flight recorder: rank 1 ended with exit code 3 while rank 0 waited "
+                         "in allreduce 'grad.layer4'")
+        assert failed < asked < said, err
+        assert (records / "rank.0.json").exists()
+    finally:
+        job.stop()

@@ -369,6 +369,7 @@ class ElasticJob(_job.Launcher):
                                             "stopping all workers")
                     self._say(self.stopped_because)
                     return 128 + self._signal
+                self._watch_flight()
                 try:
                     wid, code = self._events.get(timeout=0.1)
                     self._ended(wid, code)

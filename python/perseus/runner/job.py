@@ -9,6 +9,8 @@ after a grace period, so no process outlives the job.
 
 import contextlib
 import errno
+import json
+import math
 import os
 import queue
 import shlex
@@ -342,23 +344,51 @@ def _relay(stream, sink, prefix, lock, timestamps=False, copy=None):
 
 class FlightWatch:
     """perseusrun's side of the flight recorder (perseus.common.flight_recorder): asks
-    every rank for its record (``flight/dump/<k>`` at the rendezvous ``server``), then,
-    once all ``size`` ranks wrote theirs to ``directory`` or :attr:`WAIT` seconds
-    passed, prints the diagnosis through ``say``."""
+    the ranks for their records (``flight/dump/<k>`` at the rendezvous ``server``), then,
+    once every rank of ``ranks()`` answered (``flight/record/<k>/<rank>``) or
+    :attr:`WAIT` seconds passed, prints the diagnosis through ``say``. The ranks also
+    write their whole records as files under ``directory`` on their own hosts."""
 
     WAIT = 5.0
+    #: How long a job that failed waits for the other ranks' records before it stops them.
+    WAIT_AFTER_FAILURE = 3.0
 
-    def __init__(self, server, directory, size, say):
-        self.server, self.directory, self.size, self.say = server, directory, size, say
+    def __init__(self, server, directory, ranks, say):
+        self.server, self.directory, self.ranks, self.say = server, directory, ranks, say
         self.asked = 0  # requests made
-        self.pending = None  # (reason, wall time asked, monotonic deadline)
+        # (k, reason, ranks expected, gone, monotonic deadline, wall time asked)
+        self.pending = None
         self.stalls = 0  # stall reports of rank 0 seen
         self.looked = 0.0  # when the rendezvous was last searched for them
 
-    def request(self, reason):
-        self.server.set(f"{flight_recorder.TRIGGER}{self.asked}", reason.encode())
+    def request(self, reason, expect=None, gone=None, wait=None):
+        """Ask every rank (``expect``: those that can answer) for its record; ``gone``:
+        ``{rank: how it ended}`` of ranks that cannot."""
+        k = self.asked
+        self.server.set(f"{flight_recorder.TRIGGER}{k}", reason.encode())
         self.asked += 1
-        self.pending = (reason, time.time() - 1.0, time.monotonic() + self.WAIT)
+        expect = sorted(self.ranks() if expect is None else expect)
+        self.pending = (k, reason, expect, gone or {},
+                        time.monotonic() + (self.WAIT if wait is None else wait), time.time())
+
+    def after_failure(self, rank, how, alive):
+        """Rank ``rank`` failed (``how``): ask the ranks not seen to end (``alive``) for
+        their records and print the diagnosis, waiting at most
+        :attr:`WAIT_AFTER_FAILURE` seconds. A rank whose collective failed published its
+        record then, so that one counts even if it ended meanwhile."""
+        prefix = flight_recorder.WATCHING
+        published = self.server.keys()  # the store's sorted keys (not a dict)
+        watching = {int(k[len(prefix):]) for k in published
+                    if k.startswith(prefix) and k[len(prefix):].isdigit()}
+        alive = sorted(set(alive) & watching)  # a rank not yet in init() cannot answer
+        if not alive:
+            return
+        self.request(f"rank {rank} failed with {how}", expect=alive,
+                     gone={rank: f"ended with {how}"},
+                     wait=self.WAIT_AFTER_FAILURE)
+        while self.pending is not None:
+            self.tick()
+            time.sleep(0.02)
 
     def tick(self):
         if self.pending is None and time.monotonic() - self.looked >= 1.0:
@@ -370,14 +400,34 @@ class FlightWatch:
                 self.request("a stall warning on rank 0")
         if self.pending is None:
             return
-        reason, since, deadline = self.pending
-        records = flight_recorder.read(self.directory, since)
-        if len(records) < self.size and time.monotonic() < deadline:
+        k, reason, expect, gone, deadline, asked = self.pending
+        records = {}
+        for r in expect:
+            # The answer to this request; after a failure, else what the rank published
+            # when its collective failed since shortly before (it may have ended since).
+            # (The failure's record is taken if written at most RECENT_FAILURE seconds
+            # before the request, by that rank's clock.)
+            keys = [(f"{flight_recorder.RECORDS}{k}/{r}", -math.inf)]
+            if gone:
+                keys.append((f"{flight_recorder.FAILED}{r}",
+                             asked - flight_recorder.RECENT_FAILURE))
+            for key, since in keys:
+                try:
+                    record = json.loads(self.server.get(key) or b"null")
+                except ValueError:
+                    record = None
+                if isinstance(record, dict) and record.get("time", 0) >= since:
+                    records[r] = record
+                    break
+        if len(records) < len(expect) and time.monotonic() < deadline:
             return
         self.pending = None
-        self.say(f"flight recorder ({reason}): {len(records)} of {self.size} ranks wrote "
-                 f"their record to {self.directory}")
-        for line in flight_recorder.diagnose(records) if records else []:
+        late = sorted(set(expect) - set(records))
+        none_from = f" (none from {flight_recorder.ranks_text(late)})" if late else ""
+        self.say(f"flight recorder ({reason}): records of {len(records)} of {len(expect)} "
+                 f"ranks{none_from}; each rank's whole record is in {self.directory} on its "
+                 "host")
+        for line in flight_recorder.diagnose(records, gone=gone) if records else []:
             self.say(f"flight recorder: {line}")
 
 
@@ -486,6 +536,10 @@ class Job(Launcher):
                 self.failed = (rank.slot.rank, describe_status(code))
                 self._say(f"rank {rank.slot.rank} (host {rank.slot.hostname}) failed with "
                           f"{describe_status(code)}; stopping the other ranks")
+                if self.flight is not None:
+                    self.flight.after_failure(
+                        rank.slot.rank, describe_status(code),
+                        [r.slot.rank for r in self.ranks if r.slot.rank not in finished])
                 return exit_status(code)
         return 0
 

@@ -120,9 +120,9 @@ def build_parser():
 
 
 def _version():
-    import perseus
+    from perseus._version import __version__
 
-    return f"Perseus {perseus.__version__}"
+    return f"Perseus {__version__}"
 
 
 def _is_number(text):
@@ -338,6 +338,10 @@ def run_elastic(args, local_names, exchange=None):
             elastic_timeout=args.elastic_timeout, reset_limit=args.reset_limit,
             output_dir=args.output_filename, fixed=not args.host_discovery_script,
             start_timeout=args.start_timeout, cooldown=args.cooldown)
+        # The ranks of the round that runs now answer (workers that fail are the
+        # elastic job's business: no diagnosis after a failure).
+        job.flight = _job.FlightWatch(server, env[flight_recorder.DIR_VAR],
+                                      lambda: range(len(job.members)), job._say)
         status = job.run()
         if collect:
             collect(status, job.stopped_because)
@@ -483,8 +487,8 @@ def run_gloo(args, slots, local_names, exchange=None):
             print(f"perseusrun: rendezvous at {addr}:{server.port}", file=sys.stderr)
         job = _job.Job(ranks, output_dir=args.output_filename,
                        checked_in=checkin_source(server), start_timeout=args.start_timeout)
-        job.flight = _job.FlightWatch(server, env[flight_recorder.DIR_VAR], len(ranks),
-                                      job._say)
+        job.flight = _job.FlightWatch(server, env[flight_recorder.DIR_VAR],
+                                      lambda: range(len(ranks)), job._say)
         status = job.run()
         if collect:
             collect(status, job.failed)
@@ -545,7 +549,7 @@ def run_mpi(args, hosts, slots, exchange=None):
 def check_build(out=sys.stdout):
     import importlib
 
-    import perseus
+    from perseus._version import __version__
 
     def mark(ok):
         return "[X]" if ok else "[ ]"
@@ -567,7 +571,7 @@ def check_build(out=sys.stdout):
         core = True
     except ImportError:
         core = False
-    lines = [f"Perseus v{perseus.__version__}:", "", "Available Frameworks:"]
+    lines = [f"Perseus v{__version__}:", "", "Available Frameworks:"]
     lines += [f"    {mark(ok)} {name}" for name, ok in frameworks.items()]
     lines += ["", "Available Backends:",
               f"    {mark(core)} Gloo (Perseus core over TCP and shared memory)",

@@ -1,8 +1,10 @@
 """Rank 0 calls allreduce 'grad.layer4'; rank 1 evaluates instead (sleeps in
 ``evaluate()``), so the job stops moving. Each rank prints READY first; the test then
-sends SIGUSR1 to perseusrun and reads its diagnosis.
+sends SIGUSR1 to perseusrun and reads its diagnosis. With the argument ``exit``, rank 1
+ends with exit code 3 after a second in ``evaluate()`` instead.
 """
 
+import sys
 import time
 
 import perseus.torch.horovod as hvd
@@ -10,6 +12,9 @@ import torch
 
 
 def evaluate():
+    if sys.argv[1:] == ["exit"]:
+        time.sleep(1.0)
+        sys.exit(3)
     time.sleep(120)  # the line the diagnosis names
 
 
