@@ -27,6 +27,14 @@ pub enum PerseusError {
     /// An argument is wrong (bad root, bad splits, rank outside a process set, ...).
     #[error("{0}")]
     InvalidArgument(String),
+    /// A job on several hosts whose configuration does not say where rank 0 is (under
+    /// mpirun the Python side can learn it through MPI and start again).
+    #[error("{0}")]
+    Rank0Unknown(String),
+    /// An operation was submitted under a name that an operation of this rank still in
+    /// flight has (in its process set).
+    #[error("{0}")]
+    NameInFlight(String),
     /// An operation Horovod defines but does not implement for these arguments (Adasum
     /// for a reducescatter); raised as Python's NotImplementedError, as Horovod raises it.
     #[error("{0}")]

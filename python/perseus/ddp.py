@@ -32,6 +32,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from perseus.common import knobs
+
 __all__ = ["allreduce_hook", "completed", "enabled", "hooked", "init", "patch",
            "process_set_of"]
 
@@ -47,10 +49,7 @@ _store_rounds = itertools.count()
 
 def enabled():
     """Whether DDP models reduce through Perseus: ``PERSEUS_DDP`` (1, the default, or 0)."""
-    value = os.environ.get("PERSEUS_DDP", "1").strip()
-    if value not in ("0", "1"):
-        raise ValueError(f"PERSEUS_DDP must be 0 or 1, got {value!r}")
-    return value == "1"
+    return knobs.get("PERSEUS_DDP")
 
 
 # --------------------------------------------------------------------------- starting Perseus
@@ -65,7 +64,7 @@ def _launcher_gives_ranks():
     if any(v in os.environ for v in _LAUNCHER_RANKS):
         return True
     return ("RANK" in os.environ and "WORLD_SIZE" in os.environ
-            and os.environ.get("PERSEUS_USE_DDP_LAUNCHER", "1").strip() != "0")
+            and knobs.get("PERSEUS_USE_DDP_LAUNCHER"))
 
 
 def _default_store():
@@ -380,6 +379,15 @@ def _attach(ddp):
     _process_set(ddp._perseus)
 
 
+def _powersgd_hook(state, bucket):
+    """DDP communication hook: PowerSGD on Perseus (``state.powersgd``), plain averaging
+    before ``AIAK_START_COMPRESS_ITER``."""
+    from perseus import powersgd
+
+    work = powersgd.reduce(state.powersgd, bucket, _prefix(state), _process_set(state))
+    return allreduce_hook(state, bucket) if work is None else completed(*work)
+
+
 def hooked(ddp):
     """True when Perseus reduces ``ddp``'s gradients (decided at its first forward)."""
     state = ddp.__dict__.get("_perseus")
@@ -396,9 +404,7 @@ def _ddp_forward(self, *inputs, **kwargs):
     if state is not None and not state.settled:
         state.settled = True
         if not state.user_hook:
-            from perseus import powersgd
-
-            hook = allreduce_hook if state.powersgd is None else powersgd.hook
+            hook = allreduce_hook if state.powersgd is None else _powersgd_hook
             _originals["register_comm_hook"](self, state, hook)
             state.hooked = True
     return _originals["ddp_forward"](self, *inputs, **kwargs)

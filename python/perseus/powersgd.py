@@ -12,31 +12,17 @@ the next step (a warm start), as Vogels, Karimireddy and Jaggi describe (NeurIPS
 exactly, in the same collective as the P's. docs/ddp.md has the trade-offs.
 """
 
-import os
-
 import torch
 
-__all__ = ["PowerSGD", "hook", "settings"]
+from perseus.common.knobs import get
 
-
-def _int_var(name, default, low, high):
-    text = os.environ.get(name, "").strip()
-    if not text:
-        return default
-    try:
-        value = int(text)
-    except ValueError:
-        value = None
-    if value is None or not low <= value <= high:
-        raise ValueError(f"{name} must be an integer from {low} to {high}, got {text!r}")
-    return value
+__all__ = ["PowerSGD", "reduce", "settings"]
 
 
 def settings():
     """``(on, rank, start)`` from seed 001's variables; ``ValueError`` names a bad one."""
-    return (_int_var("AIAK_POWERSGD_COMPRESSION", 0, 0, 1) == 1,
-            _int_var("AIAK_MATRIX_APPROXIMATION_RANK", 1, 1, 1024),
-            _int_var("AIAK_START_COMPRESS_ITER", 1000, 0, 1 << 62))
+    return (get("AIAK_POWERSGD_COMPRESSION"), get("AIAK_MATRIX_APPROXIMATION_RANK"),
+            get("AIAK_START_COMPRESS_ITER"))
 
 
 class PowerSGD:
@@ -93,19 +79,19 @@ def _unpack(flat, tensors):
         offset += t.numel()
 
 
-def hook(state, bucket):
-    """DDP communication hook: PowerSGD on Perseus (``state`` is perseus.ddp's, with
-    its ``powersgd``); plain averaging before ``AIAK_START_COMPRESS_ITER``."""
-    from perseus import ddp
+def reduce(ps, bucket, prefix, process_set):
+    """PowerSGD (``ps``, a :class:`PowerSGD`) of one DDP gradient bucket, the reductions
+    named after ``prefix`` over ``process_set``: ``(bucket's buffer, finish)``, where
+    ``finish()`` waits for them and returns the buffer reduced; None before
+    ``AIAK_START_COMPRESS_ITER``, when the bucket is to be averaged exactly.
+    perseus.ddp's communication hook calls it."""
     from perseus.torch.horovod import mpi_ops
 
-    ps = state.powersgd
     compress = ps.step >= ps.start
     if bucket.is_last():
         ps.step += 1
     if not compress:
-        return ddp.allreduce_hook(state, bucket)
-    prefix, process_set = ddp._prefix(state), ddp._process_set(state)
+        return None
     buf, index = bucket.buffer(), bucket.index()
     error = ps.error(index, buf)
     buf.add_(error)
@@ -137,4 +123,4 @@ def hook(state, bucket):
             m.copy_(approx)
         return buf
 
-    return ddp.completed(buf, finish)
+    return buf, finish

@@ -726,7 +726,7 @@ fn rendezvous(t: &Topology) -> Result<(Option<(String, u16)>, bool)> {
                 .or_else(one_host)
                 .ok_or_else(|| {
                     let mpi = matches!(t.launcher, Launcher::OpenMpi | Launcher::Mpich);
-                    PerseusError::InvalidArgument(format!(
+                    PerseusError::Rank0Unknown(format!(
                         "a job of {} ranks on several hosts needs the address of rank 0: set \
                          PERSEUS_MASTER_ADDR (or MASTER_ADDR), or start it with perseusrun{}",
                         t.size,

@@ -398,7 +398,7 @@ impl Engine {
         }
         let key = (req.process_set, req.name.clone());
         if !self.shared.inflight.lock().unwrap().insert(key) {
-            return Err(PerseusError::InvalidArgument(format!(
+            return Err(PerseusError::NameInFlight(format!(
                 "{} '{}' is already in flight on this rank; names must be unique among \
                  outstanding operations",
                 req.kind.name(),

@@ -28,6 +28,20 @@ create_exception!(
     "A GPU library (CUDA driver, NVRTC or NCCL) is missing or unusable; the message says where it was looked for."
 );
 
+create_exception!(
+    _core,
+    NameInFlightError,
+    PyValueError,
+    "An operation was submitted under a name that an operation of this rank still in flight has (a ValueError)."
+);
+
+create_exception!(
+    _core,
+    Rank0AddressUnknown,
+    PyValueError,
+    "A job on several hosts does not know where rank 0 is (a ValueError); under mpirun the Python side learns it through MPI."
+);
+
 static UNSUPPORTED_OPERATION: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 
 /// `UnsupportedOperationError`: an operation Horovod defines but does not implement for
@@ -67,6 +81,8 @@ pub fn to_py(e: PerseusError) -> PyErr {
         | PerseusError::NotARank(_)
         | PerseusError::InvalidConfig { .. }
         | PerseusError::InvalidArgument(_) => PyValueError::new_err(msg),
+        PerseusError::Rank0Unknown(_) => Rank0AddressUnknown::new_err(msg),
+        PerseusError::NameInFlight(_) => NameInFlightError::new_err(msg),
         PerseusError::NotImplemented(_) => Python::attach(|py| match unsupported_operation(py) {
             Ok(t) => PyErr::from_type(t.clone(), msg),
             Err(e) => e,

@@ -13,7 +13,10 @@ use crate::dtype::ReduceOp;
 use crate::engine::{Engine, OpKind, Output, Request};
 use crate::error::PerseusError;
 use crate::rendezvous::{StoreClient, StoreServer};
-use errors::{to_py, GpuUnavailableError, HorovodInternalError, MismatchError};
+use errors::{
+    to_py, GpuUnavailableError, HorovodInternalError, MismatchError, NameInFlightError,
+    Rank0AddressUnknown,
+};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 use std::collections::{BTreeMap, HashMap};
@@ -788,6 +791,11 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
         m.py().get_type::<HorovodInternalError>(),
     )?;
     m.add("MismatchError", m.py().get_type::<MismatchError>())?;
+    m.add("NameInFlightError", m.py().get_type::<NameInFlightError>())?;
+    m.add(
+        "Rank0AddressUnknown",
+        m.py().get_type::<Rank0AddressUnknown>(),
+    )?;
     m.add("OP_AVERAGE", 0)?;
     m.add("OP_SUM", 1)?;
     m.add("OP_ADASUM", 2)?;

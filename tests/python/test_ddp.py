@@ -103,11 +103,11 @@ def test_a_users_hook_is_kept_and_a_late_one_refused():
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("variable,value,message", [
-    ("PERSEUS_DDP", "yes", "PERSEUS_DDP must be 0 or 1, got 'yes'"),
+    ("PERSEUS_DDP", "2", "PERSEUS_DDP must be 0 or 1 (or true/false), got '2'"),
     ("AIAK_MATRIX_APPROXIMATION_RANK", "0",
      "AIAK_MATRIX_APPROXIMATION_RANK must be an integer from 1 to 1024, got '0'"),
     ("AIAK_POWERSGD_COMPRESSION", "on",
-     "AIAK_POWERSGD_COMPRESSION must be an integer from 0 to 1, got 'on'"),
+     "AIAK_POWERSGD_COMPRESSION must be 0 or 1 (or true/false), got 'on'"),
 ])
 def test_a_bad_value_fails_every_rank_naming_it(variable, value, message):
     rc, out = torchrun("train", **{variable: value})

@@ -5,7 +5,7 @@ import functools
 import os
 
 from perseus import _core
-from perseus.common import flight_recorder
+from perseus.common import elastic, flight_recorder
 from perseus.common import process_sets as _process_sets
 from perseus.common import rank_copy as _rank_copy
 
@@ -44,8 +44,6 @@ def init(comm=None, process_sets=None):
     if iface:
         # NCCL reads its own variable when a communicator is formed (docs/gpu.md).
         os.environ.setdefault("NCCL_SOCKET_IFNAME", iface)
-    from perseus.common import elastic
-
     start = functools.partial(_core.init, [ps.ranks for ps in sets] if sets else None)
     # Processes this one starts meanwhile wait for its mark instead of joining the job.
     _rank_copy.begin()
@@ -77,10 +75,17 @@ def _start_knowing_rank0(start):
 
     try:
         start()
-    except ValueError as e:
-        if mpi_address.RANK0_UNKNOWN not in str(e) or not mpi_address.learn_rank0_address():
+    except _core.Rank0AddressUnknown:
+        if not mpi_address.learn_rank0_address():
             raise
         start()
+
+
+def restart():
+    """Leave the current round of an elastic job and join the next: ``shutdown()``,
+    then ``init()``."""
+    shutdown()
+    init()
 
 
 def _close_timeline():

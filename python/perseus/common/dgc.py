@@ -6,8 +6,7 @@ so perseusrun checks them before it starts a rank; and the epoch DGC's warm-up f
 DGC itself is in perseus.torch.dgc (docs/dgc.md), the overlap in
 perseus.torch.horovod.optimizer (docs/optimizers.md)."""
 
-import math
-import os
+from perseus.common.knobs import get
 
 __all__ = ["Settings", "current_epoch", "epoch_heard", "set_epoch"]
 
@@ -34,32 +33,20 @@ def current_epoch():
     return _epoch[0]
 
 
-def _text(name, env=None):
-    return (os.environ if env is None else env).get(name, "").strip()
-
-
-def _bool_var(env, name, default):
-    text = _text(name, env).lower()
-    if not text:
-        return default
-    if text in ("1", "true", "yes"):
-        return True
-    if text in ("0", "false", "no"):
-        return False
-    raise ValueError(f"{name} must be 0 or 1 (or true/false), got {_text(name, env)!r}")
-
-
-def _number(env, name, default, kind, ok, allowed):
-    text = _text(name, env)
-    if not text:
-        return default
-    try:
-        value = kind(text)
-    except ValueError:
-        value = None
-    if value is None or not ok(value):
-        raise ValueError(f"{name} must be {allowed}, got {text!r}")
-    return value
+# Each setting's variable (perseus.common.knobs declares them).
+_VARIABLES = {
+    "on": "PERSEUS_DGC", "compress_ratio": "PERSEUS_DGC_COMPRESS_RATIO",
+    "sample_ratio": "PERSEUS_DGC_SAMPLE_RATIO", "strided_sample": "PERSEUS_DGC_STRIDED_SAMPLE",
+    "compress_upper_bound": "PERSEUS_DGC_COMPRESS_UPPER_BOUND",
+    "compress_lower_bound": "PERSEUS_DGC_COMPRESS_LOWER_BOUND",
+    "max_adaptation_iters": "PERSEUS_DGC_MAX_ADAPTATION_ITERS",
+    "resample": "PERSEUS_DGC_RESAMPLE", "fp16_values": "PERSEUS_DGC_FP16_VALUES",
+    "int32_indices": "PERSEUS_DGC_INT32_INDICES", "warmup_epochs": "PERSEUS_DGC_WARMUP_EPOCHS",
+    "warmup_coeff": "PERSEUS_DGC_WARMUP_COEFF",
+    "momentum_masking": "PERSEUS_DGC_MOMENTUM_MASKING",
+    "clip_grad_func": "PERSEUS_CLIP_GRAD_FUNC", "clip_grad_param": "PERSEUS_CLIP_GRAD_FUNC_PARAMS",
+    "overlap": "PERSEUS_OVERLAP_BACKWARD_AND_STEP",
+}
 
 
 class Settings:
@@ -93,52 +80,15 @@ class Settings:
     def from_env(cls, env=None):
         """The settings the ``PERSEUS_DGC*`` and ``PERSEUS_CLIP_GRAD_*`` variables of
         ``env`` (default: this process's environment) give."""
-        ratio = (lambda v: 0 < v <= 1, "a number greater than 0 and at most 1")
-        s = cls(
-            on=_bool_var(env, "PERSEUS_DGC", False),
-            compress_ratio=_number(env, "PERSEUS_DGC_COMPRESS_RATIO", 0.001, float, *ratio),
-            sample_ratio=_number(env, "PERSEUS_DGC_SAMPLE_RATIO", 0.01, float, *ratio),
-            strided_sample=_bool_var(env, "PERSEUS_DGC_STRIDED_SAMPLE", True),
-            compress_upper_bound=_number(env, "PERSEUS_DGC_COMPRESS_UPPER_BOUND", 1.3, float,
-                                         lambda v: 1 <= v <= 100, "a number from 1 to 100"),
-            compress_lower_bound=_number(env, "PERSEUS_DGC_COMPRESS_LOWER_BOUND", 0.8, float,
-                                         lambda v: 0 < v <= 1,
-                                         "a number greater than 0 and at most 1"),
-            max_adaptation_iters=_number(env, "PERSEUS_DGC_MAX_ADAPTATION_ITERS", 10, int,
-                                         lambda v: 0 <= v <= 1000,
-                                         "an integer from 0 to 1000"),
-            resample=_bool_var(env, "PERSEUS_DGC_RESAMPLE", True),
-            fp16_values=_bool_var(env, "PERSEUS_DGC_FP16_VALUES", False),
-            int32_indices=_bool_var(env, "PERSEUS_DGC_INT32_INDICES", False),
-            warmup_epochs=_number(env, "PERSEUS_DGC_WARMUP_EPOCHS", 0, int,
-                                  lambda v: 0 <= v <= 10000, "an integer from 0 to 10000"),
-            momentum_masking=_bool_var(env, "PERSEUS_DGC_MOMENTUM_MASKING", True),
-            overlap=_bool_var(env, "PERSEUS_OVERLAP_BACKWARD_AND_STEP", False),
-        )
-        coeff = _text("PERSEUS_DGC_WARMUP_COEFF", env)
-        if coeff:
-            try:
-                s.warmup_coeff = [float(c) for c in coeff.replace(",", " ").split()]
-            except ValueError:
-                s.warmup_coeff = None
-            if not s.warmup_coeff or not all(0 < c <= 1 for c in s.warmup_coeff):
-                raise ValueError("PERSEUS_DGC_WARMUP_COEFF must be compress ratios greater "
-                                 f"than 0 and at most 1, separated by spaces, got {coeff!r}")
-            if len(s.warmup_coeff) != s.warmup_epochs:
-                raise ValueError(
-                    f"PERSEUS_DGC_WARMUP_COEFF has {len(s.warmup_coeff)} ratios but "
-                    f"PERSEUS_DGC_WARMUP_EPOCHS is {s.warmup_epochs}: give one per warm-up "
-                    "epoch")
-        func = _text("PERSEUS_CLIP_GRAD_FUNC", env).lower()
-        if func and func not in ("norm", "value"):
-            raise ValueError(f"PERSEUS_CLIP_GRAD_FUNC must be norm or value, got {func!r}")
-        s.clip_grad_func = func or None
-        s.clip_grad_param = _number(env, "PERSEUS_CLIP_GRAD_FUNC_PARAMS", None, float,
-                                    lambda v: v > 0 and math.isfinite(v),
-                                    "a number greater than 0")
+        s = cls(**{field: get(name, env) for field, name in _VARIABLES.items()})
+        if s.warmup_coeff is not None and len(s.warmup_coeff) != s.warmup_epochs:
+            raise ValueError(
+                f"PERSEUS_DGC_WARMUP_COEFF has {len(s.warmup_coeff)} ratios but "
+                f"PERSEUS_DGC_WARMUP_EPOCHS is {s.warmup_epochs}: give one per warm-up "
+                "epoch")
         if s.clip_grad_func and s.clip_grad_param is None:
-            raise ValueError(f"PERSEUS_CLIP_GRAD_FUNC={func} needs PERSEUS_CLIP_GRAD_FUNC_PARAMS "
-                             "(the norm or value to clip at)")
+            raise ValueError(f"PERSEUS_CLIP_GRAD_FUNC={s.clip_grad_func} needs "
+                             "PERSEUS_CLIP_GRAD_FUNC_PARAMS (the norm or value to clip at)")
         return s
 
     def ratio(self, epoch):

@@ -27,6 +27,7 @@ import traceback
 
 from perseus import _core
 from perseus import _topology as topology
+from perseus.common import knobs
 from perseus.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 
 #: Set to "1" by perseusrun in the workers of an elastic job.
@@ -52,7 +53,7 @@ def enabled():
 
 
 def _timeout():
-    return float(os.environ.get("PERSEUS_ELASTIC_TIMEOUT") or 600)
+    return knobs.get("PERSEUS_ELASTIC_TIMEOUT")
 
 
 def _client():
@@ -219,19 +220,12 @@ class ObjectState(State):
             self._load_attributes()  # only these: a subclass's restore() loads more
 
 
-def reset():
-    """Leave the current round and join the next: ``shutdown()``, then ``init()``."""
-    from perseus.common import basics
-
-    basics.shutdown()
-    basics.init()
-
-
-def run_fn(func, reset=reset):
+def run_fn(func, reset):
     """``func(state, ...)`` run elastically: each round starts with ``state.sync()``; an
     error of a collective (a rank lost) restores the last commit, and a host change
     (:class:`HostsUpdatedInterrupt`) keeps the state as it is; either way ``reset()``
-    re-forms the ranks and ``func`` runs again (perseusrun's ``--reset-limit`` caps
+    (perseus.common.basics.restart: ``shutdown()``, then ``init()``) re-forms the ranks
+    and ``func`` runs again (perseusrun's ``--reset-limit`` caps
     the number of rounds).
 
     Unlike Horovod, a round after hosts were only removed syncs too (the interrupt's

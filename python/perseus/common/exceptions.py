@@ -10,6 +10,10 @@ HorovodInternalError = _core.HorovodInternalError
 PerseusInternalError = HorovodInternalError
 
 
+#: An operation was submitted under a name that one of this rank's operations still in
+#: flight has: a ``ValueError``.
+NameInFlightError = _core.NameInFlightError
+
 #: An operation Horovod defines but does not implement for the arguments given (Adasum
 #: for a reducescatter): a ``NotImplementedError``, as Horovod raises, and a ``ValueError``.
 UnsupportedOperationError = _core.UnsupportedOperationError

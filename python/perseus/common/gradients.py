@@ -7,6 +7,7 @@ import statistics
 import warnings
 
 from perseus import _core
+from perseus.common import knobs
 from perseus.common.basics import config, local_rank
 from perseus.common.objects import allgather_object
 from perseus.common.ops import Average
@@ -39,7 +40,7 @@ def warn_unapplied(where, fused_applies=False, environ=None):
     said = []
     for var, flag in wanted:
         on = (fused_optimizer_wanted(environ) if var == _FUSED[0]
-              else environ.get(var) == "1")
+              else knobs.get(var, environ))
         if not on or (where, var) in _warned_unapplied:
             continue
         _warned_unapplied.add((where, var))

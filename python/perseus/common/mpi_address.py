@@ -8,8 +8,6 @@ import socket
 
 from perseus import _netif
 
-# The core's error for a job on several hosts that does not know where rank 0 is.
-RANK0_UNKNOWN = "needs the address of rank 0"
 _MPI_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")
 
 

@@ -23,7 +23,10 @@ from perseus.mxnet.functions import broadcast_object, broadcast_parameters
 
 __all__ = ["MXNetState", "ObjectState", "State", "run"]
 
-run = run_fn
+def run(func):
+    """Decorate ``func(state, ...)`` to run elastically (see
+    :func:`perseus.common.elastic.run_fn`)."""
+    return run_fn(func, basics.restart)
 
 
 def _broadcast(obj):

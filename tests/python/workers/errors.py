@@ -6,6 +6,7 @@ import os
 import perseus.torch.horovod as hvd
 import torch
 from _helpers import close, done, raises
+from perseus.common.exceptions import NameInFlightError
 
 NOT_INIT = "not been initialized"
 
@@ -90,7 +91,7 @@ def duplicate_names(r, n):
     msg = "already in flight"
     if r != 0:
         h1 = hvd.allreduce_async(torch.ones(2), op=hvd.Sum, name="dup")
-        with raises(ValueError, "dup", msg, what="second op named dup"):
+        with raises(NameInFlightError, "dup", msg, what="second op named dup"):
             hvd.allreduce_async(torch.ones(2), op=hvd.Sum, name="dup")
         hvd.allreduce(torch.ones(1), name="gate")
         hvd.allreduce(torch.ones(1), name="gate2")

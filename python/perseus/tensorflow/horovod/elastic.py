@@ -40,7 +40,7 @@ def run(func):
         with _internal_errors():
             return func(state, *args, **kwargs)
 
-    return run_fn(unwrapped)
+    return run_fn(unwrapped, basics.restart)
 
 
 @contextlib.contextmanager

@@ -35,7 +35,7 @@ __all__ = ["ElasticSampler", "ObjectState", "State", "TorchState", "run"]
 def run(func):
     """Decorate ``func(state, ...)`` to run elastically (see
     :func:`perseus.common.elastic.run_fn`)."""
-    return run_fn(func)
+    return run_fn(func, basics.restart)
 
 
 class TorchState(ObjectState):

@@ -10,6 +10,7 @@ import torch
 from perseus.common import elastic as _elastic
 from perseus.common.basics import config as _config
 from perseus.common.basics import set_fusion_threshold
+from perseus.common.exceptions import NameInFlightError
 from perseus.common.gradients import (
     Switches,
     check_optimizer_args,
@@ -398,10 +399,8 @@ class _DistributedOptimizer:
         ``nn.Sequential``, trained through one backward pass): the error says so."""
         try:
             yield
-        except ValueError as e:
-            if "already in flight" not in str(e):
-                raise
-            raise ValueError(
+        except NameInFlightError as e:
+            raise NameInFlightError(
                 f"{e}. Two DistributedOptimizers name their gradients alike (two models "
                 "whose named_parameters() give the same names, reduced in the same "
                 "backward pass): give each its own names, e.g. named_parameters=[('gen.' + "
