@@ -92,22 +92,12 @@ def cycles(graph):
     return set(out)
 
 
-# The one cycle left: perseus.tensorflow.horovod's optimizer hands Keras optimizers to
-# perseus.tensorflow.keras, whose modules import the ops back from the package. Breaking
-# it means moving the Keras optimizer under perseus.tensorflow.horovod (issue 43).
-KNOWN_CYCLES = {frozenset({
-    "perseus.tensorflow.horovod", "perseus.tensorflow.horovod.optimizer",
-    "perseus.tensorflow.keras", "perseus.tensorflow.keras.callbacks",
-    "perseus.tensorflow.keras.hooks"})}
-
-
-def test_no_import_cycle_between_modules_but_the_one_known():
+def test_no_import_cycle_between_modules():
     # Imports inside functions count too: a lazy import hides a cycle, it does not
-    # break it. A new cycle fails here; so does the known one once it is gone (then
-    # drop it from KNOWN_CYCLES).
+    # break it.
     known = modules()
     graph = {m: imports(m, p, known) if p else set() for m, p in known.items()}
-    assert cycles(graph) == KNOWN_CYCLES
+    assert cycles(graph) == set()
 
 
 def test_the_cycle_finder_finds_a_cycle():

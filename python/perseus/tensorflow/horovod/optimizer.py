@@ -3,12 +3,15 @@ before they are applied."""
 
 import tensorflow as tf
 
-from perseus.common.basics import config as _config
 from perseus.common.basics import generation
-from perseus.common.gradients import check_optimizer_args
 from perseus.common.ops import Adasum, Average
 from perseus.common.process_sets import global_process_set
 from perseus.tensorflow.horovod.adasum import DistributedAdasumLegacyOptimizer
+from perseus.tensorflow.horovod.aggregation import (
+    LocalAggregation,
+    check_common,
+    passes_per_step,
+)
 from perseus.tensorflow.horovod.compression import Compression
 from perseus.tensorflow.horovod.gradients import (
     GradientReducer,
@@ -18,105 +21,6 @@ from perseus.tensorflow.horovod.gradients import (
 from perseus.tensorflow.horovod.legacy import WrappedLegacyOptimizer
 
 _LegacyOptimizer = tf.compat.v1.train.Optimizer
-
-
-def _check_common(op, gradient_predivide_factor, num_groups, groups):
-    check_optimizer_args(op, gradient_predivide_factor, num_groups, stacklevel=4)
-    if groups is not None and not isinstance(groups, list) and (
-            isinstance(groups, bool) or not isinstance(groups, int) or groups < 0):
-        raise ValueError("groups should be a non-negative integer or a list of lists of "
-                         "tf.Variable.")
-
-
-def passes_per_step(backward_passes_per_step, average_aggregated_gradients):
-    """The effective (passes, average) pair: PERSEUS_ACCUMULATE_N_STEPS=N, when the caller
-    left backward_passes_per_step at 1, accumulates N passes and averages them."""
-    passes = int(backward_passes_per_step)
-    if passes < 1:
-        raise ValueError(f"backward_passes_per_step must be >= 1, got {passes}")
-    env = int(_config().get("PERSEUS_ACCUMULATE_N_STEPS", "1"))
-    if passes == 1 and env > 1:
-        return env, True
-    return passes, bool(average_aggregated_gradients)
-
-
-class LocalAggregation:
-    """Gradients summed locally over ``passes`` calls; every ``passes``-th call reduces
-    them (averaged over the passes when ``average``) and applies. Works eagerly and in
-    graphs (``tf.cond`` on a step counter, the same on every rank)."""
-
-    def __init__(self, passes, average):
-        self.passes, self.average = passes, average
-        self._acc = None
-        self._counter = None
-        self._is_step = None
-
-    def _build(self, grads):
-        with tf.init_scope():
-            self._counter = tf.Variable(0, dtype=tf.int64, trainable=False,
-                                        name="perseus_backward_passes")
-            self._acc = [None if g is None else
-                         tf.Variable(tf.zeros(g.shape, g.dtype), trainable=False,
-                                     name="perseus_aggregated_gradient")
-                         for g in grads]
-
-    def reduce(self, grads, reduce_fn):
-        """Add ``grads`` to the accumulators; on an update call return ``reduce_fn`` of the
-        aggregate (other calls return the running aggregate, which is not applied)."""
-        grads = [None if g is None else tf.convert_to_tensor(g) for g in grads]
-        if self._acc is None:
-            self._build(grads)
-        adds = [a.assign_add(g) for a, g in zip(self._acc, grads) if a is not None]
-        with tf.control_dependencies(adds):
-            count = self._counter.assign_add(1)
-        scale = 1.0 / self.passes if self.average else 1.0
-
-        def aggregate():
-            return [None if a is None else a.read_value() * tf.cast(scale, a.dtype)
-                    for a in self._acc]
-
-        if tf.executing_eagerly():
-            self._is_step = int(count) % self.passes == 0
-            return reduce_fn(aggregate()) if self._is_step else aggregate()
-        self._is_step = tf.equal(count % self.passes, 0)
-        present = [i for i, a in enumerate(self._acc) if a is not None]
-
-        def reduced():
-            vals = reduce_fn(aggregate())
-            return [vals[i] for i in present]
-
-        def running():
-            vals = aggregate()
-            return [vals[i] for i in present]
-
-        picked = tf.cond(self._is_step, reduced, running)
-        out = [None] * len(grads)
-        for i, v in zip(present, picked):
-            out[i] = v
-        return out
-
-    def apply(self, apply_fn, skip_fn=None):
-        """Run ``apply_fn`` (and clear the accumulators) on update calls only; on the
-        others ``skip_fn`` when given (a Keras optimizer counts every pass in its
-        ``iterations``, as Horovod's aggregation does)."""
-        def do():
-            applied = apply_fn()
-            with tf.control_dependencies([] if applied is None else [applied]):
-                return tf.group(*[a.assign(tf.zeros_like(a)) for a in self._acc
-                                  if a is not None])
-
-        def skip():
-            if skip_fn is None:
-                return tf.no_op()
-            return tf.group(skip_fn())
-
-        if tf.executing_eagerly():
-            if self._is_step:
-                do()
-            elif skip_fn is not None:
-                skip_fn()
-            return None
-        return tf.cond(self._is_step, do, skip)
 
 
 def _adasum_legacy(optimizer, name, use_locking, compression, backward_passes_per_step,
@@ -201,16 +105,14 @@ def DistributedOptimizer(optimizer, name=None, use_locking=False, device_dense="
             ``register_local_var`` (which are not reduced) by the set's size.
         device_dense, device_sparse, use_locking: as Horovod.
     """
-    _check_common(op, gradient_predivide_factor, num_groups, groups)
+    check_common(op, gradient_predivide_factor, num_groups, groups)
     if not isinstance(optimizer, _LegacyOptimizer):
-        from perseus.tensorflow import keras as _keras
+        from perseus.tensorflow.horovod import keras_optimizer  # Keras loads late
 
-        return _keras.DistributedOptimizer(
-            optimizer, name=name, compression=compression, sparse_as_dense=sparse_as_dense,
-            gradient_predivide_factor=gradient_predivide_factor, op=op,
-            backward_passes_per_step=backward_passes_per_step,
-            average_aggregated_gradients=average_aggregated_gradients, groups=groups,
-            process_set=process_set, scale_local_gradients=scale_local_gradients)
+        return keras_optimizer.wrap(optimizer, name, compression, sparse_as_dense,
+                                    gradient_predivide_factor, op, backward_passes_per_step,
+                                    average_aggregated_gradients, num_groups, groups,
+                                    process_set, scale_local_gradients)
     if op == Adasum:
         return _adasum_legacy(optimizer, name, use_locking, compression,
                               backward_passes_per_step, average_aggregated_gradients,
@@ -281,7 +183,7 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="",
     ``register_local_source(var)`` keeps a variable's gradient local (scaled by
     1/size when ``scale_local_gradients``).
     """
-    _check_common(op, gradient_predivide_factor, num_groups, groups)
+    check_common(op, gradient_predivide_factor, num_groups, groups)
     base = type(gradtape)
     cls = type(base.__name__, (_DistributedGradientTape, base), {"__module__": __name__})
     tape = cls.__new__(cls)

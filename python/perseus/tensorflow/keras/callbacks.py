@@ -5,7 +5,8 @@ import numpy as np
 import tensorflow as tf
 
 from perseus.common.ops import Average
-from perseus.tensorflow.horovod import allreduce, broadcast_variables, rank, size
+from perseus.tensorflow.horovod.functions import broadcast_variables
+from perseus.tensorflow.horovod.mpi_ops import allreduce, rank, size
 from perseus.tensorflow.keras_module import (
     KERAS3,
     is_variable,

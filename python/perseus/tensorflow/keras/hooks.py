@@ -34,7 +34,7 @@ import warnings
 import tensorflow as tf
 
 from perseus.common.ops import Min
-from perseus.tensorflow.horovod import allreduce
+from perseus.tensorflow.horovod.mpi_ops import allreduce
 from perseus.tensorflow.keras_module import KERAS3, keras
 
 _installed = False
@@ -43,10 +43,9 @@ _installed = False
 def reduces_with_perseus(optimizer):
     """Whether ``optimizer`` (or the optimizer a LossScaleOptimizer wraps) is a Perseus
     distributed optimizer."""
-    from perseus.tensorflow.keras import _DistributedKerasOptimizer
-
     inner = getattr(optimizer, "inner_optimizer", None)
-    return any(isinstance(o, _DistributedKerasOptimizer) for o in (optimizer, inner))
+    # (The class attribute of perseus.tensorflow.horovod.keras_optimizer's mixin.)
+    return any(getattr(o, "_perseus_distributed", False) for o in (optimizer, inner))
 
 
 def without_xla(model, asked="auto"):
