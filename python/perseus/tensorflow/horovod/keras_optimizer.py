@@ -5,11 +5,7 @@ them, and its configuration is copied into an instance of that class."""
 
 import tensorflow as tf
 
-from perseus.tensorflow.horovod.aggregation import (
-    LocalAggregation,
-    check_common,
-    passes_per_step,
-)
+from perseus.tensorflow.horovod.aggregation import LocalAggregation, passes_per_step
 from perseus.tensorflow.horovod.gradients import (
     GradientReducer,
     LocalVariables,
@@ -183,11 +179,10 @@ def wrap(optimizer, name, compression, sparse_as_dense, gradient_predivide_facto
          process_set, scale_local_gradients):
     """A copy of Keras ``optimizer`` (same class and configuration, fresh state) whose
     updates use gradients reduced over ``process_set``; the arguments are
-    DistributedOptimizer's."""
+    DistributedOptimizer's, which its callers checked (``check_common``)."""
     if not isinstance(optimizer, optimizer_classes()):
         raise TypeError(f"expected a Keras optimizer or a tf.compat.v1.train.Optimizer, got "
                         f"{type(optimizer).__name__}{_other_keras_hint(optimizer)}")
-    check_common(op, gradient_predivide_factor, num_groups, groups)
     from perseus.tensorflow.keras import hooks  # a module of Keras's own, loaded late
 
     hooks.install()  # no XLA, and loss scaling decided alike on every rank

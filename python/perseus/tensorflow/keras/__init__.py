@@ -26,6 +26,7 @@ from perseus.common.ops import Average
 from perseus.common.process_sets import global_process_set
 from perseus.tensorflow.horovod import keras_optimizer as _keras_optimizer
 from perseus.tensorflow.horovod import mpi_ops as _ops
+from perseus.tensorflow.horovod.aggregation import check_common
 from perseus.tensorflow.horovod.compression import Compression
 from perseus.tensorflow.horovod.functions import (  # noqa: F401 - re-exported
     allgather_object,
@@ -110,6 +111,7 @@ def DistributedOptimizer(optimizer, name=None, device_dense="", device_sparse=""
             gradient_predivide_factor=gradient_predivide_factor,
             average_aggregated_gradients=average_aggregated_gradients, groups=groups,
             process_set=process_set, scale_local_gradients=scale_local_gradients)
+    check_common(op, gradient_predivide_factor, num_groups, groups)
     return _keras_optimizer.wrap(optimizer, name, compression, sparse_as_dense,
                                  gradient_predivide_factor, op, backward_passes_per_step,
                                  average_aggregated_gradients, num_groups, groups, process_set,
