@@ -3,6 +3,7 @@
 //! Python except the `python` module, built only with the `python` feature.
 
 pub mod dtype;
+pub mod env;
 pub mod error;
 pub mod kernels;
 pub mod log;

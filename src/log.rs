@@ -68,10 +68,6 @@ const UNSET: u8 = u8::MAX;
 static LEVEL: AtomicU8 = AtomicU8::new(UNSET);
 static SHOW_TIME: AtomicU8 = AtomicU8::new(UNSET);
 
-fn env(name: &str) -> Option<String> {
-    std::env::var(name).ok().filter(|v| !v.is_empty())
-}
-
 /// The level set, or the environment's (a bad value counts as unset here: `init()`
 /// names it as an error).
 fn level() -> Level {
@@ -79,8 +75,8 @@ fn level() -> Level {
     if v != UNSET {
         return LEVELS[v as usize];
     }
-    let l = env("PERSEUS_LOG_LEVEL")
-        .or_else(|| env("HOROVOD_LOG_LEVEL"))
+    let l = crate::env::var("PERSEUS_LOG_LEVEL")
+        .or_else(|| crate::env::var("HOROVOD_LOG_LEVEL"))
         .and_then(|s| Level::parse(&s))
         .unwrap_or(DEFAULT_LEVEL);
     LEVEL.store(l as u8, Ordering::Relaxed);
@@ -92,7 +88,7 @@ fn show_time() -> bool {
     if v != UNSET {
         return v == 1;
     }
-    let show = env("HOROVOD_LOG_HIDE_TIME").as_deref() == Some("0");
+    let show = crate::env::var("HOROVOD_LOG_HIDE_TIME").as_deref() == Some("0");
     SHOW_TIME.store(u8::from(show), Ordering::Relaxed);
     show
 }

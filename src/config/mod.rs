@@ -7,6 +7,7 @@ mod autotune;
 mod iface;
 mod topology;
 
+pub use crate::env::{var, with_vars};
 pub use affinity::pin_current_thread;
 pub use autotune::AutotuneSettings;
 
@@ -14,8 +15,7 @@ pub use topology::{cross_from_hosts, first_slurm_host, Launcher, Topology};
 
 use crate::error::{PerseusError, Result};
 use crate::plan::{Encoding, Mode, Plan};
-use std::cell::RefCell;
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 /// A tunable: the variable, its default as text, and what it does.
@@ -423,43 +423,6 @@ pub struct Config {
     /// How gradient allreduces travel (PERSEUS_ALLREDUCE_DTYPE, _GRADIENT_SCALE,
     /// _MODE); other allreduces use its mode with the exact encoding.
     pub plan: Plan,
-}
-
-/// The values [`var`] reads instead of the process environment, and the names it
-/// was asked for.
-type Given = (HashMap<String, String>, BTreeSet<String>);
-
-thread_local! {
-    /// Set by [`with_vars`] on this thread.
-    static GIVEN: RefCell<Option<Given>> = const { RefCell::new(None) };
-}
-
-/// Reads a variable, treating empty as unset.
-pub fn var(name: &str) -> Option<String> {
-    let given = GIVEN.with(|g| {
-        g.borrow_mut().as_mut().map(|(values, asked)| {
-            asked.insert(name.to_string());
-            values.get(name).cloned()
-        })
-    });
-    given
-        .unwrap_or_else(|| std::env::var(name).ok())
-        .map(|v| v.trim().to_string())
-        .filter(|v| !v.is_empty())
-}
-
-/// Runs `f` with [`var`] reading `values` (and nothing else) on this thread instead
-/// of the process environment; returns what `f` returned and every name it read.
-/// The configuration's fuzz target and tests use it.
-#[doc(hidden)]
-pub fn with_vars<T>(
-    values: HashMap<String, String>,
-    f: impl FnOnce() -> T,
-) -> (T, BTreeSet<String>) {
-    GIVEN.with(|g| *g.borrow_mut() = Some((values, BTreeSet::new())));
-    let out = f();
-    let asked = GIVEN.with(|g| g.borrow_mut().take().map(|(_, a)| a).unwrap_or_default());
-    (out, asked)
 }
 
 fn invalid(name: &str, value: &str, allowed: &str) -> PerseusError {

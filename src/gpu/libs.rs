@@ -113,11 +113,11 @@ fn loaded() -> &'static Mutex<HashMap<CudaLib, (Loaded, Library)>> {
 /// The directories searched after the caller's, in order.
 pub fn default_dirs() -> Vec<PathBuf> {
     let mut dirs = Vec::new();
-    if let Some(paths) = std::env::var_os("LD_LIBRARY_PATH") {
+    if let Some(paths) = crate::env::var_os("LD_LIBRARY_PATH") {
         dirs.extend(std::env::split_paths(&paths).filter(|p| !p.as_os_str().is_empty()));
     }
     for var in ["CUDA_HOME", "CUDA_PATH"] {
-        if let Some(root) = std::env::var_os(var) {
+        if let Some(root) = crate::env::var_os(var) {
             dirs.push(Path::new(&root).join("lib64"));
             dirs.push(Path::new(&root).join("lib"));
         }
