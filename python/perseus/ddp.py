@@ -61,9 +61,9 @@ def _core():
 
 
 def _launcher_gives_ranks():
-    if any(v in os.environ for v in _LAUNCHER_RANKS):
+    if any(knobs.given(v) for v in _LAUNCHER_RANKS):
         return True
-    return ("RANK" in os.environ and "WORLD_SIZE" in os.environ
+    return (knobs.given("RANK") and knobs.given("WORLD_SIZE")
             and knobs.get("PERSEUS_USE_DDP_LAUNCHER"))
 
 
@@ -81,7 +81,7 @@ def _env_from_group(rank, size):
     secret = _shared_secret(store, key, rank)
     if rank == 0:
         one_host = len(set(hosts)) == 1
-        addr = "127.0.0.1" if one_host else os.environ.get("MASTER_ADDR") or hosts[0]
+        addr = "127.0.0.1" if one_host else knobs.text("MASTER_ADDR") or hosts[0]
         _server = _core().RendezvousServer("0.0.0.0:0", secret)
         store.set(f"{key}/rendezvous", f"{addr} {_server.port}")
     addr, port = store.get(f"{key}/rendezvous").decode().split(" ")
@@ -103,7 +103,7 @@ def _env_from_group(rank, size):
 def _shared_secret(store, key, rank):
     """PERSEUS_SECRET, or one rank 0 makes and passes through torch's store: Perseus's
     rendezvous and connections are then closed to whoever cannot read that store."""
-    secret = os.environ.get("PERSEUS_SECRET")
+    secret = knobs.text("PERSEUS_SECRET")
     if not secret:
         if rank == 0:
             store.set(f"{key}/secret", secrets.token_hex(16))
@@ -143,9 +143,9 @@ def _torch_env_missing(args, kwargs):
         return kwargs.get(name, args[i] if len(args) > i else default)
 
     return (arg(1, "init_method", None) in (None, "env://") and arg(5, "store", None) is None
-            and arg(4, "rank", -1) in (-1, None) and "RANK" not in os.environ
-            and "MASTER_PORT" not in os.environ
-            and any(v in os.environ for v in _LAUNCHER_RANKS))
+            and arg(4, "rank", -1) in (-1, None) and not knobs.given("RANK")
+            and not knobs.given("MASTER_PORT")
+            and any(knobs.given(v) for v in _LAUNCHER_RANKS))
 
 
 def _free_port():
@@ -164,7 +164,7 @@ def _torch_env_from_perseus():
     where = None
     if core.rank() == 0:
         host = ("127.0.0.1" if core.local_size() == core.size() else
-                os.environ.get("MASTER_ADDR") or os.environ.get("PERSEUS_HOSTNAME")
+                knobs.text("MASTER_ADDR") or knobs.text("PERSEUS_HOSTNAME")
                 or socket.getfqdn())
         where = (host, _free_port())
     host, port = objects.broadcast_object(where, 0, name="perseus.ddp.torch_store")

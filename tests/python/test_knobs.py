@@ -120,3 +120,16 @@ def test_each_reader_refuses_a_bad_value_by_name(monkeypatch, name, value, reade
             from perseus.common import elastic
 
             elastic._timeout()
+
+
+def test_the_reader_trims_treats_blank_as_unset_and_checks_the_rendezvous_port():
+    env = {"A": "  x ", "B": "   ", "PERSEUS_RENDEZVOUS_ADDR": "10.0.0.1",
+           "PERSEUS_RENDEZVOUS_PORT": "29500", "PERSEUS_SECRET": " s "}
+    assert (knobs.text("A", env), knobs.text("B", env), knobs.text("C", env)) == ("x", None, None)
+    assert (knobs.given("B", env), knobs.given("C", env)) == (True, False)
+    assert knobs.rendezvous(env) == ("10.0.0.1", 29500, "s")
+    assert knobs.rendezvous({"PERSEUS_RENDEZVOUS_ADDR": "h"}) is None
+    for port in ("0", "65536", "http", "٣", "9" * 5000, "-1"):
+        with pytest.raises(ValueError, match="^PERSEUS_RENDEZVOUS_PORT must be a TCP port "):
+            knobs.rendezvous(dict(env, PERSEUS_RENDEZVOUS_PORT=port))
+    assert knobs.environment(env) is env

@@ -103,3 +103,51 @@ def test_no_import_cycle_between_modules():
 def test_the_cycle_finder_finds_a_cycle():
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
     assert cycles(graph) == {frozenset("abc")}
+
+
+def environment_reads(tree):
+    """Lines of ``tree`` that read ``os.environ`` (or call ``os.getenv``). Writing is no
+    read: ``os.environ[k] = v``, ``del``, ``.update``, ``.pop``, ``.setdefault``, and a
+    copy for a child's environment (``dict(os.environ, ...)``)."""
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+
+    def is_os(node, attr):
+        return (isinstance(node, ast.Attribute) and node.attr == attr
+                and isinstance(node.value, ast.Name) and node.value.id == "os")
+
+    lines = []
+    for node in ast.walk(tree):
+        if is_os(node, "getenv"):
+            lines.append(node.lineno)
+        if not is_os(node, "environ"):
+            continue
+        up = parents.get(node)
+        if isinstance(up, ast.Subscript) and isinstance(up.ctx, (ast.Store, ast.Del)):
+            continue
+        if isinstance(up, ast.Attribute) and up.attr in ("update", "pop", "setdefault"):
+            continue
+        if (isinstance(up, ast.Call) and isinstance(up.func, ast.Name)
+                and up.func.id == "dict" and up.args and up.args[0] is node):
+            continue
+        lines.append(node.lineno)
+    return sorted(lines)
+
+
+def test_only_knobs_reads_the_environment():
+    # The one reader (perseus.common.knobs) trims, treats blank as unset and checks
+    # settings; launchers and ranks still write the environment of what they start. The
+    # examples are users' scripts and read what users read.
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE)
+        if rel.parts[0] == "examples" or rel == Path("common", "knobs.py"):
+            continue
+        found += [f"{rel}:{n}" for n in environment_reads(ast.parse(path.read_text()))]
+    assert not found, f"read the environment past perseus.common.knobs: {found}"
+
+
+def test_the_environment_rule_tells_reads_from_writes():
+    code = ("import os\nx = os.environ.get('A')\nos.environ['B'] = '1'\ny = 'C' in os.environ\n"
+            "os.environ.update(D='1')\nz = dict(os.environ, E='1')\nw = os.getenv('F')\n"
+            "del os.environ['G']\nv = os.environ['H']\n")
+    assert environment_reads(ast.parse(code)) == [2, 4, 7, 9]

@@ -5,7 +5,7 @@ import functools
 import os
 
 from perseus import _core
-from perseus.common import elastic, flight_recorder
+from perseus.common import elastic, flight_recorder, knobs
 from perseus.common import process_sets as _process_sets
 from perseus.common import rank_copy as _rank_copy
 
@@ -40,7 +40,7 @@ def init(comm=None, process_sets=None):
         _core.init_copy(*copy)
         return
     sets = _process_sets._normalize(process_sets)
-    iface = os.environ.get("PERSEUS_NCCL_NETWORK_INTERFACE", "").strip()
+    iface = knobs.text("PERSEUS_NCCL_NETWORK_INTERFACE")
     if iface:
         # NCCL reads its own variable when a communicator is formed (docs/gpu.md).
         os.environ.setdefault("NCCL_SOCKET_IFNAME", iface)

@@ -49,7 +49,7 @@ class RoundTimeout(HorovodInternalError):
 def enabled():
     """True in a worker that perseusrun started with ``--min-np``/``--max-np``/
     ``--host-discovery-script`` (an elastic job)."""
-    return os.environ.get(ELASTIC_VAR) == "1"
+    return knobs.text(ELASTIC_VAR) == "1"
 
 
 def _timeout():
@@ -59,15 +59,20 @@ def _timeout():
 def _client():
     global _store
     if _store is None:
-        _store = _core.RendezvousClient(
-            os.environ["PERSEUS_RENDEZVOUS_ADDR"], int(os.environ["PERSEUS_RENDEZVOUS_PORT"]),
-            os.environ.get("PERSEUS_SECRET", ""), _timeout())
+        where = knobs.rendezvous()
+        if where is None:
+            raise ValueError("an elastic worker needs perseusrun's rendezvous "
+                             "(PERSEUS_RENDEZVOUS_ADDR and PERSEUS_RENDEZVOUS_PORT)")
+        _store = _core.RendezvousClient(*where, _timeout())
     return _store
 
 
 def worker_id():
     """This worker's name in the launcher's tables (``host[slot]``)."""
-    return os.environ["PERSEUS_ELASTIC_ID"]
+    wid = knobs.text("PERSEUS_ELASTIC_ID")
+    if wid is None:
+        raise ValueError("an elastic worker needs its name from perseusrun (PERSEUS_ELASTIC_ID)")
+    return wid
 
 
 def current_round():
@@ -94,7 +99,7 @@ def join():
     global _round, _hosts_version
     store, me = _client(), worker_id()
     if _round is None:
-        k = int(os.environ.get("PERSEUS_ELASTIC_ROUND") or 0)
+        k = int(knobs.text("PERSEUS_ELASTIC_ROUND") or 0)
     else:
         store.set(f"elastic/ready/{_round}/{me}", b"1")
         k = max(_round + 1, int(store.get("elastic/latest", _timeout())))

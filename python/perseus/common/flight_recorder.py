@@ -29,6 +29,7 @@ import time
 import traceback
 
 from perseus import _core
+from perseus.common import knobs
 
 #: The directory of the files (perseusrun sets it for its ranks).
 DIR_VAR = "PERSEUS_FLIGHT_RECORDER_DIR"
@@ -71,7 +72,16 @@ _watching = False
 def _rank():
     if _core.is_initialized():
         return _core.rank()
-    return int(os.environ.get("PERSEUS_RANK") or os.environ.get("RANK") or 0)
+    rank = knobs.text("PERSEUS_RANK") or knobs.text("RANK") or "0"
+    return int(rank) if rank.isdigit() else 0
+
+
+def _rendezvous():
+    """The launcher's rendezvous, or None (none, or a bad port: the record stays a file)."""
+    try:
+        return knobs.rendezvous()
+    except ValueError:
+        return None
 
 
 def snapshot(reason):
@@ -97,7 +107,7 @@ def write(reason, directory=None, record=None):
     ``<directory>/rank.<R>.json`` (the directory of ``PERSEUS_FLIGHT_RECORDER_DIR`` by
     default); returns the path, or None when no directory is set or it cannot be
     written."""
-    directory = directory or os.environ.get(DIR_VAR)
+    directory = directory or knobs.text(DIR_VAR)
     if not directory:
         return None
     record = record or snapshot(reason)
@@ -127,19 +137,17 @@ def on_failure(error):
     """A collective of this rank failed with ``error``: write the record (at most once
     every :data:`FAILURE_INTERVAL` seconds, however many operations fail with it)."""
     global _last_failure_dump
-    if not os.environ.get(DIR_VAR) or time.monotonic() - _last_failure_dump < FAILURE_INTERVAL:
+    if not knobs.text(DIR_VAR) or time.monotonic() - _last_failure_dump < FAILURE_INTERVAL:
         return
     _last_failure_dump = time.monotonic()
     record = snapshot(f"a collective failed: {error}")
     write(record["reason"], record=record)
     # Also to the launcher, at once: this rank may end with the error before it could
     # answer a request.
-    addr, port = os.environ.get("PERSEUS_RENDEZVOUS_ADDR"), os.environ.get(
-        "PERSEUS_RENDEZVOUS_PORT")
-    if addr and port:
+    where = _rendezvous()
+    if where is not None:
         try:
-            client = _core.RendezvousClient(addr, int(port),
-                                            os.environ.get("PERSEUS_SECRET", ""), 2.0)
+            client = _core.RendezvousClient(*where, 2.0)
             client.set(f"{FAILED}{record['rank']}", json.dumps(summary(record)).encode())
         except Exception:  # noqa: BLE001, S110 - no launcher to tell: the file is there
             pass
@@ -150,17 +158,15 @@ def watch():
     asks (``flight/dump/<k>`` at its rendezvous). Only in perseusrun's jobs (which set
     ``PERSEUS_FLIGHT_RECORDER_DIR`` and the rendezvous address)."""
     global _watching
-    addr, port = os.environ.get("PERSEUS_RENDEZVOUS_ADDR"), os.environ.get(
-        "PERSEUS_RENDEZVOUS_PORT")
-    if _watching or not (os.environ.get(DIR_VAR) and addr and port):
+    where = _rendezvous()
+    if _watching or not (knobs.text(DIR_VAR) and where):
         return
     _watching = True
-    secret = os.environ.get("PERSEUS_SECRET", "")
-    threading.Thread(target=_watch, args=(addr, int(port), secret), daemon=True,
+    threading.Thread(target=_watch, args=where, daemon=True,
                      name="perseus-flight-recorder").start()
     # Stall warnings come from rank 0 only, but which process is rank 0 may change with
     # an elastic reset: every rank watches its own counter.
-    threading.Thread(target=_report_stalls, args=(addr, int(port), secret), daemon=True,
+    threading.Thread(target=_report_stalls, args=where, daemon=True,
                      name="perseus-stall-reporter").start()
 
 

@@ -1,7 +1,6 @@
 """What every front-end's DistributedOptimizer shares, framework-neutral: argument checks,
 the PERSEUS_ALLREDUCE_NANCHECK report and the PERSEUS_PERF_CHECK_N_STEPS comparison."""
 
-import os
 import socket
 import statistics
 import warnings
@@ -22,9 +21,9 @@ _FUSED = ("PERSEUS_FUSED_OPTIMIZER", "--fuse-optimizer")
 def fused_optimizer_wanted(environ=None):
     """Whether the environment asks for the fused optimizer step: PERSEUS_FUSED_OPTIMIZER,
     else seed 001's AIAK_FUSED_OPTIMIZER (the core's precedence, before any init)."""
-    environ = os.environ if environ is None else environ
-    value = environ.get("PERSEUS_FUSED_OPTIMIZER", environ.get("AIAK_FUSED_OPTIMIZER", "0"))
-    return value.strip() == "1"
+    value = (knobs.text("PERSEUS_FUSED_OPTIMIZER", environ)
+             or knobs.text("AIAK_FUSED_OPTIMIZER", environ))
+    return value == "1"
 
 
 _warned_unapplied = set()
@@ -35,7 +34,6 @@ def warn_unapplied(where, fused_applies=False, environ=None):
     but that ``where`` (e.g. "TensorFlow's DistributedOptimizer") does not apply: DGC and
     the overlapped step (torch's hvd.DistributedOptimizer only), and the fused optimizer
     unless ``fused_applies``. Returns the variables warned about."""
-    environ = os.environ if environ is None else environ
     wanted = list(_TORCH_OPTIMIZER_ONLY) + ([] if fused_applies else [_FUSED])
     said = []
     for var, flag in wanted:
@@ -135,7 +133,7 @@ def perf_check(compute_times, every, name, process_set):
     times = allgather_object(mine, name=f"{name}.perf_check", process_set=process_set)
     median = statistics.median_low(times)
     if mine > 1.5 * median and mine - median > 1e-3:
-        host = os.environ.get("PERSEUS_HOSTNAME") or socket.gethostname()
+        host = knobs.text("PERSEUS_HOSTNAME") or socket.gethostname()
         _core.log("WARNING", f"PERSEUS_PERF_CHECK_N_STEPS: this rank (host {host}, "
                   f"local rank {local_rank()}) computed "
                   f"{mine * 1e3:.1f} ms per step over the last {every} steps, "

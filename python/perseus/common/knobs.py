@@ -1,4 +1,5 @@
-"""Every setting the Python side reads from the environment, declared once.
+"""Every setting the Python side reads from the environment, declared once; and the one
+reader of the process environment on the Python side.
 
 The core reads and checks its own (``src/config``, docs/environment.md); these are the
 ones only Python acts on: deep gradient compression and the overlapped step (seed
@@ -7,13 +8,18 @@ ones only Python acts on: deep gradient compression and the overlapped step (see
 name, that alias. :func:`get` reads one and checks it: a value outside its range, of
 another type, not finite, or too large is a ``ValueError`` that names the variable,
 what it must be and what it got.
+
+The variables launchers hand their ranks (where they are, how to reach the rendezvous,
+which elastic round) are no settings: each is declared by the module whose protocol it
+belongs to, and read through :func:`text` and :func:`given`. Writing the environment
+(a launcher's, or a rank's for the processes it starts) needs no reader.
 """
 
 import math
 import os
 from dataclasses import dataclass
 
-__all__ = ["KNOBS", "Knob", "get"]
+__all__ = ["KNOBS", "Knob", "environment", "get", "given", "rendezvous", "text"]
 
 _TRUE = ("1", "true", "yes")
 _FALSE = ("0", "false", "no")
@@ -134,9 +140,37 @@ def get(name, environ=None):
     """The value of setting ``name`` in ``environ`` (default: this process's
     environment), else under its alias, else its default."""
     knob = _TABLE[name]
-    env = os.environ if environ is None else environ
+    env = environment(environ)
     for var in (knob.name, knob.alias):
         text = env.get(var, "").strip() if var else ""
         if text:
             return knob.parse(text, var)
     return knob.default
+
+
+def environment(environ=None):
+    """``environ``, or the process environment (a mapping to read and to write)."""
+    return os.environ if environ is None else environ
+
+
+def text(name, environ=None):
+    """The value of variable ``name``, stripped; None when it is unset or blank."""
+    return environment(environ).get(name, "").strip() or None
+
+
+def given(name, environ=None):
+    """Whether variable ``name`` is set at all (blank counts: launchers set some so)."""
+    return name in environment(environ)
+
+
+def rendezvous(environ=None):
+    """``(address, port, secret)`` of the rendezvous the launcher runs for its ranks, or
+    None where it runs none; ``ValueError`` names a port that is no port."""
+    addr, port = text("PERSEUS_RENDEZVOUS_ADDR", environ), text("PERSEUS_RENDEZVOUS_PORT",
+                                                                  environ)
+    if not (addr and port):
+        return None
+    if not (port.isascii() and port.isdigit() and len(port) <= 5 and 0 < int(port) < 65536):
+        raise ValueError(f"PERSEUS_RENDEZVOUS_PORT must be a TCP port from 1 to 65535, got "
+                         f"{port!r}")
+    return addr, int(port), text("PERSEUS_SECRET", environ) or ""

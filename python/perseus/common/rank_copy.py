@@ -42,6 +42,8 @@ import os
 import tempfile
 import time
 
+from perseus.common import knobs
+
 MARK = "PERSEUS_INITIALIZED_IN"
 PENDING = "PERSEUS_INITIALIZING_IN"
 # How long a process waits for the mark of a rank whose init() it found under way.
@@ -59,7 +61,7 @@ _IDENTITY = (
 
 
 def _identity():
-    text = "\n".join(f"{k}={os.environ.get(k, '')}" for k in _IDENTITY)
+    text = "\n".join(f"{k}={knobs.text(k) or ''}" for k in _IDENTITY)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -90,7 +92,7 @@ def begin():
     """Announce this rank's ``init()``, before it connects: processes it starts from now
     on, and those started earlier that reach ``init()`` meanwhile, wait for its mark
     instead of joining the job as this rank."""
-    if not any(os.environ.get(k) for k in _IDENTITY):
+    if not any(knobs.text(k) for k in _IDENTITY):
         return
     identity = _identity()
     os.environ[PENDING] = f"{os.getpid()}:{identity}"
@@ -99,7 +101,7 @@ def begin():
 
 def end_pending():
     """This rank's ``init()`` has ended, marked or failed: no more announcement."""
-    if os.environ.get(PENDING, "").split(":")[0] == str(os.getpid()):
+    if (knobs.text(PENDING) or "").split(":")[0] == str(os.getpid()):
         os.environ.pop(PENDING, None)
     try:
         os.unlink(os.path.join(_folder(), f"{os.getpid()}.pending"))
@@ -112,7 +114,7 @@ def mark(topology):
     rank, cross size) for the processes it starts. A process that no launcher started
     (none of the variables is set) is a job of its own, and so is any process it starts:
     it leaves none."""
-    if not any(os.environ.get(k) for k in _IDENTITY):
+    if not any(knobs.text(k) for k in _IDENTITY):
         return
     identity = _identity()
     os.environ[MARK] = ":".join(str(f) for f in [os.getpid(), *topology, identity])
@@ -221,7 +223,7 @@ def _from_environment():
     """``(pid, topology)`` of the mark this process inherited, when that process still
     runs and made it with the same rank variables; else None. The topology is the one in
     that rank's file when it keeps one (the rank as it is now)."""
-    fields = os.environ.get(MARK, "").split(":")
+    fields = (knobs.text(MARK) or "").split(":")
     if len(fields) != 8:
         return None
     try:
@@ -268,7 +270,7 @@ def _pending_rank():
     announcement it inherited, or an ancestor's pending file, from a running process
     with the same rank variables; else None."""
     identity = _identity()
-    fields = os.environ.get(PENDING, "").split(":")
+    fields = (knobs.text(PENDING) or "").split(":")
     if len(fields) == 2 and fields[1] == identity and fields[0].isdigit():
         pid = int(fields[0])
         if pid != os.getpid() and _alive(pid):

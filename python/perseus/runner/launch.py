@@ -13,7 +13,7 @@ import sys
 import time
 
 from perseus import _netif
-from perseus.common import flight_recorder
+from perseus.common import flight_recorder, knobs
 from perseus.runner import elastic as _elastic
 from perseus.runner import horovod_flags as _hvd_flags
 from perseus.runner import hosts as _hosts
@@ -82,7 +82,7 @@ def build_parser():
     p.add_argument("-p", "--ssh-port", type=int, metavar="PORT",
                    help="ssh port of remote hosts")
     p.add_argument("-i", "--ssh-identity-file", metavar="FILE", help="ssh private key")
-    p.add_argument("--rsh", default=os.environ.get("PERSEUS_RSH"), metavar="PREFIX",
+    p.add_argument("--rsh", default=knobs.text("PERSEUS_RSH"), metavar="PREFIX",
                    help="command prefix that runs a command on a remote host, {host} "
                         "standing for the host, e.g. 'ip netns exec {host}' "
                         "(default: ssh; env PERSEUS_RSH)")
@@ -414,7 +414,7 @@ def job_env(args, addr, port):
         "PERSEUS_RENDEZVOUS_PORT": str(port),
         "PERSEUS_START_TIMEOUT": str(args.start_timeout),
         # Where the ranks write their flight records (made only when they do).
-        flight_recorder.DIR_VAR: os.environ.get(flight_recorder.DIR_VAR) or os.path.join(
+        flight_recorder.DIR_VAR: knobs.text(flight_recorder.DIR_VAR) or os.path.join(
             os.path.abspath(args.output_filename or os.getcwd()), "perseus-flight-recorder",
             f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"),
     }
@@ -436,7 +436,7 @@ def make_ranks(args, slots, common_env, secret, local_names):
             full = dict(os.environ, **env, PERSEUS_SECRET=secret)
             ranks.append(_job.Rank(slot, list(args.command), full, timestamps=stamped))
         else:
-            env = dict(_job.forwarded_env(os.environ), **env)
+            env = dict(_job.forwarded_env(knobs.environment()), **env)
             script = _job.remote_script(args.command, env, cwd)
             argv = _job.rsh_argv(prefix, slot.hostname, script)
             ranks.append(_job.Rank(slot, argv, dict(os.environ), secret=secret, remote=True,
@@ -526,7 +526,7 @@ def run_mpi(args, hosts, slots, exchange=None):
         if args.network_interface:
             cmd += ["--mca", "oob_tcp_if_include", args.network_interface,
                     "--mca", "btl_tcp_if_include", args.network_interface]
-        for name in sorted(set(env) | set(_job.forwarded_env(os.environ))):
+        for name in sorted(set(env) | set(_job.forwarded_env(knobs.environment()))):
             cmd += ["-x", name]
         cmd += shlex.split(args.mpi_args or "")
         cmd += [sys.executable, "-m", "perseus.runner.mpi_rank", *args.command]

@@ -14,6 +14,7 @@ import sys
 import traceback
 import types
 
+from perseus.common import knobs
 from perseus.runner.job import TASK_CHECKIN
 
 # The store keeps entries up to 1 MiB: larger values travel in parts.
@@ -90,8 +91,8 @@ def _adopt_main(path):
 
 def _publisher(store):
     """``publish(data)``: puts this rank's pickled outcome where the driver looks."""
-    if os.environ.get("PERSEUS_ELASTIC") != "1":
-        rank = int(os.environ["PERSEUS_RANK"])
+    if knobs.text("PERSEUS_ELASTIC") != "1":
+        rank = int(knobs.text("PERSEUS_RANK"))
         # Checked in: the launcher's start timeout does not wait for the function's
         # hvd.init() (an elastic worker checks in by joining a round).
         store.set(f"{TASK_CHECKIN}{rank}", b"")
@@ -100,10 +101,10 @@ def _publisher(store):
     def publish(data):
         from perseus.common import elastic
 
-        rank = os.environ.get("PERSEUS_RANK")  # set by each round the worker joins
+        rank = knobs.text("PERSEUS_RANK")  # set by each round the worker joins
         report = {"round": elastic.current_round(),
                   "rank": None if rank is None else int(rank), "outcome": data}
-        put_blob(store.set, worker_key(os.environ["PERSEUS_ELASTIC_ID"]),
+        put_blob(store.set, worker_key(knobs.text("PERSEUS_ELASTIC_ID")),
                  pickle.dumps(report))
     return publish
 
@@ -111,9 +112,7 @@ def _publisher(store):
 def main():
     from perseus import _core
 
-    store = _core.RendezvousClient(os.environ["PERSEUS_RENDEZVOUS_ADDR"],
-                                   int(os.environ["PERSEUS_RENDEZVOUS_PORT"]),
-                                   os.environ.get("PERSEUS_SECRET", ""), 60.0)
+    store = _core.RendezvousClient(*knobs.rendezvous(), 60.0)
 
     def get_value(key):
         return store.get(key, 60.0)

@@ -1,6 +1,5 @@
 """``DistributedOptimizer``: averages gradients across ranks while backward still runs."""
 
-import os
 import time
 import warnings
 from contextlib import contextmanager
@@ -8,6 +7,7 @@ from contextlib import contextmanager
 import torch
 
 from perseus.common import elastic as _elastic
+from perseus.common import knobs
 from perseus.common.basics import config as _config
 from perseus.common.basics import set_fusion_threshold
 from perseus.common.exceptions import NameInFlightError
@@ -148,7 +148,7 @@ class _DistributedOptimizer:
         # HOROVOD_ELASTIC=1).
         # A rank outside ``process_set`` steps on its own gradients, as in Horovod.
         self._hooked = ((size() > 1 or _elastic.enabled()
-                         or os.environ.get("HOROVOD_ELASTIC") == "1" or self._accumulate > 1)
+                         or knobs.text("HOROVOD_ELASTIC") == "1" or self._accumulate > 1)
                         and process_set.included() is not False)
         self._frozen = []  # parameters without a hook: they did not train when last seen
         if self._hooked:
