@@ -12,9 +12,10 @@ pub use dtype::{DataType, ReduceOp};
 pub use error::{PerseusError, Result};
 pub mod auth;
 pub mod collective;
+pub mod compress;
 pub mod config;
 pub mod deadline;
-pub mod device_kernels;
+pub mod device;
 pub mod engine;
 #[doc(hidden)]
 pub mod fuzzing;

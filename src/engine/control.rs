@@ -4,11 +4,12 @@
 //! negotiation round costs one socket hop each way and no thread wake-ups
 //! beyond the engines' own.
 
-use super::coordinator::{Coordinator, Outgoing};
+use super::coordinator::Coordinator;
 use super::inbox::Inbox;
 use super::message::{
     decode_requests, decode_responses, encode_responses, in_parts, Response, WireRequest,
 };
+use super::outgoing::Outgoing;
 use crate::error::{PerseusError, Result};
 use crate::transport::Control;
 use crate::wire::{framed, FrameReader};

@@ -7,13 +7,11 @@
 use super::autotune::Tuner;
 use super::message::{OpKind, Request, Response, WireRequest};
 use super::offline::Detector;
+use super::outgoing::Outgoing;
 use crate::config::StallLimits;
 use crate::plan::Plan;
 use std::collections::{BTreeMap, HashMap};
 use std::time::{Duration, Instant};
-
-/// Responses to send and to whom (global ranks), in order.
-pub type Outgoing = Vec<(Vec<usize>, Response)>;
 
 struct Pending {
     seq: u64,

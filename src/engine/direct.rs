@@ -13,7 +13,7 @@
 //! device, or says why it cannot, and the path is taken only when all can and no two
 //! ranks of a host share a device.
 //!
-//! The device side is a [`DeviceGroup`]: NCCL's lives in `crate::gpu`, and the tests
+//! The device side is a [`DeviceGroup`]: the installed device library's, and the tests
 //! use host memory and the CPU ring in its place, which is how CI checks this logic
 //! without a GPU.
 
@@ -23,165 +23,19 @@ use std::time::Duration;
 
 use super::exec::{Buffers, Entry, Outcome};
 use super::message::{OpKind, Response};
-use super::staged::{pageable, HostRegion};
-use super::tensor::Device;
-use super::watch::Watch;
-use crate::collective::{allgatherv, partition, Comm};
+use crate::collective::{partition, Comm};
+use crate::compress::{self, HalfReduce, Resent, Wire};
 use crate::config::NcclUse;
+use crate::device::{agree, Agreement, Device, DeviceGroup, Formed, Opener, Watch};
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::{PerseusError, Result};
 use crate::kernels::AlignedBuf;
-use crate::plan::Encoding;
 
 /// Fewest bytes worth a channel of their own when a buffer is split.
 pub const MIN_CHANNEL_BYTES: usize = 1 << 20;
 
 /// Byte alignment of each tensor in the fusion buffer.
 const ALIGN: usize = 256;
-
-/// Collectives among the ranks' devices, and the device work around them. Work is
-/// queued in order and complete once [`DeviceGroup::finish`] returns.
-pub trait DeviceGroup: Send + Sync {
-    /// This rank within the group.
-    fn rank(&self) -> usize;
-    /// Ranks in the group.
-    fn size(&self) -> usize;
-    /// Independent communicators a buffer may be split across (at least 1).
-    fn channels(&self) -> usize;
-    /// A device buffer of at least `bytes`, reused from call to call.
-    fn fusion(&self, bytes: usize) -> Result<*mut u8>;
-    /// Queues a copy of `bytes` from `src` to `dst`.
-    ///
-    /// # Safety
-    /// For this and every other method taking pointers: they are device memory of
-    /// this group's device, alive and used by no one else until
-    /// [`DeviceGroup::finish`] returns.
-    unsafe fn copy(&self, src: *const u8, dst: *mut u8, bytes: usize) -> Result<()>;
-    /// Queues `x *= factor` on `count` elements of floating `dtype`.
-    ///
-    /// # Safety
-    /// As for [`DeviceGroup::copy`].
-    unsafe fn scale(&self, buf: *mut u8, count: usize, dtype: DataType, factor: f64) -> Result<()>;
-    /// Queues a cast of `count` float32 values at `src`, times `factor`, to float16 at
-    /// `dst`.
-    ///
-    /// # Safety
-    /// As for [`DeviceGroup::copy`].
-    unsafe fn cast_down(
-        &self,
-        src: *const u8,
-        dst: *mut u8,
-        count: usize,
-        factor: f32,
-    ) -> Result<()>;
-    /// Queues a cast of `count` float16 values at `src` to float32 at `dst`, times
-    /// `factor`.
-    ///
-    /// # Safety
-    /// As for [`DeviceGroup::copy`].
-    unsafe fn cast_up(&self, src: *const u8, dst: *mut u8, count: usize, factor: f32)
-        -> Result<()>;
-    /// Which of `parts` (each `count` values of `dtype` at a pointer) hold a value
-    /// that is not finite, once the work queued so far has run: their positions in
-    /// `parts`. One check for them all, with one wait (as `watch` allows).
-    ///
-    /// # Safety
-    /// As for [`DeviceGroup::copy`].
-    unsafe fn nonfinite(
-        &self,
-        parts: &[(*const u8, usize)],
-        dtype: DataType,
-        watch: &Watch<'_>,
-    ) -> Result<Vec<usize>>;
-    /// Queues an in-place allreduce of `count` elements on channel `channel`
-    /// (`op` is never Average or Adasum). Queueing may wait for the library (a
-    /// non-blocking NCCL communicator launches each collective from a thread of its
-    /// own), as `watch` allows; a wait that gives up abandons the group, as in
-    /// [`DeviceGroup::finish`].
-    ///
-    /// # Safety
-    /// As for [`DeviceGroup::copy`].
-    unsafe fn allreduce(
-        &self,
-        channel: usize,
-        buf: *mut u8,
-        count: usize,
-        dtype: DataType,
-        op: ReduceOp,
-        watch: &Watch<'_>,
-    ) -> Result<()>;
-    /// Queues an in-place broadcast of `bytes` from group rank `root` (queueing waits
-    /// as in [`DeviceGroup::allreduce`]).
-    ///
-    /// # Safety
-    /// As for [`DeviceGroup::copy`].
-    unsafe fn broadcast(
-        &self,
-        buf: *mut u8,
-        bytes: usize,
-        root: usize,
-        watch: &Watch<'_>,
-    ) -> Result<()>;
-    /// Queues an in-place reduce-scatter: `buf` holds `size() * chunk` elements, and
-    /// this rank's chunk (at `rank() * chunk`) ends reduced (queueing waits as in
-    /// [`DeviceGroup::allreduce`]).
-    ///
-    /// # Safety
-    /// As for [`DeviceGroup::copy`].
-    unsafe fn reduce_scatter(
-        &self,
-        buf: *mut u8,
-        chunk: usize,
-        dtype: DataType,
-        op: ReduceOp,
-        watch: &Watch<'_>,
-    ) -> Result<()>;
-    /// Queues an in-place allgather of chunks of `chunk` elements, this rank's at
-    /// `rank() * chunk` (queueing waits as in [`DeviceGroup::allreduce`]).
-    ///
-    /// # Safety
-    /// As for [`DeviceGroup::copy`].
-    unsafe fn allgather(
-        &self,
-        buf: *mut u8,
-        chunk: usize,
-        dtype: DataType,
-        watch: &Watch<'_>,
-    ) -> Result<()>;
-    /// Copies device memory at `src` into `dst`, once the work queued so far has run
-    /// (waits for it, as `watch` allows). `pinned`: `dst` is page-locked memory of
-    /// [`DeviceGroup::host_region`], which the copy fills without the host waiting on
-    /// it, so only its end is waited for.
-    ///
-    /// # Safety
-    /// As for [`DeviceGroup::copy`].
-    unsafe fn download(
-        &self,
-        src: *const u8,
-        dst: &mut [u8],
-        pinned: bool,
-        watch: &Watch<'_>,
-    ) -> Result<()>;
-    /// Copies `src` into device memory at `dst`, after the work queued so far; `src`
-    /// must stay alive until [`DeviceGroup::finish`] returns.
-    ///
-    /// # Safety
-    /// As for [`DeviceGroup::copy`].
-    unsafe fn upload(&self, src: &[u8], dst: *mut u8) -> Result<()>;
-    /// Waits until all queued work has run, as `watch` allows: a wait that gives up
-    /// (a device error, a peer that ended, the peer timeout) aborts the group as
-    /// [`DeviceGroup::abandon`] does and returns the error.
-    fn finish(&self, watch: &Watch<'_>) -> Result<()>;
-    /// After a failed collective: stops this rank's part in the work queued (the
-    /// communicators are aborted, so no peer waits for it forever) and waits until the
-    /// device no longer touches any tensor. Every later call fails, naming `why`.
-    fn abandon(&self, why: &str);
-    /// Host memory of `bytes` for copies to and from the device: page-locked where the
-    /// device can pin it, ordinary memory otherwise.
-    fn host_region(&self, bytes: usize) -> Box<dyn HostRegion> {
-        pageable(bytes)
-    }
-}
 
 /// True when a response may run on the device-direct path: every rank's tensors are
 /// on a device and the operation is one the devices do (a function of the response
@@ -284,7 +138,7 @@ pub fn run_direct(
         entries: &entries,
         watch,
     };
-    let result: Result<Option<(Vec<usize>, bool)>> = match route {
+    let result: Result<Option<Resent>> = match route {
         Route::Flat(_) if *kind == OpKind::Broadcast => job.broadcast(*root as usize).map(|_| None),
         Route::Flat(_) => job.allreduce(),
         Route::Hierarchical(_, cross) => job.hierarchical(cross, bufs),
@@ -378,22 +232,22 @@ impl Job<'_> {
         group.finish(watch)
     }
 
-    /// The flat allreduce: float16 under `PERSEUS_ALLREDUCE_DTYPE=0`, else exact. Returns
-    /// the tensors whose float16 sums were not finite (redone exactly, from the inputs, on
-    /// every rank) and whether their exact sums are.
-    fn allreduce(&self) -> Result<Option<(Vec<usize>, bool)>> {
-        let half = matches!(compressible(self.resp), Some((Encoding::Half, _))) && self.size > 1;
-        if !half {
-            self.exact()?;
-            return Ok(None);
-        }
-        let bad = self.compressed()?;
-        if bad.is_empty() {
-            return Ok(None);
-        }
-        // Every rank saw the same float16 sums, so every rank resends.
-        self.exact()?;
-        self.resent(bad)
+    /// The flat allreduce: float16 under `PERSEUS_ALLREDUCE_DTYPE=0`, else exact
+    /// ([`compress::allreduce`]).
+    fn allreduce(&self) -> Result<Option<Resent>> {
+        let Response::Op {
+            dtype, op, plan, ..
+        } = self.resp
+        else {
+            unreachable!("allreduce takes Op responses");
+        };
+        // The flat route treats every link alike: float16 between hosts only is the
+        // hierarchical route's.
+        let wire = match compress::wire(*dtype, *op, plan.encoding, plan.scale, self.size, || 1) {
+            w @ Wire::Half { .. } => w,
+            _ => Wire::Exact,
+        };
+        compress::allreduce(&mut Flat(self), wire)
     }
 
     /// The exact allreduce: in the tensor's own memory when there is one, else packed in
@@ -437,7 +291,7 @@ impl Job<'_> {
     /// The float16 allreduce of float32 gradients, cast on the device. Returns the
     /// positions of the tensors whose float16 sums are not finite (then nothing was
     /// written, and the caller resends exactly).
-    fn compressed(&self) -> Result<Vec<usize>> {
+    fn compressed(&self, wire: Wire) -> Result<Vec<usize>> {
         let Job {
             group,
             size,
@@ -445,7 +299,7 @@ impl Job<'_> {
             entries,
             watch,
         } = *self;
-        let Response::Op { shapes, plan, .. } = resp else {
+        let Response::Op { shapes, .. } = resp else {
             unreachable!("compressed takes Op responses");
         };
         let (pre, post, _) = factors(resp, size);
@@ -457,7 +311,7 @@ impl Job<'_> {
             let mut at = 0;
             for (e, &n) in entries.iter().zip(&counts) {
                 let src = e.input.as_ref().or(e.output.as_ref()).expect("a tensor");
-                group.cast_down(src.ptr, image.add(at * 2), n, (pre * plan.scale) as f32)?;
+                group.cast_down(src.ptr, image.add(at * 2), n, wire.down(pre) as f32)?;
                 at += n;
             }
             allreduce_split(group, image, total, DataType::F16, ReduceOp::Sum, watch)?;
@@ -477,7 +331,7 @@ impl Job<'_> {
             let mut at = 0;
             for (e, &n) in entries.iter().zip(&counts) {
                 let dst = target(e).0;
-                group.cast_up(image.add(at * 2), dst, n, (post / plan.scale) as f32)?;
+                group.cast_up(image.add(at * 2), dst, n, wire.up(post) as f32)?;
                 at += n;
             }
         }
@@ -485,25 +339,20 @@ impl Job<'_> {
         Ok(Vec::new())
     }
 
-    /// What a caller reports after resending the tensors at `bad` exactly: them, and
-    /// whether their exact sums are finite (if so, the scale was to blame).
-    fn resent(&self, bad: Vec<usize>) -> Result<Option<(Vec<usize>, bool)>> {
-        let Job {
-            group,
-            entries,
-            watch,
-            ..
-        } = *self;
-        let parts: Vec<(*const u8, usize)> = bad
+    /// Whether the sums of the tensors at `which` are all finite, once complete.
+    fn finite(&self, which: &[usize]) -> Result<bool> {
+        if which.is_empty() {
+            return Ok(true);
+        }
+        let parts: Vec<(*const u8, usize)> = which
             .iter()
             .map(|&i| {
-                let (buf, bytes) = target(entries[i]);
+                let (buf, bytes) = target(self.entries[i]);
                 (buf as *const u8, bytes / 4)
             })
             .collect();
         // SAFETY: as in `exact`; the sums are complete after `finish`.
-        let finite = unsafe { group.nonfinite(&parts, DataType::F32, watch)? }.is_empty();
-        Ok(Some((bad, finite)))
+        Ok(unsafe { self.group.nonfinite(&parts, DataType::F32, self.watch)? }.is_empty())
     }
 
     /// The hierarchical allreduce: a reduce-scatter among this host's devices leaves
@@ -517,21 +366,24 @@ impl Job<'_> {
     /// within the host NCCL stays float32. Returns, as [`Job::allreduce`] does, the tensors
     /// whose float16 sums were not finite (redone exactly, from the inputs, on every
     /// rank) and whether their exact sums are.
-    fn hierarchical(
-        &self,
-        cross: &dyn Comm,
-        bufs: &mut Buffers,
-    ) -> Result<Option<(Vec<usize>, bool)>> {
-        let half = compressible(self.resp)
-            .filter(|(encoding, _)| *encoding != Encoding::Exact && cross.size() > 1)
-            .map(|(_, scale)| scale);
-        let bad = self.hierarchical_pass(cross, bufs, half)?;
-        if bad.is_empty() {
-            return Ok(None);
-        }
-        // Every rank holds the same sums, so every rank resends.
-        self.hierarchical_pass(cross, bufs, None)?;
-        self.resent(bad)
+    fn hierarchical(&self, cross: &dyn Comm, bufs: &mut Buffers) -> Result<Option<Resent>> {
+        let Response::Op {
+            dtype, op, plan, ..
+        } = self.resp
+        else {
+            unreachable!("hierarchical takes Op responses");
+        };
+        // Only the links between hosts carry float16, under either encoding.
+        let n = cross.size();
+        let wire = compress::wire(*dtype, *op, plan.encoding, plan.scale, n, || n);
+        compress::allreduce(
+            &mut Hierarchical {
+                job: self,
+                cross,
+                bufs,
+            },
+            wire,
+        )
     }
 
     /// The element type of the response's tensors.
@@ -667,6 +519,37 @@ impl Job<'_> {
     }
 }
 
+/// The flat route's float16 passes.
+struct Flat<'j, 'a>(&'j Job<'a>);
+
+impl HalfReduce for Flat<'_, '_> {
+    fn half(&mut self, wire: Wire) -> Result<Vec<usize>> {
+        self.0.compressed(wire)
+    }
+    fn exact(&mut self, check: &[usize]) -> Result<bool> {
+        self.0.exact()?;
+        self.0.finite(check)
+    }
+}
+
+/// The hierarchical route's passes: float16 only across hosts.
+struct Hierarchical<'j, 'a, 'b> {
+    job: &'j Job<'a>,
+    cross: &'b dyn Comm,
+    bufs: &'b mut Buffers,
+}
+
+impl HalfReduce for Hierarchical<'_, '_, '_> {
+    fn half(&mut self, wire: Wire) -> Result<Vec<usize>> {
+        self.job
+            .hierarchical_pass(self.cross, self.bufs, Some(wire.down(1.0)))
+    }
+    fn exact(&mut self, check: &[usize]) -> Result<bool> {
+        self.job.hierarchical_pass(self.cross, self.bufs, None)?;
+        self.job.finite(check)
+    }
+}
+
 /// A chunk's host copy in the hierarchical mode.
 struct Host<'a> {
     bytes: &'a mut [u8],
@@ -694,19 +577,6 @@ unsafe fn allreduce_split(
         }
     }
     Ok(())
-}
-
-/// The plan's encoding and gradient scale, when the response is one float16 could
-/// carry: a float32 Sum or Average.
-fn compressible(resp: &Response) -> Option<(Encoding, f64)> {
-    let Response::Op {
-        dtype, op, plan, ..
-    } = resp
-    else {
-        return None;
-    };
-    let fits = *dtype == DataType::F32 && matches!(op, ReduceOp::Sum | ReduceOp::Average);
-    fits.then_some((plan.encoding, plan.scale))
 }
 
 /// The scales of a reduction: before it, and after it (with Average's 1/n), and the
@@ -781,122 +651,6 @@ fn clear_gaps(image: &mut [u8], first: usize, live: &[std::ops::Range<usize>]) {
         if at >= end {
             break;
         }
-    }
-}
-
-/// Why the direct path is not taken for a process set, or that it is.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Agreement {
-    /// Every rank can, each on its own device.
-    Direct,
-    /// Not taken, and why (the same words on every rank).
-    Staged(String),
-}
-
-/// Decides, with every member of `comm`, whether the set takes the direct path.
-/// `offer` is this rank's device identity (its UUID), or why it cannot take part.
-pub fn agree(comm: &dyn Comm, offer: std::result::Result<[u8; 16], String>) -> Result<Agreement> {
-    let n = comm.size();
-    let mine: Vec<u8> = match &offer {
-        Ok(id) => std::iter::once(1).chain(id.iter().copied()).collect(),
-        Err(why) => std::iter::once(0).chain(why.bytes()).collect(),
-    };
-    // Lengths first, then the offers themselves.
-    let mut lens = vec![0u8; 8 * n];
-    lens[8 * comm.rank()..8 * comm.rank() + 8].copy_from_slice(&(mine.len() as u64).to_le_bytes());
-    allgatherv(comm, &mut lens, &vec![8; n])?;
-    let sizes: Vec<usize> = lens
-        .chunks_exact(8)
-        .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")) as usize)
-        .collect();
-    if sizes.iter().any(|&s| s == 0 || s > 1 << 16) {
-        return Err(PerseusError::Protocol(format!(
-            "a device offer of an impossible length: {sizes:?}"
-        )));
-    }
-    let starts = starts(sizes.iter().copied());
-    let mut all = vec![0u8; sizes.iter().sum()];
-    let me = starts[comm.rank()];
-    all[me..me + mine.len()].copy_from_slice(&mine);
-    allgatherv(comm, &mut all, &sizes)?;
-    let offers: Vec<&[u8]> = starts
-        .iter()
-        .zip(&sizes)
-        .map(|(&s, &l)| &all[s..s + l])
-        .collect();
-    let refused: Vec<String> = offers
-        .iter()
-        .enumerate()
-        .filter(|(_, o)| o[0] == 0)
-        .map(|(r, o)| format!("rank {r}: {}", String::from_utf8_lossy(&o[1..])))
-        .collect();
-    if !refused.is_empty() {
-        return Ok(Agreement::Staged(refused.join("; ")));
-    }
-    for a in 0..n {
-        for b in a + 1..n {
-            if comm.host(a) == comm.host(b) && offers[a] == offers[b] {
-                return Ok(Agreement::Staged(format!(
-                    "ranks {a} and {b} share one GPU (NCCL needs a GPU per rank)"
-                )));
-            }
-        }
-    }
-    Ok(Agreement::Direct)
-}
-
-/// A group formed, or why not.
-pub type Formed = std::result::Result<Arc<dyn DeviceGroup>, String>;
-
-/// How a rank takes part in forming a group: NCCL on CUDA devices in builds with the
-/// `cuda` feature; stand-ins in the tests.
-pub trait Opener: Send {
-    /// This rank's identity of `device` (its UUID), or why it cannot take part.
-    fn offer(&self, device: Device) -> std::result::Result<[u8; 16], String>;
-    /// Forms this rank's group: the ranks `members` of `comm` (every member of
-    /// `comm` calls it together, each with its own group's members, after [`agree`]
-    /// answered [`Agreement::Direct`]), waiting for the device's library as `watch`
-    /// allows; `Ok(Err(why))` when it could not be formed, the same on every rank.
-    fn open(
-        &self,
-        comm: &dyn Comm,
-        device: Device,
-        channels: usize,
-        members: &[usize],
-        watch: &Watch<'_>,
-    ) -> Result<Formed>;
-}
-
-/// The opener of this build: NCCL's (with non-blocking communicators when
-/// `nonblocking`), or one that always says why not.
-pub fn opener(nonblocking: bool) -> Box<dyn Opener> {
-    #[cfg(feature = "cuda")]
-    return Box::new(crate::gpu::group::CudaOpener { nonblocking });
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = nonblocking;
-        Box::new(NoGpu)
-    }
-}
-
-/// The opener of builds without the `cuda` feature.
-#[cfg(not(feature = "cuda"))]
-struct NoGpu;
-
-#[cfg(not(feature = "cuda"))]
-impl Opener for NoGpu {
-    fn offer(&self, _: Device) -> std::result::Result<[u8; 16], String> {
-        Err("this build of Perseus has no GPU support (the cuda feature)".into())
-    }
-    fn open(
-        &self,
-        _: &dyn Comm,
-        _: Device,
-        _: usize,
-        _: &[usize],
-        _: &Watch<'_>,
-    ) -> Result<Formed> {
-        Ok(Err("this build of Perseus has no GPU support".into()))
     }
 }
 

@@ -4,11 +4,12 @@
 
 use super::*;
 use crate::collective::tests::{run, run_on};
-use crate::collective::{host_and_peers, hosts_of, SubComm};
-use crate::engine::staged::HostRegion;
-use crate::engine::tensor::{f32_view, Device, TensorView};
+use crate::collective::{allgatherv, host_and_peers, hosts_of, SubComm};
+use crate::compress::Resent;
+use crate::device::tensor::{f32_view, Device, TensorView};
+use crate::device::HostRegion;
 use crate::kernels::{first_nonfinite, from_half, scale, to_half, AlignedBuf};
-use crate::plan::Plan;
+use crate::plan::{Encoding, Plan};
 use std::sync::Mutex;
 
 /// One rank's "device": host memory, the CPU ring for the collectives.
@@ -533,7 +534,7 @@ fn a_float16_overflow_is_resent_exactly_on_every_rank() {
         30_000.0,
     );
     for (r, (results, _, out, calls, _, checks)) in got.into_iter().enumerate() {
-        let (bad, finite) = out.resent.expect("resent");
+        let Resent { bad, finite } = out.resent.expect("resent");
         assert!(finite, "rank {r}");
         // value(r, t, 0) is nonzero for both tensors on both ranks except where
         // it is 0; whichever overflowed is named.
@@ -624,7 +625,7 @@ fn a_float16_overflow_between_hosts_is_resent_exactly_on_every_rank() {
             big,
         );
         for (r, (results, _, out, _, downloads, _)) in got.into_iter().enumerate() {
-            let (bad, finite) = out.resent.expect("resent");
+            let Resent { bad, finite } = out.resent.expect("resent");
             assert_eq!(bad, want_bad, "rank {r}");
             assert!(finite, "rank {r}");
             assert_eq!(downloads.len(), 2, "rank {r}: float16, then exact");

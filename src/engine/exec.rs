@@ -4,14 +4,15 @@
 
 use super::handles::Output;
 use super::message::{OpKind, Response};
-use super::tensor::{OwnedTensor, TensorView};
 use crate::collective::{self, Comm};
+use crate::compress::{self, HalfReduce, Resent, Wire};
+use crate::device::{OwnedTensor, TensorView};
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::{PerseusError, Result};
 use crate::kernels::{
     adasum, clock, copy_scaled, first_nonfinite, from_half, scale, to_half, AlignedBuf,
 };
-use crate::plan::{Encoding, Mode, Plan};
+use crate::plan::{Mode, Plan};
 use std::ops::Range;
 use std::time::Instant;
 
@@ -37,7 +38,7 @@ pub struct Buffers {
     /// While the timeline runs: the phases of the allreduce being run.
     pub phases: Option<Vec<Phase>>,
     /// Host copies of device tensors (the host-staged path).
-    pub staging: super::staged::StagingPool,
+    pub staging: crate::device::StagingPool,
 }
 
 /// Timeline phase: inputs copied into the fusion buffer (Horovod's name).
@@ -112,7 +113,7 @@ pub struct Outcome {
     /// A compressed allreduce overflowed float16 and was resent exactly: the
     /// positions of the tensors whose float16 sums were not finite, and
     /// whether the exact sums were finite (then the scale was to blame).
-    pub resent: Option<(Vec<usize>, bool)>,
+    pub resent: Option<Resent>,
 }
 
 fn elems(shape: &[i64]) -> usize {
@@ -163,7 +164,10 @@ pub fn run_op(
                 post,
                 entries,
             };
-            let (result, resent) = ar.run(plan, bufs);
+            let (result, resent) = match ar.run(plan, bufs) {
+                Ok(resent) => (Ok(()), resent),
+                Err(e) => (Err(e), None),
+            };
             Outcome {
                 results: entries
                     .iter()
@@ -220,39 +224,28 @@ struct Allreduce<'a> {
 impl Allreduce<'_> {
     /// Runs the plan; a compressed run whose float16 sum is not finite is
     /// redone exactly from the inputs, which nothing has written yet.
-    fn run(&self, plan: &Plan, bufs: &mut Buffers) -> (Result<()>, Option<(Vec<usize>, bool)>) {
+    fn run(&self, plan: &Plan, bufs: &mut Buffers) -> Result<Option<Resent>> {
         if self.op == ReduceOp::Adasum {
-            return (self.adasum(bufs), None);
+            return self.adasum(bufs).map(|_| None);
         }
         let hosts = collective::hosts_of(self.comm);
         let hier = plan.mode != Mode::Flat && collective::fits(&hosts);
-        let compress = self.dtype == DataType::F32
-            && matches!(self.op, ReduceOp::Sum | ReduceOp::Average)
-            && match plan.encoding {
-                Encoding::Exact => false,
-                Encoding::Half => self.comm.size() > 1,
-                Encoding::HalfBetweenHosts => hosts.len() > 1,
-            };
-        if !compress {
-            return (self.exact(hier, bufs), None);
-        }
-        let total: usize = self.sizes.iter().sum();
-        let bad = match plan.encoding {
-            // Small buffers and the hierarchy: reduce a float16 image.
-            Encoding::Half if hier || total <= IMAGE_MAX => self.half(hier, plan.scale, bufs),
-            // Float32 partial sums, float16 on every link.
-            Encoding::Half => self.half_links(false, true, plan.scale, bufs),
-            _ => self.half_links(hier, false, plan.scale, bufs),
-        };
-        match bad {
-            Ok(None) => (Ok(()), None),
-            Err(e) => (Err(e), None),
-            Ok(Some(bad)) => {
-                let r = self.exact(hier, bufs);
-                let finite = r.is_ok() && bad.iter().all(|&i| self.output_finite(i));
-                (r, Some((bad, finite)))
-            }
-        }
+        let wire = compress::wire(
+            self.dtype,
+            self.op,
+            plan.encoding,
+            plan.scale,
+            self.comm.size(),
+            || hosts.len(),
+        );
+        compress::allreduce(
+            &mut OnHost {
+                ar: self,
+                bufs,
+                hier,
+            },
+            wire,
+        )
     }
 
     fn input(&self, i: usize) -> Option<&[u8]> {
@@ -274,18 +267,14 @@ impl Allreduce<'_> {
 
     /// Tensors with a non-finite element in `fused` (a `dtype` image whose
     /// element `k` is byte `k * dtype.size()` of the original layout).
-    fn nonfinite(&self, fused: &[u8], dtype: DataType) -> Option<Vec<usize>> {
-        first_nonfinite(fused, dtype)?;
+    fn nonfinite(&self, fused: &[u8], dtype: DataType) -> Vec<usize> {
         let ratio = self.dtype.size() / dtype.size();
-        let bad: Vec<usize> = self
-            .layout(&self.all())
-            .into_iter()
-            .filter(|(_, b)| {
-                first_nonfinite(&fused[b.start / ratio..b.end / ratio], dtype).is_some()
-            })
-            .map(|(i, _)| i)
-            .collect();
-        Some(bad)
+        let parts = self.layout(&self.all()).into_iter();
+        compress::nonfinite_parts(
+            fused,
+            dtype,
+            parts.map(|(_, b)| b.start / ratio..b.end / ratio),
+        )
     }
 
     /// Reduces `buf` and multiplies the result by `factor`: within the
@@ -466,7 +455,7 @@ impl Allreduce<'_> {
 
     /// float16 on every link: cast (scaled) into the float16 buffer, reduce
     /// it, check it, cast back (unscaled) into the outputs.
-    fn half(&self, hier: bool, gscale: f64, bufs: &mut Buffers) -> Result<Option<Vec<usize>>> {
+    fn half(&self, hier: bool, wire: Wire, bufs: &mut Buffers) -> Result<Vec<usize>> {
         let mut half = std::mem::take(&mut bufs.half);
         half.resize(self.sizes.iter().sum::<usize>() / 2);
         let h = half.as_mut_slice();
@@ -474,7 +463,7 @@ impl Allreduce<'_> {
         for (i, b) in self.layout(&self.all()) {
             let dst = &mut h[b.start / 2..b.end / 2];
             match self.input(i) {
-                Some(src) => to_half(dst, src, self.pre * gscale),
+                Some(src) => to_half(dst, src, wire.down(self.pre)),
                 None => dst.fill(0),
             }
         }
@@ -483,12 +472,12 @@ impl Allreduce<'_> {
         let t = Instant::now();
         let r = r.map(|_| {
             let bad = self.nonfinite(h, DataType::F16);
-            if bad.is_none() {
+            if bad.is_empty() {
                 for (i, b) in self.layout(&self.all()) {
                     if let Some(out) = self.output(i) {
                         // SAFETY: as in `scatter_from`.
                         let out = unsafe { out.bytes_mut() };
-                        from_half(out, &h[b.start / 2..b.end / 2], self.post / gscale);
+                        from_half(out, &h[b.start / 2..b.end / 2], wire.up(self.post));
                     }
                 }
             }
@@ -506,14 +495,14 @@ impl Allreduce<'_> {
         &self,
         hier: bool,
         everywhere: bool,
-        gscale: f64,
+        wire: Wire,
         bufs: &mut Buffers,
-    ) -> Result<Option<Vec<usize>>> {
+    ) -> Result<Vec<usize>> {
         let mut fusion = std::mem::take(&mut bufs.fusion);
         fusion.resize(self.sizes.iter().sum());
         let fused = fusion.as_mut_slice();
         let t = Instant::now();
-        self.fuse_into(fused, self.pre * gscale, &self.all());
+        self.fuse_into(fused, wire.down(self.pre), &self.all());
         bufs.mark(MEMCPY_IN, t);
         let r = bufs.transfer(TRANSPORT_ALLREDUCE, |bufs| {
             if hier {
@@ -539,14 +528,40 @@ impl Allreduce<'_> {
         let t = Instant::now();
         let r = r.map(|_| {
             let bad = self.nonfinite(fused, self.dtype);
-            if bad.is_none() {
-                self.scatter_from(fused, self.post / gscale, &self.all());
+            if bad.is_empty() {
+                self.scatter_from(fused, wire.up(self.post), &self.all());
             }
             bad
         });
         bufs.mark(MEMCPY_OUT, t);
         bufs.fusion = fusion;
         r
+    }
+}
+
+/// The host executor's float16 passes: a float16 image of small buffers (and under the
+/// hierarchy), else float32 partial sums with float16 links.
+struct OnHost<'a, 'b> {
+    ar: &'a Allreduce<'a>,
+    bufs: &'b mut Buffers,
+    hier: bool,
+}
+
+impl HalfReduce for OnHost<'_, '_> {
+    fn half(&mut self, wire: Wire) -> Result<Vec<usize>> {
+        let (ar, hier) = (self.ar, self.hier);
+        let total: usize = ar.sizes.iter().sum();
+        match wire {
+            // Small buffers and the hierarchy: reduce a float16 image.
+            Wire::Half { .. } if hier || total <= IMAGE_MAX => ar.half(hier, wire, self.bufs),
+            // Float32 partial sums, float16 on every link.
+            Wire::Half { .. } => ar.half_links(false, true, wire, self.bufs),
+            _ => ar.half_links(hier, false, wire, self.bufs),
+        }
+    }
+    fn exact(&mut self, check: &[usize]) -> Result<bool> {
+        self.ar.exact(self.hier, self.bufs)?;
+        Ok(check.iter().all(|&i| self.ar.output_finite(i)))
     }
 }
 

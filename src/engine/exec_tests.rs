@@ -4,8 +4,8 @@
 
 use super::*;
 use crate::collective::tests::{run, run_on};
-use crate::engine::tensor::f32_view;
-use crate::engine::Device;
+use crate::device::tensor::f32_view;
+use crate::device::Device;
 
 fn view(v: &mut [f32]) -> TensorView {
     f32_view(v, Device::Cpu)

@@ -1,7 +1,7 @@
 //! Completion of asynchronous operations: a table of handles, each pending or
 //! done, and a condition variable that waiters block on (no spinning).
 
-use super::tensor::OwnedTensor;
+use crate::device::OwnedTensor;
 use crate::error::{PerseusError, Result};
 use std::collections::HashMap;
 use std::sync::{Condvar, Mutex, MutexGuard, PoisonError};

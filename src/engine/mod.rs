@@ -20,19 +20,19 @@ mod handles;
 mod inbox;
 pub mod message;
 mod offline;
+mod outgoing;
 pub mod recorder;
 pub mod staged;
-pub mod tensor;
 pub mod timeline_names;
-pub mod watch;
 
+pub use crate::device::{Device, OwnedTensor, TensorView};
 pub use exec::Entry;
 pub use handles::Output;
 pub use message::{OpKind, Request, Response};
-pub use tensor::{Device, OwnedTensor, TensorView};
 
 use crate::collective::{Comm, SubComm};
 use crate::config::Config;
+use crate::device::Watch;
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::{PerseusError, Result};
 use crate::rendezvous::StoreServer;
@@ -48,7 +48,6 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use watch::Watch;
 
 /// How long the engine stays awake (yielding the core) waiting for an
 /// answer that is due, before it sleeps in poll(2).
@@ -254,7 +253,7 @@ impl Engine {
                 config.nccl,
                 config.nccl_channels,
                 config.timeout,
-                direct::opener(config.nccl_nonblocking),
+                crate::device::opener(config.nccl_nonblocking),
             ),
         };
         let (on_panic, inbox_of_thread) = (shared.clone(), inbox.clone());
@@ -1192,8 +1191,8 @@ impl State {
                 } else {
                     negotiate
                 };
-                if let Some((bad, finite)) = &outcome.resent {
-                    self.note_resend(&members, names, bad, *finite);
+                if let Some(r) = &outcome.resent {
+                    self.note_resend(&members, names, &r.bad, r.finite);
                 }
                 let results = outcome.results;
                 let c = &self.shared.counters;

@@ -22,8 +22,8 @@
 //! back to negotiation at the same group, with every held request sent up in
 //! order, so nothing is lost and no rank runs a collective the others do not.
 
-use super::coordinator::Outgoing;
 use super::message::{OpKind, Request, Response};
+use super::outgoing::Outgoing;
 use crate::dtype::{DataType, ReduceOp};
 use crate::plan::Plan;
 use std::collections::{HashMap, HashSet, VecDeque};

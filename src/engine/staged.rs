@@ -7,13 +7,13 @@
 //! the device casts them back with the inverse gradient scale and the postscale. A
 //! float16 sum that overflows is redone exactly from the device inputs, as on the CPU.
 //!
-//! The host copies live in a [`StagingPool`] kept from response to response: one
+//! The host copies live in a [`crate::device::StagingPool`] kept from response to response: one
 //! region per response, carved into a view per tensor. The CUDA device gives
 //! page-locked regions, which its copies reach at the bus's full speed and without
 //! the host waiting on each copy; pinning memory costs far more than a copy, hence
 //! the reuse.
 //!
-//! The device side is a [`DeviceMemory`]: the CUDA one lives in `crate::gpu`, and the
+//! The device side is a [`DeviceMemory`]: the installed device library's, and the
 //! tests below use host memory in its place, which is how CI checks this logic
 //! without a GPU.
 
@@ -21,126 +21,14 @@ use std::sync::Arc;
 
 use super::exec::{run_op, Buffers, Entry, Outcome};
 use super::message::{OpKind, Response};
-use super::tensor::{Device, TensorView};
+use crate::compress::{self, HalfReduce, Wire};
+use crate::device::{pageable, Cast, Device, DeviceMemory, HostRegion, TensorView};
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::{PerseusError, Result};
-use crate::kernels::{first_nonfinite, from_half, to_half, AlignedBuf};
-use crate::plan::Encoding;
-
-/// How values change on their way between device and host.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum Cast {
-    /// The bytes as they are.
-    Exact,
-    /// float32 on the device, float16 on the host. Values are multiplied by the
-    /// factor on the device: before the cast down, after the cast up.
-    Half(f32),
-}
-
-/// Memory the engine reaches only through copies, such as a GPU's. Copies are queued
-/// in order on one stream of the device and complete by [`DeviceMemory::finish`].
-pub trait DeviceMemory: Send + Sync {
-    /// Queues a copy of device memory at `src` into `dst`. With [`Cast::Half`], `src`
-    /// holds `dst.len() / 2` float32 values.
-    ///
-    /// # Safety
-    /// `src` must be device memory of this device, alive and holding the bytes read,
-    /// and `dst` must stay alive and unmoved until [`DeviceMemory::finish`] returns.
-    unsafe fn download(&self, src: *const u8, dst: &mut [u8], cast: Cast) -> Result<()>;
-
-    /// Queues a copy of `src` into device memory at `dst`. With [`Cast::Half`], `dst`
-    /// receives `src.len() / 2` float32 values.
-    ///
-    /// # Safety
-    /// As for [`DeviceMemory::download`], with `dst` writable and `src` alive until
-    /// [`DeviceMemory::finish`] returns.
-    unsafe fn upload(&self, src: &[u8], dst: *mut u8, cast: Cast) -> Result<()>;
-
-    /// Waits until every copy queued so far has completed.
-    fn finish(&self) -> Result<()>;
-
-    /// Host memory of `bytes` for copies to and from this device: page-locked where
-    /// the device can pin it (its copies then run at the bus's full speed, without
-    /// the host waiting on each), ordinary memory otherwise.
-    fn host_region(&self, bytes: usize) -> Box<dyn HostRegion> {
-        pageable(bytes)
-    }
-}
-
-/// Ordinary (pageable) host memory of `bytes`, for copies where no device pins any.
-pub fn pageable(bytes: usize) -> Box<dyn HostRegion> {
-    Box::new(AlignedBuf::zeroed(bytes))
-}
-
-/// Host memory the staged and the hierarchical device paths copy through.
-pub trait HostRegion: Send {
-    /// Its bytes.
-    fn bytes(&mut self) -> &mut [u8];
-    /// How many.
-    fn size(&self) -> usize;
-    /// Whether the memory is page-locked: a device's copies into it are then queued
-    /// without the host waiting for them.
-    fn pinned(&self) -> bool {
-        false
-    }
-}
-
-impl HostRegion for AlignedBuf {
-    fn bytes(&mut self) -> &mut [u8] {
-        self.as_mut_slice()
-    }
-    fn size(&self) -> usize {
-        self.len()
-    }
-}
-
-/// The smallest region made: small responses share one size.
-const MIN_REGION: usize = 1 << 20;
+use crate::kernels::{first_nonfinite, from_half, to_half};
 
 /// Byte alignment of each tensor's host copy within a region.
 const STAGE_ALIGN: usize = 64;
-
-/// Host regions for copies of device tensors, reused from response to response: the
-/// staged path's, and the hierarchical NCCL path's chunks between hosts. At most two are
-/// in use at once (a float16 response's images, and the copies of its exact resend).
-#[derive(Default)]
-pub struct StagingPool {
-    free: Vec<Box<dyn HostRegion>>,
-}
-
-impl StagingPool {
-    /// A region of at least `bytes`: the smallest free one that fits, else a new one
-    /// made by `make` (given its size: `bytes` rounded up to a power of two), which
-    /// replaces the largest free one. Regions are kept for the life of the engine: at
-    /// most two, each the size of the largest response so rounded.
-    pub fn take(
-        &mut self,
-        bytes: usize,
-        make: impl FnOnce(usize) -> Box<dyn HostRegion>,
-    ) -> Box<dyn HostRegion> {
-        let fits = (0..self.free.len())
-            .filter(|&i| self.free[i].size() >= bytes)
-            .min_by_key(|&i| self.free[i].size());
-        if let Some(i) = fits {
-            return self.free.swap_remove(i);
-        }
-        let largest = (0..self.free.len()).max_by_key(|&i| self.free[i].size());
-        if let Some(i) = largest {
-            self.free.swap_remove(i);
-        }
-        make(bytes.next_power_of_two().max(MIN_REGION))
-    }
-
-    /// Returns a region taken before, for later responses.
-    pub fn give(&mut self, region: Box<dyn HostRegion>) {
-        self.free.push(region);
-    }
-
-    /// The sizes of the free regions (for tests and statistics).
-    pub fn free_sizes(&self) -> Vec<usize> {
-        self.free.iter().map(|r| r.size()).collect()
-    }
-}
 
 /// Bytes a tensor of `n` bytes takes in a region.
 fn room(n: usize) -> usize {
@@ -266,15 +154,28 @@ pub fn run_staged(
         resolve,
         open: Vec::new(),
     };
-    let on_device_half = *kind == OpKind::Allreduce
-        && *dtype == DataType::F32
-        && matches!(op, ReduceOp::Sum | ReduceOp::Average)
-        && plan.encoding == Encoding::Half
-        && comm.size() > 1;
-    if on_device_half {
-        half(comm, resp, entries, bufs, &mut devices)
-    } else {
-        exact(comm, resp, entries, bufs, &mut devices, &[]).0
+    let wire = compress::wire(*dtype, *op, plan.encoding, plan.scale, comm.size(), || {
+        crate::collective::hosts_of(comm).len()
+    });
+    if *kind != OpKind::Allreduce || !matches!(wire, Wire::Half { .. }) {
+        // Exact, or float16 between hosts only: the host executor compresses the host
+        // copies.
+        return exact(comm, resp, entries, bufs, &mut devices, &[]).0;
+    }
+    let mut staged = Staged {
+        comm,
+        resp,
+        entries,
+        bufs,
+        devices: &mut devices,
+    };
+    let result = compress::allreduce(&mut staged, wire);
+    Outcome {
+        results: entries
+            .iter()
+            .map(|_| result.clone().map(|_| Default::default()))
+            .collect(),
+        resent: result.unwrap_or(None),
     }
 }
 
@@ -397,122 +298,140 @@ fn exact(
     (fail_ok(out, error), finite)
 }
 
-/// A float32 Sum or Average allreduce with float16 on the wire, cast on the device.
-fn half(
-    comm: &dyn crate::collective::Comm,
-    resp: &Response,
-    entries: &[Option<Entry>],
-    bufs: &mut Buffers,
-    devices: &mut Devices<'_>,
-) -> Outcome {
-    let Response::Op {
-        shapes,
-        op,
-        prescale,
-        postscale,
-        plan,
-        ..
-    } = resp
-    else {
-        unreachable!("half takes Op responses");
-    };
-    let gscale = plan.scale;
-    let post = if *op == ReduceOp::Average {
-        postscale / comm.size() as f64
-    } else {
-        *postscale
-    };
-    // One float16 image per tensor; a joined rank's are zeros, and every rank checks
-    // every sum, so that all agree on a resend.
-    let bytes: usize = shapes.iter().map(|s| room(elems(s) * 2)).sum();
-    let mut region = region_for(bufs, devices, entries, bytes);
-    let mut carver = Carver {
-        rest: region.bytes(),
-    };
-    let mut images: Vec<&mut [u8]> = shapes.iter().map(|s| carver.next(elems(s) * 2)).collect();
-    let mut error: Option<PerseusError> = None;
-    for (e, img) in entries.iter().zip(images.iter_mut()) {
-        let Some(input) = e.as_ref().and_then(|e| e.input.as_ref()) else {
-            img.fill(0);
-            continue;
+/// A float32 Sum or Average allreduce with float16 on the wire, cast on the device:
+/// only the float16 bytes cross to the host and back.
+struct Staged<'a, 'd> {
+    comm: &'a dyn crate::collective::Comm,
+    resp: &'a Response,
+    entries: &'a [Option<Entry>],
+    bufs: &'a mut Buffers,
+    devices: &'a mut Devices<'d>,
+}
+
+impl HalfReduce for Staged<'_, '_> {
+    fn half(&mut self, wire: Wire) -> Result<Vec<usize>> {
+        let Staged {
+            comm,
+            resp,
+            entries,
+            ref mut bufs,
+            ref mut devices,
+        } = *self;
+        let Response::Op {
+            shapes,
+            op,
+            prescale,
+            postscale,
+            ..
+        } = resp
+        else {
+            unreachable!("half takes Op responses");
         };
-        if input.device == Device::Cpu {
-            // SAFETY: the front-end keeps the tensor alive until completion.
-            to_half(img, unsafe { input.bytes() }, prescale * gscale);
-            continue;
+        let post = if *op == ReduceOp::Average {
+            postscale / comm.size() as f64
+        } else {
+            *postscale
+        };
+        // One float16 image per tensor; a joined rank's are zeros, and every rank checks
+        // every sum, so that all agree on a resend.
+        let bytes: usize = shapes.iter().map(|s| room(elems(s) * 2)).sum();
+        let mut region = region_for(bufs, devices, entries, bytes);
+        let mut carver = Carver {
+            rest: region.bytes(),
+        };
+        let mut images: Vec<&mut [u8]> = shapes.iter().map(|s| carver.next(elems(s) * 2)).collect();
+        let mut error: Option<PerseusError> = None;
+        let down = wire.down(*prescale);
+        for (e, img) in entries.iter().zip(images.iter_mut()) {
+            let Some(input) = e.as_ref().and_then(|e| e.input.as_ref()) else {
+                img.fill(0);
+                continue;
+            };
+            if input.device == Device::Cpu {
+                // SAFETY: the front-end keeps the tensor alive until completion.
+                to_half(img, unsafe { input.bytes() }, down);
+                continue;
+            }
+            let copied = devices.get(input.device).and_then(|m| {
+                // SAFETY: as in `exact`; the image lives until after `finish`.
+                unsafe { m.download(input.ptr, img, Cast::Half(down as f32)) }
+            });
+            if let Err(err) = copied {
+                error = Some(err);
+                break;
+            }
         }
-        let copied = devices.get(input.device).and_then(|m| {
-            // SAFETY: as in `exact`; the image lives until after `finish`.
-            unsafe { m.download(input.ptr, img, Cast::Half((prescale * gscale) as f32)) }
-        });
-        if let Err(err) = copied {
-            error = Some(err);
-            break;
+        if let Err(err) = devices.finish() {
+            error.get_or_insert(err);
         }
-    }
-    if let Err(err) = devices.finish() {
-        error.get_or_insert(err);
-    }
-    if error.is_some() {
-        // Zeros go to the peers; this rank fails after serving them.
-        for img in &mut images {
-            img.fill(0);
+        if error.is_some() {
+            // Zeros go to the peers; this rank fails after serving them.
+            for img in &mut images {
+                img.fill(0);
+            }
         }
-    }
-    let host = image_entries(&mut images, shapes);
-    let out = run_op(comm, &half_response(resp), &host, bufs);
-    if error.is_some() || out.results.iter().any(|r| r.is_err()) {
+        let host = image_entries(&mut images, shapes);
+        let out = run_op(comm, &half_response(resp), &host, bufs);
+        let failed = out.results.into_iter().find_map(|r| r.err());
+        if let Some(e) = error.take().or(failed) {
+            bufs.staging.give(region);
+            return Err(e);
+        }
+        let bad: Vec<usize> = images
+            .iter()
+            .enumerate()
+            .filter(|(_, img)| first_nonfinite(img, DataType::F16).is_some())
+            .map(|(i, _)| i)
+            .collect();
+        if !bad.is_empty() {
+            bufs.staging.give(region);
+            return Ok(bad);
+        }
+        let up = wire.up(post);
+        for (e, img) in entries.iter().zip(&images) {
+            let Some(o) = e.as_ref().and_then(|e| e.output.as_ref()) else {
+                continue;
+            };
+            if o.device == Device::Cpu {
+                // SAFETY: the front-end keeps the tensor alive until completion, and only
+                // the engine thread writes it until then.
+                from_half(unsafe { o.bytes_mut() }, img, up);
+                continue;
+            }
+            let copied = devices.get(o.device).and_then(|m| {
+                // SAFETY: as above; the image lives until after `finish`.
+                unsafe { m.upload(img, o.ptr, Cast::Half(up as f32)) }
+            });
+            if let Err(err) = copied {
+                error = Some(err);
+                break;
+            }
+        }
+        if let Err(err) = devices.finish() {
+            error.get_or_insert(err);
+        }
         bufs.staging.give(region);
-        return fail_ok(out, error);
+        error.map_or(Ok(Vec::new()), Err)
     }
-    let bad: Vec<usize> = images
-        .iter()
-        .enumerate()
-        .filter(|(_, img)| first_nonfinite(img, DataType::F16).is_some())
-        .map(|(i, _)| i)
-        .collect();
-    if !bad.is_empty() {
-        let mut exact_resp = resp.clone();
+
+    fn exact(&mut self, check: &[usize]) -> Result<bool> {
+        let mut exact_resp = self.resp.clone();
         if let Response::Op { plan, .. } = &mut exact_resp {
             *plan = plan.exact();
         }
-        let (out, finite) = exact(comm, &exact_resp, entries, bufs, devices, &bad);
-        bufs.staging.give(region);
-        return Outcome {
-            results: out.results,
-            resent: Some((bad, finite)),
-        };
-    }
-    for (e, img) in entries.iter().zip(&images) {
-        let Some(o) = e.as_ref().and_then(|e| e.output.as_ref()) else {
-            continue;
-        };
-        if o.device == Device::Cpu {
-            // SAFETY: the front-end keeps the tensor alive until completion, and only
-            // the engine thread writes it until then.
-            from_half(unsafe { o.bytes_mut() }, img, post / gscale);
-            continue;
-        }
-        let copied = devices.get(o.device).and_then(|m| {
-            // SAFETY: as above; the image lives until after `finish`.
-            unsafe { m.upload(img, o.ptr, Cast::Half((post / gscale) as f32)) }
-        });
-        if let Err(err) = copied {
-            error = Some(err);
-            break;
+        let (out, finite) = exact(
+            self.comm,
+            &exact_resp,
+            self.entries,
+            self.bufs,
+            self.devices,
+            check,
+        );
+        match out.results.into_iter().find_map(|r| r.err()) {
+            Some(e) => Err(e),
+            None => Ok(finite),
         }
     }
-    if let Err(err) = devices.finish() {
-        error.get_or_insert(err);
-    }
-    bufs.staging.give(region);
-    fail_ok(
-        Outcome {
-            results: entries.iter().map(|_| Ok(Default::default())).collect(),
-            resent: None,
-        },
-        error,
-    )
 }
 
 /// Host entries over the float16 images, each written in place.
@@ -553,22 +472,13 @@ fn half_response(resp: &Response) -> Response {
     r
 }
 
-/// The device memory of `d`: a CUDA device through `crate::gpu` in builds with the
-/// `cuda` feature.
+/// The device memory of `d`, from the installed device library.
 pub fn device_memory(d: Device) -> Result<Arc<dyn DeviceMemory>> {
     match d {
         Device::Cpu => Err(PerseusError::InvalidArgument(
             "host memory needs no staging".into(),
         )),
-        #[cfg(feature = "cuda")]
-        Device::Cuda(ordinal) => {
-            crate::gpu::runtime::CudaDevice::get(ordinal).map(|m| m as Arc<dyn DeviceMemory>)
-        }
-        #[cfg(not(feature = "cuda"))]
-        Device::Cuda(ordinal) => Err(PerseusError::GpuUnavailable(format!(
-            "a tensor on cuda:{ordinal} reached a build of Perseus without GPU support (the \
-             cuda feature)"
-        ))),
+        Device::Cuda(ordinal) => crate::device::backend(d)?.memory(ordinal),
     }
 }
 

@@ -6,6 +6,7 @@
 //! Nothing here panics when a library is missing: [`libs`] answers with what it searched,
 //! and callers turn that into [`crate::PerseusError::GpuUnavailable`].
 
+pub mod forming;
 pub mod group;
 pub mod kernels;
 pub mod libs;
@@ -14,3 +15,33 @@ pub mod nvrtc;
 pub mod ops;
 pub mod optim;
 pub mod runtime;
+
+use std::sync::Arc;
+
+use crate::device::kernels::{Answer, Call};
+use crate::device::{optim::Group, Backend, DeviceMemory, Opener};
+use crate::error::Result;
+
+/// The CUDA library as the engine's device backend.
+struct Cuda;
+
+impl Backend for Cuda {
+    fn memory(&self, ordinal: i32) -> Result<Arc<dyn DeviceMemory>> {
+        runtime::CudaDevice::get(ordinal).map(|m| m as Arc<dyn DeviceMemory>)
+    }
+    fn opener(&self, nonblocking: bool) -> Box<dyn Opener> {
+        Box::new(forming::CudaOpener { nonblocking })
+    }
+    fn kernel(&self, ordinal: i32, call: Call) -> Result<Answer> {
+        ops::run(ordinal, call)
+    }
+    fn optim_step(&self, ordinal: i32, groups: &[Group]) -> Result<()> {
+        optim::step(ordinal, groups)
+    }
+}
+
+/// Makes CUDA the device backend of this process ([`crate::device::install`]); the
+/// Python module does so as it loads.
+pub fn install() {
+    crate::device::install(&Cuda);
+}

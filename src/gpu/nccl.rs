@@ -17,8 +17,8 @@ use std::sync::Arc;
 
 use libloading::Library;
 
+use crate::device::{wait_for, Waited, Watch};
 use crate::dtype::{DataType, ReduceOp};
-use crate::engine::watch::{wait_for, Waited, Watch};
 use crate::error::{PerseusError, Result};
 use crate::gpu::libs::{probe, CudaLib};
 

@@ -1,4 +1,4 @@
-//! The launches behind [`crate::device_kernels`]: one kernel (four for DGC's top-k) on
+//! The launches behind [`crate::device::kernels`]: one kernel (four for DGC's top-k) on
 //! the caller's tensors, queued on Perseus's stream of their device. The front-end
 //! orders that stream after the framework's before the call and the framework's after
 //! it (events, as for the fused optimizers). The finiteness check and the top-k
@@ -7,12 +7,12 @@
 use std::ffi::c_void;
 
 use super::runtime::{CudaDevice, DeviceBuffer};
-use crate::device_kernels::{threshold, Answer, Call, RADIX_DIGITS};
+use crate::device::kernels::{threshold, Answer, Call, RADIX_DIGITS};
+use crate::device::TensorView;
 use crate::dtype::DataType;
-use crate::engine::TensorView;
 use crate::error::Result;
 
-/// Runs `call` (checked by [`crate::device_kernels::check`]) on device `ordinal`.
+/// Runs `call` (checked by [`crate::device::kernels::check`]) on device `ordinal`.
 pub fn run(ordinal: i32, call: Call) -> Result<Answer> {
     let dev = CudaDevice::get(ordinal)?;
     // A caller's thread: its own context (the framework's device) is current again

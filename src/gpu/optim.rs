@@ -6,8 +6,8 @@
 //! device-wide sync).
 
 use super::runtime::{CudaDevice, DeviceBuffer};
+use crate::device::optim::{needs_grad_norm, Group, LambScalars, Rule, Slot};
 use crate::error::Result;
-use crate::optim::{needs_grad_norm, Group, LambScalars, Rule, Slot};
 use cudarc::driver::sys;
 use std::ffi::c_void;
 
@@ -146,11 +146,11 @@ unsafe fn launch<T: Copy>(
     dev.launch_blocks(f, map.len() as u32, &mut params)
 }
 
-fn ptr(t: &crate::engine::TensorView) -> u64 {
+fn ptr(t: &crate::device::TensorView) -> u64 {
     t.ptr as u64
 }
 
-/// Queues one step over `groups` (checked by [`crate::optim::step`]; every tensor on
+/// Queues one step over `groups` (checked by the optimizer step; every tensor on
 /// device `ordinal`) on Perseus's stream of the device.
 pub fn step(ordinal: i32, groups: &[Group]) -> Result<()> {
     let dev = CudaDevice::get(ordinal)?;
@@ -297,7 +297,7 @@ unsafe fn sum_segments(
 
 /// LAMB's first-stage row of one parameter (`norms`: the global squared gradient norm,
 /// read when it clips).
-fn lamb1_row(c: &LambScalars, h: &crate::optim::Lamb, norms: u64, s: &Slot) -> Lamb1Args {
+fn lamb1_row(c: &LambScalars, h: &crate::device::optim::Lamb, norms: u64, s: &Slot) -> Lamb1Args {
     Lamb1Args {
         w: ptr(&s.weight),
         g: ptr(&s.grad),
@@ -319,7 +319,7 @@ fn lamb1_row(c: &LambScalars, h: &crate::optim::Lamb, norms: u64, s: &Slot) -> L
 }
 
 /// The SGD row of one parameter.
-fn sgd_row(h: &crate::optim::Sgd, s: &Slot) -> SgdArgs {
+fn sgd_row(h: &crate::device::optim::Sgd, s: &Slot) -> SgdArgs {
     SgdArgs {
         w: ptr(&s.weight),
         g: ptr(&s.grad),
@@ -337,7 +337,7 @@ fn sgd_row(h: &crate::optim::Sgd, s: &Slot) -> SgdArgs {
 }
 
 /// The Adam (or AdamW) row of one parameter.
-fn adam_row(h: &crate::optim::Adam, s: &Slot) -> AdamArgs {
+fn adam_row(h: &crate::device::optim::Adam, s: &Slot) -> AdamArgs {
     let c = h.scalars(s.step);
     AdamArgs {
         w: ptr(&s.weight),

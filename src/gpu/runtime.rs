@@ -16,9 +16,9 @@ use std::time::Duration;
 
 use cudarc::driver::{result, sys};
 
+use crate::device::{Cast, DeviceMemory, HostRegion};
+use crate::device::{Waited, Watch};
 use crate::dtype::{DataType, ReduceOp};
-use crate::engine::staged::{Cast, DeviceMemory, HostRegion};
-use crate::engine::watch::{Waited, Watch};
 use crate::error::{PerseusError, Result};
 use crate::gpu::kernels;
 use crate::gpu::libs::{check_bound, lacking, probe, CudaLib};

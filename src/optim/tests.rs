@@ -2,7 +2,7 @@
 //! papers state the rules, and against values worked by hand.
 
 use super::*;
-use crate::engine::tensor::f32_view;
+use crate::device::tensor::f32_view;
 
 /// One parameter's arrays, owned by the test.
 #[derive(Clone, Debug, PartialEq)]

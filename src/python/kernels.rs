@@ -1,10 +1,10 @@
 //! `_core.gpu_cast`, `gpu_reduce`, `gpu_scale`, `gpu_nonfinite`, `gpu_top_k`: the device
-//! kernels one at a time ([`crate::device_kernels`]) on tensors handed in as DLPack
+//! kernels one at a time ([`crate::device::kernels`]) on tensors handed in as DLPack
 //! capsules. `perseus.torch.kernels` orders the framework's stream around them.
 
 use super::dlpack::view_flat;
 use super::errors::to_py;
-use crate::device_kernels::{run, Answer, Call};
+use crate::device::kernels::{run, Answer, Call};
 use crate::dtype::ReduceOp;
 use crate::error::PerseusError;
 use pyo3::prelude::*;

@@ -786,6 +786,8 @@ fn gpu_compile_kernels<'py>(
 /// The extension module.
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    #[cfg(feature = "cuda")]
+    crate::gpu::install();
     m.add(
         "HorovodInternalError",
         m.py().get_type::<HorovodInternalError>(),

@@ -23,8 +23,8 @@
 
 mod gp;
 
-use super::coordinator::Outgoing;
 use super::message::Response;
+use super::outgoing::Outgoing;
 use crate::config::AutotuneSettings;
 use crate::error::{PerseusError, Result};
 use gp::{Gp, Point};

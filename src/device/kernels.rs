@@ -5,10 +5,10 @@
 //! them (`perseus.torch.kernels`, `benchmarks/kernels.py`).
 //!
 //! The arguments are checked here, in every build, before any device is touched; the
-//! launches are `crate::gpu::ops`'s.
+//! launches are the installed [`super::Backend`]'s.
 
+use super::tensor::{Device, TensorView};
 use crate::dtype::{DataType, ReduceOp};
-use crate::engine::{Device, TensorView};
 use crate::error::{PerseusError, Result};
 
 /// One kernel call.
@@ -217,19 +217,7 @@ pub fn check(call: &Call) -> Result<i32> {
 /// Checks `call` and runs it on its device.
 pub fn run(call: Call) -> Result<Answer> {
     let ordinal = check(&call)?;
-    on_device(ordinal, call)
-}
-
-#[cfg(feature = "cuda")]
-fn on_device(ordinal: i32, call: Call) -> Result<Answer> {
-    crate::gpu::ops::run(ordinal, call)
-}
-
-#[cfg(not(feature = "cuda"))]
-fn on_device(ordinal: i32, _call: Call) -> Result<Answer> {
-    Err(PerseusError::GpuUnavailable(format!(
-        "cuda:{ordinal}: this build of Perseus has no GPU support (the cuda feature)"
-    )))
+    super::backend(Device::Cuda(ordinal))?.kernel(ordinal, call)
 }
 
 /// The digits of a radix selection over the non-negative floats' 31-bit patterns, most
