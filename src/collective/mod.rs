@@ -13,6 +13,7 @@ mod broadcast;
 mod hierarchical;
 mod ring;
 mod stripe;
+mod vote;
 
 #[cfg(test)]
 pub(crate) mod tests;
@@ -25,6 +26,7 @@ pub use hierarchical::{
 };
 pub use ring::{allgatherv, allreduce, allreduce_half_links, reduce_scatter};
 pub use stripe::{striped, stripes, MIN_STRIPE};
+pub use vote::patient_max;
 
 use crate::error::Result;
 use crate::transport::{Channel, Mesh, Recv, Send};

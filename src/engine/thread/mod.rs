@@ -1,0 +1,529 @@
+//! The engine thread: it takes callers' requests from the inbox, sends them up to the
+//! coordinator (on rank 0 it runs the coordinator in place), receives the answers and
+//! runs them in the order the coordinator fixed ([`execute`]). It sleeps in one poll(2)
+//! over the inbox's eventfd and the control streams, so it wakes at once for either.
+
+mod execute;
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::control::{Incoming, Uplink, FRAME_REQUESTS};
+use super::inbox::Inbox;
+use super::message::{encode_requests, OpKind, Request, Response, WireRequest};
+use super::offline::Mode;
+use super::{direct, exec, Entry, Event, Output, Shared};
+use crate::collective;
+use crate::config::Config;
+use crate::error::{PerseusError, Result};
+use crate::transport::Mesh;
+
+/// How long the engine stays awake (yielding the core) waiting for an
+/// answer that is due, before it sleeps in poll(2).
+const ANSWER_SPIN: Duration = Duration::from_micros(200);
+
+/// The engine thread's own state.
+pub(super) struct State {
+    mesh: Mesh,
+    uplink: Uplink,
+    inbox: Arc<Inbox<Event>>,
+    /// Rank 0: the coordinator's answers to this rank, not yet run.
+    local: Vec<Response>,
+    shared: Arc<Shared>,
+    entries: HashMap<(u32, String), (Request, Entry, Instant)>,
+    joined: HashSet<u32>,
+    cache: HashMap<(u32, String), (u32, Request)>,
+    bufs: exec::Buffers,
+    cycle: Duration,
+    /// HOROVOD_AUTOTUNE chose the flat ring for allreduces of an automatic mode.
+    auto_flat: bool,
+    /// How long to stay awake for an answer that is due (zero when the host's
+    /// cores are oversubscribed: a yielding rank steals its neighbour's slice).
+    spin: Duration,
+    exit: bool,
+    /// The float16 overflow warning was given.
+    warned_overflow: bool,
+    /// PERSEUS_ALLREDUCE_GRADIENT_SCALE, for that warning.
+    gradient_scale: f64,
+    /// Offline negotiation (PERSEUS_OFFLINE_NEG): negotiating, offered, or running.
+    mode: Mode,
+    /// Requests held while the mode holds them, in the order they came.
+    parked: Vec<Request>,
+    /// Handles callers reported waiting on while running offline.
+    waited: HashSet<u64>,
+    /// Rank 0: when the stall check last ran.
+    stall_checked: Instant,
+    /// Each process set's NCCL group, or why its CUDA tensors are staged.
+    groups: direct::Groups,
+}
+
+impl State {
+    /// The state of a rank's engine thread, over its `mesh` and control `uplink`.
+    pub(super) fn new(
+        mesh: Mesh,
+        uplink: Uplink,
+        inbox: Arc<Inbox<Event>>,
+        shared: Arc<Shared>,
+        config: &Config,
+    ) -> State {
+        // More ranks than cores here: every wait sleeps at once (see Config::oversubscribed).
+        let oversubscribed = config.oversubscribed();
+        State {
+            mesh: if oversubscribed {
+                mesh.without_spin()
+            } else {
+                mesh
+            },
+            uplink,
+            inbox,
+            local: Vec::new(),
+            shared,
+            entries: HashMap::new(),
+            joined: HashSet::new(),
+            cache: HashMap::new(),
+            bufs: exec::Buffers::default(),
+            cycle: config.cycle_time,
+            auto_flat: false,
+            spin: if oversubscribed {
+                Duration::ZERO
+            } else {
+                ANSWER_SPIN
+            },
+            exit: false,
+            warned_overflow: false,
+            gradient_scale: config.plan.scale,
+            mode: Mode::Negotiated,
+            parked: Vec::new(),
+            waited: HashSet::new(),
+            stall_checked: Instant::now(),
+            groups: direct::Groups::new(
+                config.nccl,
+                config.nccl_channels,
+                config.timeout,
+                crate::device::opener(config.nccl_nonblocking),
+            ),
+        }
+    }
+}
+
+/// How often rank 0 looks for stalled tensors while some wait.
+const STALL_TICK: Duration = Duration::from_secs(1);
+
+impl State {
+    pub(super) fn run(mut self) {
+        // The hold below must end on time: ask for 1 µs timer slack (default 50 µs).
+        // SAFETY: prctl on the calling thread only.
+        unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1000 as libc::c_ulong) };
+        self.cycle_loop();
+        // Whatever callers queued after the engine stopped fails instead of hanging.
+        self.inbox.close();
+        let err = self.shared.fatal.lock().unwrap().clone();
+        let err =
+            err.unwrap_or_else(|| PerseusError::Aborted("the Perseus engine has stopped".into()));
+        for ev in self.inbox.take() {
+            if let Event::Enqueue(b) = ev {
+                let (req, entry, _) = *b;
+                self.finish(&req.process_set, &req.name, entry.handle, Err(err.clone()));
+            }
+        }
+    }
+
+    /// Requests are sent at once while nothing is awaiting an answer. While
+    /// something is, new ones are held until an answer arrives or the cycle
+    /// time passes, so a burst (many small tensors, gradients of small layers)
+    /// negotiates and fuses in a few batches instead of one message each. The
+    /// time limit keeps ranks that submit in different orders from waiting on
+    /// each other.
+    fn cycle_loop(&mut self) {
+        let mut held: Vec<Request> = Vec::new();
+        let mut held_since = Instant::now();
+        let mut idle_since: Option<Instant> = None;
+        loop {
+            // Events wait in memory for at most timeline::FLUSH_EVERY.
+            self.shared.timeline.tick();
+            let mut got = false;
+            for ev in self.inbox.take() {
+                got = true;
+                if held.is_empty() {
+                    held_since = Instant::now();
+                }
+                self.handle(ev, &mut held);
+                if self.exit {
+                    return;
+                }
+            }
+            if self.mode.holds() {
+                self.parked.append(&mut held);
+            }
+            let answered = self.receive(&mut held);
+            self.check_stalls();
+            if self.exit {
+                return;
+            }
+            if self.run_offline() {
+                continue;
+            }
+            if got || answered {
+                idle_since = None;
+                let awaiting = self.entries.len() > held.len();
+                if !awaiting || answered || held_since.elapsed() >= self.cycle {
+                    self.send_up(std::mem::take(&mut held));
+                }
+                continue;
+            }
+            if !held.is_empty() {
+                let left = self.cycle.saturating_sub(held_since.elapsed());
+                if left.is_zero() {
+                    self.send_up(std::mem::take(&mut held));
+                } else {
+                    // Held requests wait for an answer or the deadline; what
+                    // callers add meanwhile joins them without waking us.
+                    self.uplink.sleep::<Event>(None, Some(left));
+                }
+                continue;
+            }
+            let since = *idle_since.get_or_insert_with(Instant::now);
+            if !self.entries.is_empty() && since.elapsed() < self.spin {
+                // An answer is due soon: stay awake for it rather than sleep,
+                // since a sleeping thread on an idle virtual CPU takes tens of
+                // microseconds to wake.
+                std::thread::yield_now();
+            } else {
+                let stalls = self.stall_watch().then_some(STALL_TICK);
+                // Wake to write the timeline's last events, if any wait.
+                let tick = match (stalls, self.shared.timeline.due()) {
+                    (Some(a), Some(b)) => Some(a.min(b)),
+                    (a, b) => a.or(b),
+                };
+                self.uplink.sleep(Some(&self.inbox), tick);
+                idle_since = None;
+            }
+        }
+    }
+
+    /// Rank 0 with the stall check on and tensors waiting for ranks.
+    fn stall_watch(&self) -> bool {
+        matches!(&self.uplink, Uplink::Coordinator { coord, .. } if coord.stall_watch())
+    }
+
+    /// Rank 0, once per [`STALL_TICK`] while tensors wait: warns about those
+    /// waiting past PERSEUS_STALL_CHECK_TIME_SECONDS, and stops the job when
+    /// one waits past PERSEUS_STALL_SHUTDOWN_TIME_SECONDS.
+    fn check_stalls(&mut self) {
+        if !self.stall_watch() || self.stall_checked.elapsed() < STALL_TICK {
+            return;
+        }
+        self.stall_checked = Instant::now();
+        let Uplink::Coordinator { coord, .. } = &mut self.uplink else {
+            return;
+        };
+        let found = coord.check_stalls(Instant::now());
+        let warned = found.warnings.len() as u64;
+        self.shared
+            .counters
+            .stall_warnings
+            .fetch_add(warned, Ordering::Relaxed);
+        for w in &found.warnings {
+            crate::log!(
+                crate::log::Level::Warning,
+                "stall: {w}. Every rank must submit the same collectives; \
+                 a rank may be stuck, slow, or on another code path \
+                 (PERSEUS_STALL_CHECK_TIME_SECONDS)."
+            );
+        }
+        if !found.abort.is_empty() {
+            self.uplink.dispatch(found.abort, &mut self.local);
+            self.run_local(&mut Vec::new());
+        }
+    }
+
+    /// Takes what the control streams hold: rank 0 feeds requests to its
+    /// coordinator; everyone runs the answers addressed to them. True when
+    /// answers arrived.
+    fn receive(&mut self, held: &mut Vec<Request>) -> bool {
+        let mut answered = self.run_local(held);
+        for inc in self.uplink.receive() {
+            match inc {
+                Incoming::Requests(rank, reqs) => {
+                    if let Uplink::Coordinator { coord, .. } = &mut self.uplink {
+                        let out = coord.submit_wire(rank, reqs);
+                        self.uplink.dispatch(out, &mut self.local);
+                    }
+                }
+                Incoming::Responses(rs) => {
+                    answered = true;
+                    self.send_up(std::mem::take(held));
+                    rs.into_iter().for_each(|r| self.execute(r));
+                }
+                Incoming::Lost(rank, why) => {
+                    if self.shared.stopping.load(Ordering::SeqCst) {
+                        continue;
+                    }
+                    let why = self
+                        .mesh
+                        .also_ended(on_host(&self.mesh, rank, &why), Some(rank));
+                    if let Uplink::Coordinator { coord, .. } = &mut self.uplink {
+                        let out = coord.disconnect(rank, &why);
+                        self.uplink.dispatch(out, &mut self.local);
+                    } else {
+                        self.fail_all(lost_coordinator(&why));
+                    }
+                }
+            }
+            if self.exit {
+                return answered;
+            }
+            answered |= self.run_local(held);
+        }
+        answered
+    }
+
+    /// Rank 0: runs its own share of what the coordinator answered, right after
+    /// each dispatch (`held`: requests to send up after, as an answer lets them
+    /// go). The workers then hold each batch whole and rank 0 joins its
+    /// collectives before it writes the next, so it never waits to write to a
+    /// worker that waits for it in a collective. True when something ran.
+    fn run_local(&mut self, held: &mut Vec<Request>) -> bool {
+        let mut ran = false;
+        while !self.local.is_empty() && !self.exit {
+            ran = true;
+            for r in std::mem::take(&mut self.local) {
+                self.execute(r);
+            }
+        }
+        // Only now: sending up dispatches again on rank 0.
+        if ran && !self.exit {
+            self.send_up(std::mem::take(held));
+        }
+        ran
+    }
+
+    fn handle(&mut self, ev: Event, batch: &mut Vec<Request>) {
+        match ev {
+            Event::Enqueue(b) => {
+                let (req, entry, at) = *b;
+                if let Some(e) = self.shared.fatal.lock().unwrap().clone() {
+                    self.finish(&req.process_set, &req.name, entry.handle, Err(e));
+                    return;
+                }
+                if req.kind == OpKind::Join {
+                    self.joined.insert(req.process_set);
+                }
+                batch.push(req.clone());
+                self.entries
+                    .insert((req.process_set, req.name.clone()), (req, entry, at));
+            }
+            Event::SetFusion(bytes) => {
+                if let Uplink::Coordinator { coord, .. } = &mut self.uplink {
+                    coord.set_fusion_threshold(bytes as usize);
+                }
+            }
+            Event::Fatal(msg) => self.fail_all(PerseusError::Aborted(msg)),
+            Event::Waiting(h) => {
+                self.waited.insert(h);
+            }
+            Event::Panic(what) => panic!("{what}"),
+        }
+    }
+
+    /// Sends requests to the coordinator, or holds them while offline
+    /// negotiation does (see [`offline`]).
+    fn send_up(&mut self, mut batch: Vec<Request>) {
+        if self.mode.holds() {
+            self.parked.append(&mut batch);
+            return;
+        }
+        self.transmit(batch);
+    }
+
+    /// Runs the offline schedule as far as the held requests allow: before
+    /// each group every rank votes; one that cannot go on sends all back to
+    /// negotiation. True when it did something.
+    fn run_offline(&mut self) -> bool {
+        let mut did = false;
+        while let Mode::Running(schedule) = &mut self.mode {
+            if self.exit {
+                break;
+            }
+            let group = schedule.next();
+            let Response::Op { names, .. } = &group else {
+                break;
+            };
+            let off = self.parked.iter().any(|r| !schedule.fits(r));
+            let held: HashSet<&str> = self.parked.iter().map(|r| r.name.as_str()).collect();
+            let whole = !off && names.iter().all(|n| held.contains(n.as_str()));
+            let count = names.len();
+            drop(held);
+            if !whole && !off && !self.caller_blocked() {
+                break;
+            }
+            did = true;
+            let voted = offline_vote(&self.mesh, &mut self.uplink, &mut self.local, whole);
+            match voted {
+                Err(e) => self.fail_all(e),
+                Ok(false) => self.fall_back(),
+                Ok(true) => {
+                    if let Mode::Running(s) = &mut self.mode {
+                        s.advance();
+                    }
+                    if let Response::Op { names, .. } = &group {
+                        let ran: HashSet<&String> = names.iter().collect();
+                        self.parked.retain(|r| !ran.contains(&r.name));
+                    }
+                    let skipped = &self.shared.counters.negotiations_skipped;
+                    skipped.fetch_add(count as u64, Ordering::Relaxed);
+                    self.execute(group);
+                }
+            }
+        }
+        did
+    }
+
+    /// True when a caller waits on a held tensor: its group cannot complete
+    /// before that caller goes on, so the schedule must be left.
+    fn caller_blocked(&mut self) -> bool {
+        if self.waited.is_empty() {
+            return false;
+        }
+        let pending: HashSet<u64> = self.entries.values().map(|(_, e, _)| e.handle).collect();
+        self.waited.retain(|h| pending.contains(h));
+        self.parked.iter().any(|r| {
+            self.entries
+                .get(&(r.process_set, r.name.clone()))
+                .is_some_and(|(_, e, _)| self.waited.contains(&e.handle))
+        })
+    }
+
+    /// Leaves the offline schedule (on every rank at the same group): what
+    /// was held goes to the coordinator in the order it came.
+    fn fall_back(&mut self) {
+        self.mode = Mode::Negotiated;
+        self.shared.offline.store(false, Ordering::Relaxed);
+        self.waited.clear();
+        let held = std::mem::take(&mut self.parked);
+        self.transmit(held);
+    }
+
+    fn transmit(&mut self, batch: Vec<Request>) {
+        if batch.is_empty() {
+            return;
+        }
+        let sent = &self.shared.counters.negotiation_messages;
+        sent.fetch_add(1, Ordering::Relaxed);
+        self.shared.timeline.mark_cycle(batch.len());
+        match &mut self.uplink {
+            Uplink::Coordinator { coord, .. } => {
+                let out = coord.submit(0, batch);
+                self.uplink.dispatch(out, &mut self.local);
+                self.run_local(&mut Vec::new());
+            }
+            Uplink::Worker(stream) => {
+                let wire: Vec<WireRequest> = batch
+                    .into_iter()
+                    .map(|r| match self.cache.get(&(r.process_set, r.name.clone())) {
+                        Some((id, cached)) if *cached == r => {
+                            self.shared.cache_hits.fetch_add(1, Ordering::Relaxed);
+                            WireRequest::Cached(*id)
+                        }
+                        _ => WireRequest::Full(r),
+                    })
+                    .collect();
+                // Queued, never waited for: rank 0 may be in a collective with this rank.
+                let sent = match stream {
+                    Some(s) => s
+                        .post_batch(FRAME_REQUESTS, &wire, encode_requests)
+                        .map_err(|e| e.to_string()),
+                    None => Err("the connection is closed".to_string()),
+                };
+                if let Err(e) = sent {
+                    self.fail_all(lost_coordinator(&self.mesh.also_ended(e, Some(0))));
+                }
+            }
+        }
+    }
+
+    fn finish(&self, ps: &u32, name: &str, handle: u64, r: Result<Output>) {
+        self.shared
+            .inflight
+            .lock()
+            .unwrap()
+            .remove(&(*ps, name.to_string()));
+        let ok = r.is_ok();
+        self.shared.recorder.lock().unwrap().finished(handle, ok);
+        self.shared.handles.complete(handle, r);
+    }
+
+    fn fail_all(&mut self, e: PerseusError) {
+        self.shared.fatal.lock().unwrap().get_or_insert(e.clone());
+        self.mode = Mode::Negotiated;
+        self.shared.offline.store(false, Ordering::Relaxed);
+        self.parked.clear();
+        for ((ps, name), (_, entry, _)) in std::mem::take(&mut self.entries) {
+            self.finish(&ps, &name, entry.handle, Err(e.clone()));
+        }
+        if self.shared.stopping.load(Ordering::SeqCst) {
+            self.exit = true;
+        }
+    }
+}
+
+/// Why a rank's control stream broke, with the host it ran on.
+fn on_host(mesh: &Mesh, rank: usize, why: &str) -> String {
+    match mesh.host_name(rank) {
+        Some(h) => format!("{why}; it ran on host {h}"),
+        None => why.to_string(),
+    }
+}
+
+/// The error every pending operation gets when the control stream to rank 0 fails.
+fn lost_coordinator(why: &str) -> PerseusError {
+    PerseusError::Aborted(format!(
+        "lost the connection to rank 0 (the coordinator): {why}"
+    ))
+}
+
+/// One offline vote with every rank (the largest of one byte each: 0 to go on, 1 to
+/// leave the schedule); true when all said 0. Peers may be busy computing for a long
+/// time, so it waits patiently, reading the control streams meanwhile: a lost rank or
+/// an abort ends it with that error.
+fn offline_vote(
+    mesh: &Mesh,
+    uplink: &mut Uplink,
+    local: &mut Vec<Response>,
+    go: bool,
+) -> Result<bool> {
+    let mut alive = || -> Result<()> {
+        for inc in uplink.receive() {
+            match inc {
+                Incoming::Requests(rank, reqs) => {
+                    // A rank that already left the schedule negotiates again.
+                    if let Uplink::Coordinator { coord, .. } = uplink {
+                        let out = coord.submit_wire(rank, reqs);
+                        uplink.dispatch(out, local);
+                    }
+                }
+                Incoming::Responses(rs) => {
+                    for resp in rs {
+                        if let Response::Abort { message } = &resp {
+                            return Err(PerseusError::Aborted(message.clone()));
+                        }
+                        local.push(resp);
+                    }
+                }
+                Incoming::Lost(rank, why) => {
+                    let why = mesh.also_ended(on_host(mesh, rank, &why), Some(rank));
+                    if let Uplink::Coordinator { coord, .. } = uplink {
+                        let out = coord.disconnect(rank, &why);
+                        uplink.dispatch(out, local);
+                        return Err(PerseusError::Peer(format!("rank {rank} is gone ({why})")));
+                    }
+                    return Err(lost_coordinator(&why));
+                }
+            }
+        }
+        Ok(())
+    };
+    collective::patient_max(mesh, u8::from(!go), &mut alive).map(|max| max == 0)
+}
