@@ -7,6 +7,7 @@ pub mod env;
 pub mod error;
 pub mod kernels;
 pub mod log;
+pub mod params;
 
 pub use dtype::{DataType, ReduceOp};
 pub use error::{PerseusError, Result};

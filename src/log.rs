@@ -60,9 +60,13 @@ impl Level {
     }
 }
 
-/// The level a job logs at unless told otherwise: notes and above (Perseus prints few
-/// notes, and they say which path or setting a job took).
-pub const DEFAULT_LEVEL: Level = Level::Info;
+/// The level a job logs at unless told otherwise: PERSEUS_LOG_LEVEL's default in
+/// [`crate::params`] (notes and above: Perseus prints few notes, and they say which
+/// path or setting a job took).
+pub fn default_level() -> Level {
+    let default = crate::params::param("PERSEUS_LOG_LEVEL").default_text();
+    Level::parse(&default).expect("PERSEUS_LOG_LEVEL's default is a level")
+}
 
 const UNSET: u8 = u8::MAX;
 static LEVEL: AtomicU8 = AtomicU8::new(UNSET);
@@ -75,10 +79,11 @@ fn level() -> Level {
     if v != UNSET {
         return LEVELS[v as usize];
     }
-    let l = crate::env::var("PERSEUS_LOG_LEVEL")
-        .or_else(|| crate::env::var("HOROVOD_LOG_LEVEL"))
+    // A bad value counts as the default here: `init()` names it as an error.
+    let l = crate::params::text("PERSEUS_LOG_LEVEL")
+        .unwrap_or(None)
         .and_then(|s| Level::parse(&s))
-        .unwrap_or(DEFAULT_LEVEL);
+        .unwrap_or_else(default_level);
     LEVEL.store(l as u8, Ordering::Relaxed);
     l
 }
@@ -88,7 +93,7 @@ fn show_time() -> bool {
     if v != UNSET {
         return v == 1;
     }
-    let show = crate::env::var("HOROVOD_LOG_HIDE_TIME").as_deref() == Some("0");
+    let show = matches!(crate::params::flag("HOROVOD_LOG_HIDE_TIME"), Ok(false));
     SHOW_TIME.store(u8::from(show), Ordering::Relaxed);
     show
 }

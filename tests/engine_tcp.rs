@@ -35,7 +35,7 @@ fn config(rank: usize, size: usize, port: u16, shm: bool) -> Config {
         timeline: None,
         timeline_mark_cycles: false,
         hierarchical_allgather: false,
-        log_level: perseus::log::DEFAULT_LEVEL,
+        log_level: perseus::log::default_level(),
         log_time: false,
         shm,
         accumulate_n_steps: 1,

@@ -228,3 +228,31 @@ fn no_module_depends_on_a_module_that_depends_on_it() {
         );
     }
 }
+
+#[test]
+fn tests_are_the_tests_child_of_the_module_they_test() {
+    // One layout: a module's tests are its child `tests`, inline (`mod tests { .. }`) or
+    // in `<module>/tests.rs` (`tests.rs` beside a `mod.rs`). So the test of a module is
+    // found where the module is, and no file is renamed by a #[path].
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files = Vec::new();
+    rust_files(&src, &mut files);
+    let misplaced: Vec<String> = files
+        .iter()
+        .filter(|p| {
+            let name = p.file_name().unwrap().to_string_lossy();
+            let text = fs::read_to_string(p).unwrap();
+            (name.ends_with("tests.rs") && name != "tests.rs")
+                || text.contains("#[path")
+                || text.lines().any(|l| {
+                    let l = l.trim_start();
+                    l.starts_with("mod ") && l.contains("_tests")
+                })
+        })
+        .map(|p| p.strip_prefix(&src).unwrap().display().to_string())
+        .collect();
+    assert!(
+        misplaced.is_empty(),
+        "tests outside the layout: {misplaced:?}"
+    );
+}

@@ -1,7 +1,8 @@
 //! HOROVOD_THREAD_AFFINITY: the core each local rank's engine thread runs on.
 
-use super::{invalid, var};
+use super::invalid;
 use crate::error::{PerseusError, Result};
+use crate::params;
 
 const NAME: &str = "HOROVOD_THREAD_AFFINITY";
 
@@ -10,14 +11,14 @@ const NAME: &str = "HOROVOD_THREAD_AFFINITY";
 /// `None` when it is unset. A list that is not numbers, too short for the host's
 /// ranks, or that names a core this process may not run on, is an error naming it.
 pub fn from_env(local_rank: usize, local_size: usize) -> Result<Option<usize>> {
-    let Some(text) = var(NAME) else {
+    let Some(text) = params::text(NAME)? else {
         return Ok(None);
     };
     let cores: Vec<usize> = text
         .split(',')
         .map(|c| c.trim().parse::<usize>())
         .collect::<std::result::Result<_, _>>()
-        .map_err(|_| invalid(NAME, &text, super::allowed_of(NAME)))?;
+        .map_err(|_| invalid(NAME, &text, &params::param(NAME).allowed()))?;
     if cores.len() < local_size {
         return Err(PerseusError::InvalidConfig {
             var: NAME.into(),
@@ -30,7 +31,7 @@ pub fn from_env(local_rank: usize, local_size: usize) -> Result<Option<usize>> {
     }
     let core = cores[local_rank];
     if core >= libc::CPU_SETSIZE as usize {
-        return Err(invalid(NAME, &text, super::allowed_of(NAME)));
+        return Err(invalid(NAME, &text, &params::param(NAME).allowed()));
     }
     let allowed = allowed_cores();
     if !allowed.is_empty() && !allowed.contains(&core) {

@@ -1,7 +1,7 @@
 //! HOROVOD_AUTOTUNE and its options, read as Horovod 0.28 names them.
 
-use super::{float_var, int_var, invalid, var};
 use crate::error::Result;
+use crate::params;
 
 /// How autotuning samples, and which knobs it may move.
 #[derive(Debug, Clone, PartialEq)]
@@ -31,31 +31,25 @@ pub struct AutotuneSettings {
 /// Knobs the user set are held constant, as Horovod does; when none is left to
 /// move, autotuning is off and `note` says why.
 pub fn from_env(note: &mut Vec<String>) -> Result<Option<AutotuneSettings>> {
-    if int_var("HOROVOD_AUTOTUNE", 0, 0, 1)? == 0 {
+    if !params::flag("HOROVOD_AUTOTUNE")? {
         return Ok(None);
     }
-    let noise_name = "HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE";
-    let noise = float_var(noise_name, 0.8)?;
-    if !(1e-6..=100.0).contains(&noise) {
-        let v = var(noise_name).unwrap_or_default();
-        return Err(invalid(noise_name, &v, super::allowed_of(noise_name)));
-    }
     let s = AutotuneSettings {
-        log: var("HOROVOD_AUTOTUNE_LOG"),
-        warmup_samples: int_var("HOROVOD_AUTOTUNE_WARMUP_SAMPLES", 3, 0, 1000)? as u32,
-        steps_per_sample: int_var("HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE", 10, 1, 100_000)? as u32,
-        max_samples: int_var("HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES", 20, 1, 1000)? as u32,
-        noise,
-        fusion: var("HOROVOD_FUSION_THRESHOLD").is_none()
-            && var("PERSEUS_ALLREDUCE_FUSION").is_none(),
-        cycle: var("HOROVOD_CYCLE_TIME").is_none(),
+        log: params::text("HOROVOD_AUTOTUNE_LOG")?,
+        warmup_samples: params::int("HOROVOD_AUTOTUNE_WARMUP_SAMPLES")? as u32,
+        steps_per_sample: params::int("HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE")? as u32,
+        max_samples: params::int("HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES")? as u32,
+        noise: params::float("HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE")?,
+        fusion: !params::is_set("HOROVOD_FUSION_THRESHOLD")
+            && !params::is_set("PERSEUS_ALLREDUCE_FUSION"),
+        cycle: !params::is_set("HOROVOD_CYCLE_TIME"),
         mode: [
             "PERSEUS_ALLREDUCE_MODE",
             "HOROVOD_HIERARCHICAL_ALLREDUCE",
             "AIAK_HIERARCHICAL_ALLREDUCE",
         ]
-        .iter()
-        .all(|v| var(v).is_none()),
+        .into_iter()
+        .all(|v| !params::is_set(v)),
     };
     if !s.fusion && !s.cycle && !s.mode {
         note.push(

@@ -1,6 +1,7 @@
 //! Every environment variable the core reads, parsed and validated once at
-//! `init()`. Each knob is declared in [`PARAMS`] with its default and range;
-//! `docs/environment.md` is checked against that table by a test.
+//! `init()`. Each setting is declared in [`crate::params`] with its kind, range and
+//! default, and read through it; this module holds the rules between settings (which
+//! wins, what an unset one means) and the variables launchers hand their ranks.
 
 mod affinity;
 mod autotune;
@@ -14,318 +15,10 @@ pub use autotune::AutotuneSettings;
 pub use topology::{cross_from_hosts, first_slurm_host, Launcher, Topology};
 
 use crate::error::{PerseusError, Result};
+use crate::params;
 use crate::plan::{Encoding, Mode, Plan};
 use std::collections::BTreeMap;
 use std::time::Duration;
-
-/// A tunable: the variable, its default as text, and what it does.
-pub struct Param {
-    /// Environment variable name.
-    pub name: &'static str,
-    /// Default value, as a user would write it.
-    pub default: &'static str,
-    /// Allowed values, in words.
-    pub allowed: &'static str,
-    /// One line on its effect.
-    pub doc: &'static str,
-}
-
-/// PERSEUS_ALLREDUCE_NANCHECK, and seed 003's spelling of it, read as an alias.
-const NANCHECK: &str = "PERSEUS_ALLREDUCE_NANCHECK";
-const NANCHECK_ALIAS: &str = "PERSEUS_ALLREDUCE_NANHECK";
-
-/// The tunables the core honours today.
-pub const PARAMS: &[Param] = &[
-    Param {
-        name: "GLOO_TIMEOUT_SECONDS",
-        default: "60",
-        allowed: "an integer from 1 to 86400",
-        doc: "seconds to wait for a peer (connect, rendezvous, each transfer) before failing \
-              (HOROVOD_GLOO_TIMEOUT_SECONDS is an alias)",
-    },
-    Param {
-        name: "HOROVOD_FUSION_THRESHOLD",
-        default: "67108864",
-        allowed: "an integer number of bytes >= 0 (0 disables fusion)",
-        doc: "largest fused buffer for small allreduces",
-    },
-    Param {
-        name: "HOROVOD_CYCLE_TIME",
-        default: "1",
-        allowed: "a number of milliseconds from 0 to 60000",
-        doc: "longest a request is held back, while others await their answer, to batch a burst",
-    },
-    Param {
-        name: "HOROVOD_AUTOTUNE",
-        default: "0",
-        allowed: "0 or 1",
-        doc: "1: rank 0 tries fusion thresholds, cycle times and (across hosts) the \
-              allreduce mode during the first steps, scores each by the bytes reduced per \
-              second, and keeps the best (knobs set by hand are held constant)",
-    },
-    Param {
-        name: "HOROVOD_AUTOTUNE_LOG",
-        default: "",
-        allowed: "a file path",
-        doc: "CSV file rank 0 writes each autotune sample and the chosen settings to",
-    },
-    Param {
-        name: "HOROVOD_AUTOTUNE_WARMUP_SAMPLES",
-        default: "3",
-        allowed: "an integer from 0 to 1000",
-        doc: "samples measured and discarded before autotuning compares settings",
-    },
-    Param {
-        name: "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE",
-        default: "10",
-        allowed: "an integer from 1 to 100000",
-        doc: "training steps (a step ends where a tensor name comes again) in one sample",
-    },
-    Param {
-        name: "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES",
-        default: "20",
-        allowed: "an integer from 1 to 1000",
-        doc: "samples scored before the best settings are kept for the rest of the job",
-    },
-    Param {
-        name: "HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE",
-        default: "0.8",
-        allowed: "a number from 0.000001 to 100",
-        doc: "noise term of the Gaussian process over scores scaled to unit variance; \
-              larger trusts single samples less",
-    },
-    Param {
-        name: "HOROVOD_THREAD_AFFINITY",
-        default: "",
-        allowed: "a comma-separated list of core numbers, one per local rank",
-        doc: "the engine thread of local rank i runs on the i-th core of the list",
-    },
-    Param {
-        name: "HOROVOD_CACHE_CAPACITY",
-        default: "1024",
-        allowed: "an integer >= 0 (0 disables the response cache)",
-        doc: "number of tensor signatures remembered so steady-state requests travel as ids",
-    },
-    Param {
-        name: "PERSEUS_SHM",
-        default: "1",
-        allowed: "0 or 1",
-        doc: "1: ranks on one host exchange data through shared memory; 0: loopback TCP",
-    },
-    Param {
-        name: "PERSEUS_MASTER_PORT",
-        default: "6666",
-        allowed: "a TCP port from 1 to 65535",
-        doc: "port rank 0 hosts the rendezvous on when another launcher started the job",
-    },
-    Param {
-        name: "PERSEUS_USE_DDP_LAUNCHER",
-        default: "1",
-        allowed: "0 or 1",
-        doc: "1: read torchrun's RANK/WORLD_SIZE; 0: ignore them",
-    },
-    Param {
-        name: "PERSEUS_CHANGE_HVD_ALLGATHER",
-        default: "0",
-        allowed: "0 (stack equal shapes, DDP style) or 1 (concatenate along dim 0, Horovod style)",
-        doc: "allgather result layout",
-    },
-    Param {
-        name: "PERSEUS_GLOO_NETWORK_INTERFACE",
-        default: "",
-        allowed: "the name of an interface with an IPv4 address (unset: eth0 when the job \
-                  spans hosts and eth0 exists, else the route to the rendezvous)",
-        doc: "network interface ranks listen on and connect from",
-    },
-    Param {
-        name: "PERSEUS_ALLREDUCE_FUSION",
-        default: "",
-        allowed: "an integer from 0 to 128, or unset (automatic: HOROVOD_FUSION_THRESHOLD)",
-        doc: "fusion buffer size as a fraction of DistributedOptimizer's gradient bytes \
-              (16: 1/16 of them per buffer); 0 disables fusion",
-    },
-    Param {
-        name: "PERSEUS_ACCUMULATE_N_STEPS",
-        default: "1",
-        allowed: "an integer from 1 to 1024",
-        doc: "DistributedOptimizer communicates and steps on every N-th step() with the average \
-              of the N local gradients",
-    },
-    Param {
-        name: "PERSEUS_ALLREDUCE_NANCHECK",
-        default: "0",
-        allowed: "0 or 1",
-        doc: "1: a NaN or Inf in a reduced gradient raises an error naming the tensor and the \
-              ranks it came from; the step is not applied (PERSEUS_ALLREDUCE_NANHECK, seed \
-              003's spelling, is an alias)",
-    },
-    Param {
-        name: "PERSEUS_ALLREDUCE_DTYPE",
-        default: "",
-        allowed: "0 (float16), 1 (no compression), 2 (float16 between hosts only), or unset \
-                  (automatic: as 2)",
-        doc: "how float32 gradients travel: 0 float16 on every link; 1 as they are; 2 float32 \
-              within a host and float16 between hosts",
-    },
-    Param {
-        name: "PERSEUS_ALLREDUCE_GRADIENT_SCALE",
-        default: "10",
-        allowed: "a number greater than 0 and at most 65504",
-        doc: "gradients are multiplied by it before the cast to float16 and divided after; a \
-              sum that overflows float16 is resent uncompressed with a warning",
-    },
-    Param {
-        name: "PERSEUS_ALLREDUCE_MODE",
-        default: "",
-        allowed: "0 (flat ring), 1 (hierarchical), or unset (automatic)",
-        doc: "allreduce shape across hosts; unset: hierarchical when the set spans several \
-              hosts with the same number (two or more) of ranks on each",
-    },
-    Param {
-        name: "HOROVOD_HIERARCHICAL_ALLREDUCE",
-        default: "",
-        allowed: "0 or 1 (PERSEUS_ALLREDUCE_MODE wins when both are set)",
-        doc: "Horovod's name for PERSEUS_ALLREDUCE_MODE",
-    },
-    Param {
-        name: "AIAK_HIERARCHICAL_ALLREDUCE",
-        default: "",
-        allowed: "0 or 1 (PERSEUS_ALLREDUCE_MODE, then HOROVOD_HIERARCHICAL_ALLREDUCE, win)",
-        doc: "seed 001's name for PERSEUS_ALLREDUCE_MODE",
-    },
-    Param {
-        name: "AIAK_FP16_COMPRESSION",
-        default: "",
-        allowed: "0 or 1 (PERSEUS_ALLREDUCE_DTYPE wins when both are set)",
-        doc: "seed 001's switch: 1 as PERSEUS_ALLREDUCE_DTYPE=0 (float16 on every link), \
-              0 as PERSEUS_ALLREDUCE_DTYPE=1 (no compression)",
-    },
-    Param {
-        name: "PERSEUS_ALLREDUCE_STREAMS",
-        default: "4",
-        allowed: "an integer from 1 to 12, the same on every rank",
-        doc: "TCP connections per pair of ranks on different hosts; a large allreduce between \
-              hosts is split across them, each part on its own thread",
-    },
-    Param {
-        name: "PERSEUS_NCCL_ENABLE",
-        default: "",
-        allowed: "0, 1, or unset (automatic)",
-        doc: "CUDA tensors between ranks that each have their own GPU travel over NCCL; \
-              0: always through host memory; 1: NCCL or an error naming why it cannot",
-    },
-    Param {
-        name: "PERSEUS_NCCL_NONBLOCKING",
-        default: "0",
-        allowed: "0 or 1",
-        doc: "1: NCCL communicators are non-blocking (NCCL 2.19 and later), so forming them \
-              and every collective's launch are waited for under the peer timeout; costs a \
-              thread per collective in NCCL",
-    },
-    Param {
-        name: "PERSEUS_NCCL_NETWORK_INTERFACE",
-        default: "",
-        allowed: "a network interface name, or a list as NCCL_SOCKET_IFNAME takes",
-        doc: "the interface NCCL's sockets use between hosts (sets NCCL_SOCKET_IFNAME when \
-              that is unset); unset: NCCL's own choice",
-    },
-    Param {
-        name: "PERSEUS_OFFLINE_NEG",
-        default: "0",
-        allowed: "0 or 1",
-        doc: "1: once three steps in a row reduced the same tensors, ranks run that step's \
-              schedule without asking the coordinator; any change falls back to negotiation",
-    },
-    Param {
-        name: "PERSEUS_DOWNSAMPLE_N_ELEMENTS",
-        default: "1",
-        allowed: "an integer from 1 to 1024",
-        doc: "DistributedOptimizer sends 1/N of each gradient's elements per step, rotating so \
-              every element goes every N steps; the rest is kept and added later",
-    },
-    Param {
-        name: "PERSEUS_GRADIENT_MOMENTUM",
-        default: "1",
-        allowed: "a number from 0 to 1",
-        doc: "with PERSEUS_DOWNSAMPLE_N_ELEMENTS: the factor applied each step to the gradient \
-              kept back (0.9 for momentum SGD)",
-    },
-    Param {
-        name: "PERSEUS_PERF_CHECK_N_STEPS",
-        default: "0",
-        allowed: "an integer from 0 (off) to 1000000",
-        doc: "every N optimizer steps, ranks compare their compute time; a rank much slower \
-              than the median is reported with its host, local rank and figures",
-    },
-    Param {
-        name: "PERSEUS_FUSED_OPTIMIZER",
-        default: "0",
-        allowed: "0 or 1",
-        doc: "1: DistributedOptimizer takes the step of a wrapped torch.optim SGD, Adam or \
-              AdamW as one fused pass per parameter in the core (perseus.torch.optim)",
-    },
-    Param {
-        name: "AIAK_FUSED_OPTIMIZER",
-        default: "",
-        allowed: "0 or 1 (PERSEUS_FUSED_OPTIMIZER wins when both are set)",
-        doc: "seed 001's name for PERSEUS_FUSED_OPTIMIZER",
-    },
-    Param {
-        name: "PERSEUS_STALL_CHECK_TIME_SECONDS",
-        default: "60",
-        allowed: "an integer number of seconds from 0 (off) to 86400 \
-                  (HOROVOD_STALL_CHECK_TIME_SECONDS is an alias)",
-        doc: "rank 0 warns about a collective some ranks have waited on this long, naming \
-              it and the ranks that have not submitted it",
-    },
-    Param {
-        name: "PERSEUS_STALL_SHUTDOWN_TIME_SECONDS",
-        default: "0",
-        allowed: "an integer number of seconds from 0 (never) to 86400 \
-                  (HOROVOD_STALL_SHUTDOWN_TIME_SECONDS is an alias)",
-        doc: "a collective some ranks have waited on this long fails the job on every rank \
-              with an error naming it and the missing ranks",
-    },
-    Param {
-        name: "HOROVOD_STALL_CHECK_DISABLE",
-        default: "",
-        allowed: "0 or 1",
-        doc: "Horovod's switch: 1 turns the stall warning off unless \
-              PERSEUS_STALL_CHECK_TIME_SECONDS is set",
-    },
-    Param {
-        name: "PERSEUS_TIMELINE",
-        default: "",
-        allowed: "a file path (HOROVOD_TIMELINE is an alias)",
-        doc: "write a Chrome-trace JSON of every operation to this file",
-    },
-    Param {
-        name: "HOROVOD_HIERARCHICAL_ALLGATHER",
-        default: "0",
-        allowed: "0 or 1",
-        doc: "1: allgathers over hosts with the same number (two or more) of ranks gather \
-              across hosts first, then within each host",
-    },
-    Param {
-        name: "PERSEUS_LOG_LEVEL",
-        default: "INFO",
-        allowed: "TRACE, DEBUG, INFO, WARNING, ERROR or FATAL, any case \
-                  (HOROVOD_LOG_LEVEL is an alias)",
-        doc: "the least level of the core's log lines written to stderr",
-    },
-    Param {
-        name: "HOROVOD_LOG_HIDE_TIME",
-        default: "1",
-        allowed: "0 or 1",
-        doc: "0 starts each of the core's log lines with the UTC time",
-    },
-    Param {
-        name: "HOROVOD_TIMELINE_MARK_CYCLES",
-        default: "0",
-        allowed: "0 or 1",
-        doc: "1 marks each negotiation cycle in the timeline (an instant CYCLE_START)",
-    },
-];
 
 /// Limits of the stall check (PERSEUS_STALL_CHECK_TIME_SECONDS and
 /// PERSEUS_STALL_SHUTDOWN_TIME_SECONDS); `None` is off.
@@ -433,38 +126,10 @@ fn invalid(name: &str, value: &str, allowed: &str) -> PerseusError {
     }
 }
 
-/// PERSEUS_LOG_LEVEL, else HOROVOD_LOG_LEVEL, else the default; a name that is no level
-/// is an error naming the variable it came from.
+/// PERSEUS_LOG_LEVEL (or its alias HOROVOD_LOG_LEVEL), else its default.
 fn log_level() -> Result<crate::log::Level> {
-    for name in ["PERSEUS_LOG_LEVEL", "HOROVOD_LOG_LEVEL"] {
-        if let Some(v) = var(name) {
-            return crate::log::Level::parse(&v)
-                .ok_or_else(|| invalid(name, &v, allowed_of("PERSEUS_LOG_LEVEL")));
-        }
-    }
-    Ok(crate::log::DEFAULT_LEVEL)
-}
-
-fn allowed_of(name: &str) -> &'static str {
-    PARAMS
-        .iter()
-        .find(|p| p.name == name)
-        .map(|p| p.allowed)
-        .unwrap_or("see docs/environment.md")
-}
-
-/// Parses the first of `names` that is set as an integer within `[min, max]`, as
-/// [`int_var`] does; later names are aliases (another spelling of the same setting).
-/// A bad value names the variable it came from; the allowed values are the first name's.
-fn aliased_int_var(names: &[&str], default: u64, min: u64, max: u64) -> Result<u64> {
-    let name = names.iter().copied().find(|n| var(n).is_some());
-    match name.zip(name.and_then(var)) {
-        None => Ok(default),
-        Some((name, v)) => match v.parse::<u64>() {
-            Ok(x) if (min..=max).contains(&x) => Ok(x),
-            _ => Err(invalid(name, &v, allowed_of(names[0]))),
-        },
-    }
+    let name = params::text("PERSEUS_LOG_LEVEL")?.unwrap_or_default();
+    Ok(crate::log::Level::parse(&name).unwrap_or_else(crate::log::default_level))
 }
 
 /// The stall check's limits: PERSEUS_STALL_CHECK_TIME_SECONDS and
@@ -472,46 +137,28 @@ fn aliased_int_var(names: &[&str], default: u64, min: u64, max: u64) -> Result<u
 /// and HOROVOD_STALL_SHUTDOWN_TIME_SECONDS; Horovod's HOROVOD_STALL_CHECK_DISABLE=1 turns
 /// the warning off unless PERSEUS_STALL_CHECK_TIME_SECONDS is set.
 fn stall_limits() -> Result<StallLimits> {
-    let disabled = var("PERSEUS_STALL_CHECK_TIME_SECONDS").is_none()
-        && int_var("HOROVOD_STALL_CHECK_DISABLE", 0, 0, 1)? == 1;
-    let warn = aliased_int_var(
-        &[
-            "PERSEUS_STALL_CHECK_TIME_SECONDS",
-            "HOROVOD_STALL_CHECK_TIME_SECONDS",
-        ],
-        60,
-        0,
-        86_400,
-    )?;
-    let fail = aliased_int_var(
-        &[
-            "PERSEUS_STALL_SHUTDOWN_TIME_SECONDS",
-            "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS",
-        ],
-        0,
-        0,
-        86_400,
-    )?;
+    let disabled = !params::is_set("PERSEUS_STALL_CHECK_TIME_SECONDS")
+        && params::flag_opt("HOROVOD_STALL_CHECK_DISABLE")? == Some(true);
+    let warn = params::int("PERSEUS_STALL_CHECK_TIME_SECONDS")?;
+    let fail = params::int("PERSEUS_STALL_SHUTDOWN_TIME_SECONDS")?;
     Ok(StallLimits {
         warn: if disabled { None } else { seconds(warn) },
         fail: seconds(fail),
     })
 }
 
-/// Parses an integer variable within `[min, max]`.
-pub fn int_var(name: &str, default: u64, min: u64, max: u64) -> Result<u64> {
+/// A variable a launcher hands its ranks (no setting: see [`crate::params`]) as an
+/// integer within `[min, max]`.
+pub fn launcher_int(name: &str, min: u64, max: u64) -> Result<Option<u64>> {
     match var(name) {
-        None => Ok(default),
+        None => Ok(None),
         Some(v) => match v.parse::<u64>() {
-            Ok(x) if (min..=max).contains(&x) => Ok(x),
-            // A launcher's variable (PERSEUS_RENDEZVOUS_PORT) has no PARAMS row: its
-            // range is the allowed values.
-            _ if PARAMS.iter().all(|p| p.name != name) => Err(invalid(
+            Ok(x) if (min..=max).contains(&x) => Ok(Some(x)),
+            _ => Err(invalid(
                 name,
                 &v,
                 &format!("an integer from {min} to {max}"),
             )),
-            _ => Err(invalid(name, &v, allowed_of(name))),
         },
     }
 }
@@ -561,31 +208,24 @@ const UNAUTHENTICATED: &str = "warning: PERSEUS_SECRET is not set, so this job i
     PERSEUS_SECRET (e.g. from `openssl rand -hex 16`).";
 
 fn precedence_notes() -> Vec<String> {
-    let pairs = [
+    // A setting over its aliases, and the settings that win over others.
+    let aliases = params::PARAMS
+        .iter()
+        .filter(|p| p.scope == params::Scope::Core)
+        .flat_map(|p| p.aliases.iter().map(move |a| (p.name, *a)));
+    let rules = [
         ("PERSEUS_ALLREDUCE_FUSION", "HOROVOD_FUSION_THRESHOLD"),
-        (NANCHECK, NANCHECK_ALIAS),
-        (
-            "PERSEUS_STALL_CHECK_TIME_SECONDS",
-            "HOROVOD_STALL_CHECK_TIME_SECONDS",
-        ),
-        (
-            "PERSEUS_STALL_SHUTDOWN_TIME_SECONDS",
-            "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS",
-        ),
         ("PERSEUS_ALLREDUCE_STREAMS", "HOROVOD_NUM_NCCL_STREAMS"),
-        ("PERSEUS_TIMELINE", "HOROVOD_TIMELINE"),
-        ("PERSEUS_LOG_LEVEL", "HOROVOD_LOG_LEVEL"),
-        ("GLOO_TIMEOUT_SECONDS", "HOROVOD_GLOO_TIMEOUT_SECONDS"),
         ("PERSEUS_ALLREDUCE_MODE", "HOROVOD_HIERARCHICAL_ALLREDUCE"),
         ("PERSEUS_ALLREDUCE_MODE", "AIAK_HIERARCHICAL_ALLREDUCE"),
         (
             "HOROVOD_HIERARCHICAL_ALLREDUCE",
             "AIAK_HIERARCHICAL_ALLREDUCE",
         ),
-        ("PERSEUS_FUSED_OPTIMIZER", "AIAK_FUSED_OPTIMIZER"),
+        ("PERSEUS_ALLREDUCE_DTYPE", "AIAK_FP16_COMPRESSION"),
     ];
-    pairs
-        .iter()
+    aliases
+        .chain(rules)
         .filter_map(|(p, h)| match (var(p), var(h)) {
             (Some(pv), Some(hv)) if pv != hv => {
                 Some(format!("{p}={pv} takes precedence over {h}={hv}"))
@@ -595,70 +235,42 @@ fn precedence_notes() -> Vec<String> {
         .collect()
 }
 
-/// Parses a non-negative number variable.
-pub fn float_var(name: &str, default: f64) -> Result<f64> {
-    match var(name) {
-        None => Ok(default),
-        Some(v) => match v.parse::<f64>() {
-            Ok(x) if x.is_finite() && x >= 0.0 => Ok(x),
-            _ => Err(invalid(name, &v, allowed_of(name))),
-        },
-    }
-}
-
-/// The longest cycle time, HOROVOD_CYCLE_TIME's upper bound: a minute (a larger value,
-/// 1e300 say, is a mistake, and no `Duration` holds some of them).
-const MAX_CYCLE_MS: f64 = 60_000.0;
-
-/// [`float_var`] no larger than `max`.
-fn float_var_at_most(name: &str, default: f64, max: f64) -> Result<f64> {
-    let x = float_var(name, default)?;
-    if x > max {
-        return Err(invalid(name, &x.to_string(), allowed_of(name)));
-    }
-    Ok(x)
-}
-
 /// The gradient allreduce plan from PERSEUS_ALLREDUCE_DTYPE, _GRADIENT_SCALE
 /// and _MODE (or HOROVOD_HIERARCHICAL_ALLREDUCE).
 fn gradient_plan() -> Result<Plan> {
     // Unset: float16 only where it pays (between hosts); see docs/environment.md.
     // Seed 001's AIAK_FP16_COMPRESSION, 1 or 0, reads as dtype 0 or 1.
-    let dtype = match (var("PERSEUS_ALLREDUCE_DTYPE"), var("AIAK_FP16_COMPRESSION")) {
-        (None, Some(_)) => 1 - int_var("AIAK_FP16_COMPRESSION", 0, 0, 1)?,
-        _ => int_var("PERSEUS_ALLREDUCE_DTYPE", 2, 0, 2)?,
+    let dtype = match params::int_opt("PERSEUS_ALLREDUCE_DTYPE")? {
+        Some(d) => d,
+        None => match params::flag_opt("AIAK_FP16_COMPRESSION")? {
+            Some(fp16) => u64::from(!fp16),
+            None => 2,
+        },
     };
     let encoding = match dtype {
         0 => Encoding::Half,
         1 => Encoding::Exact,
         _ => Encoding::HalfBetweenHosts,
     };
-    let name = "PERSEUS_ALLREDUCE_GRADIENT_SCALE";
-    let scale = match var(name) {
-        None => 10.0,
-        Some(v) => match v.parse::<f64>() {
-            Ok(x) if x > 0.0 && x <= 65504.0 => x,
-            _ => return Err(invalid(name, &v, allowed_of(name))),
-        },
-    };
-    let mode = match var("PERSEUS_ALLREDUCE_MODE") {
-        Some(_) => int_var("PERSEUS_ALLREDUCE_MODE", 0, 0, 1)?,
-        None => match [
-            "HOROVOD_HIERARCHICAL_ALLREDUCE",
-            "AIAK_HIERARCHICAL_ALLREDUCE",
-        ]
-        .into_iter()
-        .find(|name| var(name).is_some())
-        {
-            Some(name) => int_var(name, 0, 0, 1)?,
-            None => 2,
-        },
-    };
-    let mode = [Mode::Flat, Mode::Hierarchical, Mode::Auto][mode as usize];
+    // PERSEUS_ALLREDUCE_MODE, else Horovod's name, else seed 001's; else automatic.
+    let hierarchical = [
+        "PERSEUS_ALLREDUCE_MODE",
+        "HOROVOD_HIERARCHICAL_ALLREDUCE",
+        "AIAK_HIERARCHICAL_ALLREDUCE",
+    ]
+    .into_iter()
+    .map(params::flag_opt)
+    .find(|f| !matches!(f, Ok(None)))
+    .transpose()?
+    .flatten();
     Ok(Plan {
         encoding,
-        scale,
-        mode,
+        scale: params::float("PERSEUS_ALLREDUCE_GRADIENT_SCALE")?,
+        mode: match hierarchical {
+            Some(false) => Mode::Flat,
+            Some(true) => Mode::Hierarchical,
+            None => Mode::Auto,
+        },
         device: false,
     })
 }
@@ -670,12 +282,12 @@ fn rendezvous(t: &Topology) -> Result<(Option<(String, u16)>, bool)> {
         var("PERSEUS_RENDEZVOUS_PORT"),
     ) {
         (Some(host), Some(_)) => {
-            let port = int_var("PERSEUS_RENDEZVOUS_PORT", 0, 1, 65535)? as u16;
+            let port = launcher_int("PERSEUS_RENDEZVOUS_PORT", 1, 65535)?.unwrap_or(0) as u16;
             Ok((Some((host, port)), false))
         }
         (None, None) if t.size == 1 => Ok((None, false)),
         (None, None) => {
-            let port = int_var("PERSEUS_MASTER_PORT", 6666, 1, 65535)? as u16;
+            let port = params::int("PERSEUS_MASTER_PORT")? as u16;
             let slurm = || {
                 (t.launcher == Launcher::Slurm)
                     .then(|| var("SLURM_JOB_NODELIST").or_else(|| var("SLURM_NODELIST")))
@@ -723,16 +335,8 @@ impl Config {
         let topology = Topology::from_env()?;
         let iface_addr = listen_address(&topology)?;
         let (rendezvous, host_store) = rendezvous(&topology)?;
-        let timeout = aliased_int_var(
-            &["GLOO_TIMEOUT_SECONDS", "HOROVOD_GLOO_TIMEOUT_SECONDS"],
-            60,
-            1,
-            86_400,
-        )?;
-        let fusion_threshold = int_var("HOROVOD_FUSION_THRESHOLD", 64 << 20, 0, u64::MAX)?;
-        let cycle_ms = float_var_at_most("HOROVOD_CYCLE_TIME", 1.0, MAX_CYCLE_MS)?;
-        let cache_capacity = int_var("HOROVOD_CACHE_CAPACITY", 1024, 0, 1 << 24)? as usize;
-        let allgather_mode = int_var("PERSEUS_CHANGE_HVD_ALLGATHER", 0, 0, 1)? as u8;
+        let timeout = params::int("GLOO_TIMEOUT_SECONDS")?;
+        let cycle_ms = params::float("HOROVOD_CYCLE_TIME")?;
         let unauthenticated = rendezvous.is_some() && var("PERSEUS_SECRET").is_none();
         let thread_affinity = affinity::from_env(topology.local_rank, topology.local_size)?;
         let mut autotune_notes = Vec::new();
@@ -745,61 +349,45 @@ impl Config {
             scope: var("PERSEUS_RENDEZVOUS_SCOPE").unwrap_or_default(),
             iface_addr,
             timeout: Duration::from_secs(timeout),
-            fusion_threshold,
+            fusion_threshold: params::int("HOROVOD_FUSION_THRESHOLD")?,
             cycle_time: Duration::from_secs_f64(cycle_ms / 1000.0),
             autotune,
             thread_affinity,
-            cache_capacity,
-            allgather_mode,
-            timeline: var("PERSEUS_TIMELINE").or_else(|| var("HOROVOD_TIMELINE")),
-            timeline_mark_cycles: int_var("HOROVOD_TIMELINE_MARK_CYCLES", 0, 0, 1)? == 1,
-            hierarchical_allgather: int_var("HOROVOD_HIERARCHICAL_ALLGATHER", 0, 0, 1)? == 1,
+            cache_capacity: params::int("HOROVOD_CACHE_CAPACITY")? as usize,
+            allgather_mode: u8::from(params::flag("PERSEUS_CHANGE_HVD_ALLGATHER")?),
+            timeline: params::text("PERSEUS_TIMELINE")?,
+            timeline_mark_cycles: params::flag("HOROVOD_TIMELINE_MARK_CYCLES")?,
+            hierarchical_allgather: params::flag("HOROVOD_HIERARCHICAL_ALLGATHER")?,
             log_level: log_level()?,
-            log_time: int_var("HOROVOD_LOG_HIDE_TIME", 1, 0, 1)? == 0,
-            shm: int_var("PERSEUS_SHM", 1, 0, 1)? == 1,
-            allreduce_fusion: var("PERSEUS_ALLREDUCE_FUSION")
-                .map(|_| int_var("PERSEUS_ALLREDUCE_FUSION", 0, 0, 128).map(|n| n as u32))
-                .transpose()?,
+            log_time: !params::flag("HOROVOD_LOG_HIDE_TIME")?,
+            shm: params::flag("PERSEUS_SHM")?,
+            allreduce_fusion: params::int_opt("PERSEUS_ALLREDUCE_FUSION")?.map(|n| n as u32),
             notes: precedence_notes()
                 .into_iter()
                 .chain(unauthenticated.then(|| UNAUTHENTICATED.to_string()))
                 .chain(autotune_notes)
                 .collect(),
-            accumulate_n_steps: int_var("PERSEUS_ACCUMULATE_N_STEPS", 1, 1, 1024)? as u32,
-            nancheck: aliased_int_var(&[NANCHECK, NANCHECK_ALIAS], 0, 0, 1)? == 1,
+            accumulate_n_steps: params::int("PERSEUS_ACCUMULATE_N_STEPS")? as u32,
+            nancheck: params::flag("PERSEUS_ALLREDUCE_NANCHECK")?,
             plan: gradient_plan()?,
-            offline_neg: int_var("PERSEUS_OFFLINE_NEG", 0, 0, 1)? == 1,
-            streams: int_var("PERSEUS_ALLREDUCE_STREAMS", 4, 1, 12)? as usize,
-            nccl: match var("PERSEUS_NCCL_ENABLE") {
+            offline_neg: params::flag("PERSEUS_OFFLINE_NEG")?,
+            streams: params::int("PERSEUS_ALLREDUCE_STREAMS")? as usize,
+            nccl: match params::flag_opt("PERSEUS_NCCL_ENABLE")? {
                 None => NcclUse::Auto,
-                Some(_) => [NcclUse::Off, NcclUse::Required]
-                    [int_var("PERSEUS_NCCL_ENABLE", 0, 0, 1)? as usize],
+                Some(false) => NcclUse::Off,
+                Some(true) => NcclUse::Required,
             },
-            nccl_nonblocking: int_var("PERSEUS_NCCL_NONBLOCKING", 0, 0, 1)? == 1,
-            nccl_channels: aliased_int_var(
-                &["PERSEUS_ALLREDUCE_STREAMS", "HOROVOD_NUM_NCCL_STREAMS"],
-                1,
-                1,
-                12,
-            )? as usize,
+            nccl_nonblocking: params::flag("PERSEUS_NCCL_NONBLOCKING")?,
+            // PERSEUS_ALLREDUCE_STREAMS, when set, is also the NCCL communicators' count.
+            nccl_channels: match params::is_set("PERSEUS_ALLREDUCE_STREAMS") {
+                true => params::int("PERSEUS_ALLREDUCE_STREAMS")?,
+                false => params::int("HOROVOD_NUM_NCCL_STREAMS")?,
+            } as usize,
             stall: stall_limits()?,
-            downsample_n: int_var("PERSEUS_DOWNSAMPLE_N_ELEMENTS", 1, 1, 1024)? as u32,
-            gradient_momentum: match float_var("PERSEUS_GRADIENT_MOMENTUM", 1.0)? {
-                m if m <= 1.0 => m,
-                _ => {
-                    let v = var("PERSEUS_GRADIENT_MOMENTUM").unwrap_or_default();
-                    let name = "PERSEUS_GRADIENT_MOMENTUM";
-                    return Err(invalid(name, &v, allowed_of(name)));
-                }
-            },
-            perf_check_n_steps: int_var("PERSEUS_PERF_CHECK_N_STEPS", 0, 0, 1_000_000)?,
-            // Seed 001's AIAK_FUSED_OPTIMIZER is read when PERSEUS_FUSED_OPTIMIZER is unset.
-            fused_optimizer: match var("PERSEUS_FUSED_OPTIMIZER") {
-                None if var("AIAK_FUSED_OPTIMIZER").is_some() => {
-                    int_var("AIAK_FUSED_OPTIMIZER", 0, 0, 1)? == 1
-                }
-                _ => int_var("PERSEUS_FUSED_OPTIMIZER", 0, 0, 1)? == 1,
-            },
+            downsample_n: params::int("PERSEUS_DOWNSAMPLE_N_ELEMENTS")? as u32,
+            gradient_momentum: params::float("PERSEUS_GRADIENT_MOMENTUM")?,
+            perf_check_n_steps: params::int("PERSEUS_PERF_CHECK_N_STEPS")?,
+            fused_optimizer: params::flag("PERSEUS_FUSED_OPTIMIZER")?,
         })
     }
 
@@ -942,57 +530,19 @@ mod tests {
     use super::*;
 
     #[test]
-    fn every_param_is_documented_with_its_default() {
-        let doc = include_str!("../../docs/environment.md");
-        for p in PARAMS {
-            let row = doc
-                .lines()
-                .find(|l| l.starts_with(&format!("| `{}` |", p.name)))
-                .unwrap_or_else(|| panic!("{} is missing from docs/environment.md", p.name));
-            let default = if p.default.is_empty() {
-                "unset"
-            } else {
-                p.default
-            };
-            assert!(
-                row.contains(default),
-                "{}: default {default} not in {row}",
-                p.name
-            );
-        }
-    }
-
-    #[test]
     fn a_launchers_variable_out_of_range_names_its_range() {
-        std::env::set_var("PERSEUS_TEST_PORT_LIKE", "99999");
-        let e = int_var("PERSEUS_TEST_PORT_LIKE", 0, 1, 65535)
-            .unwrap_err()
-            .to_string();
+        let env = [("PERSEUS_TEST_PORT_LIKE".to_string(), "99999".to_string())];
+        let (got, _) = with_vars(env.into(), || {
+            launcher_int("PERSEUS_TEST_PORT_LIKE", 1, 65535)
+        });
+        let e = got.unwrap_err().to_string();
         assert!(
             e.contains("PERSEUS_TEST_PORT_LIKE")
                 && e.contains("\"99999\"")
                 && e.contains("an integer from 1 to 65535"),
             "{e}"
         );
-    }
-
-    #[test]
-    fn bad_values_name_the_variable() {
-        // Parsing helpers only: the environment is process-global, so use names
-        // no other test sets.
-        std::env::set_var("PERSEUS_TEST_INT", "abc");
-        let e = int_var("PERSEUS_TEST_INT", 1, 0, 5)
-            .unwrap_err()
-            .to_string();
-        assert!(
-            e.contains("PERSEUS_TEST_INT") && e.contains("\"abc\""),
-            "{e}"
-        );
-        std::env::set_var("PERSEUS_TEST_INT", "9");
-        assert!(int_var("PERSEUS_TEST_INT", 1, 0, 5).is_err());
-        std::env::set_var("PERSEUS_TEST_INT", "4");
-        assert_eq!(int_var("PERSEUS_TEST_INT", 1, 0, 5).unwrap(), 4);
-        std::env::set_var("PERSEUS_TEST_FLOAT", "-1");
-        assert!(float_var("PERSEUS_TEST_FLOAT", 1.0).is_err());
+        let (unset, _) = with_vars(Default::default(), || launcher_int("X", 1, 2));
+        assert_eq!(unset.unwrap(), None);
     }
 }

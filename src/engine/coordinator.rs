@@ -796,3 +796,6 @@ fn fuse(answers: Vec<Response>, threshold: usize) -> Vec<Response> {
     }
     out
 }
+
+#[cfg(test)]
+mod tests;

@@ -761,5 +761,4 @@ impl Groups {
 }
 
 #[cfg(test)]
-#[path = "direct_tests.rs"]
 mod tests;

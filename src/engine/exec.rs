@@ -680,5 +680,4 @@ fn reducescatter(
 }
 
 #[cfg(test)]
-#[path = "exec_tests.rs"]
 mod tests;

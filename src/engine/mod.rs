@@ -18,8 +18,6 @@ pub mod autotune;
 mod checks;
 mod control;
 pub mod coordinator;
-#[cfg(test)]
-mod coordinator_tests;
 pub mod direct;
 mod exec;
 mod handles;
@@ -292,16 +290,47 @@ impl Engine {
         self.shared.sets.lock().unwrap().keys().copied().collect()
     }
 
-    /// Checks a request, names it if unnamed, and queues it; returns its handle.
+    /// Enqueues an allreduce of gradients: it travels as the job's gradient plan says
+    /// (PERSEUS_ALLREDUCE_DTYPE, _GRADIENT_SCALE, _MODE), where [`Engine::enqueue`]'s
+    /// allreduces are exact.
+    pub fn enqueue_gradient(
+        &self,
+        req: Request,
+        input: Option<TensorView>,
+        output: Option<TensorView>,
+    ) -> Result<u64> {
+        self.submit(req, input, output, true)
+    }
+
+    /// Checks a request, names it if unnamed, and queues it; returns its handle. Its
+    /// type, shape and device are its tensors'; an allreduce is exact, in the job's
+    /// allreduce mode.
     pub fn enqueue(
+        &self,
+        req: Request,
+        input: Option<TensorView>,
+        output: Option<TensorView>,
+    ) -> Result<u64> {
+        self.submit(req, input, output, false)
+    }
+
+    fn submit(
         &self,
         mut req: Request,
         input: Option<TensorView>,
         output: Option<TensorView>,
+        gradient: bool,
     ) -> Result<u64> {
+        if req.kind == OpKind::Allreduce {
+            req.plan = match gradient {
+                true => self.config.plan,
+                false => self.config.plan.exact(),
+            };
+        }
         if let Some(e) = self.shared.fatal.lock().unwrap().clone() {
             return Err(e);
         }
+        describe(&mut req, input.as_ref(), output.as_ref())?;
         let rank = self.config.topology.rank;
         let set_size = {
             let sets = self.shared.sets.lock().unwrap();
@@ -316,6 +345,9 @@ impl Engine {
             }
             members.len()
         };
+        if req.kind == OpKind::Alltoall && req.ints.is_empty() {
+            req.ints = equal_splits(&req, set_size)?;
+        }
         check_locally(&req, set_size)?;
         if req.kind == OpKind::Allgather {
             // Every rank's request says how it gathers; rank 0 checks they agree.
@@ -435,6 +467,46 @@ impl Engine {
             Err(e) => Err(e),
         }
     }
+}
+
+/// Checks a request's tensors (a device tensor needs its device's library; an output
+/// matches its input) and takes the request's type, shape and device from them.
+fn describe(
+    req: &mut Request,
+    input: Option<&TensorView>,
+    output: Option<&TensorView>,
+) -> Result<()> {
+    let views = || input.into_iter().chain(output);
+    for v in views().filter(|v| v.device != Device::Cpu) {
+        crate::device::backend(v.device)?;
+    }
+    if let (Some(i), Some(o)) = (input, output) {
+        if i.dtype != o.dtype || i.nbytes != o.nbytes {
+            return Err(PerseusError::InvalidArgument(
+                "output tensor must match the input's dtype and size".into(),
+            ));
+        }
+    }
+    if let Some(v) = input.or(output) {
+        req.dtype = v.dtype;
+        req.shape = v.shape.clone();
+        req.plan.device = views().all(|v| v.device != Device::Cpu);
+    }
+    Ok(())
+}
+
+/// An alltoall's splits when the caller gave none: the first dimension in equal parts,
+/// one per member of the set (Horovod's rule).
+fn equal_splits(req: &Request, set_size: usize) -> Result<Vec<i64>> {
+    let n = set_size as i64;
+    let d0 = req.shape.first().copied().unwrap_or(0);
+    if d0 % n != 0 {
+        return Err(PerseusError::InvalidArgument(format!(
+            "alltoall without splits needs a first dimension ({d0}) divisible by the number \
+             of ranks ({n})"
+        )));
+    }
+    Ok(vec![d0 / n; set_size])
 }
 
 /// The text of a panic's payload.

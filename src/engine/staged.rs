@@ -483,5 +483,4 @@ pub fn device_memory(d: Device) -> Result<Arc<dyn DeviceMemory>> {
 }
 
 #[cfg(test)]
-#[path = "staged_tests.rs"]
 mod tests;

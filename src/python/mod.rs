@@ -5,27 +5,26 @@
 mod dgc;
 mod dlpack;
 mod errors;
+mod gpu;
 mod kernels;
 mod optim;
+mod params;
+mod rendezvous;
 
 use crate::config::{Config, Topology};
 use crate::dtype::ReduceOp;
 use crate::engine::{Engine, OpKind, Output, Request};
 use crate::error::PerseusError;
-use crate::rendezvous::{StoreClient, StoreServer};
 use errors::{
     to_py, GpuUnavailableError, HorovodInternalError, MismatchError, NameInFlightError,
     Rank0AddressUnknown,
 };
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Once};
-use std::time::Duration;
 
 static ENGINE: Mutex<Option<Arc<Engine>>> = Mutex::new(None);
-static OUTPUTS: Mutex<Option<HashMap<u64, Output>>> = Mutex::new(None);
 
 /// Set in a child forked after `init()` (a DataLoader worker): it has no
 /// engine thread and must not use the parent's sockets. A flag set by a
@@ -134,36 +133,9 @@ fn submit(
     inp: Option<&Bound<'_, PyAny>>,
     out: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<u64> {
-    let e = engine()?;
     let input = inp.map(dlpack::view).transpose().map_err(to_py)?;
     let output = out.map(dlpack::view).transpose().map_err(to_py)?;
-    #[cfg(not(feature = "cuda"))]
-    for v in input.iter().chain(output.iter()) {
-        if let crate::engine::Device::Cuda(i) = v.device {
-            return Err(to_py(PerseusError::GpuUnavailable(format!(
-                "a tensor on cuda:{i} reached a build of Perseus without GPU support (the \
-                 cuda feature); move it to the CPU"
-            ))));
-        }
-    }
-    if let (Some(i), Some(o)) = (&input, &output) {
-        if i.dtype != o.dtype || i.nbytes != o.nbytes {
-            return Err(to_py(PerseusError::InvalidArgument(
-                "output tensor must match the input's dtype and size".into(),
-            )));
-        }
-    }
-    let mut req = req;
-    if let Some(v) = input.as_ref().or(output.as_ref()) {
-        req.dtype = v.dtype;
-        req.shape = v.shape.clone();
-    }
-    req.plan.device = input
-        .iter()
-        .chain(output.iter())
-        .all(|v| v.device != crate::engine::Device::Cpu)
-        && (input.is_some() || output.is_some());
-    e.enqueue(req, input, output).map_err(to_py)
+    engine()?.enqueue(req, input, output).map_err(to_py)
 }
 
 fn op_of(op: u8) -> PyResult<ReduceOp> {
@@ -203,7 +175,6 @@ fn shutdown(py: Python<'_>) -> PyResult<()> {
     if let Some(e) = e {
         py.detach(|| e.shutdown()).map_err(to_py)?;
     }
-    OUTPUTS.lock().unwrap().take();
     Ok(())
 }
 
@@ -388,9 +359,14 @@ fn allreduce(
     req.op = op_of(op)?;
     req.prescale = prescale;
     req.postscale = postscale;
-    let plan = engine()?.config().plan;
-    req.plan = if gradient { plan } else { plan.exact() };
-    submit(req, Some(inp), Some(out))
+    let input = dlpack::view(inp).map_err(to_py)?;
+    let output = dlpack::view(out).map_err(to_py)?;
+    let e = engine()?;
+    match gradient {
+        true => e.enqueue_gradient(req, Some(input), Some(output)),
+        false => e.enqueue(req, Some(input), Some(output)),
+    }
+    .map_err(to_py)
 }
 
 /// Starts an allgather (concatenation along dim 0, or stacking).
@@ -430,22 +406,9 @@ fn alltoall(
     name: Option<String>,
     process_set: u32,
 ) -> PyResult<u64> {
-    let e = engine()?;
-    let n = e.process_set(process_set).map_err(to_py)?.len() as i64;
-    let v = dlpack::view(inp).map_err(to_py)?;
-    let d0 = v.shape.first().copied().unwrap_or(0);
-    let splits = match splits {
-        Some(s) => s,
-        None if d0 % n == 0 => vec![d0 / n; n as usize],
-        None => {
-            return Err(to_py(PerseusError::InvalidArgument(format!(
-                "alltoall without splits needs a first dimension ({d0}) divisible by the number \
-                 of ranks ({n})"
-            ))))
-        }
-    };
     let mut req = named(OpKind::Alltoall, name, process_set);
-    req.ints = splits;
+    // None: equal parts, the engine's rule.
+    req.ints = splits.unwrap_or_default();
     submit(req, Some(inp), None)
 }
 
@@ -490,59 +453,22 @@ fn poll(handle: u64) -> PyResult<bool> {
     Ok(engine()?.poll(handle))
 }
 
-/// Blocks until the operation finished; raises its error.
+/// What a finished operation produced: its new tensor as a DLPack capsule (None for
+/// the operations that write in place), the rows received from each rank (allgather,
+/// alltoall) and the last rank to join (join).
+type Produced = (Option<Py<PyAny>>, Vec<i64>, i64);
+
+/// Blocks until the operation finished and returns what it produced; raises its error.
+/// The core forgets the handle.
 #[pyfunction]
-fn wait(py: Python<'_>, handle: u64) -> PyResult<()> {
+fn wait(py: Python<'_>, handle: u64) -> PyResult<Produced> {
     let e = engine()?;
     let out = wait_for(py, &e, handle)?;
-    // Most operations (allreduce, broadcast) write in place and leave nothing to take.
-    if out.tensor.is_some() || !out.splits.is_empty() || out.value != 0 {
-        OUTPUTS
-            .lock()
-            .unwrap()
-            .get_or_insert_with(HashMap::new)
-            .insert(handle, out);
-    }
-    Ok(())
-}
-
-/// Applies `f` to the result `wait` kept for `handle`; an operation that
-/// produced nothing (or was never waited on) reads as an empty result.
-fn with_output<T>(handle: u64, f: impl FnOnce(&mut Output) -> T) -> PyResult<T> {
-    let mut g = OUTPUTS.lock().unwrap();
-    match g.as_mut().and_then(|m| m.get_mut(&handle)) {
-        Some(out) => Ok(f(out)),
-        None => Ok(f(&mut Output::default())),
-    }
-}
-
-/// The tensor the operation produced, as a DLPack capsule (once).
-#[pyfunction]
-fn take_output(py: Python<'_>, handle: u64) -> PyResult<Option<Py<PyAny>>> {
-    match with_output(handle, |o| o.tensor.take())? {
-        Some(t) => dlpack::capsule(py, t).map(Some),
-        None => Ok(None),
-    }
-}
-
-/// Rows received from each rank (allgather, alltoall).
-#[pyfunction]
-fn recv_splits(handle: u64) -> PyResult<Vec<i64>> {
-    with_output(handle, |o| o.splits.clone())
-}
-
-/// The last rank to join (join handles).
-#[pyfunction]
-fn join_result(handle: u64) -> PyResult<i64> {
-    with_output(handle, |o| o.value)
-}
-
-/// Forgets a finished handle's results.
-#[pyfunction]
-fn release(handle: u64) {
-    if let Some(m) = OUTPUTS.lock().unwrap().as_mut() {
-        m.remove(&handle);
-    }
+    let tensor = match out.tensor {
+        Some(t) => Some(dlpack::capsule(py, t)?),
+        None => None,
+    };
+    Ok((tensor, out.splits, out.value))
 }
 
 /// Starts writing the timeline to `path`; `mark_cycles`: with an instant `CYCLE_START`
@@ -568,219 +494,6 @@ fn timeline_path(path: &str, rank: usize) -> String {
 fn stop_timeline() -> PyResult<()> {
     engine()?.timeline().stop();
     Ok(())
-}
-
-/// The rendezvous key-value server a launcher hosts.
-#[pyclass(module = "perseus._core")]
-struct RendezvousServer {
-    inner: Option<StoreServer>,
-    port: u16,
-}
-
-#[pymethods]
-impl RendezvousServer {
-    #[new]
-    #[pyo3(signature = (bind="0.0.0.0:0", secret=""))]
-    fn new(bind: &str, secret: &str) -> PyResult<Self> {
-        let s = StoreServer::start(bind, secret).map_err(to_py)?;
-        let port = s.port();
-        Ok(RendezvousServer {
-            inner: Some(s),
-            port,
-        })
-    }
-
-    /// The port it listens on.
-    #[getter]
-    fn port(&self) -> u16 {
-        self.port
-    }
-
-    /// Keys published so far, sorted: ranks publish `mesh/<rank>` as they start.
-    fn keys(&self) -> Vec<String> {
-        self.inner.as_ref().map(|s| s.keys()).unwrap_or_default()
-    }
-
-    /// Publishes `key = value`, as a rank's `set` does.
-    fn set(&self, key: &str, value: &[u8]) {
-        if let Some(s) = &self.inner {
-            s.set(key, value);
-        }
-    }
-
-    /// The value of `key`, or None when nothing was published under it.
-    fn get<'py>(&self, py: Python<'py>, key: &str) -> Option<Bound<'py, PyBytes>> {
-        let v = self.inner.as_ref()?.get(key)?;
-        Some(PyBytes::new(py, &v))
-    }
-
-    /// Stops the server.
-    fn stop(&mut self) {
-        if let Some(s) = self.inner.take() {
-            s.stop();
-        }
-    }
-}
-
-/// `t` seconds as a wait, within 0 and a day (NaN: no wait).
-fn seconds(t: f64) -> Duration {
-    Duration::try_from_secs_f64(t.clamp(0.0, 86_400.0)).unwrap_or_default()
-}
-
-/// A connection to a rendezvous store (an elastic rank asks its launcher for
-/// its place in each round this way).
-#[pyclass(module = "perseus._core")]
-struct RendezvousClient {
-    inner: Mutex<StoreClient>,
-}
-
-#[pymethods]
-impl RendezvousClient {
-    /// Connects to `host:port` within `timeout` seconds and proves it knows `secret`.
-    #[new]
-    fn new(py: Python<'_>, host: &str, port: u16, secret: &str, timeout: f64) -> PyResult<Self> {
-        let t = seconds(timeout);
-        let c = py
-            .detach(|| StoreClient::connect(host, port, secret, t))
-            .map_err(to_py)?;
-        Ok(RendezvousClient {
-            inner: Mutex::new(c),
-        })
-    }
-
-    /// Publishes `key = value`.
-    fn set(&self, py: Python<'_>, key: &str, value: &[u8]) -> PyResult<()> {
-        py.detach(|| self.inner.lock().unwrap().set(key, value))
-            .map_err(to_py)
-    }
-
-    /// Waits up to `timeout` seconds for `key` and returns its value.
-    fn get<'py>(&self, py: Python<'py>, key: &str, timeout: f64) -> PyResult<Bound<'py, PyBytes>> {
-        let t = seconds(timeout);
-        let v = py
-            .detach(|| self.inner.lock().unwrap().get(key, t))
-            .map_err(to_py)?;
-        Ok(PyBytes::new(py, &v))
-    }
-}
-
-/// The GPU libraries (CUDA driver, NVRTC, NCCL): for each, a dict with `name`, `files`
-/// (the names looked for), `path` and `version` (None when missing) and `missing` (why,
-/// with every place searched). `dirs` are searched first.
-#[pyfunction]
-fn gpu_libraries<'py>(
-    py: Python<'py>,
-    dirs: Vec<std::path::PathBuf>,
-) -> PyResult<Vec<Bound<'py, PyDict>>> {
-    let mut out = Vec::new();
-    #[cfg(feature = "cuda")]
-    for lib in crate::gpu::libs::CudaLib::ALL {
-        let probe = crate::gpu::libs::probe(lib, &dirs);
-        let d = PyDict::new(py);
-        d.set_item("name", lib.label())?;
-        d.set_item("files", lib.file_names().to_vec())?;
-        d.set_item(
-            "path",
-            probe.loaded.as_ref().map(|l| l.path.display().to_string()),
-        )?;
-        d.set_item("version", probe.loaded.as_ref().map(|l| l.version.clone()))?;
-        d.set_item(
-            "missing",
-            probe.loaded.is_none().then(|| probe.missing_message()),
-        )?;
-        out.push(d);
-    }
-    #[cfg(not(feature = "cuda"))]
-    for name in ["CUDA driver", "NVRTC", "NCCL"] {
-        let _ = &dirs;
-        let d = PyDict::new(py);
-        d.set_item("name", name)?;
-        d.set_item("files", Vec::<String>::new())?;
-        d.set_item("path", py.None())?;
-        d.set_item("version", py.None())?;
-        d.set_item(
-            "missing",
-            "this build of Perseus has no GPU support (the cuda feature)",
-        )?;
-        out.push(d);
-    }
-    Ok(out)
-}
-
-/// Sets the directories searched first for CUDA's libraries (the nvidia-* wheels').
-#[pyfunction]
-fn gpu_search_dirs(dirs: Vec<std::path::PathBuf>) {
-    #[cfg(feature = "cuda")]
-    crate::gpu::runtime::set_search_dirs(dirs);
-    #[cfg(not(feature = "cuda"))]
-    let _ = dirs;
-}
-
-/// Runs `$call` on device `$ordinal` without the GIL in builds with the GPU path;
-/// elsewhere raises GpuUnavailableError (the call is not even compiled there).
-macro_rules! on_device {
-    ($py:expr, $ordinal:expr, $call:path) => {{
-        #[cfg(feature = "cuda")]
-        {
-            $py.detach(|| $call($ordinal)).map_err(to_py)
-        }
-        #[cfg(not(feature = "cuda"))]
-        {
-            let _ = $py;
-            Err(to_py(PerseusError::GpuUnavailable(format!(
-                "cuda:{}: this build of Perseus has no GPU support (the cuda feature)",
-                $ordinal
-            ))))
-        }
-    }};
-}
-
-/// Perseus's CUDA stream on device `ordinal` (opening the device the first time), as
-/// the integer `__dlpack__(stream=...)` takes. Raises GpuUnavailableError without CUDA.
-#[pyfunction]
-fn gpu_stream(py: Python<'_>, ordinal: i32) -> PyResult<u64> {
-    on_device!(py, ordinal, crate::gpu::runtime::stream_of)
-}
-
-/// The one-rank NCCL round trip on device `ordinal` (docs/gpu.md); returns what was
-/// checked. Raises GpuUnavailableError without CUDA or NCCL.
-#[pyfunction]
-fn gpu_nccl_round_trip(py: Python<'_>, ordinal: i32) -> PyResult<String> {
-    on_device!(py, ordinal, crate::gpu::runtime::nccl_round_trip)
-}
-
-/// Compiles every device kernel source with NVRTC, to PTX or, with `sm` (90 for an
-/// H100), to CUBINs for that architecture: a dict per source with `source`, `kernels`
-/// and `bytes`. Raises GpuUnavailableError when NVRTC is missing.
-#[pyfunction]
-#[pyo3(signature = (dirs, sm=None))]
-fn gpu_compile_kernels<'py>(
-    py: Python<'py>,
-    dirs: Vec<std::path::PathBuf>,
-    sm: Option<u32>,
-) -> PyResult<Vec<Bound<'py, PyDict>>> {
-    #[cfg(feature = "cuda")]
-    {
-        let compiled = py
-            .detach(|| crate::gpu::kernels::compile_all(&dirs, sm))
-            .map_err(to_py)?;
-        let mut out = Vec::new();
-        for c in compiled {
-            let d = PyDict::new(py);
-            d.set_item("source", c.name)?;
-            d.set_item("kernels", c.kernels)?;
-            d.set_item("bytes", c.bytes)?;
-            out.push(d);
-        }
-        Ok(out)
-    }
-    #[cfg(not(feature = "cuda"))]
-    {
-        let _ = (py, dirs, sm);
-        Err(to_py(PerseusError::GpuUnavailable(
-            "this build of Perseus has no GPU support (the cuda feature)".into(),
-        )))
-    }
 }
 
 /// The extension module.
@@ -810,18 +523,19 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
         m.py().get_type::<GpuUnavailableError>(),
     )?;
     m.add_function(wrap_pyfunction!(flight_record, m)?)?;
-    m.add_function(wrap_pyfunction!(gpu_libraries, m)?)?;
-    m.add_function(wrap_pyfunction!(gpu_compile_kernels, m)?)?;
+    m.add_function(wrap_pyfunction!(gpu::gpu_libraries, m)?)?;
+    m.add_function(wrap_pyfunction!(gpu::gpu_compile_kernels, m)?)?;
     m.add(
         "UnsupportedOperationError",
         errors::unsupported_operation(m.py())?,
     )?;
     m.add("GPU_BUILT", cfg!(feature = "cuda"))?;
-    m.add_function(wrap_pyfunction!(gpu_search_dirs, m)?)?;
-    m.add_function(wrap_pyfunction!(gpu_stream, m)?)?;
-    m.add_function(wrap_pyfunction!(gpu_nccl_round_trip, m)?)?;
-    m.add_class::<RendezvousServer>()?;
-    m.add_class::<RendezvousClient>()?;
+    m.add_function(wrap_pyfunction!(gpu::gpu_search_dirs, m)?)?;
+    m.add_function(wrap_pyfunction!(gpu::gpu_stream, m)?)?;
+    m.add_function(wrap_pyfunction!(gpu::gpu_nccl_round_trip, m)?)?;
+    m.add_function(wrap_pyfunction!(params::params, m)?)?;
+    m.add_class::<rendezvous::RendezvousServer>()?;
+    m.add_class::<rendezvous::RendezvousClient>()?;
     m.add_function(wrap_pyfunction!(init, m)?)?;
     m.add_function(wrap_pyfunction!(init_copy, m)?)?;
     m.add_function(wrap_pyfunction!(not_a_rank, m)?)?;
@@ -853,10 +567,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(join, m)?)?;
     m.add_function(wrap_pyfunction!(poll, m)?)?;
     m.add_function(wrap_pyfunction!(wait, m)?)?;
-    m.add_function(wrap_pyfunction!(take_output, m)?)?;
-    m.add_function(wrap_pyfunction!(recv_splits, m)?)?;
-    m.add_function(wrap_pyfunction!(join_result, m)?)?;
-    m.add_function(wrap_pyfunction!(release, m)?)?;
     m.add_function(wrap_pyfunction!(start_timeline, m)?)?;
     m.add_function(wrap_pyfunction!(stop_timeline, m)?)?;
     m.add_function(wrap_pyfunction!(timeline_path, m)?)?;

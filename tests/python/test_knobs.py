@@ -35,13 +35,14 @@ def check(knob, value):
     if got is None:
         return None
     values = got if knob.kind == "ratios" else [got]
-    kind = {"bool": bool, "int": int, "float": float, "ratios": float, "str": str}[knob.kind]
+    kind = {"bool": bool, "int": int, "float": float, "ratios": float, "str": str,
+            "text": str}[knob.kind]
     for v in values:
         assert type(v) is kind, (knob.name, value, got)
         if kind in (int, float):
             assert math.isfinite(v) and v <= knob.high, (knob.name, value, got)
             assert v > knob.low if knob.low_open else v >= knob.low, (knob.name, value, got)
-        if kind is str:
+        if knob.kind == "str":
             assert v in knob.choices
     return got
 
@@ -71,7 +72,8 @@ def test_values_are_read_as_typed_and_an_alias_is_named_in_its_error():
     assert knobs.get("PERSEUS_DGC_WARMUP_COEFF", env) == [0.5, 0.25, 0.125]
     assert knobs.get("PERSEUS_CLIP_GRAD_FUNC", env) == "norm"
     assert knobs.get("PERSEUS_DGC_MAX_ADAPTATION_ITERS", env) == 10
-    lone = knobs.Knob("X_NEW", "int", 3, 0, 9, alias="X_OLD")
+    lone = knobs.Knob("X_NEW", "int", 3, 0, 9, aliases=("X_OLD",),
+                      allowed="an integer from 0 to 9")
     knobs._TABLE["X_NEW"] = lone
     try:
         assert knobs.get("X_NEW", {"X_OLD": "4"}) == 4

@@ -40,7 +40,7 @@ def init(comm=None, process_sets=None):
         _core.init_copy(*copy)
         return
     sets = _process_sets._normalize(process_sets)
-    iface = knobs.text("PERSEUS_NCCL_NETWORK_INTERFACE")
+    iface = knobs.get("PERSEUS_NCCL_NETWORK_INTERFACE")
     if iface:
         # NCCL reads its own variable when a communicator is formed (docs/gpu.md).
         os.environ.setdefault("NCCL_SOCKET_IFNAME", iface)
@@ -163,7 +163,7 @@ def set_fusion_threshold(nbytes):
 
 def allgather_stacks():
     """True when allgather stacks equal shapes (``PERSEUS_CHANGE_HVD_ALLGATHER=0``)."""
-    return config().get("PERSEUS_CHANGE_HVD_ALLGATHER", "0") == "0"
+    return not knobs.get("PERSEUS_CHANGE_HVD_ALLGATHER", config())
 
 
 def size():

@@ -20,10 +20,12 @@ _FUSED = ("PERSEUS_FUSED_OPTIMIZER", "--fuse-optimizer")
 
 def fused_optimizer_wanted(environ=None):
     """Whether the environment asks for the fused optimizer step: PERSEUS_FUSED_OPTIMIZER,
-    else seed 001's AIAK_FUSED_OPTIMIZER (the core's precedence, before any init)."""
-    value = (knobs.text("PERSEUS_FUSED_OPTIMIZER", environ)
-             or knobs.text("AIAK_FUSED_OPTIMIZER", environ))
-    return value == "1"
+    else its alias, seed 001's AIAK_FUSED_OPTIMIZER (before any init; a value the core
+    would refuse at init counts as no)."""
+    try:
+        return knobs.get("PERSEUS_FUSED_OPTIMIZER", environ)
+    except ValueError:
+        return False
 
 
 _warned_unapplied = set()
@@ -61,21 +63,22 @@ def check_optimizer_args(op, gradient_predivide_factor, num_groups, stacklevel=3
 
 class Switches:
     """The PERSEUS_* gradient switches every front-end's DistributedOptimizer honours
-    (docs/environment.md), read once from the engine's configuration ``cfg``."""
+    (docs/environment.md), read once from the engine's configuration ``cfg`` (the core
+    checked them at init; the table of settings gives their kinds and defaults)."""
 
     def __init__(self, cfg):
-        self.accumulate = int(cfg.get("PERSEUS_ACCUMULATE_N_STEPS", "1"))
-        self.nancheck = cfg.get("PERSEUS_ALLREDUCE_NANCHECK", "0") == "1"
-        self.downsample_n = int(cfg.get("PERSEUS_DOWNSAMPLE_N_ELEMENTS", "1"))
-        self.momentum = float(cfg.get("PERSEUS_GRADIENT_MOMENTUM", "1"))
-        self.perf_every = int(cfg.get("PERSEUS_PERF_CHECK_N_STEPS", "0"))
-        self.fusion = int(cfg.get("PERSEUS_ALLREDUCE_FUSION") or -1)  # -1: unset
-        self.fused_optimizer = cfg.get("PERSEUS_FUSED_OPTIMIZER", "0") == "1"
+        self.accumulate = knobs.get("PERSEUS_ACCUMULATE_N_STEPS", cfg)
+        self.nancheck = knobs.get("PERSEUS_ALLREDUCE_NANCHECK", cfg)
+        self.downsample_n = knobs.get("PERSEUS_DOWNSAMPLE_N_ELEMENTS", cfg)
+        self.momentum = knobs.get("PERSEUS_GRADIENT_MOMENTUM", cfg)
+        self.perf_every = knobs.get("PERSEUS_PERF_CHECK_N_STEPS", cfg)
+        self.fusion = knobs.get("PERSEUS_ALLREDUCE_FUSION", cfg)  # None: unset
+        self.fused_optimizer = knobs.get("PERSEUS_FUSED_OPTIMIZER", cfg)
 
     def fusion_threshold(self, gradient_bytes):
         """PERSEUS_ALLREDUCE_FUSION=N: the fusion threshold that cuts ``gradient_bytes``
         of gradients into N buffers (0: no fusion); None when the variable is unset."""
-        if self.fusion < 0:
+        if self.fusion is None:
             return None
         return 0 if self.fusion == 0 else -(-gradient_bytes // self.fusion)
 

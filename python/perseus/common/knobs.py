@@ -1,13 +1,14 @@
-"""Every setting the Python side reads from the environment, declared once; and the one
-reader of the process environment on the Python side.
+"""The Python side's reader of settings, and the one reader of the process environment on
+the Python side.
 
-The core reads and checks its own (``src/config``, docs/environment.md); these are the
-ones only Python acts on: deep gradient compression and the overlapped step (seed
-000), PowerSGD (seed 001), the DDP switches and the elastic worker's timeout. Each
-:class:`Knob` has its type, default, range and, where a seed gave the variable another
-name, that alias. :func:`get` reads one and checks it: a value outside its range, of
-another type, not finite, or too large is a ``ValueError`` that names the variable,
-what it must be and what it got.
+Every setting is declared once, in the core's table (``src/params``, docs/environment.md):
+its kind, range, default, the other names it is read under, who acts on it and the
+allowed values in words. :data:`KNOBS` is that table as the core gives it
+(``_core.params()``); :func:`get` reads one setting and checks it: a value outside its
+range, of another kind, not finite, or too large is a ``ValueError`` that names the
+variable, what it must be and what it got. The Python side acts on its own settings
+(deep gradient compression and the overlapped step of seed 000, PowerSGD of seed 001,
+the DDP switches, the elastic worker's timeout) and reads some of the core's too.
 
 The variables launchers hand their ranks (where they are, how to reach the rendezvous,
 which elastic round) are no settings: each is declared by the module whose protocol it
@@ -17,20 +18,28 @@ belongs to, and read through :func:`text` and :func:`given`. Writing the environ
 
 import math
 import os
+import re
 from dataclasses import dataclass
 
-__all__ = ["KNOBS", "Knob", "environment", "get", "given", "rendezvous", "text"]
+from perseus import _core
+
+__all__ = ["KNOBS", "Knob", "environment", "get", "given", "knob", "rendezvous", "text"]
 
 _TRUE = ("1", "true", "yes")
 _FALSE = ("0", "false", "no")
+# A number as the core reads one: ASCII only, no digit separators.
+_INTEGER = re.compile(r"\+?[0-9]+")
+_NUMBER = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?|[+-]?(inf|infinity|nan)",
+                     re.IGNORECASE)
 
 
 @dataclass(frozen=True)
 class Knob:
-    """One variable: ``kind`` is ``bool``, ``int``, ``float`` (finite) or ``ratios`` (a
-    list of floats, separated by spaces or commas, each within the range); numbers lie
-    within ``low``..``high`` (``low`` itself excluded when ``low_open``); ``choices``
-    limits a ``str``."""
+    """One setting: ``kind`` is ``bool``, ``int``, ``float`` (finite), ``ratios`` (a list
+    of floats, separated by spaces or commas, each within the range), ``str`` (one of
+    ``choices``) or ``text``; numbers lie within ``low``..``high`` (``low`` itself
+    excluded when ``low_open``). ``allowed`` says what values are allowed, in the core's
+    words."""
 
     name: str
     kind: str
@@ -39,23 +48,14 @@ class Knob:
     high: float = math.inf
     low_open: bool = False
     choices: tuple = ()
-    alias: str = ""
+    aliases: tuple = ()
+    scope: str = "python"
+    allowed: str = ""
     doc: str = ""
 
     def must(self):
         """What a value must be, in words."""
-        if self.kind == "bool":
-            return "0 or 1 (or true/false)"
-        if self.kind == "str":
-            return " or ".join(self.choices)
-        what = {"int": "an integer", "float": "a number",
-                "ratios": "numbers separated by spaces, each"}[self.kind]
-        low, high = f"{self.low:g}", f"{self.high:g}"
-        if self.high == math.inf:
-            return f"{what} {'greater than' if self.low_open else '>='} {low}"
-        if self.low_open:
-            return f"{what} greater than {low} and at most {high}"
-        return f"{what} from {low} to {high}"
+        return self.allowed
 
     def parse(self, text, name=None):
         """The value of ``text`` (stripped, not empty); ``ValueError`` naming the variable
@@ -68,81 +68,59 @@ class Knob:
     def _value(self, text):
         if self.kind == "bool":
             low = text.lower()
-            return True if low in _TRUE else False if low in _FALSE else None
+            # The core's flags are 0 or 1; the Python side's also true/false, yes/no.
+            true, false = (_TRUE, _FALSE) if self.scope != "core" else (("1",), ("0",))
+            return True if low in true else False if low in false else None
         if self.kind == "str":
-            low = text.lower()
-            return low if low in self.choices else None
+            return next((c for c in self.choices if c.lower() == text.lower()), None)
+        if self.kind == "text":
+            return text
         if self.kind == "ratios":
             values = [self._number(part, float) for part in text.replace(",", " ").split()]
             return values if values and None not in values else None
         return self._number(text, int if self.kind == "int" else float)
 
     def _number(self, text, kind):
-        if len(text) > 64:  # no number of ours is that long; int() of it would be slow
+        if len(text) > 64 or not (_INTEGER if kind is int else _NUMBER).fullmatch(text):
             return None
-        try:
-            value = kind(text)
-        except (ValueError, OverflowError):
-            return None
+        value = kind(text)
         if kind is float and not math.isfinite(value):
             return None
         above = value > self.low if self.low_open else value >= self.low
         return value if above and value <= self.high else None
 
 
-#: The settings, each declared here only.
-KNOBS = (
-    # Deep gradient compression (docs/dgc.md) and the overlapped step (docs/optimizers.md).
-    Knob("PERSEUS_DGC", "bool", False, doc="deep gradient compression (--dgc)"),
-    Knob("PERSEUS_DGC_COMPRESS_RATIO", "float", 0.001, 0, 1, low_open=True,
-         doc="share of a gradient's elements sent"),
-    Knob("PERSEUS_DGC_SAMPLE_RATIO", "float", 0.01, 0, 1, low_open=True,
-         doc="share of a gradient's elements sampled to find the threshold"),
-    Knob("PERSEUS_DGC_STRIDED_SAMPLE", "bool", True, doc="sample at a stride, not at random"),
-    Knob("PERSEUS_DGC_COMPRESS_UPPER_BOUND", "float", 1.3, 1, 100,
-         doc="most elements selected, as a multiple of the ratio's count"),
-    Knob("PERSEUS_DGC_COMPRESS_LOWER_BOUND", "float", 0.8, 0, 1, low_open=True,
-         doc="fewest elements selected, as a multiple of the ratio's count"),
-    Knob("PERSEUS_DGC_MAX_ADAPTATION_ITERS", "int", 10, 0, 1000,
-         doc="threshold adjustments per step"),
-    Knob("PERSEUS_DGC_RESAMPLE", "bool", True, doc="resample when too few are selected"),
-    Knob("PERSEUS_DGC_FP16_VALUES", "bool", False, doc="send the values as float16"),
-    Knob("PERSEUS_DGC_INT32_INDICES", "bool", False, doc="send the indices as int32"),
-    Knob("PERSEUS_DGC_WARMUP_EPOCHS", "int", 0, 0, 10000, doc="epochs of warm-up"),
-    Knob("PERSEUS_DGC_WARMUP_COEFF", "ratios", None, 0, 1, low_open=True,
-         doc="the compress ratio of each warm-up epoch"),
-    Knob("PERSEUS_DGC_MOMENTUM_MASKING", "bool", True,
-         doc="clear the momentum of the elements sent"),
-    Knob("PERSEUS_OVERLAP_BACKWARD_AND_STEP", "bool", False,
-         doc="step each parameter as soon as its gradient is reduced"),
-    Knob("PERSEUS_CLIP_GRAD_FUNC", "str", None, choices=("norm", "value"),
-         doc="gradient clipping of DGC and the overlapped step"),
-    Knob("PERSEUS_CLIP_GRAD_FUNC_PARAMS", "float", None, 0, low_open=True,
-         doc="the norm or value to clip at"),
-    # PowerSGD on DDP's buckets (seed 001, docs/ddp.md).
-    Knob("AIAK_POWERSGD_COMPRESSION", "bool", False, doc="PowerSGD on DDP's buckets"),
-    Knob("AIAK_MATRIX_APPROXIMATION_RANK", "int", 1, 1, 1024, doc="PowerSGD's rank"),
-    Knob("AIAK_START_COMPRESS_ITER", "int", 1000, 0,
-         doc="steps reduced exactly before PowerSGD starts"),
-    # DDP (docs/ddp.md).
-    Knob("PERSEUS_DDP", "bool", True, doc="DDP models reduce through Perseus"),
-    Knob("PERSEUS_USE_DDP_LAUNCHER", "bool", True,
-         doc="take the ranks from torchrun's RANK and WORLD_SIZE"),
-    # Elastic workers (docs/elastic.md); perseusrun sets it from --elastic-timeout.
-    Knob("PERSEUS_ELASTIC_TIMEOUT", "float", 600.0, 0, 1e9, low_open=True,
-         doc="seconds a worker waits for a round to take it"),
-)
+_KINDS = {"flag": "bool", "int": "int", "float": "float", "ratios": "ratios", "choice": "str",
+          "text": "text"}
+
+
+def _knob(param):
+    """A setting of the core's table (one dict of ``_core.params()``) as a :class:`Knob`."""
+    low, high = param["low"], param["high"]
+    return Knob(param["name"], _KINDS[param["kind"]], param["default"],
+                -math.inf if low is None else low, math.inf if high is None else high,
+                param["low_open"], tuple(param["choices"]), tuple(param["aliases"]),
+                param["scope"], param["allowed"], param["doc"])
+
+
+#: The settings, as the core's table declares them.
+KNOBS = tuple(_knob(p) for p in _core.params())
 
 _TABLE = {k.name: k for k in KNOBS}
 
 
+def knob(name):
+    """The setting ``name`` (``KeyError`` for a name no table row or alias has)."""
+    return _TABLE[name]
+
+
 def get(name, environ=None):
     """The value of setting ``name`` in ``environ`` (default: this process's
-    environment), else under its alias, else its default."""
+    environment), else under its first alias set, else its default."""
     knob = _TABLE[name]
     env = environment(environ)
-    for var in (knob.name, knob.alias):
-        text = env.get(var, "").strip() if var else ""
+    for var in (knob.name, *knob.aliases):
+        text = env.get(var, "").strip()
         if text:
             return knob.parse(text, var)
     return knob.default

@@ -17,7 +17,7 @@ def own_address(environ=None):
     one); else eth0's, when there is one; else this host's name."""
     if knobs.text("PERSEUS_IFACE_ADDR", environ):
         return knobs.text("PERSEUS_IFACE_ADDR", environ)
-    names = knobs.text("PERSEUS_GLOO_NETWORK_INTERFACE", environ) or "eth0"
+    names = knobs.get("PERSEUS_GLOO_NETWORK_INTERFACE", environ) or "eth0"
     address, _ = _netif.first_ipv4(names)
     return address or socket.gethostname()
 

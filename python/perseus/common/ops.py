@@ -59,7 +59,8 @@ class Handle:
     handle is the same as ``wait()``.
     """
 
-    __slots__ = ("__weakref__", "_done", "_error", "_finish", "_id", "_keep", "_result")
+    __slots__ = ("__weakref__", "_done", "_error", "_finish", "_id", "_keep", "_out",
+                 "_result")
 
     def __init__(self, core_id, keep=(), finish=None):
         self._id = core_id
@@ -68,6 +69,7 @@ class Handle:
         self._done = False
         self._result = None
         self._error = None
+        self._out = (None, (), 0)
         _inflight[id(self)] = self
 
     def poll(self):
@@ -78,7 +80,7 @@ class Handle:
         """Block until done and return the result; raise the operation's error."""
         if not self._done:
             try:
-                _core.wait(self._id)
+                self._out = _core.wait(self._id)
                 self._result = self._finish(self) if self._finish is not None else None
             except KeyboardInterrupt:
                 raise  # still in flight: keep everything alive
@@ -88,8 +90,8 @@ class Handle:
                     flight_recorder.on_failure(e)
             self._done = True
             self._keep = self._finish = None
+            self._out = (None, (), 0)
             _inflight.pop(id(self), None)
-            _core.release(self._id)
         if self._error is not None:
             raise self._error
         return self._result
@@ -107,16 +109,18 @@ class Handle:
             self._keep = self._finish = None
 
     def output(self):
-        """The output capsule the core allocated (inside ``finish`` only)."""
-        return _core.take_output(self._id)
+        """The output capsule the core allocated (inside ``finish`` only, once)."""
+        capsule, splits, value = self._out
+        self._out = (None, splits, value)
+        return capsule
 
     def recv_splits(self):
         """Rows received from each rank (allgather, alltoall; inside ``finish`` only)."""
-        return list(_core.recv_splits(self._id))
+        return list(self._out[1])
 
     def join_result(self):
         """The last rank to join (join; inside ``finish`` only)."""
-        return _core.join_result(self._id)
+        return self._out[2]
 
     def __repr__(self):
         state = "done" if self._done else "in flight"

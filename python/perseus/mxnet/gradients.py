@@ -23,6 +23,7 @@ import numpy as np
 
 from perseus.common.basics import config as _config
 from perseus.common.basics import set_fusion_threshold
+from perseus.common.downsample import DownSampler
 from perseus.common.gradients import Switches, perf_check, raise_nonfinite, warn_unapplied
 from perseus.common.ops import Sum
 from perseus.common.process_sets import process_set_size
@@ -106,9 +107,10 @@ class GradientReducer:
         self.downsample_n = switches.downsample_n
         self.momentum = switches.momentum
         self.perf_every = switches.perf_every
-        self._fusion_set = switches.fusion < 0
-        self._residuals = {}  # name -> numpy residual (down-sampling)
-        self._sent = {}  # name -> how many times it was sent (the down-sampling offset)
+        self._fusion_set = switches.fusion is None
+        self._sampler = DownSampler(self.downsample_n, self.momentum, np.copy,
+                                    lambda n, like: np.zeros(n, dtype=like.dtype))
+        self._updates = 0  # reductions done: the down-sampling offset rotates with it
         self._compute_times = []
         self._last_end = None
 
@@ -149,6 +151,7 @@ class GradientReducer:
                                name=group or f"{self.name}.grads")
             for g, sent, (ctx, sampled) in zip(grads, sends, contexts):
                 self._restore(g, sent, ctx, sampled)
+            self._updates += 1
             if self.nancheck:
                 bad = [n for n, ok in zip(names, finite_flags(grads)) if not ok]
                 if bad:
@@ -169,28 +172,13 @@ class GradientReducer:
         self._last_end = time.perf_counter()
 
     def _downsample(self, name, g):
-        """PERSEUS_DOWNSAMPLE_N_ELEMENTS=N: ``g`` joins its residual (decayed by
-        PERSEUS_GRADIENT_MOMENTUM); every N-th element of it, from an offset that rotates
-        with each send, is sent and cleared from the residual. The slice is padded to a
-        length that does not depend on the offset."""
-        n = self.downsample_n
-        if n <= 1 or not _floating(g):
+        """PERSEUS_DOWNSAMPLE_N_ELEMENTS=N (:mod:`perseus.common.downsample`): the slice to
+        send at this update and its ``Sampled``; an integer gradient, or N of 1, goes as
+        it is (None)."""
+        if self.downsample_n <= 1 or not _floating(g):
             return g, None
-        flat = g.asnumpy().reshape(-1)
-        acc = self._residuals.get(name)
-        if acc is None or acc.shape != flat.shape or acc.dtype != flat.dtype:
-            acc = flat
-        else:
-            acc *= self.momentum
-            acc += flat
-        self._residuals[name] = acc
-        offset = self._sent.get(name, 0) % n
-        self._sent[name] = offset + 1
-        picked = acc[offset::n]
-        sent = np.zeros(-(-flat.size // n), dtype=acc.dtype)
-        sent[:picked.size] = picked
-        picked[...] = 0
-        return mx.nd.array(sent, ctx=g.context, dtype=g.dtype), (offset, picked.size)
+        sent, sampled = self._sampler.send(name, g.asnumpy().reshape(-1), self._updates)
+        return mx.nd.array(sent, ctx=g.context, dtype=g.dtype), sampled
 
     def _restore(self, g, sent, ctx, sampled):
         """Writes a reduced gradient back into ``g``; a down-sampled one lands on its
@@ -200,14 +188,13 @@ class GradientReducer:
             if reduced is not g:
                 g[:] = reduced
             return
-        offset, count = sampled
-        full = np.zeros(g.size, dtype=np.dtype(g.dtype))
-        full[offset::self.downsample_n] = reduced.asnumpy()[:count]
+        full = np.empty(g.size, dtype=np.dtype(g.dtype))
+        DownSampler.restore(full, reduced.asnumpy(), sampled)
         g[:] = full.reshape(g.shape)
 
     def reset(self):
         """Forget residuals and timings (a restored state)."""
-        self._residuals.clear()
-        self._sent.clear()
+        self._sampler.reset()
+        self._updates = 0
         self._compute_times = []
         self._last_end = None

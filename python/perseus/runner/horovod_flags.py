@@ -10,42 +10,58 @@ command line winning. See docs/launching.md, "horovodrun's flags".
 
 import argparse
 
+from perseus.common import knobs
+
 _MIB = 1 << 20
 # The core's log levels (--log-level).
 LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
 
 # Flags whose value becomes one variable: (flag, argparse type, variable, the variable's
-# text of the value, (low, high) or None, help).
+# text of the value, the variable's units in one of the flag's (None: no range), help).
+# A flag's range is its variable's, from the table of settings (perseus.common.knobs).
 _VALUED = [
-    ("--fusion-threshold-mb", int, "HOROVOD_FUSION_THRESHOLD", lambda v: str(v * _MIB),
-     (0, 1 << 20), "largest fused buffer in MiB (set in bytes); 0 disables fusion"),
-    ("--cycle-time-ms", float, "HOROVOD_CYCLE_TIME", lambda v: f"{v:g}", (0, 60_000),
+    ("--fusion-threshold-mb", int, "HOROVOD_FUSION_THRESHOLD", lambda v: str(v * _MIB), _MIB,
+     "largest fused buffer in MiB (set in bytes); 0 disables fusion"),
+    ("--cycle-time-ms", float, "HOROVOD_CYCLE_TIME", lambda v: f"{v:g}", 1,
      "how long new requests wait while others are in flight"),
-    ("--cache-capacity", int, "HOROVOD_CACHE_CAPACITY", str, (0, 1 << 24),
+    ("--cache-capacity", int, "HOROVOD_CACHE_CAPACITY", str, 1,
      "tensor signatures the response cache holds"),
     ("--timeline-filename", str, "HOROVOD_TIMELINE", str, None,
      "write a Chrome-trace timeline to this file"),
-    ("--stall-check-warning-time-seconds", int, "PERSEUS_STALL_CHECK_TIME_SECONDS", str,
-     (0, 86_400), "warn about a collective some ranks have waited on this long"),
-    ("--stall-check-shutdown-time-seconds", int, "PERSEUS_STALL_SHUTDOWN_TIME_SECONDS", str,
-     (0, 86_400), "fail the job when a collective has waited this long"),
-    ("--num-nccl-streams", int, "HOROVOD_NUM_NCCL_STREAMS", str, (1, 12),
+    ("--stall-check-warning-time-seconds", int, "PERSEUS_STALL_CHECK_TIME_SECONDS", str, 1,
+     "warn about a collective some ranks have waited on this long"),
+    ("--stall-check-shutdown-time-seconds", int, "PERSEUS_STALL_SHUTDOWN_TIME_SECONDS", str, 1,
+     "fail the job when a collective has waited this long"),
+    ("--num-nccl-streams", int, "HOROVOD_NUM_NCCL_STREAMS", str, 1,
      "NCCL communicators per process set for CUDA tensors"),
-    ("--gloo-timeout-seconds", int, "GLOO_TIMEOUT_SECONDS", str, (1, 86_400),
+    ("--gloo-timeout-seconds", int, "GLOO_TIMEOUT_SECONDS", str, 1,
      "seconds to wait for a peer"),
     ("--thread-affinity", str, "HOROVOD_THREAD_AFFINITY", str, None,
      "cores of the engine threads, comma-separated, one per local rank in order"),
     ("--autotune-log-file", str, "HOROVOD_AUTOTUNE_LOG", str, None,
      "CSV file rank 0 writes each autotune sample and the settings kept to"),
-    ("--autotune-warmup-samples", int, "HOROVOD_AUTOTUNE_WARMUP_SAMPLES", str, (0, 1000),
+    ("--autotune-warmup-samples", int, "HOROVOD_AUTOTUNE_WARMUP_SAMPLES", str, 1,
      "autotune samples measured and discarded first"),
-    ("--autotune-steps-per-sample", int, "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE", str,
-     (1, 100_000), "training steps in one autotune sample"),
-    ("--autotune-bayes-opt-max-samples", int, "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES", str,
-     (1, 1000), "autotune samples scored before the best settings are kept"),
+    ("--autotune-steps-per-sample", int, "HOROVOD_AUTOTUNE_STEPS_PER_SAMPLE", str, 1,
+     "training steps in one autotune sample"),
+    ("--autotune-bayes-opt-max-samples", int, "HOROVOD_AUTOTUNE_BAYES_OPT_MAX_SAMPLES", str, 1,
+     "autotune samples scored before the best settings are kept"),
     ("--autotune-gaussian-process-noise", float, "HOROVOD_AUTOTUNE_GAUSSIAN_PROCESS_NOISE",
-     lambda v: f"{v:g}", (1e-6, 100), "noise term of autotune's Gaussian process"),
+     lambda v: f"{v:g}", 1, "noise term of autotune's Gaussian process"),
 ]
+
+
+def _number(x):
+    return str(x) if isinstance(x, int) else f"{x:g}"
+
+
+def flag_range(var, per):
+    """The range of a flag whose value, times ``per``, is variable ``var``: the
+    variable's range in the table of settings, in the flag's units."""
+    knob = knobs.knob(var)
+    if isinstance(knob.low, int) and isinstance(knob.high, int):
+        return -(-knob.low // per), knob.high // per
+    return knob.low / per, knob.high / per
 
 
 def _dest(flag):
@@ -226,12 +242,13 @@ def horovod_env(args):
     """The variables of the horovodrun flags given; ``ValueError`` names a flag whose
     value the ranks would refuse, or flags that contradict each other."""
     env = {}
-    for flag, _, var, text, bounds, _ in _VALUED:
+    for flag, _, var, text, per, _ in _VALUED:
         value = getattr(args, _dest(flag))
         if value is None:
             continue
-        if bounds and not bounds[0] <= value <= bounds[1]:
-            raise ValueError(f"{flag} {value}: must be from {bounds[0]} to {bounds[1]}")
+        low, high = flag_range(var, per) if per else (value, value)
+        if not low <= value <= high:
+            raise ValueError(f"{flag} {value}: must be from {_number(low)} to {_number(high)}")
         env[var] = text(value)
     if args.hierarchical_allreduce is not None:
         if args.nccl_hierarchical_allreduce and not args.hierarchical_allreduce:

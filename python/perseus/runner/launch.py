@@ -82,7 +82,7 @@ def build_parser():
     p.add_argument("-p", "--ssh-port", type=int, metavar="PORT",
                    help="ssh port of remote hosts")
     p.add_argument("-i", "--ssh-identity-file", metavar="FILE", help="ssh private key")
-    p.add_argument("--rsh", default=knobs.text("PERSEUS_RSH"), metavar="PREFIX",
+    p.add_argument("--rsh", default=knobs.get("PERSEUS_RSH"), metavar="PREFIX",
                    help="command prefix that runs a command on a remote host, {host} "
                         "standing for the host, e.g. 'ip netns exec {host}' "
                         "(default: ssh; env PERSEUS_RSH)")

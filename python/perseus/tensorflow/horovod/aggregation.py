@@ -4,6 +4,7 @@ aggregation of those passes' gradients."""
 
 import tensorflow as tf
 
+from perseus.common import knobs
 from perseus.common.basics import config as _config
 from perseus.common.gradients import check_optimizer_args
 
@@ -22,7 +23,7 @@ def passes_per_step(backward_passes_per_step, average_aggregated_gradients):
     passes = int(backward_passes_per_step)
     if passes < 1:
         raise ValueError(f"backward_passes_per_step must be >= 1, got {passes}")
-    env = int(_config().get("PERSEUS_ACCUMULATE_N_STEPS", "1"))
+    env = knobs.get("PERSEUS_ACCUMULATE_N_STEPS", _config())
     if passes == 1 and env > 1:
         return env, True
     return passes, bool(average_aggregated_gradients)

@@ -22,6 +22,7 @@ import tensorflow as tf
 from perseus.common import elastic
 from perseus.common.basics import config as _config
 from perseus.common.basics import generation, set_fusion_threshold
+from perseus.common.downsample import DownSampler
 from perseus.common.gradients import (
     Switches,
     check_optimizer_args,
@@ -67,10 +68,10 @@ class GradientReducer:
         warn_unapplied("TensorFlow's DistributedOptimizer and DistributedGradientTape")
         self._nancheck = self._switches.nancheck
         self._downsample_n = self._switches.downsample_n
-        self._momentum = self._switches.momentum
+        self._sampler = DownSampler(self._downsample_n, self._switches.momentum, np.copy,
+                                    lambda n, like: np.zeros(n, dtype=like.dtype))
         self._perf_every = self._switches.perf_every
         self._fusion_set = False
-        self._residuals = {}
         self._updates = 0
         self._compute_times = []
         self._last_end = None
@@ -130,7 +131,7 @@ class GradientReducer:
         entered = time.perf_counter()
         if self._perf_every > 0 and self._last_end is not None:
             self._compute_times.append(entered - self._last_end)
-        if self._switches.fusion >= 0 and not self._fusion_set:
+        if self._switches.fusion is not None and not self._fusion_set:
             total = sum(int(np.prod(g.shape)) * g.dtype.size for g in grads)
             set_fusion_threshold(self._switches.fusion_threshold(total))
             self._fusion_set = True
@@ -159,31 +160,20 @@ class GradientReducer:
         return results
 
     def _downsample(self, name, g):
-        n = self._downsample_n
-        if n <= 1 or g.dtype.as_numpy_dtype not in _FLOATS:
+        """PERSEUS_DOWNSAMPLE_N_ELEMENTS=N (:mod:`perseus.common.downsample`): the slice to
+        send at this update and its ``Sampled``; an integer gradient, or N of 1, goes as
+        it is (None)."""
+        if self._downsample_n <= 1 or g.dtype.as_numpy_dtype not in _FLOATS:
             return g, None
-        flat = g.numpy().reshape(-1)
-        acc = self._residuals.get(name)
-        if acc is None or acc.shape != flat.shape:
-            acc = flat.copy()
-        else:
-            acc *= self._momentum
-            acc += flat
-        self._residuals[name] = acc
-        offset = self._updates % n
-        picked = acc[offset::n]
-        sent = np.zeros(-(-flat.size // n), dtype=acc.dtype)
-        sent[:picked.size] = picked
-        picked[...] = 0
-        return tf.constant(sent), (offset, picked.size)
+        sent, sampled = self._sampler.send(name, g.numpy().reshape(-1), self._updates)
+        return tf.constant(sent), sampled
 
     def _restore(self, g, output, ctx, sampled):
         reduced = self.compression.decompress(output, ctx)
         if sampled is None:
             return reduced
-        offset, count = sampled
-        full = np.zeros(int(np.prod(g.shape)), dtype=g.dtype.as_numpy_dtype)
-        full[offset::self._downsample_n] = reduced.numpy()[:count]
+        full = np.empty(int(np.prod(g.shape)), dtype=g.dtype.as_numpy_dtype)
+        DownSampler.restore(full, reduced.numpy(), sampled)
         return tf.constant(full.reshape(g.shape))
 
     def _check_finite(self, results, names, own_bad):

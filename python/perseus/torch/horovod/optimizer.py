@@ -10,6 +10,7 @@ from perseus.common import elastic as _elastic
 from perseus.common import knobs
 from perseus.common.basics import config as _config
 from perseus.common.basics import set_fusion_threshold
+from perseus.common.downsample import DownSampler
 from perseus.common.exceptions import NameInFlightError
 from perseus.common.gradients import (
     Switches,
@@ -41,13 +42,13 @@ from perseus.torch.horovod.parameter_names import name_added_group, parameter_na
 
 
 class _Sampled:
-    """How a down-sampled gradient was sent: every ``every``-th element from ``offset``,
-    ``count`` of them, padded to a fixed length; ``ctx`` is the compression's context."""
+    """A down-sampled gradient's :class:`~perseus.common.downsample.Sampled` and its
+    compression's context."""
 
-    __slots__ = ("count", "ctx", "every", "offset")
+    __slots__ = ("ctx", "sampled")
 
-    def __init__(self, offset, every, count, ctx):
-        self.offset, self.every, self.count, self.ctx = offset, every, count, ctx
+    def __init__(self, sampled, ctx):
+        self.sampled, self.ctx = sampled, ctx
 
 
 def _split_list(items, n):
@@ -96,8 +97,8 @@ class _DistributedOptimizer:
         self._nonfinite_here = []
         # PERSEUS_DOWNSAMPLE_N_ELEMENTS / PERSEUS_GRADIENT_MOMENTUM: see _downsample().
         self._downsample_n = switches.downsample_n
-        self._residual_momentum = switches.momentum
-        self._residuals = {}
+        self._sampler = DownSampler(switches.downsample_n, switches.momentum, torch.clone,
+                                    lambda n, like: like.new_zeros(n))
         self._updates = 0
         # PERSEUS_FUSED_OPTIMIZER: see _wrapped_step().
         self._fused_optimizer = switches.fused_optimizer
@@ -107,7 +108,7 @@ class _DistributedOptimizer:
         self._compute_times = []
         self._last_step_end = None
         # PERSEUS_ALLREDUCE_FUSION=N: fused buffers of 1/N of the gradient bytes.
-        if switches.fusion >= 0:
+        if switches.fusion is not None:
             working = (_amp.working(p) for group in self.param_groups
                        for p in group["params"] if p.requires_grad)
             total = sum(w.numel() * w.element_size() for w in working)
@@ -226,7 +227,7 @@ class _DistributedOptimizer:
         self._should_synchronize = True
         self._accumulated = 0
         self._hidden = []
-        self._residuals.clear()
+        self._sampler.reset()
         self._updates = 0
         for p in self._allreduce_delay:
             self._allreduce_delay[p] = self._passes_per_update()
@@ -336,28 +337,13 @@ class _DistributedOptimizer:
             raise_nonfinite(bad, mine, "DistributedOptimizer", self.process_set)
 
     def _downsample(self, p, tensor):
-        """PERSEUS_DOWNSAMPLE_N_ELEMENTS=N: adds the gradient to this parameter's residual
-        (decayed by PERSEUS_GRADIENT_MOMENTUM), takes every N-th element of it from offset
-        ``updates mod N`` (the same on every rank, rotating so each element goes once in N
-        updates) and clears them from the residual. The slice is padded to a length that
-        does not depend on the offset, so the tensor's signature stays the same every step
-        (response cache, offline negotiation). Returns the tensor to send and its context."""
-        n = self._downsample_n
-        if n <= 1 or p.grad.is_sparse or tensor.is_sparse or not tensor.is_floating_point():
+        """PERSEUS_DOWNSAMPLE_N_ELEMENTS=N (:mod:`perseus.common.downsample`): the slice of
+        this parameter's residual to send at this update, and its ``Sampled``; a sparse or
+        integer gradient, or N of 1, goes as it is (None)."""
+        if (self._downsample_n <= 1 or p.grad.is_sparse or tensor.is_sparse
+                or not tensor.is_floating_point()):
             return tensor, None
-        flat = tensor.reshape(-1)
-        acc = self._residuals.get(p)
-        if acc is None or acc.shape != flat.shape:
-            acc = flat.clone()
-        else:
-            acc.mul_(self._residual_momentum).add_(flat)
-        self._residuals[p] = acc
-        offset = self._updates % n
-        picked = acc[offset::n]
-        sent = torch.zeros(-(-flat.numel() // n), dtype=acc.dtype, device=acc.device)
-        sent[:picked.numel()] = picked
-        picked.zero_()
-        return sent, (offset, picked.numel())
+        return self._sampler.send(p, tensor.reshape(-1), self._updates)
 
     def _send_form(self, p, tensor):
         """The tensor as it goes to the wire (down-sampled, then compressed) and the
@@ -366,7 +352,7 @@ class _DistributedOptimizer:
         compressed, ctx = self._compression.compress(sent)
         if sampled is None:
             return compressed, ctx
-        return compressed, _Sampled(sampled[0], self._downsample_n, sampled[1], ctx)
+        return compressed, _Sampled(sampled, ctx)
 
     def _restore(self, p, output, ctx):
         """Writes a reduced gradient back into ``p.grad``; a down-sampled one lands on its
@@ -383,8 +369,7 @@ class _DistributedOptimizer:
         if grad is None:
             p.grad = torch.zeros_like(p)
             grad = p.grad.view(-1)
-        grad.zero_()
-        grad[ctx.offset::ctx.every].copy_(reduced[:ctx.count])
+        DownSampler.restore(grad, reduced, ctx.sampled)
 
     def _perf_check(self):
         """PERSEUS_PERF_CHECK_N_STEPS=N: every N steps compare compute times (from the end

@@ -1,10 +1,10 @@
 //! Negotiation without sockets: readiness, agreement checks, fusion, join,
 //! process sets and shutdown.
 
-use super::coordinator::Coordinator;
-use super::message::{OpKind, Request, Response};
+use super::Coordinator;
 use crate::config::StallLimits;
 use crate::dtype::{DataType, ReduceOp};
+use crate::engine::message::{OpKind, Request, Response};
 use std::time::{Duration, Instant};
 
 fn ar(name: &str, shape: &[i64]) -> Request {
@@ -191,7 +191,7 @@ fn shutdown_of_one_rank_fails_what_it_never_sent_and_disconnect_aborts() {
 
 #[test]
 fn messages_round_trip_on_the_wire() {
-    use super::message::*;
+    use crate::engine::message::*;
     let mut r = ar("layer.weight", &[3, 4]);
     r.ints = vec![1, 2];
     r.prescale = 0.5;
@@ -465,7 +465,7 @@ fn a_set_formed_halfway_is_a_stall_naming_who_is_missing() {
 
 #[test]
 fn autotune_changes_fusion_at_once_tells_every_rank_the_cycle_and_then_lets_offline_in() {
-    use super::autotune::{Knobs, Tuner};
+    use crate::engine::autotune::{Knobs, Tuner};
     let settings = crate::config::AutotuneSettings {
         log: None,
         warmup_samples: 0,
@@ -519,7 +519,7 @@ fn autotune_changes_fusion_at_once_tells_every_rank_the_cycle_and_then_lets_offl
 
 #[test]
 fn fusion_bounds_the_names_of_one_response_and_batches_go_in_bounded_frames() {
-    use super::message::{decode_responses, encode_responses, in_parts};
+    use crate::engine::message::{decode_responses, encode_responses, in_parts};
     // 1,000 one-element tensors with 3,000-character names: far below the data threshold,
     // but fused names stop at a MiB, so every response frame stays small.
     let name = |i: usize| format!("{i:08}").repeat(375);
