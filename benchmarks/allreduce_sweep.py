@@ -56,9 +56,7 @@ def _allreduce_fn(comm, t, name):
         core, cap = comm.core, t.__dlpack__()
 
         def fn():
-            h = core.allreduce(cap, cap, name, core.OP_SUM, 1.0, 1.0, 0)
-            core.wait(h)
-            core.release(h)
+            comm.finish(core.allreduce(cap, cap, name, core.OP_SUM, 1.0, 1.0, 0))
     elif comm.impl == "hvd":
         hvd = comm.hvd
 

@@ -244,6 +244,9 @@ class Comm:
             from perseus import _core
 
             self.core = _core
+            # Builds from before _core.wait returned the output (an A/B baseline) also
+            # need each handle released.
+            self._release = getattr(_core, "release", None)
             _core.init()
             self.rank, self.size = _core.rank(), _core.size()
         elif impl == "hvd":
@@ -272,11 +275,15 @@ class Comm:
             raise ValueError(f"unknown implementation {impl!r}")
         self._nmax = 0
 
+    def finish(self, handle):
+        """Waits for the core's ``handle`` (impl ``core``)."""
+        self.core.wait(handle)
+        if self._release is not None:
+            self._release(handle)
+
     def barrier(self):
         if self.impl == "core":
-            h = self.core.barrier(0)
-            self.core.wait(h)
-            self.core.release(h)
+            self.finish(self.core.barrier(0))
         elif self.impl == "hvd":
             # A fixed-name allreduce rather than hvd.barrier(), whose automatic name
             # differs on every call: a repeating step stays eligible for offline
@@ -300,9 +307,7 @@ class Comm:
         name = f"bench.max.{self._nmax}"
         if self.impl == "core":
             cap = t.__dlpack__()
-            h = self.core.allreduce(cap, cap, name, self.core.OP_MAX, 1.0, 1.0, 0)
-            self.core.wait(h)
-            self.core.release(h)
+            self.finish(self.core.allreduce(cap, cap, name, self.core.OP_MAX, 1.0, 1.0, 0))
         elif self.impl == "hvd":
             self.hvd.allreduce_(t, op=self.hvd.Max, name=name)
         elif self.impl in TORCH_STARTED:

@@ -83,9 +83,7 @@ def body(comm, opts):
     cap = t.__dlpack__()
 
     def fn():
-        h = core.allreduce(cap, cap, "grad", core.OP_SUM, 1.0, 1.0, 0, True)
-        core.wait(h)
-        core.release(h)
+        comm.finish(core.allreduce(cap, cap, "grad", core.OP_SUM, 1.0, 1.0, 0, True))
 
     fn()
     before = core.counters()
