@@ -2,7 +2,7 @@
 
 Import a front-end to train: ``import perseus.torch.horovod as hvd`` (PyTorch).
 ``import perseus`` alone makes torch's DistributedDataParallel reduce its gradients
-through Perseus once torch is imported (perseus.ddp, docs/ddp.md; ``PERSEUS_DDP=0``
+through Perseus once torch is imported (perseus.torch.ddp, docs/ddp.md; ``PERSEUS_DDP=0``
 turns that off). ``perseus.run(func, np=...)`` runs a function as a job (Horovod's
 ``horovod.run``, docs/launching.md). This package itself imports nothing heavy: no
 framework and not the native core.
@@ -20,4 +20,9 @@ def __getattr__(name):
         from perseus.runner.run_function import run
 
         return run
+    # The torch-only modules' old names: perseus.ddp is perseus.torch.ddp, and so on.
+    if name in ("ddp", "powersgd", "aiak"):
+        import importlib
+
+        return importlib.import_module(f"perseus.torch.{name}")
     raise AttributeError(f"module 'perseus' has no attribute {name!r}")

@@ -1,6 +1,6 @@
 """What ``import perseus`` sets up: once torch is imported, its DistributedDataParallel
-reduces gradients through Perseus (:mod:`perseus.ddp`, docs/ddp.md), and seed 001's
-names are in torch's namespaces (:mod:`perseus.aiak`).
+reduces gradients through Perseus (:mod:`perseus.torch.ddp`, docs/ddp.md), and seed
+001's names are in torch's namespaces (:mod:`perseus.torch.aiak`).
 
 Nothing here imports torch. When torch is already imported the patch applies at
 once; otherwise a finder on ``sys.meta_path`` waits for torch's own import to
@@ -21,14 +21,14 @@ def _after_torch():
 
         # An unsupported torch leaves DDP to torch, saying why (before ddp reaches torch).
         support.check("torch", sys.modules[_TARGET].__version__)
-        from perseus import ddp
+        from perseus.torch import ddp
 
         ddp.patch()
     except Exception as e:  # noqa: BLE001 - reported, never raised into torch's import
         warnings.warn(f"perseus: DistributedDataParallel keeps torch's communication: {e}",
                       RuntimeWarning, stacklevel=2)
     try:
-        from perseus import aiak
+        from perseus.torch import aiak
 
         aiak.install()
     except Exception as e:  # noqa: BLE001 - as above

@@ -1,4 +1,4 @@
-"""``import perseus`` and torch's DistributedDataParallel (perseus.ddp, docs/ddp.md):
+"""``import perseus`` and torch's DistributedDataParallel (perseus.torch.ddp, docs/ddp.md):
 DDP's buckets are averaged by Perseus under torchrun, perseusrun and
 ``torch.multiprocessing.spawn``, the models end as one process on the whole batch
 would have them, a user's hook is kept, seed 001's PowerSGD compresses them, and a
@@ -168,7 +168,7 @@ PATCHED = ("from torch.nn.parallel import DistributedDataParallel as D; "
 def test_import_perseus_before_or_after_torch_patches_ddp(imports):
     out = subprocess.run([PY, "-c", f"{imports}; {PATCHED}"], env=clean_env(),
                          capture_output=True, text=True, check=True, cwd=PKG_ROOT)
-    assert out.stdout.split() == ["perseus.ddp", "perseus.ddp"], out
+    assert out.stdout.split() == ["perseus.torch.ddp", "perseus.torch.ddp"], out
 
 
 def test_import_perseus_alone_imports_no_framework():
@@ -177,3 +177,21 @@ def test_import_perseus_alone_imports_no_framework():
     out = subprocess.run([PY, "-c", code], env=clean_env(), capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "[]", out
+
+
+def test_the_old_module_names_are_the_torch_modules_themselves():
+    code = ("import perseus.ddp, perseus.powersgd, perseus.aiak, perseus.torch as t, sys; "
+            "import perseus.torch.ddp, perseus.torch.powersgd, perseus.torch.aiak; "
+            "print(perseus.ddp is t.ddp, perseus.powersgd is t.powersgd, "
+            "perseus.aiak is t.aiak, sys.modules['perseus.ddp'] is t.ddp)")
+    out = subprocess.run([PY, "-c", code], env=clean_env(), capture_output=True, text=True,
+                         check=True, cwd=PKG_ROOT)
+    assert out.stdout.split() == ["True"] * 4, out
+
+
+def test_after_import_perseus_the_old_names_are_attributes_too():
+    code = ("import torch, perseus; import perseus.torch as t; "
+            "print(perseus.ddp is t.ddp, perseus.powersgd is t.powersgd, perseus.aiak is t.aiak)")
+    out = subprocess.run([PY, "-c", code], env=clean_env(), capture_output=True, text=True,
+                         check=True, cwd=PKG_ROOT)
+    assert out.stdout.split() == ["True"] * 3, out

@@ -93,7 +93,7 @@ from torch import nn
 dist.init_process_group("gloo")
 model = nn.parallel.DistributedDataParallel(nn.Linear(4, 2))
 model(torch.ones(3, 4)).sum().backward()
-hooked = "perseus" in sys.modules and sys.modules["perseus.ddp"].hooked(model)
+hooked = "perseus" in sys.modules and sys.modules["perseus.torch.ddp"].hooked(model)
 print(f"rank {dist.get_rank()}: perseus imported {'perseus' in sys.modules}, "
       f"gradients through perseus {hooked}", flush=True)
 # torch 2.15's gloo teardown races at exit ("terminate called without an active

@@ -1,0 +1,456 @@
+"""PyTorch DistributedDataParallel on the Perseus core (docs/ddp.md).
+
+``import perseus`` (seed 003 asks for it before ``import torch``; after works too)
+and every ``DistributedDataParallel`` model, on torch's default process group or on
+a subgroup (``new_group``, ``new_subgroups``, ``split_group``, a ``DeviceMesh``
+dimension: each is reduced by a Perseus process set of the same ranks, which the
+group's ranks register among themselves), has its gradient buckets
+averaged by Perseus instead of by the group's backend:
+the model, the optimizer, the launcher and the rest of torch.distributed stay as
+they are. A model on which the user registers a communication hook (before its
+first forward) keeps that hook. ``PERSEUS_DDP=0`` leaves DDP's communication to torch;
+seed 001's ``AIAK_POWERSGD_COMPRESSION=1`` compresses the buckets (perseus.torch.powersgd).
+
+Perseus finds its ranks as it does for the Horovod API (torchrun's ``RANK`` and
+``WORLD_SIZE``, perseusrun, mpirun, srun). A job whose processes were given their
+ranks only through ``init_process_group(rank=..., world_size=...)`` (as
+``torch.multiprocessing.spawn`` scripts do) takes them from torch's group: the
+ranks meet through torch's store, and rank 0 hosts Perseus's rendezvous on a free
+port. Under perseusrun, mpirun or srun, an ``init_process_group()`` that finds
+none of torch's variables gets them from Perseus.
+"""
+
+import itertools
+import os
+import queue
+import secrets
+import socket
+import threading
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from perseus.common import knobs
+
+__all__ = ["allreduce_hook", "completed", "enabled", "hooked", "init", "patch",
+           "process_set_of"]
+
+# Variables by which Perseus's core finds its ranks without torch (config/topology.rs).
+_LAUNCHER_RANKS = ("PERSEUS_RANK", "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK",
+                   "SLURM_PROCID")
+
+_originals = {}
+_ids = itertools.count()
+_server = None  # the rendezvous this rank hosts when torch's group gave the ranks
+_store_rounds = itertools.count()
+
+
+def enabled():
+    """Whether DDP models reduce through Perseus: ``PERSEUS_DDP`` (1, the default, or 0)."""
+    return knobs.get("PERSEUS_DDP")
+
+
+# --------------------------------------------------------------------------- starting Perseus
+
+def _core():
+    from perseus import _core as core
+
+    return core
+
+
+def _launcher_gives_ranks():
+    if any(knobs.given(v) for v in _LAUNCHER_RANKS):
+        return True
+    return (knobs.given("RANK") and knobs.given("WORLD_SIZE")
+            and knobs.get("PERSEUS_USE_DDP_LAUNCHER"))
+
+
+def _default_store():
+    return dist.distributed_c10d._get_default_store()
+
+
+def _env_from_group(rank, size):
+    """Perseus's topology and rendezvous from torch's default group, through its store."""
+    global _server
+    store = _default_store()
+    key = f"perseus/ddp/{next(_store_rounds)}"
+    store.set(f"{key}/host/{rank}", socket.gethostname())
+    hosts = [store.get(f"{key}/host/{r}").decode() for r in range(size)]
+    secret = _shared_secret(store, key, rank)
+    if rank == 0:
+        one_host = len(set(hosts)) == 1
+        addr = "127.0.0.1" if one_host else knobs.text("MASTER_ADDR") or hosts[0]
+        _server = _core().RendezvousServer("0.0.0.0:0", secret)
+        store.set(f"{key}/rendezvous", f"{addr} {_server.port}")
+    addr, port = store.get(f"{key}/rendezvous").decode().split(" ")
+    seen, local_ranks = {}, []
+    for host in hosts:
+        local_ranks.append(seen.get(host, 0))
+        seen[host] = local_ranks[-1] + 1
+    local_rank = local_ranks[rank]
+    # Horovod's cross rank: among the ranks with the same local rank, one per host.
+    peers = [r for r in range(size) if local_ranks[r] == local_rank]
+    os.environ.update({
+        "PERSEUS_RANK": str(rank), "PERSEUS_SIZE": str(size),
+        "PERSEUS_LOCAL_RANK": str(local_rank), "PERSEUS_LOCAL_SIZE": str(seen[hosts[rank]]),
+        "PERSEUS_CROSS_RANK": str(peers.index(rank)), "PERSEUS_CROSS_SIZE": str(len(peers)),
+        "PERSEUS_RENDEZVOUS_ADDR": addr, "PERSEUS_RENDEZVOUS_PORT": port,
+    })
+
+
+def _shared_secret(store, key, rank):
+    """PERSEUS_SECRET, or one rank 0 makes and passes through torch's store: Perseus's
+    rendezvous and connections are then closed to whoever cannot read that store."""
+    secret = knobs.text("PERSEUS_SECRET")
+    if not secret:
+        if rank == 0:
+            store.set(f"{key}/secret", secrets.token_hex(16))
+        secret = os.environ["PERSEUS_SECRET"] = store.get(f"{key}/secret").decode()
+    return secret
+
+
+def init():
+    """Start Perseus for the ranks of torch's default process group (collective: every
+    rank calls it; it does nothing once Perseus runs). Building a DDP model calls it;
+    call it yourself before registering :func:`allreduce_hook` by hand with
+    ``PERSEUS_DDP=0``. Raises ``ValueError`` when Perseus and torch disagree on the
+    ranks."""
+    from perseus.common import basics
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("torch.distributed is not initialized: call "
+                         "torch.distributed.init_process_group() before perseus.ddp.init()")
+    rank, size = dist.get_rank(), dist.get_world_size()
+    core = _core()
+    if not core.is_initialized():
+        if size > 1 and not _launcher_gives_ranks():
+            _env_from_group(rank, size)
+        elif size > 1:
+            _shared_secret(_default_store(), f"perseus/ddp/{next(_store_rounds)}", rank)
+        basics.init()
+    if (core.rank(), core.size()) != (rank, size):
+        raise ValueError(
+            f"Perseus is rank {core.rank()} of {core.size()} but torch.distributed is rank "
+            f"{rank} of {size}: the launcher's variables and init_process_group() disagree; "
+            "give init_process_group() the launcher's ranks, or set PERSEUS_DDP=0")
+
+
+def _torch_env_missing(args, kwargs):
+    # init_process_group(backend, init_method, timeout, world_size, rank, store, ...)
+    def arg(i, name, default):
+        return kwargs.get(name, args[i] if len(args) > i else default)
+
+    return (arg(1, "init_method", None) in (None, "env://") and arg(5, "store", None) is None
+            and arg(4, "rank", -1) in (-1, None) and not knobs.given("RANK")
+            and not knobs.given("MASTER_PORT")
+            and any(knobs.given(v) for v in _LAUNCHER_RANKS))
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _torch_env_from_perseus():
+    """Under perseusrun, mpirun or srun: torch's env:// variables from Perseus's ranks;
+    rank 0 names its host and a free port for torch's store."""
+    from perseus.common import basics, objects
+
+    basics.init()
+    core = _core()
+    where = None
+    if core.rank() == 0:
+        host = ("127.0.0.1" if core.local_size() == core.size() else
+                knobs.text("MASTER_ADDR") or knobs.text("PERSEUS_HOSTNAME")
+                or socket.getfqdn())
+        where = (host, _free_port())
+    host, port = objects.broadcast_object(where, 0, name="perseus.ddp.torch_store")
+    os.environ.update({
+        "RANK": str(core.rank()), "WORLD_SIZE": str(core.size()),
+        "LOCAL_RANK": str(core.local_rank()), "LOCAL_WORLD_SIZE": str(core.local_size()),
+        "MASTER_ADDR": host, "MASTER_PORT": str(port),
+    })
+
+
+def _init_process_group(*args, **kwargs):
+    if _torch_env_missing(args, kwargs):
+        _torch_env_from_perseus()
+    return _originals["init_process_group"](*args, **kwargs)
+
+
+# --------------------------------------------------------------------------- subgroups
+
+def process_set_of(group):
+    """The Perseus process set that reduces for torch process group ``group`` (``None``:
+    the default group). The first call for a subgroup registers a set of its ranks:
+    a collective over those ranks alone (each calls it, as building a DDP model on the
+    group does; the other ranks take no part), so any group works, however torch made
+    it (``new_group``, ``use_local_synchronization=True``, ``split_group``, a
+    ``DeviceMesh`` dimension). A set of the same ranks registered already, with
+    ``hvd.add_process_set`` or by an earlier group, is reused. Perseus must be running
+    (see :func:`init`)."""
+    from perseus.torch.horovod import mpi_ops
+
+    default = dist.distributed_c10d._get_default_group()
+    if group is None or group is default:
+        return mpi_ops.global_process_set
+    ranks = tuple(sorted(dist.get_process_group_ranks(group)))
+    if len(ranks) == dist.get_world_size():
+        return mpi_ops.global_process_set
+    if dist.get_rank() not in ranks:
+        raise ValueError(f"rank {dist.get_rank()} is not in the process group of ranks "
+                         f"{list(ranks)}, so it has no process set there")
+    return _set_of(ranks)
+
+
+def _set_of(ranks):
+    """The registered process set of ``ranks`` (sorted, holding this rank), or a new one
+    that those ranks register alone. Perseus's registry is the only record: it forgets
+    its sets at ``shutdown()``, so a restarted Perseus registers them again."""
+    from perseus.common import process_sets
+
+    for ps in process_sets.process_sets():
+        if tuple(ps.ranks) == ranks:
+            return ps
+    return process_sets.add_process_set(list(ranks), members_only=True)
+
+
+# --------------------------------------------------------------------------- the hook
+
+class _Completer:
+    """One thread that finishes each bucket, in submission order: ``finish()`` waits for
+    its collectives and returns the reduced bucket, which completes the future that DDP
+    waits on at the end of backward."""
+
+    def __init__(self):
+        self.pid = os.getpid()
+        self._queue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="perseus-ddp", daemon=True).start()
+
+    def submit(self, finish, future):
+        self._queue.put((finish, future))
+
+    def _run(self):
+        while True:
+            finish, future = self._queue.get()
+            try:
+                value = finish()
+            except Exception as e:  # noqa: BLE001 - handed to DDP, raised from backward
+                future.set_exception(e)
+            else:
+                future.set_result(value)
+
+
+_completer = None
+_completer_lock = threading.Lock()
+
+
+def _completions():
+    global _completer
+    with _completer_lock:
+        if _completer is None or _completer.pid != os.getpid():
+            _completer = _Completer()
+        return _completer
+
+
+class _State:
+    """Perseus's side of one DDP model: its tensors' name prefix, the hook choice, and
+    PowerSGD's state when seed 001's AIAK_POWERSGD_COMPRESSION=1 asks for it."""
+
+    __slots__ = ("group", "hooked", "powersgd", "prefix", "process_set", "settled",
+                 "user_hook")
+
+    def __init__(self, prefix, group, user_hook, powersgd=None):
+        self.prefix = prefix
+        self.group = group  # torch's process group of the model
+        self.user_hook = user_hook
+        self.powersgd = powersgd
+        self.process_set = None  # the group's, found at the first need
+        self.settled = False  # the first forward chose the hook
+        self.hooked = False  # Perseus's hook is the model's
+
+    def __repr__(self):
+        return f"<perseus DDP state {self.prefix}>"
+
+
+def allreduce_hook(state, bucket):
+    """DDP communication hook: average ``bucket``'s gradients over the model's ranks with
+    Perseus.
+
+    The reduction is a gradient one, so PERSEUS_ALLREDUCE_DTYPE, its gradient scale
+    and PERSEUS_ALLREDUCE_MODE apply as for ``DistributedOptimizer``. ``state`` may be
+    ``None`` (every rank) or a torch process group (its ranks), as for torch's own
+    ``allreduce_hook``: ``ddp.register_comm_hook(group, perseus.ddp.allreduce_hook)``;
+    every rank of the group must register it on the same models in the same order.
+    Perseus must be running (see :func:`init`).
+    """
+    from perseus.torch.horovod import mpi_ops
+
+    buf = bucket.buffer()
+    handle = mpi_ops.gradient_allreduce_async_(buf, f"{_prefix(state)}.bucket{bucket.index()}",
+                                               mpi_ops.Average, 1.0, 1.0, _process_set(state))
+
+    def finish():
+        handle.wait()
+        return buf
+
+    return completed(buf, finish)
+
+
+def _prefix(state):
+    if not _core().is_initialized():
+        raise ValueError("Perseus is not initialized: call perseus.ddp.init() after "
+                         "init_process_group() and before the first backward")
+    if isinstance(state, _State):
+        return state.prefix
+    if isinstance(state, dist.ProcessGroup):
+        return f"ddp.group{'.'.join(map(str, sorted(dist.get_process_group_ranks(state))))}"
+    return "ddp"
+
+
+def _process_set(state):
+    """The process set a hook's ``state`` reduces over (see :func:`allreduce_hook`)."""
+    from perseus.torch.horovod import mpi_ops
+
+    if isinstance(state, _State):
+        ps = state.process_set
+        if ps is None or ps.process_set_id is None:  # or Perseus restarted since
+            ps = state.process_set = process_set_of(state.group)
+        return ps
+    if isinstance(state, dist.ProcessGroup):
+        return process_set_of(state)
+    return mpi_ops.global_process_set
+
+
+def completed(buf, finish):
+    """The future a hook returns for bucket ``buf``: Perseus's DDP thread runs
+    ``finish()`` (wait for the collectives, return the reduced bucket) and completes it."""
+    future = torch.futures.Future(devices=[buf.device] if buf.is_cuda else None)
+    _completions().submit(finish, future)
+    # DDP reads the future from C++, where set_exception's value is no error; a callback
+    # that raises it is: backward then raises the collective's error.
+    return future.then(_value)
+
+
+def _value(future):
+    return future.value()
+
+
+# --------------------------------------------------------------------------- DDP
+
+def _why_not(ddp):
+    """Why this model keeps torch's communication, or None."""
+    if getattr(ddp, "_use_python_reducer", False):
+        return "compiled autograd reduces through torch's functional collectives"
+    if getattr(ddp, "_delay_all_reduce_all_params", False):
+        return "it delays every allreduce to the end of backward"
+    device = getattr(ddp, "device_type", "cpu")
+    if device not in ("cpu", "cuda"):
+        return f"its parameters are on {device}"
+    if device == "cuda":
+        from perseus.common import gpu
+
+        if not gpu.built():
+            return "this build of Perseus has no GPU support"
+    return None
+
+
+def _attach(ddp):
+    if not enabled():
+        return
+    reason = _why_not(ddp)
+    if reason is not None:
+        warnings.warn(f"perseus: this DistributedDataParallel keeps torch's allreduce: {reason}",
+                      RuntimeWarning, stacklevel=3)
+        return
+    from perseus.common.gradients import warn_unapplied
+    from perseus.torch import powersgd
+
+    warn_unapplied("DistributedDataParallel", fused_applies=True)
+    on, rank, start = powersgd.settings()
+    init()
+    ddp._perseus = _State(f"ddp{next(_ids)}", ddp.process_group,
+                          user_hook=bool(getattr(ddp, "_comm_hooks", ())),
+                          powersgd=powersgd.PowerSGD(rank, start) if on else None)
+    # Registers the group's set now, while every rank of the group builds the model.
+    _process_set(ddp._perseus)
+
+
+def _powersgd_hook(state, bucket):
+    """DDP communication hook: PowerSGD on Perseus (``state.powersgd``), plain averaging
+    before ``AIAK_START_COMPRESS_ITER``."""
+    from perseus.torch import powersgd
+
+    work = powersgd.reduce(state.powersgd, bucket, _prefix(state), _process_set(state))
+    return allreduce_hook(state, bucket) if work is None else completed(*work)
+
+
+def hooked(ddp):
+    """True when Perseus reduces ``ddp``'s gradients (decided at its first forward)."""
+    state = ddp.__dict__.get("_perseus")
+    return state is not None and state.hooked
+
+
+def _ddp_init(self, *args, **kwargs):
+    _originals["ddp_init"](self, *args, **kwargs)
+    _attach(self)
+
+
+def _ddp_forward(self, *inputs, **kwargs):
+    state = self.__dict__.get("_perseus")
+    if state is not None and not state.settled:
+        state.settled = True
+        if not state.user_hook:
+            hook = allreduce_hook if state.powersgd is None else _powersgd_hook
+            _originals["register_comm_hook"](self, state, hook)
+            state.hooked = True
+    return _originals["ddp_forward"](self, *inputs, **kwargs)
+
+
+def _user_hook(self):
+    state = self.__dict__.get("_perseus")
+    if state is None:
+        return
+    if state.hooked:
+        raise RuntimeError(
+            "Perseus registered its allreduce hook on this DistributedDataParallel at its "
+            "first forward, and DDP takes one hook: register yours before the first "
+            "forward, or set PERSEUS_DDP=0")
+    state.user_hook = True
+
+
+def _register_comm_hook(self, state, hook):
+    _user_hook(self)
+    return _originals["register_comm_hook"](self, state, hook)
+
+
+def _register_builtin_comm_hook(self, comm_hook_type):
+    _user_hook(self)
+    return _originals["register_builtin_comm_hook"](self, comm_hook_type)
+
+
+def patch():
+    """Route DistributedDataParallel through Perseus (``import perseus`` calls this;
+    idempotent). Models are checked against ``PERSEUS_DDP`` when they are built."""
+    if _originals or not dist.is_available():
+        return
+    cls = DistributedDataParallel
+    c10d = dist.distributed_c10d
+    _originals.update(
+        ddp_init=cls.__init__, ddp_forward=cls.forward,
+        register_comm_hook=cls.register_comm_hook,
+        register_builtin_comm_hook=cls._register_builtin_comm_hook,
+        init_process_group=dist.init_process_group)
+    for name, fn in (("__init__", _ddp_init), ("forward", _ddp_forward),
+                     ("register_comm_hook", _register_comm_hook),
+                     ("_register_builtin_comm_hook", _register_builtin_comm_hook)):
+        fn.__wrapped__ = getattr(cls, name)
+        fn.__doc__ = getattr(cls, name).__doc__
+        setattr(cls, name, fn)
+    _init_process_group.__wrapped__ = dist.init_process_group
+    _init_process_group.__doc__ = dist.init_process_group.__doc__
+    dist.init_process_group = _init_process_group
+    c10d.init_process_group = _init_process_group
