@@ -186,14 +186,7 @@ pub fn agree(comm: &dyn Comm, offer: std::result::Result<[u8; 16], String>) -> R
             "a device offer of an impossible length: {sizes:?}"
         )));
     }
-    let starts: Vec<usize> = sizes
-        .iter()
-        .scan(0, |at, &len| {
-            let here = *at;
-            *at += len;
-            Some(here)
-        })
-        .collect();
+    let starts = starts(sizes.iter().copied());
     let mut all = vec![0u8; sizes.iter().sum()];
     let me = starts[comm.rank()];
     all[me..me + mine.len()].copy_from_slice(&mine);
@@ -222,6 +215,16 @@ pub fn agree(comm: &dyn Comm, offer: std::result::Result<[u8; 16], String>) -> R
         }
     }
     Ok(Agreement::Direct)
+}
+
+/// Where each of consecutive parts of these lengths starts.
+pub fn starts(lens: impl Iterator<Item = usize>) -> Vec<usize> {
+    lens.scan(0, |at, len| {
+        let here = *at;
+        *at += len;
+        Some(here)
+    })
+    .collect()
 }
 
 /// A group formed, or why not.

@@ -26,6 +26,7 @@ use super::message::{OpKind, Response};
 use crate::collective::{partition, Comm};
 use crate::compress::{self, HalfReduce, Resent, Wire};
 use crate::config::NcclUse;
+use crate::device::group::starts;
 use crate::device::{agree, Agreement, Device, DeviceGroup, Formed, Opener, Watch};
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::{PerseusError, Result};
@@ -77,16 +78,6 @@ fn elems(shape: &[i64]) -> usize {
 
 fn aligned(bytes: usize) -> usize {
     bytes.div_ceil(ALIGN) * ALIGN
-}
-
-/// Where each of consecutive parts of these lengths starts.
-fn starts(lens: impl Iterator<Item = usize>) -> Vec<usize> {
-    lens.scan(0, |at, len| {
-        let here = *at;
-        *at += len;
-        Some(here)
-    })
-    .collect()
 }
 
 /// Where a response runs.
