@@ -71,10 +71,10 @@ def wire_dtype():
     assert sent[0] <= 0.55 * sent[1], f"float16 links should halve the bytes: {sent}"
 
 
-def gate():
+def gate(name):
     """An allreduce started here, to be waited for later."""
     buf, cap = bridge.fresh_copy(tf.zeros(1))
-    return ops.allreduce_async(cap, cap, name="fusion.gate", keep=buf)
+    return ops.allreduce_async(cap, cap, name=f"fusion.gate.{name}", keep=buf)
 
 
 def accumulate_and_fusion():
@@ -91,13 +91,16 @@ def accumulate_and_fusion():
     # over the ranks: -(1 + 2) / 2 * mean(r + 1).
     for k in (1, 2):
         grads = [tf.fill([1024], float(k * (r + 1))) for _ in ws]
-        last = gate() if k == 2 and r == n - 1 else None
-        # On the last rank the gate, which the others join only after this step, awaits
-        # its answer: the four gradients are held and sent in one message after the cycle
-        # time, so at least two of them become ready together, whatever the load.
+        # Each rank starts its own gate before the step and joins the others' after it, so
+        # during the step every rank awaits an answer: its four gradients are held and sent
+        # in one message after the cycle time. The last of those messages makes all four
+        # ready together, however slowly any rank enqueues them.
+        own = gate(r) if k == 2 else None
         opt.apply_gradients(zip(grads, ws))
         if k == 2:
-            (last or gate()).wait()
+            others = [gate(q) for q in range(n) if q != r]
+            for h in [own, *others]:
+                h.wait()
         want = 0.0 if k == 1 else -1.5 * (n + 1) / 2
         close(ws[0], np.full(1024, want), f"PERSEUS_ACCUMULATE_N_STEPS call {k}")
     fused = hvd.counters()["fused_bytes_max"]
