@@ -23,6 +23,7 @@ from perseus.common import basics
 from perseus.common.elastic import ObjectState, State, run_fn
 from perseus.common.exceptions import HorovodInternalError
 from perseus.common.objects import broadcast_object
+from perseus.tensorflow.horovod import errors
 from perseus.tensorflow.horovod.functions import broadcast_variables
 
 __all__ = ["ObjectState", "State", "TensorFlowKerasState", "TensorFlowState", "run"]
@@ -47,12 +48,14 @@ def run(func):
 def _internal_errors():
     """Raise a ``tf.errors.OpError`` that carries a ``HorovodInternalError`` (a
     collective failed inside a TensorFlow function or a session's run) as the latter."""
+    errors.forget_internal_error()
     try:
         yield
     except tf.errors.OpError as e:
-        if "HorovodInternalError" not in str(e.message):
+        carried = errors.internal_error_behind()
+        if carried is None:
             raise
-        raise HorovodInternalError(e.message) from e
+        raise HorovodInternalError(str(carried)) from e
 
 
 def _broadcast(obj):

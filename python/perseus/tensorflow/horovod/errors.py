@@ -9,9 +9,12 @@ argument), so ``except`` clauses written for either catch it. Raised inside a gr
 ``py_function``, a ``tf.errors`` type keeps its code: ``session.run`` raises the same type.
 """
 
+import threading
+
 import tensorflow as tf
 
 from perseus import _core
+from perseus.common.exceptions import HorovodInternalError
 
 
 class _Converted:
@@ -36,12 +39,40 @@ class InvalidTypeError(_Converted, tf.errors.InvalidArgumentError, TypeError):
     """A collective got a tensor of a type it cannot take."""
 
 
+class _Carried:
+    """The last ``HorovodInternalError`` raised inside a TensorFlow op. TensorFlow turns
+    an exception raised in a ``py_function`` into a ``tf.errors.OpError`` that keeps only
+    its text; this keeps the error itself, for :func:`internal_error_behind`."""
+
+    lock = threading.Lock()
+    error = None
+
+
+def forget_internal_error():
+    """Drop what an earlier op left in :class:`_Carried`."""
+    with _Carried.lock:
+        _Carried.error = None
+
+
+def internal_error_behind():
+    """The ``HorovodInternalError`` a collective raised inside a TensorFlow op (the one
+    behind a ``tf.errors.OpError`` just caught), or None when none did since the last
+    :func:`forget_internal_error`."""
+    with _Carried.lock:
+        error, _Carried.error = _Carried.error, None
+    return error
+
+
 def as_tf_error(e):
     """``e`` as the ``tf.errors`` type Horovod raises for it, or ``e`` itself."""
     if isinstance(e, (tf.errors.OpError, NotImplementedError)):
         return e
     if isinstance(e, _core.MismatchError):
         return MismatchError(str(e))
+    if isinstance(e, HorovodInternalError):
+        # Kept as it is (a lost peer, a shut-down engine): elastic code re-forms on it.
+        with _Carried.lock:
+            _Carried.error = e
     if isinstance(e, ValueError):
         return InvalidArgumentError(str(e))
     if isinstance(e, TypeError):
