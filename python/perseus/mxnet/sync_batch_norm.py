@@ -14,11 +14,11 @@ import threading
 import mxnet as mx
 import numpy as np
 
-from perseus.common import basics
+from perseus.common import basics, batch_stats
 from perseus.common.objects import allgather_object
 from perseus.common.ops import Sum
 from perseus.common.process_sets import add_process_set, global_process_set
-from perseus.mxnet.mpi_ops import allreduce
+from perseus.mxnet.mpi_ops import allgather, allreduce
 
 OP_TYPE = "perseus_sync_batch_norm"
 
@@ -63,17 +63,22 @@ def _bool(value):
     return value if isinstance(value, bool) else str(value) in ("True", "true", "1")
 
 
+def _divide(a, b):
+    """``a / b``, 0 where ``b`` is 0."""
+    return np.divide(a, np.where(b == 0, 1, b)) * (b != 0)
+
+
 class _SyncStatsOp(mx.operator.CustomOp):
     """The cross-rank step of the layer, on per-channel vectors only.
 
-    Forward: this rank's sums of ``x`` and ``x * x`` per channel and its count (from
-    ``x``'s shape) are summed over the scope in one allreduce, giving the mean and the
-    (biased) variance of the scope's batch; they move the running statistics. Outside
-    training (or with ``use_global_stats``) the running statistics come out instead.
-    Gamma and beta come out reshaped to broadcast along axis 1 (gamma as ones with
-    ``fix_gamma``). Backward: the gradients of the mean and variance are summed over the
-    scope in one allreduce (every rank's loss depends on the shared statistics), giving
-    those of this rank's sums.
+    Forward: this rank's count (from ``x``'s shape), mean and M2 per channel are gathered
+    from the scope's ranks in one allgather and merged (perseus.common.batch_stats) into
+    the mean and the (biased) variance of the scope's batch; they move the running
+    statistics. Outside training (or with ``use_global_stats``) the running statistics
+    come out instead. Gamma and beta come out reshaped to broadcast along axis 1 (gamma
+    as ones with ``fix_gamma``). Backward: the gradients of the mean and variance are
+    summed over the scope in one allreduce (every rank's loss depends on the shared
+    statistics), giving those of this rank's mean and M2.
     """
 
     def __init__(self, momentum, fix_gamma, use_global_stats, comm_scope, key):
@@ -81,16 +86,15 @@ class _SyncStatsOp(mx.operator.CustomOp):
         self._momentum, self._fix_gamma = momentum, fix_gamma
         self._use_global_stats = use_global_stats
         self._comm_scope, self._key = comm_scope, key
-        self._batch_stats, self._count = False, 0
+        self._batch_stats = False
+        self._merged = None  # this rank's count and mean, the scope's count and mean
 
-    def _reduce(self, vec, what):
-        ps = host_process_set() if self._comm_scope == 0 else global_process_set
-        return allreduce(vec.astype("float64"), op=Sum, process_set=ps,
-                         name=f"PerseusSyncBatchNorm.{self._key}.{what}")
+    def _scope(self):
+        return host_process_set() if self._comm_scope == 0 else global_process_set
 
     def forward(self, is_train, req, in_data, out_data, aux):
         """Outputs: the mean, variance, gamma and beta to normalize with."""
-        sums, shape, gamma, beta = in_data
+        moments, shape, gamma, beta = in_data
         running_mean, running_var = aux
         channels = gamma.shape[0]
         dtype = out_data[0].dtype
@@ -99,13 +103,19 @@ class _SyncStatsOp(mx.operator.CustomOp):
         if self._batch_stats:
             dims = [int(d) for d in shape.asnumpy()]
             count = int(np.prod(dims)) // dims[1]
-            vec = mx.nd.concat(sums.astype("float64"),
-                               mx.nd.array([count], ctx=sums.context, dtype="float64"), dim=0)
-            tot = self._reduce(vec, "forward")
-            self._count = tot[2 * channels].asscalar()
-            mean64 = tot[:channels] / self._count
-            var64 = mx.nd.relu(tot[channels:2 * channels] / self._count - mean64 * mean64)
-            mean, var = mean64.astype(dtype), var64.astype(dtype)
+            local = moments.asnumpy().astype(np.float64) if count else np.zeros(2 * channels)
+            row = np.concatenate([[float(count)], local])
+            rows = allgather(mx.nd.array(row, dtype="float64"), process_set=self._scope(),
+                             name=f"PerseusSyncBatchNorm.{self._key}.forward")
+            rows = rows.asnumpy().reshape(-1, row.size)
+            total, mean64, m2 = batch_stats.merge(
+                rows[:, :1], rows[:, 1:1 + channels], rows[:, 1 + channels:],
+                lambda t: t.sum(0), _divide)
+            total = float(total[0])
+            self._merged = (float(count), local[:channels], total, mean64)
+            ctx = moments.context
+            mean = mx.nd.array(mean64, ctx=ctx, dtype=dtype)
+            var = mx.nd.array(_divide(m2, total), ctx=ctx, dtype=dtype)
             m = self._momentum
             running_mean[:] = running_mean * m + mean.astype(running_mean.dtype) * (1 - m)
             running_var[:] = running_var * m + var.astype(running_var.dtype) * (1 - m)
@@ -117,17 +127,20 @@ class _SyncStatsOp(mx.operator.CustomOp):
             self.assign(out_data[i], req[i], v.reshape(bshape))
 
     def backward(self, req, out_grad, in_data, out_data, in_grad, aux):
-        """Gradients of this rank's sums (through the scope's statistics), gamma and beta."""
+        """Gradients of this rank's mean and M2 (through the scope's statistics), gamma
+        and beta."""
         channels = in_data[2].shape[0]
         dmean, dvar, dgamma, dbeta = (g.reshape((channels,)) for g in out_grad)
-        dsums = mx.nd.zeros_like(in_data[0])
+        dmoments = mx.nd.zeros_like(in_data[0])
         if self._batch_stats:
-            tot = self._reduce(mx.nd.concat(dmean, dvar, dim=0), "backward")
-            mean = out_data[0].reshape((channels,)).astype("float64")
-            n = self._count
-            dmean, dvar = tot[:channels], tot[channels:]
-            dsums = mx.nd.concat(dmean / n - 2 * mean * dvar / n, dvar / n, dim=0)
-        self.assign(in_grad[0], req[0], dsums.astype(in_grad[0].dtype))
+            sums = allreduce(mx.nd.concat(dmean, dvar, dim=0).astype("float64"), op=Sum,
+                             process_set=self._scope(),
+                             name=f"PerseusSyncBatchNorm.{self._key}.backward").asnumpy()
+            count, mean, total, total_mean = self._merged
+            dm, dm2 = batch_stats.merge_gradients(count, mean, total, total_mean,
+                                                  sums[:channels], sums[channels:])
+            dmoments = mx.nd.array(np.concatenate([dm, dm2]), ctx=in_data[0].context)
+        self.assign(in_grad[0], req[0], dmoments.astype(in_grad[0].dtype))
         self.assign(in_grad[1], req[1], mx.nd.zeros_like(in_grad[1]))
         self.assign(in_grad[2], req[2], mx.nd.zeros_like(dgamma) if self._fix_gamma else dgamma)
         self.assign(in_grad[3], req[3], dbeta)
@@ -135,7 +148,8 @@ class _SyncStatsOp(mx.operator.CustomOp):
 
 @mx.operator.register(OP_TYPE)
 class _SyncStatsProp(mx.operator.CustomOpProp):
-    """Arguments ``sums`` (2C: this rank's per-channel sums of x, then of x * x),
+    """Arguments ``moments`` (2C: this rank's per-channel mean of x, then its M2, the sum
+    of squared deviations from that mean),
     ``shape`` (x's shape, int64), ``gamma`` and ``beta`` (C); auxiliary states
     ``moving_mean`` and ``moving_var`` (C, updated in training); outputs ``mean``, ``var``,
     ``gamma`` and ``beta`` shaped (1, C, 1, ...) like x. Parameters arrive as strings:
@@ -150,7 +164,7 @@ class _SyncStatsProp(mx.operator.CustomOpProp):
                       "comm_scope": _check_scope(int(comm_scope)), "key": key}
 
     def list_arguments(self):
-        return ["sums", "shape", "gamma", "beta"]
+        return ["moments", "shape", "gamma", "beta"]
 
     def list_outputs(self):
         return ["mean", "var", "gamma_out", "beta_out"]
@@ -159,14 +173,14 @@ class _SyncStatsProp(mx.operator.CustomOpProp):
         return ["moving_mean", "moving_var"]
 
     def infer_shape(self, in_shape):
-        sums, shape = in_shape[0], in_shape[1]
+        moments, shape = in_shape[0], in_shape[1]
         ndim = shape[0] if shape else 0
         if ndim < 2:
             raise ValueError(f"PerseusSyncBatchNorm needs data of shape (N, C, ...), got "
                              f"{ndim} dimension(s)")
-        chan = (sums[0] // 2,)
+        chan = (moments[0] // 2,)
         bshape = (1, chan[0]) + (1,) * (ndim - 2)
-        return [sums, shape, chan, chan], [bshape] * 4, [chan, chan]
+        return [moments, shape, chan, chan], [bshape] * 4, [chan, chan]
 
     def infer_type(self, in_type):
         dtype = in_type[0]
@@ -181,9 +195,10 @@ def _sync_batch_norm(F, x, gamma, beta, moving_mean, moving_var, eps, name=None,
     tensor goes through MXNet's own operators; the custom operator sees the per-channel
     vectors only (which keeps it clear of oneDNN's blocked layouts, which MXNet 1.9 hands
     to custom operators corrupted)."""
-    sums = F.concat(F.sum(x, axis=1, exclude=True), F.sum(F.square(x), axis=1, exclude=True),
-                    dim=0)
-    mean, var, gamma, beta = F.Custom(sums, F.shape_array(x), gamma, beta, moving_mean,
+    local_mean = F.mean(x, axis=1, exclude=True, keepdims=True)
+    m2 = F.sum(F.square(F.broadcast_sub(x, local_mean)), axis=1, exclude=True)
+    moments = F.concat(F.reshape(local_mean, shape=(-1,)), m2, dim=0)
+    mean, var, gamma, beta = F.Custom(moments, F.shape_array(x), gamma, beta, moving_mean,
                                       moving_var, op_type=OP_TYPE, name=name, **op_args)
     scale = F.broadcast_mul(gamma, F.rsqrt(var + eps))
     out = F.broadcast_add(F.broadcast_mul(F.broadcast_sub(x, mean), scale), beta)

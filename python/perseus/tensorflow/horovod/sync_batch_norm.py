@@ -4,25 +4,46 @@ or Keras 2's: perseus.tensorflow.keras_module)."""
 
 import tensorflow as tf
 
-from perseus.common.ops import Sum
+from perseus.common import batch_stats
 from perseus.common.process_sets import global_process_set, process_set_size
-from perseus.tensorflow.horovod.mpi_ops import grouped_allreduce
+from perseus.tensorflow.horovod.mpi_ops import allgather
 from perseus.tensorflow.keras_module import KERAS3, keras
+
+
+def _gradient_times(x, factor):
+    """``x``, whose gradient is multiplied by ``factor``."""
+    @tf.custom_gradient
+    def scaled(x):
+        return tf.identity(x), lambda dy: dy * factor
+    return scaled(x)
 
 
 def _global_moments(inputs, weights, axes, keepdims, process_set):
     """The mean and variance over ``axes`` of every rank's ``inputs`` together, each row
-    weighted by ``weights`` (the mask: 1 or 0, broadcastable to ``inputs``)."""
+    weighted by ``weights`` (the mask: 1 or 0, broadcastable to ``inputs``): each rank's
+    count, mean and M2 gathered, then merged by perseus.common.batch_stats."""
     weights = tf.broadcast_to(tf.cast(weights, inputs.dtype), tf.shape(inputs))
-    count = tf.reduce_sum(weights, axis=axes, keepdims=keepdims)
-    total = tf.reduce_sum(inputs * weights, axis=axes, keepdims=keepdims)
-    squares = tf.reduce_sum(tf.square(inputs) * weights, axis=axes, keepdims=keepdims)
-    count, total, squares = grouped_allreduce([count, total, squares], op=Sum,
-                                              process_set=process_set)
-    count = tf.maximum(count, tf.ones_like(count))  # no rows anywhere: mean 0, var 0
-    mean = total / count
-    # E[x^2] - E[x]^2 can fall a rounding error below 0.
-    variance = tf.maximum(squares / count - tf.square(mean), tf.zeros_like(mean))
+    count = tf.reduce_sum(weights, axis=axes, keepdims=True)
+    mean = tf.math.divide_no_nan(tf.reduce_sum(inputs * weights, axis=axes, keepdims=True),
+                                 count)
+    m2 = tf.reduce_sum(tf.square(inputs - mean) * weights, axis=axes, keepdims=True)
+    shape = tf.shape(mean)
+    row = tf.concat([tf.reshape(count, [1, -1])[:, :1], tf.reshape(mean, [1, -1]),
+                     tf.reshape(m2, [1, -1])], axis=1)
+    # Every rank's loss depends on the merged statistics, so this rank's row takes the sum
+    # of their gradients; allgather's (Horovod's) averages them: scale the gradient alone.
+    rows = allgather(_gradient_times(row, process_set_size(process_set)), name=None,
+                     process_set=process_set)
+    rows = tf.reshape(rows, [-1, tf.shape(row)[1]])  # stacked or concatenated alike
+    channels = tf.size(mean)
+    total, mean, m2 = batch_stats.merge(rows[:, :1], rows[:, 1:1 + channels],
+                                        rows[:, 1 + channels:],
+                                        lambda t: tf.reduce_sum(t, axis=0),
+                                        tf.math.divide_no_nan)
+    variance = tf.math.divide_no_nan(m2, total)  # no rows anywhere: mean 0, variance 0
+    mean, variance = tf.reshape(mean, shape), tf.reshape(variance, shape)
+    if not keepdims:
+        mean, variance = tf.squeeze(mean, axes), tf.squeeze(variance, axes)
     return mean, variance
 
 
@@ -32,9 +53,9 @@ class SyncBatchNormalization(keras.layers.BatchNormalization):
     the concatenation. Ranks may hold different numbers of rows (each rank's statistics
     are weighted by its count; a rank with an empty batch contributes nothing).
 
-    Each training call sums the per-rank counts, sums and sums of squares in one
-    allreduce (every rank of ``process_set`` must call the layer the same number of
-    times). The allreduce is differentiable, so gradients flow through the global
+    Each training call gathers the per-rank counts, means and sums of squared deviations
+    in one allgather (every rank of ``process_set`` must call the layer the same number
+    of times). The allgather is differentiable, so gradients flow through the global
     statistics to every rank's inputs. Inference uses the moving statistics, which
     are the same on every rank. ``fused`` is accepted as Horovod's, and must be False.
     ``process_set`` is a Perseus extension (not saved in the config).

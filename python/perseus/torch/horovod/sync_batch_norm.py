@@ -5,6 +5,7 @@ import torch.nn.functional as F
 from torch.autograd import Function
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from perseus.common import batch_stats
 from perseus.common.process_sets import global_process_set
 from perseus.torch.horovod.mpi_ops import (
     Sum,
@@ -85,11 +86,10 @@ class _SyncBatchNormFunction(Function):
                                                     global_process_set))
         counts = stats[:, :1]
         means, m2s = stats[:, 1:1 + channels], stats[:, 1 + channels:]
-        total = counts.sum()
-        if total < 1:
+        if counts.sum() < 1:
             raise ValueError("SyncBatchNorm got an empty batch on every rank")
-        g_mean = (counts * means).sum(0) / total
-        g_m2 = (m2s + counts * (means - g_mean) ** 2).sum(0)
+        total, g_mean, g_m2 = batch_stats.merge(counts, means, m2s, lambda t: t.sum(0),
+                                                torch.div)
         var = g_m2 / total
         if running_mean is not None:
             running_mean.mul_(1 - momentum).add_(g_mean.to(running_mean.dtype), alpha=momentum)
