@@ -41,6 +41,7 @@ def test_a_large_mean_keeps_the_variance_where_sums_of_squares_lose_it():
     count, mean, m2 = batch_stats.merge(*(r.astype(np.float32) for r in rows_of(
         [p.astype(np.float64) for p in parts])), lambda t: t.sum(0), divide)
     np.testing.assert_allclose(m2 / count, want, rtol=1e-3)
+    np.testing.assert_allclose(mean, whole.astype(np.float64).mean(0), rtol=1e-6)
     # What sums of x and x² give in float32 here: nothing of the variance survives.
     s1, s2 = whole.sum(0, dtype=np.float32), (whole * whole).sum(0, dtype=np.float32)
     naive = s2 / np.float32(len(whole)) - (s1 / np.float32(len(whole))) ** 2
