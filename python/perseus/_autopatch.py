@@ -1,5 +1,6 @@
 """What ``import perseus`` sets up: once torch is imported, its DistributedDataParallel
-reduces gradients through Perseus (:mod:`perseus.torch.ddp`, docs/ddp.md), and seed
+reduces gradients through Perseus (:mod:`perseus.torch.ddp`, docs/ddp.md),
+torch.distributed has a ``perseus`` backend (:mod:`perseus.torch.backend`), and seed
 001's names are in torch's namespaces (:mod:`perseus.torch.aiak`).
 
 Nothing here imports torch. When torch is already imported the patch applies at
@@ -27,6 +28,14 @@ def _after_torch():
     except Exception as e:  # noqa: BLE001 - reported, never raised into torch's import
         warnings.warn(f"perseus: DistributedDataParallel keeps torch's communication: {e}",
                       RuntimeWarning, stacklevel=2)
+    else:
+        try:
+            from perseus.torch import backend
+
+            backend.register()
+        except Exception as e:  # noqa: BLE001 - as above
+            warnings.warn(f"perseus: torch.distributed has no perseus backend: {e}",
+                          RuntimeWarning, stacklevel=2)
     try:
         from perseus.torch import aiak
 

@@ -245,10 +245,15 @@ def reducescatter_async(inp, *, name=None, op=Average, prescale_factor=1.0, post
     return Handle(hid, (keep, inp), finish)
 
 
+def barrier_async(process_set=None):
+    """Start a barrier over the set; the handle completes once every rank reached it."""
+    ps = _prepare(None, process_set)
+    return Handle(_core.barrier(ps))
+
+
 def barrier(process_set=None):
     """Block until every rank of the set reached the barrier."""
-    ps = _prepare(None, process_set)
-    Handle(_core.barrier(ps)).wait()
+    barrier_async(process_set).wait()
 
 
 def join(process_set=None):

@@ -22,10 +22,8 @@ none of torch's variables gets them from Perseus.
 
 import itertools
 import os
-import queue
 import secrets
 import socket
-import threading
 import warnings
 
 import torch
@@ -33,6 +31,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from perseus.common import knobs
+from perseus.torch.completion import completed
 
 __all__ = ["allreduce_hook", "completed", "enabled", "hooked", "init", "patch",
            "process_set_of"]
@@ -71,10 +70,9 @@ def _default_store():
     return dist.distributed_c10d._get_default_store()
 
 
-def _env_from_group(rank, size):
-    """Perseus's topology and rendezvous from torch's default group, through its store."""
+def _env_from_group(rank, size, store):
+    """Perseus's topology and rendezvous from torch's ranks, through torch's ``store``."""
     global _server
-    store = _default_store()
     key = f"perseus/ddp/{next(_store_rounds)}"
     store.set(f"{key}/host/{rank}", socket.gethostname())
     hosts = [store.get(f"{key}/host/{r}").decode() for r in range(size)]
@@ -117,18 +115,25 @@ def init():
     call it yourself before registering :func:`allreduce_hook` by hand with
     ``PERSEUS_DDP=0``. Raises ``ValueError`` when Perseus and torch disagree on the
     ranks."""
-    from perseus.common import basics
-
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError("torch.distributed is not initialized: call "
                          "torch.distributed.init_process_group() before perseus.ddp.init()")
-    rank, size = dist.get_rank(), dist.get_world_size()
+    start(dist.get_rank(), dist.get_world_size(), _default_store())
+
+
+def start(rank, size, store):
+    """Start Perseus as rank ``rank`` of torch's ``size`` (collective: every rank calls
+    it; it does nothing once Perseus runs). Where no launcher gave Perseus its ranks,
+    they meet through torch's ``store``. Raises ``ValueError`` when Perseus and torch
+    disagree on the ranks."""
+    from perseus.common import basics
+
     core = _core()
     if not core.is_initialized():
         if size > 1 and not _launcher_gives_ranks():
-            _env_from_group(rank, size)
+            _env_from_group(rank, size, store)
         elif size > 1:
-            _shared_secret(_default_store(), f"perseus/ddp/{next(_store_rounds)}", rank)
+            _shared_secret(store, f"perseus/ddp/{next(_store_rounds)}", rank)
         basics.init()
     if (core.rank(), core.size()) != (rank, size):
         raise ValueError(
@@ -203,10 +208,10 @@ def process_set_of(group):
     if dist.get_rank() not in ranks:
         raise ValueError(f"rank {dist.get_rank()} is not in the process group of ranks "
                          f"{list(ranks)}, so it has no process set there")
-    return _set_of(ranks)
+    return set_of_ranks(ranks)
 
 
-def _set_of(ranks):
+def set_of_ranks(ranks):
     """The registered process set of ``ranks`` (sorted, holding this rank), or a new one
     that those ranks register alone. Perseus's registry is the only record: it forgets
     its sets at ``shutdown()``, so a restarted Perseus registers them again."""
@@ -219,42 +224,6 @@ def _set_of(ranks):
 
 
 # --------------------------------------------------------------------------- the hook
-
-class _Completer:
-    """One thread that finishes each bucket, in submission order: ``finish()`` waits for
-    its collectives and returns the reduced bucket, which completes the future that DDP
-    waits on at the end of backward."""
-
-    def __init__(self):
-        self.pid = os.getpid()
-        self._queue = queue.SimpleQueue()
-        threading.Thread(target=self._run, name="perseus-ddp", daemon=True).start()
-
-    def submit(self, finish, future):
-        self._queue.put((finish, future))
-
-    def _run(self):
-        while True:
-            finish, future = self._queue.get()
-            try:
-                value = finish()
-            except Exception as e:  # noqa: BLE001 - handed to DDP, raised from backward
-                future.set_exception(e)
-            else:
-                future.set_result(value)
-
-
-_completer = None
-_completer_lock = threading.Lock()
-
-
-def _completions():
-    global _completer
-    with _completer_lock:
-        if _completer is None or _completer.pid != os.getpid():
-            _completer = _Completer()
-        return _completer
-
 
 class _State:
     """Perseus's side of one DDP model: its tensors' name prefix, the hook choice, and
@@ -323,20 +292,6 @@ def _process_set(state):
     if isinstance(state, dist.ProcessGroup):
         return process_set_of(state)
     return mpi_ops.global_process_set
-
-
-def completed(buf, finish):
-    """The future a hook returns for bucket ``buf``: Perseus's DDP thread runs
-    ``finish()`` (wait for the collectives, return the reduced bucket) and completes it."""
-    future = torch.futures.Future(devices=[buf.device] if buf.is_cuda else None)
-    _completions().submit(finish, future)
-    # DDP reads the future from C++, where set_exception's value is no error; a callback
-    # that raises it is: backward then raises the collective's error.
-    return future.then(_value)
-
-
-def _value(future):
-    return future.value()
 
 
 # --------------------------------------------------------------------------- DDP

@@ -1,0 +1,599 @@
+"""The ``perseus`` backend of torch.distributed (docs/torch_distributed.md).
+
+``import perseus`` registers it: ``dist.init_process_group("perseus")`` (or a device map
+naming it, ``"cpu:perseus,cuda:nccl"``), and ``new_group(..., backend="perseus")``, give
+process groups whose collectives run on the Perseus core. The group is a Python
+``torch.distributed.ProcessGroup`` (torch's own mechanism for out-of-tree backends), so
+nothing of libtorch is linked into the core.
+
+Each group reduces over a Perseus process set of its ranks: the global set for the
+default group, one its members register among themselves for a subgroup. Its operations
+are unnamed: the core names them by their order, which torch already requires to be the
+same on every rank of a group. Each returns a :class:`Work` whose ``wait()`` waits on
+the calling thread and whose ``get_future()`` (DDP, ``async_op=True`` callbacks)
+completes from Perseus's completion thread.
+"""
+
+import threading
+
+import torch
+import torch.distributed as dist
+
+from perseus.common import ops as _ops
+from perseus.common.exceptions import HorovodInternalError
+from perseus.torch import completion, ddp
+from perseus.torch.horovod import mpi_ops
+
+NAME = "perseus"
+
+_RedOp = dist.ReduceOp.RedOpType
+# torch's reduction -> Perseus's (PREMUL_SUM and the bitwise ones are handled apart).
+_OPS = {_RedOp.SUM: _ops.Sum, _RedOp.AVG: _ops.Average, _RedOp.PRODUCT: _ops.Product,
+        _RedOp.MIN: _ops.Min, _RedOp.MAX: _ops.Max}
+_BITWISE = {_RedOp.BAND: torch.bitwise_and, _RedOp.BOR: torch.bitwise_or,
+            _RedOp.BXOR: torch.bitwise_xor}
+
+
+class UnsupportedError(RuntimeError):
+    """What torch asked of the ``perseus`` backend that it cannot do, named."""
+
+
+# --------------------------------------------------------------------------- work
+
+class Work(dist.Work):
+    """One operation of the backend. ``finish(result)`` turns the core's result into the
+    list of output tensors (writing them where torch wants them); ``wait()`` and the
+    future both run it once."""
+
+    def __init__(self, handle, finish, devices=None):
+        super().__init__()
+        self._handle = handle
+        self._finish = finish
+        self._lock = threading.Lock()
+        self._done = False
+        self._value = None
+        self._error = None
+        self._devices = devices
+        self._future = None
+
+    def _complete(self):
+        with self._lock:
+            if not self._done:
+                try:
+                    result = None if self._handle is None else self._handle.wait()
+                    self._value = self._finish(result)
+                except Exception as e:  # noqa: BLE001 - raised by wait() and the future
+                    self._error = e
+                self._done = True
+                self._handle = None
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def wait(self, timeout=None):
+        """Wait for the operation; raises its error (``HorovodInternalError`` and its
+        kinds) when it failed."""
+        self._complete()
+        return True
+
+    def is_completed(self):
+        """Whether the operation finished (a failure counts)."""
+        return self._done or (self._handle is not None and self._handle.poll())
+
+    def is_success(self):
+        """Whether the operation finished without an error."""
+        return self._done and self._error is None
+
+    def exception(self):
+        """The operation's error, or None."""
+        return self._error
+
+    def result(self):
+        """The output tensors, once finished."""
+        return self._complete()
+
+    def get_future(self):
+        """A ``torch.futures.Future`` of the output tensors, completed by Perseus's
+        completion thread (or already, when the work finished)."""
+        if self._future is None:
+            future = torch.futures.Future(devices=self._devices)
+            completion.completions().submit(self._complete, future)
+            # An error set on the future is no error when torch reads it from C++; one
+            # raised by a callback is.
+            self._future = future.then(completion._value)
+        return self._future
+
+
+def _done(value):
+    """A finished work whose outputs are ``value``."""
+    return Work(None, lambda _result: value)
+
+
+# --------------------------------------------------------------------------- the group
+
+def _one(tensors, what):
+    if len(tensors) != 1:
+        raise UnsupportedError(f"perseus: {what} takes one tensor per process (torch's "
+                               f"multi-device form is gone), got {len(tensors)}")
+    return tensors[0]
+
+
+def _devices(tensor):
+    return [tensor.device] if tensor.is_cuda else None
+
+
+def _written(dst, src):
+    """``dst`` holding ``src``'s values (shape aside); returns ``dst``."""
+    with torch.no_grad():
+        dst.view(-1).copy_(src.reshape(-1)) if dst.is_contiguous() else \
+            dst.copy_(src.reshape(dst.shape))
+    return dst
+
+
+class ProcessGroupPerseus(dist.ProcessGroup):
+    """A torch process group over ``ranks`` (global ranks, by group rank) whose
+    collectives run on Perseus process set ``process_set``."""
+
+    def __init__(self, rank, size, ranks, process_set, timeout=None):
+        super().__init__(rank, size)
+        self._ranks = list(ranks)
+        self._ps = process_set
+        self._timeout = timeout
+        self._lanes = _Lanes(process_set)
+        self._group_name = self._group_desc = ""
+
+    def getBackendName(self):
+        return NAME
+
+    # A group without C++ backends keeps its name and description itself.
+    def getGroupName(self):
+        return self._group_name
+
+    def setGroupName(self, name):
+        self._group_name = name
+
+    def getGroupDesc(self):
+        return self._group_desc
+
+    def setGroupDesc(self, desc):
+        self._group_desc = desc
+
+    def name(self):
+        return NAME
+
+    def __repr__(self):
+        return f"<perseus process group of ranks {self._ranks}>"
+
+    # ------------------------------------------------------------------ helpers
+
+    def _global(self, group_rank, what):
+        if not 0 <= group_rank < len(self._ranks):
+            raise ValueError(f"perseus: {what} rank {group_rank} is not a rank of this "
+                             f"group of {len(self._ranks)}")
+        return self._ranks[group_rank]
+
+    def _reduction(self, op):
+        """``(Perseus op, prescale factor)`` for torch's ``op``; bitwise ones: (None, fn)."""
+        kind = op.op if isinstance(op, dist.ReduceOp) else op
+        if kind in _OPS:
+            return _OPS[kind], 1.0
+        if kind in _BITWISE:
+            return None, _BITWISE[kind]
+        if kind == _RedOp.PREMUL_SUM:
+            factor = getattr(op, "factor", None)
+            if factor is None:
+                raise UnsupportedError("perseus: this torch gives Python backends no "
+                                       "PREMUL_SUM factor; use SUM and scale the tensor")
+            if isinstance(factor, torch.Tensor):
+                factor = float(factor.reshape(-1)[0])
+            return _ops.Sum, float(factor)
+        raise UnsupportedError(f"perseus: no reduction {kind}")
+
+    def _allreduce_work(self, tensor, op):
+        rop, extra = self._reduction(op)
+        if rop is None:  # bitwise: every rank's values, combined here
+            handle = mpi_ops.stacked_allgather_async(tensor, process_set=self._ps)
+
+            def finish(stacked):
+                out = stacked[0]
+                for row in stacked[1:]:
+                    out = extra(out, row)
+                return [_written(tensor, out)]
+            return Work(handle, finish, _devices(tensor))
+        handle = mpi_ops.allreduce_async_(tensor, op=rop, prescale_factor=extra,
+                                          process_set=self._ps)
+        return Work(handle, lambda _r: [tensor], _devices(tensor))
+
+    # ------------------------------------------------------------------ allreduce
+
+    def allreduce(self, tensors, opts=None):
+        """``all_reduce``: every ReduceOp (bitwise ones by gathering the values)."""
+        tensor = _one(tensors, "all_reduce")
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        return self._allreduce_work(tensor, op)
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        """``all_reduce_coalesced``: the tensors reduced in one batch (fused)."""
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        rop, extra = self._reduction(op)
+        if rop is None:
+            works = [self._allreduce_work(t, op) for t in tensors]
+            return Work(None, lambda _r: [t for w in works for t in w.result()])
+        handle = mpi_ops.grouped_allreduce_async_(list(tensors), op=rop, prescale_factor=extra,
+                                                  process_set=self._ps)
+        return Work(handle, lambda _r: list(tensors), _devices(tensors[0]) if tensors else None)
+
+    def reduce(self, tensors, opts):
+        """``reduce``: the root's tensor gets the reduction; the others' stay as they were."""
+        tensor = _one(tensors, "reduce")
+        self._global(opts.rootRank, "reduce's root")
+        rop, extra = self._reduction(opts.reduceOp)
+        mine = opts.rootRank == self.rank()
+        if rop is None:
+            inner = self._allreduce_work(tensor.clone(), opts.reduceOp)
+            return Work(None, lambda _r: [_written(tensor, inner.result()[0]) if mine
+                                          else tensor])
+        handle = mpi_ops.allreduce_async(tensor, op=rop, prescale_factor=extra,
+                                         process_set=self._ps)
+        return Work(handle, lambda out: [_written(tensor, out) if mine else tensor],
+                    _devices(tensor))
+
+    # ------------------------------------------------------------------ gathers
+
+    def _gather_flat(self, tensor):
+        """A handle whose result is every rank's ``tensor`` flattened, concatenated in
+        rank order (sizes may differ between ranks)."""
+        return mpi_ops._allgather_concat_async(tensor.reshape(-1), None, self._ps)
+
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        """``all_gather``: ``output_tensors[0][i]`` gets rank i's tensor."""
+        tensor = _one(input_tensors, "all_gather")
+        outputs = _one(output_tensors, "all_gather")
+        self._check_count(outputs, "all_gather's output list")
+        handle = self._gather_flat(tensor)
+
+        def finish(flat):
+            self._scatter_into(flat, outputs, "all_gather")
+            return list(outputs)
+        return Work(handle, finish, _devices(tensor))
+
+    def _check_count(self, tensors, what):
+        if len(tensors) != self.size():
+            raise ValueError(f"perseus: {what} holds {len(tensors)} tensors for a group of "
+                             f"{self.size()} ranks")
+
+    @staticmethod
+    def _scatter_into(flat, outputs, what):
+        sizes = [t.numel() for t in outputs]
+        if sum(sizes) != flat.numel():
+            raise ValueError(f"perseus: {what}: the ranks sent {flat.numel()} elements in "
+                             f"all, the outputs hold {sum(sizes)}")
+        for out, part in zip(outputs, torch.split(flat, sizes)):
+            _written(out, part)
+
+    def allgather_coalesced(self, output_lists, input_tensors, opts=None):
+        """``all_gather_coalesced``: each input gathered into its output list."""
+        works = [self.allgather([outs], [t]) for outs, t in zip(output_lists, input_tensors)]
+        return Work(None, lambda _r: [t for w in works for t in w.result()])
+
+    def _allgather_into(self, output, input):
+        if output.numel() != input.numel() * self.size():
+            raise ValueError(f"perseus: all_gather_into_tensor's output holds "
+                             f"{output.numel()} elements; {self.size()} ranks of "
+                             f"{input.numel()} need {input.numel() * self.size()}")
+        handle = self._gather_flat(input)
+        return Work(handle, lambda flat: [_written(output, flat)], _devices(input))
+
+    def _allgather_base(self, output, input, opts=None):
+        """``all_gather_into_tensor`` (torch before 2.6)."""
+        return self._allgather_into(output, input)
+
+    def all_gather_single(self, output, input, opts=None):
+        """``all_gather_into_tensor``."""
+        return self._allgather_into(output, input)
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        """``all_gather_into_tensor`` under a coalescing manager."""
+        works = [self._allgather_into(o, i) for o, i in zip(outputs, inputs)]
+        return Work(None, lambda _r: [t for w in works for t in w.result()])
+
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+
+    def gather(self, output_tensors, input_tensors, opts):
+        """``gather``: the root's ``output_tensors[0][i]`` gets rank i's tensor."""
+        tensor = _one(input_tensors, "gather")
+        self._global(opts.rootRank, "gather's root")
+        mine = opts.rootRank == self.rank()
+        outputs = _one(output_tensors, "gather") if mine else []
+        if mine:
+            self._check_count(outputs, "gather's output list")
+        handle = self._gather_flat(tensor)
+
+        def finish(flat):
+            if mine:
+                self._scatter_into(flat, outputs, "gather")
+            return list(outputs)
+        return Work(handle, finish, _devices(tensor))
+
+    # ------------------------------------------------------------------ broadcast, scatter
+
+    def broadcast(self, tensors, opts):
+        """``broadcast`` from ``opts.rootRank`` (a rank of the group)."""
+        tensor = _one(tensors, "broadcast")
+        root = self._global(opts.rootRank, "broadcast's root")
+        handle = mpi_ops.broadcast_async_(tensor, root, process_set=self._ps)
+        return Work(handle, lambda _r: [tensor], _devices(tensor))
+
+    def scatter(self, output_tensors, input_tensors, opts):
+        """``scatter``: rank i's tensor gets the root's ``input_tensors[0][i]``."""
+        out = _one(output_tensors, "scatter")
+        self._global(opts.rootRank, "scatter's root")
+        mine = opts.rootRank == self.rank()
+        size = self.size()
+        if mine:
+            inputs = _one(input_tensors, "scatter")
+            self._check_count(inputs, "scatter's input list")
+            flat = torch.cat([t.reshape(-1) for t in inputs])
+            splits = [t.numel() for t in inputs]
+        else:
+            flat = out.new_empty(0)
+            splits = [0] * size
+        handle = mpi_ops.alltoall_async(flat, splits=splits, process_set=self._ps)
+        return Work(handle, lambda result: [_written(out, result[0])], _devices(out))
+
+    # ------------------------------------------------------------------ reduce-scatter
+
+    def _reduce_scatter_flat(self, output, flat, op, what):
+        """``output`` gets this rank's block of the reduction of ``flat`` (of
+        ``size * output.numel()`` elements)."""
+        if flat.numel() != output.numel() * self.size():
+            raise ValueError(f"perseus: {what}'s input holds {flat.numel()} elements; "
+                             f"{self.size()} ranks of {output.numel()} need "
+                             f"{output.numel() * self.size()}")
+        rop, extra = self._reduction(op)
+        if rop is None:
+            inner = self._allreduce_work(flat.clone(), op)
+            start = self.rank() * output.numel()
+            return Work(None, lambda _r: [_written(
+                output, inner.result()[0][start:start + output.numel()])])
+        rows = flat.reshape(self.size(), -1)
+        handle = mpi_ops.reducescatter_async(rows, op=rop, prescale_factor=extra,
+                                             process_set=self._ps)
+        return Work(handle, lambda block: [_written(output, block)], _devices(output))
+
+    def reduce_scatter(self, output_tensors, input_tensors, opts):
+        """``reduce_scatter``: this rank's tensor gets the reduction of every rank's
+        ``input_tensors[0][rank]``."""
+        out = _one(output_tensors, "reduce_scatter")
+        inputs = _one(input_tensors, "reduce_scatter")
+        self._check_count(inputs, "reduce_scatter's input list")
+        sizes = {t.numel() for t in inputs}
+        if sizes != {out.numel()}:
+            raise ValueError(f"perseus: reduce_scatter's inputs hold {sorted(sizes)} "
+                             f"elements, its output {out.numel()}: they must match")
+        flat = torch.cat([t.reshape(-1) for t in inputs])
+        return self._reduce_scatter_flat(out, flat, opts.reduceOp, "reduce_scatter")
+
+    def _reduce_scatter_base(self, output, input, opts):
+        """``reduce_scatter_tensor`` (torch before 2.6)."""
+        return self._reduce_scatter_flat(output, input.reshape(-1), opts.reduceOp,
+                                         "reduce_scatter_tensor")
+
+    def reduce_scatter_single(self, output, input, opts):
+        """``reduce_scatter_tensor``."""
+        return self._reduce_scatter_base(output, input, opts)
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts):
+        """``reduce_scatter_tensor`` under a coalescing manager."""
+        works = [self._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs)]
+        return Work(None, lambda _r: [t for w in works for t in w.result()])
+
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
+    # ------------------------------------------------------------------ all-to-all
+
+    def _alltoall_rows(self, output, input, output_splits, input_splits):
+        size = self.size()
+        rows = input.shape[0] if input.dim() else 1
+        if not input_splits:
+            if rows % size:
+                raise ValueError(f"perseus: all_to_all_single: {rows} rows do not split "
+                                 f"evenly over {size} ranks; give input_split_sizes")
+            input_splits = [rows // size] * size
+        expected = list(output_splits) if output_splits else None
+        handle = mpi_ops.alltoall_async(input, splits=list(input_splits), process_set=self._ps)
+
+        def finish(result):
+            out, received = result
+            got = [int(n) for n in received]
+            if expected is not None and got != expected:
+                raise ValueError(f"perseus: all_to_all_single: output_split_sizes "
+                                 f"{expected}, but the ranks sent {got} rows")
+            return [_written(output, out)]
+        return Work(handle, finish, _devices(input))
+
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
+        """``all_to_all_single`` (torch before 2.6)."""
+        return self._alltoall_rows(output, input, output_split_sizes, input_split_sizes)
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes,
+                          opts=None):
+        """``all_to_all_single``: rows of ``input`` to each rank by ``input_split_sizes``."""
+        return self._alltoall_rows(output, input, output_split_sizes, input_split_sizes)
+
+    def alltoall(self, output_tensors, input_tensors, opts=None):
+        """``all_to_all``: ``input_tensors[i]`` to rank i; ``output_tensors[i]`` from it."""
+        self._check_count(input_tensors, "all_to_all's input list")
+        self._check_count(output_tensors, "all_to_all's output list")
+        flat = torch.cat([t.reshape(-1) for t in input_tensors])
+        handle = mpi_ops.alltoall_async(flat, splits=[t.numel() for t in input_tensors],
+                                        process_set=self._ps)
+
+        def finish(result):
+            self._scatter_into(result[0], output_tensors, "all_to_all")
+            return list(output_tensors)
+        return Work(handle, finish, _devices(flat))
+
+    # ------------------------------------------------------------------ point to point
+
+    def _p2p(self, tensor, peer, tag, sending):
+        me = self._ranks[self.rank()]
+        other = self._global(peer, "the peer")
+        if other == me:
+            raise ValueError(f"perseus: rank {me} cannot {'send to' if sending else 'receive from'}"
+                             " itself")
+        src, dst = (me, other) if sending else (other, me)
+        return self._lanes.submit(tensor, src, dst, tag)
+
+    def send(self, tensors, dstRank, tag=0):
+        """``send``/``isend`` to group rank ``dstRank``: a broadcast from this rank in the
+        process set of the two ranks, named by direction, tag and count."""
+        return self._p2p(_one(tensors, "send"), dstRank, tag, True)
+
+    def recv(self, tensors, srcRank, tag=0):
+        """``recv``/``irecv`` from group rank ``srcRank`` (see :meth:`send`)."""
+        return self._p2p(_one(tensors, "recv"), srcRank, tag, False)
+
+    def recvAnysource(self, tensors, tag=0):
+        raise UnsupportedError("perseus: recv from any source is not supported: name the "
+                               "source rank")
+
+    recv_anysource = recvAnysource
+
+    def _get_backend(self, device):
+        # torch asks a group's backend for a device (batch_isend_irecv, for whether it
+        # coalesces): the group is its own backend, and does not coalesce.
+        return self
+
+    # ------------------------------------------------------------------ barrier
+
+    def barrier(self, opts=None):
+        """``barrier``: every rank of the group reached it."""
+        return Work(_ops.barrier_async(self._ps), lambda _r: [])
+
+
+# --------------------------------------------------------------------------- point to point
+
+class _Lanes:
+    """Point-to-point transfers: each pair of ranks shares a Perseus process set of the
+    two, registered by them alone at their first transfer. That registration blocks
+    until the peer reaches its own first transfer with this rank, so it runs on a
+    thread of that peer's lane: ``isend`` returns at once even when the peer is busy
+    sending to a third rank (a ring of sends completes). Transfers are named
+    ``p2p.SRC>DST.TAG.COUNT``, counted on each side alike, so the n-th send from SRC to
+    DST with TAG meets the n-th receive there, as torch defines it."""
+
+    def __init__(self, process_set):
+        self._world = process_set
+        self._lock = threading.Lock()
+        self._sets = {}  # peer -> its pair's process set, once registered
+        self._queues = {}  # peer -> queue of transfers waiting for the registration
+        self._counts = {}
+
+    def _name(self, src, dst, tag):
+        key = (src, dst, tag)
+        with self._lock:
+            self._counts[key] = k = self._counts.get(key, 0) + 1
+        return f"p2p.{src}>{dst}.{tag}.{k}"
+
+    def submit(self, tensor, src, dst, tag):
+        from perseus import _core
+
+        me = _core.rank()
+        peer = dst if src == me else src
+        name = self._name(src, dst, tag)
+        work = _Deferred(tensor)
+        with self._lock:
+            ps = self._sets.get(peer)
+            if ps is None and _core.size() == 2 and self._world.process_set_id == 0:
+                ps = self._sets[peer] = self._world
+            if ps is None:
+                waiting = self._queues.get(peer)
+                if waiting is None:
+                    self._queues[peer] = waiting = [(work, src, name)]
+                    threading.Thread(target=self._register, args=(peer,), daemon=True,
+                                     name=f"perseus-p2p-{peer}").start()
+                else:
+                    waiting.append((work, src, name))
+                return work
+        work.start(ps, src, name)
+        return work
+
+    def _register(self, peer):
+        from perseus import _core
+
+        try:
+            ps = ddp.set_of_ranks(tuple(sorted((_core.rank(), peer))))
+            error = None
+        except Exception as e:  # noqa: BLE001 - each waiting transfer raises it
+            ps, error = None, e
+        with self._lock:
+            waiting = self._queues.pop(peer)
+            if ps is not None:
+                self._sets[peer] = ps
+        for work, src, name in waiting:
+            if error is not None:
+                work.fail(error)
+            else:
+                work.start(ps, src, name)
+
+
+class _Deferred(Work):
+    """A transfer's work, whose collective may start later (see :class:`_Lanes`)."""
+
+    def __init__(self, tensor):
+        super().__init__(None, lambda _r: [tensor], _devices(tensor))
+        self._tensor = tensor
+        self._started = threading.Event()
+        self._failure = None
+
+    def start(self, ps, src, name):
+        try:
+            self._handle = mpi_ops.broadcast_async_(self._tensor, src, name=name,
+                                                    process_set=ps)
+        except Exception as e:  # noqa: BLE001 - raised by wait()
+            self._failure = e
+        self._started.set()
+
+    def fail(self, error):
+        self._failure = error
+        self._started.set()
+
+    def _complete(self):
+        self._started.wait()
+        if self._failure is not None:
+            self._error, self._done = self._failure, True
+        return super()._complete()
+
+    def is_completed(self):
+        return self._started.is_set() and super().is_completed()
+
+
+# --------------------------------------------------------------------------- registration
+
+def _create(options, backend_options=None):
+    """torch's creator of a ``perseus`` group (its extended form, which gives the group's
+    global ranks)."""
+    rank, size = options.group_rank, options.group_size
+    ranks = list(options.global_ranks_in_group) or list(range(size))
+    if ranks != sorted(ranks):
+        raise UnsupportedError(f"perseus: a group's ranks must be in increasing order, got "
+                               f"{ranks}")
+    if not options.global_ranks_in_group:  # the default group: Perseus starts with it
+        ddp.start(rank, size, options.store)
+    from perseus import _core
+
+    if not _core.is_initialized():
+        raise HorovodInternalError("perseus: a subgroup needs Perseus running: make the "
+                                   "default group with the perseus backend first")
+    ps = (mpi_ops.global_process_set if len(ranks) == _core.size()
+          else ddp.set_of_ranks(tuple(ranks)))
+    return ProcessGroupPerseus(rank, size, ranks, ps, options.timeout)
+
+
+def register():
+    """Register the ``perseus`` backend with torch.distributed (``import perseus`` does;
+    idempotent)."""
+    if not dist.is_available() or NAME.upper() in dist.Backend._plugins:
+        return
+    dist.Backend.register_backend(NAME, _create, extended_api=True, devices=["cpu", "cuda"])
