@@ -26,7 +26,6 @@ import secrets
 import socket
 import warnings
 
-import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
