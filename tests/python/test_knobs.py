@@ -109,15 +109,16 @@ def test_each_reader_refuses_a_bad_value_by_name(monkeypatch, name, value, reade
         elif reader.startswith("ddp"):
             pytest.importorskip("torch")
             from perseus import ddp
+            from perseus.torch import startup
 
             if reader == "ddp":
                 ddp.enabled()
             else:  # read where torchrun gave the ranks and no other launcher did
-                for var in ddp._LAUNCHER_RANKS:
+                for var in startup._LAUNCHER_RANKS:
                     monkeypatch.delenv(var, raising=False)
                 monkeypatch.setenv("RANK", "0")
                 monkeypatch.setenv("WORLD_SIZE", "1")
-                ddp._launcher_gives_ranks()
+                startup._launcher_gives_ranks()
         else:
             from perseus.common import elastic
 

@@ -19,9 +19,10 @@ import threading
 import torch
 import torch.distributed as dist
 
+from perseus.common import knobs
 from perseus.common import ops as _ops
 from perseus.common.exceptions import HorovodInternalError
-from perseus.torch import completion, ddp
+from perseus.torch import completion, startup
 from perseus.torch.horovod import mpi_ops
 
 NAME = "perseus"
@@ -130,39 +131,21 @@ def _written(dst, src):
     return dst
 
 
-class ProcessGroupPerseus(dist.ProcessGroup):
-    """A torch process group over ``ranks`` (global ranks, by group rank) whose
-    collectives run on Perseus process set ``process_set``."""
+class _Collectives:
+    """The collectives, over ``self._ranks`` (global ranks, by group rank) and Perseus
+    process set ``self._ps``; mixed into a torch ``Backend`` or ``ProcessGroup``."""
 
-    def __init__(self, rank, size, ranks, process_set, timeout=None):
-        super().__init__(rank, size)
+    def _setup(self, ranks, process_set, timeout):
         self._ranks = list(ranks)
         self._ps = process_set
         self._timeout = timeout
         self._lanes = _Lanes(process_set)
-        self._group_name = self._group_desc = ""
 
     def getBackendName(self):
         return NAME
 
-    # A group without C++ backends keeps its name and description itself.
-    def getGroupName(self):
-        return self._group_name
-
-    def setGroupName(self, name):
-        self._group_name = name
-
-    def getGroupDesc(self):
-        return self._group_desc
-
-    def setGroupDesc(self, desc):
-        self._group_desc = desc
-
-    def name(self):
-        return NAME
-
     def __repr__(self):
-        return f"<perseus process group of ranks {self._ranks}>"
+        return f"<perseus {type(self).__name__} of ranks {self._ranks}>"
 
     # ------------------------------------------------------------------ helpers
 
@@ -460,16 +443,86 @@ class ProcessGroupPerseus(dist.ProcessGroup):
 
     recv_anysource = recvAnysource
 
-    def _get_backend(self, device):
-        # torch asks a group's backend for a device (batch_isend_irecv, for whether it
-        # coalesces): the group is its own backend, and does not coalesce.
-        return self
-
     # ------------------------------------------------------------------ barrier
 
     def barrier(self, opts=None):
         """``barrier``: every rank of the group reached it."""
         return Work(_ops.barrier_async(self._ps), lambda _r: [])
+
+
+# torch 2.9 and later let Python subclass a c10d Backend: torch's own ProcessGroup then
+# holds it for the devices a map gives it, next to other backends (NCCL for CUDA), and
+# everything of torch that knows process groups (torch.compile, split_group, group
+# names) works as with gloo. Before, a backend in Python is a whole ProcessGroup.
+try:
+    from torch._C._distributed_c10d import Backend as _C10dBackend
+
+    class _Probe(_C10dBackend):
+        pass
+
+    _Probe(0, 1)
+    BACKEND_CLASS = True
+except (ImportError, TypeError):  # "No constructor defined!"
+    _C10dBackend, BACKEND_CLASS = None, False
+
+
+if BACKEND_CLASS:
+    class PerseusBackend(_Collectives, _C10dBackend):
+        """The ``perseus`` c10d backend, held by one of torch's process groups."""
+
+        def __init__(self, rank, size, ranks, process_set, timeout=None):
+            super().__init__(rank, size)
+            self._setup(ranks, process_set, timeout)
+            self._options = _C10dBackend.Options(NAME)
+            if timeout is not None:
+                self._options._timeout = timeout
+
+        @property
+        def options(self):
+            # Defined here: torch's C++ side reads a Python backend's options through
+            # this attribute, and the inherited one would call back into it forever.
+            return self._options
+
+        @property
+        def supports_coalescing(self):
+            return False
+
+        @property
+        def supports_splitting(self):
+            # torch asks a backend to split on the ranks outside the split too, and
+            # cannot take a Python backend's "none": split_group is served apart
+            # (:func:`_split_group`).
+            return False
+
+
+class ProcessGroupPerseus(_Collectives, dist.ProcessGroup):
+    """The ``perseus`` backend as a whole torch ProcessGroup (torch before 2.9)."""
+
+    def __init__(self, rank, size, ranks, process_set, timeout=None):
+        super().__init__(rank, size)
+        self._setup(ranks, process_set, timeout)
+        self._group_name = self._group_desc = ""
+
+    def name(self):
+        return NAME
+
+    # A group without C++ backends keeps its name and description itself.
+    def getGroupName(self):
+        return self._group_name
+
+    def setGroupName(self, name):
+        self._group_name = name
+
+    def getGroupDesc(self):
+        return self._group_desc
+
+    def setGroupDesc(self, desc):
+        self._group_desc = desc
+
+    def _get_backend(self, device):
+        # torch asks a group's backend for a device (batch_isend_irecv, for whether it
+        # coalesces): the group is its own backend, and does not coalesce.
+        return self
 
 
 # --------------------------------------------------------------------------- point to point
@@ -523,7 +576,7 @@ class _Lanes:
         from perseus import _core
 
         try:
-            ps = ddp.set_of_ranks(tuple(sorted((_core.rank(), peer))))
+            ps = startup.set_of_ranks(tuple(sorted((_core.rank(), peer))))
             error = None
         except Exception as e:  # noqa: BLE001 - each waiting transfer raises it
             ps, error = None, e
@@ -580,20 +633,83 @@ def _create(options, backend_options=None):
         raise UnsupportedError(f"perseus: a group's ranks must be in increasing order, got "
                                f"{ranks}")
     if not options.global_ranks_in_group:  # the default group: Perseus starts with it
-        ddp.start(rank, size, options.store)
+        startup.start(rank, size, options.store)
+    cls = PerseusBackend if BACKEND_CLASS else ProcessGroupPerseus
+    return cls(rank, size, ranks, _process_set_of(ranks), options.timeout)
+
+
+def _process_set_of(ranks):
+    """The Perseus process set of global ``ranks`` (sorted), registered by them alone the
+    first time (a collective over them)."""
     from perseus import _core
 
     if not _core.is_initialized():
         raise HorovodInternalError("perseus: a subgroup needs Perseus running: make the "
                                    "default group with the perseus backend first")
-    ps = (mpi_ops.global_process_set if len(ranks) == _core.size()
-          else ddp.set_of_ranks(tuple(ranks)))
-    return ProcessGroupPerseus(rank, size, ranks, ps, options.timeout)
+    if len(ranks) == _core.size():
+        return mpi_ops.global_process_set
+    return startup.set_of_ranks(tuple(ranks))
+
+
+def serving(requested):
+    """The backend that serves an ``init_process_group(requested)`` after ``import
+    perseus``: ``perseus`` in place of gloo (``"gloo"``, or no choice on a machine
+    without CUDA, where torch would take gloo), unless ``PERSEUS_DDP=0``; anything
+    else as asked. A device map stays as it is. Before torch 2.9 (no c10d Backend in
+    Python) gloo stays: the backend is then a whole ProcessGroup, which torch.compile
+    and split_group do not take as they take gloo's."""
+    try:
+        on = knobs.get("PERSEUS_DDP")
+    except ValueError:  # said by name when a DDP model is built
+        on = False
+    if not on or not BACKEND_CLASS or NAME.upper() not in dist.Backend._plugins:
+        return requested
+    if requested is None:
+        return NAME if not torch.cuda.is_available() else None
+    if str(requested).lower() == "gloo":
+        return NAME
+    return requested
+
+
+_original_split_group = None
+
+
+def _split_group(parent_pg=None, split_ranks=None, timeout=None, pg_options=None,
+                 group_desc=None, *args, **kwargs):
+    """``split_group`` of a ``perseus`` group: each rank of the parent makes the group of
+    its own split with ``new_group(..., use_local_synchronization=True)`` (its ranks
+    sorted); a rank in no split gets ``GroupMember.NON_GROUP_MEMBER``. Other groups
+    split as torch splits them."""
+    parent = parent_pg if parent_pg is not None else dist.distributed_c10d._get_default_group()
+    if dist.get_backend(parent) != NAME:
+        return _original_split_group(parent_pg, split_ranks, timeout, pg_options, group_desc,
+                                     *args, **kwargs)
+    if not split_ranks:
+        raise ValueError("split_ranks cannot be None or empty")
+    globals_of = dist.get_process_group_ranks(parent)
+    me = dist.get_rank(parent)
+    mine = None
+    for split in split_ranks:
+        if not split or len(split) != len(set(split)):
+            raise ValueError(f"a split group cannot be empty or hold a rank twice: {split}")
+        if me in split:
+            mine = split
+    if mine is None:
+        return dist.GroupMember.NON_GROUP_MEMBER
+    return dist.new_group(ranks=sorted(globals_of[r] for r in mine), timeout=timeout,
+                          backend=NAME, use_local_synchronization=True,
+                          group_desc=group_desc)
 
 
 def register():
     """Register the ``perseus`` backend with torch.distributed (``import perseus`` does;
-    idempotent)."""
+    idempotent), and serve ``split_group`` of its groups."""
+    global _original_split_group
     if not dist.is_available() or NAME.upper() in dist.Backend._plugins:
         return
     dist.Backend.register_backend(NAME, _create, extended_api=True, devices=["cpu", "cuda"])
+    if hasattr(dist, "split_group") and _original_split_group is None:
+        _original_split_group = dist.split_group
+        _split_group.__wrapped__ = dist.split_group
+        _split_group.__doc__ = dist.split_group.__doc__
+        dist.split_group = dist.distributed_c10d.split_group = _split_group

@@ -21,91 +21,26 @@ none of torch's variables gets them from Perseus.
 """
 
 import itertools
-import os
-import secrets
-import socket
 import warnings
 
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from perseus.common import knobs
+from perseus.torch import startup
 from perseus.torch.completion import completed
 
 __all__ = ["allreduce_hook", "completed", "enabled", "hooked", "init", "patch",
            "process_set_of"]
 
 # Variables by which Perseus's core finds its ranks without torch (config/topology.rs).
-_LAUNCHER_RANKS = ("PERSEUS_RANK", "HOROVOD_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK",
-                   "SLURM_PROCID")
-
 _originals = {}
 _ids = itertools.count()
-_server = None  # the rendezvous this rank hosts when torch's group gave the ranks
-_store_rounds = itertools.count()
 
 
 def enabled():
     """Whether DDP models reduce through Perseus: ``PERSEUS_DDP`` (1, the default, or 0)."""
     return knobs.get("PERSEUS_DDP")
-
-
-# --------------------------------------------------------------------------- starting Perseus
-
-def _core():
-    from perseus import _core as core
-
-    return core
-
-
-def _launcher_gives_ranks():
-    if any(knobs.given(v) for v in _LAUNCHER_RANKS):
-        return True
-    return (knobs.given("RANK") and knobs.given("WORLD_SIZE")
-            and knobs.get("PERSEUS_USE_DDP_LAUNCHER"))
-
-
-def _default_store():
-    return dist.distributed_c10d._get_default_store()
-
-
-def _env_from_group(rank, size, store):
-    """Perseus's topology and rendezvous from torch's ranks, through torch's ``store``."""
-    global _server
-    key = f"perseus/ddp/{next(_store_rounds)}"
-    store.set(f"{key}/host/{rank}", socket.gethostname())
-    hosts = [store.get(f"{key}/host/{r}").decode() for r in range(size)]
-    secret = _shared_secret(store, key, rank)
-    if rank == 0:
-        one_host = len(set(hosts)) == 1
-        addr = "127.0.0.1" if one_host else knobs.text("MASTER_ADDR") or hosts[0]
-        _server = _core().RendezvousServer("0.0.0.0:0", secret)
-        store.set(f"{key}/rendezvous", f"{addr} {_server.port}")
-    addr, port = store.get(f"{key}/rendezvous").decode().split(" ")
-    seen, local_ranks = {}, []
-    for host in hosts:
-        local_ranks.append(seen.get(host, 0))
-        seen[host] = local_ranks[-1] + 1
-    local_rank = local_ranks[rank]
-    # Horovod's cross rank: among the ranks with the same local rank, one per host.
-    peers = [r for r in range(size) if local_ranks[r] == local_rank]
-    os.environ.update({
-        "PERSEUS_RANK": str(rank), "PERSEUS_SIZE": str(size),
-        "PERSEUS_LOCAL_RANK": str(local_rank), "PERSEUS_LOCAL_SIZE": str(seen[hosts[rank]]),
-        "PERSEUS_CROSS_RANK": str(peers.index(rank)), "PERSEUS_CROSS_SIZE": str(len(peers)),
-        "PERSEUS_RENDEZVOUS_ADDR": addr, "PERSEUS_RENDEZVOUS_PORT": port,
-    })
-
-
-def _shared_secret(store, key, rank):
-    """PERSEUS_SECRET, or one rank 0 makes and passes through torch's store: Perseus's
-    rendezvous and connections are then closed to whoever cannot read that store."""
-    secret = knobs.text("PERSEUS_SECRET")
-    if not secret:
-        if rank == 0:
-            store.set(f"{key}/secret", secrets.token_hex(16))
-        secret = os.environ["PERSEUS_SECRET"] = store.get(f"{key}/secret").decode()
-    return secret
 
 
 def init():
@@ -117,71 +52,18 @@ def init():
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError("torch.distributed is not initialized: call "
                          "torch.distributed.init_process_group() before perseus.ddp.init()")
-    start(dist.get_rank(), dist.get_world_size(), _default_store())
-
-
-def start(rank, size, store):
-    """Start Perseus as rank ``rank`` of torch's ``size`` (collective: every rank calls
-    it; it does nothing once Perseus runs). Where no launcher gave Perseus its ranks,
-    they meet through torch's ``store``. Raises ``ValueError`` when Perseus and torch
-    disagree on the ranks."""
-    from perseus.common import basics
-
-    core = _core()
-    if not core.is_initialized():
-        if size > 1 and not _launcher_gives_ranks():
-            _env_from_group(rank, size, store)
-        elif size > 1:
-            _shared_secret(store, f"perseus/ddp/{next(_store_rounds)}", rank)
-        basics.init()
-    if (core.rank(), core.size()) != (rank, size):
-        raise ValueError(
-            f"Perseus is rank {core.rank()} of {core.size()} but torch.distributed is rank "
-            f"{rank} of {size}: the launcher's variables and init_process_group() disagree; "
-            "give init_process_group() the launcher's ranks, or set PERSEUS_DDP=0")
-
-
-def _torch_env_missing(args, kwargs):
-    # init_process_group(backend, init_method, timeout, world_size, rank, store, ...)
-    def arg(i, name, default):
-        return kwargs.get(name, args[i] if len(args) > i else default)
-
-    return (arg(1, "init_method", None) in (None, "env://") and arg(5, "store", None) is None
-            and arg(4, "rank", -1) in (-1, None) and not knobs.given("RANK")
-            and not knobs.given("MASTER_PORT")
-            and any(knobs.given(v) for v in _LAUNCHER_RANKS))
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
-def _torch_env_from_perseus():
-    """Under perseusrun, mpirun or srun: torch's env:// variables from Perseus's ranks;
-    rank 0 names its host and a free port for torch's store."""
-    from perseus.common import basics, objects
-
-    basics.init()
-    core = _core()
-    where = None
-    if core.rank() == 0:
-        host = ("127.0.0.1" if core.local_size() == core.size() else
-                knobs.text("MASTER_ADDR") or knobs.text("PERSEUS_HOSTNAME")
-                or socket.getfqdn())
-        where = (host, _free_port())
-    host, port = objects.broadcast_object(where, 0, name="perseus.ddp.torch_store")
-    os.environ.update({
-        "RANK": str(core.rank()), "WORLD_SIZE": str(core.size()),
-        "LOCAL_RANK": str(core.local_rank()), "LOCAL_WORLD_SIZE": str(core.local_size()),
-        "MASTER_ADDR": host, "MASTER_PORT": str(port),
-    })
+    startup.start(dist.get_rank(), dist.get_world_size(), startup.default_store())
 
 
 def _init_process_group(*args, **kwargs):
-    if _torch_env_missing(args, kwargs):
-        _torch_env_from_perseus()
+    from perseus.torch import backend
+
+    if args:
+        args = (backend.serving(args[0]), *args[1:])
+    else:
+        kwargs["backend"] = backend.serving(kwargs.get("backend"))
+    if startup.torch_env_missing(args, kwargs):
+        startup.torch_env_from_perseus()
     return _originals["init_process_group"](*args, **kwargs)
 
 
@@ -207,19 +89,7 @@ def process_set_of(group):
     if dist.get_rank() not in ranks:
         raise ValueError(f"rank {dist.get_rank()} is not in the process group of ranks "
                          f"{list(ranks)}, so it has no process set there")
-    return set_of_ranks(ranks)
-
-
-def set_of_ranks(ranks):
-    """The registered process set of ``ranks`` (sorted, holding this rank), or a new one
-    that those ranks register alone. Perseus's registry is the only record: it forgets
-    its sets at ``shutdown()``, so a restarted Perseus registers them again."""
-    from perseus.common import process_sets
-
-    for ps in process_sets.process_sets():
-        if tuple(ps.ranks) == ranks:
-            return ps
-    return process_sets.add_process_set(list(ranks), members_only=True)
+    return startup.set_of_ranks(ranks)
 
 
 # --------------------------------------------------------------------------- the hook
@@ -269,7 +139,7 @@ def allreduce_hook(state, bucket):
 
 
 def _prefix(state):
-    if not _core().is_initialized():
+    if not startup.core().is_initialized():
         raise ValueError("Perseus is not initialized: call perseus.ddp.init() after "
                          "init_process_group() and before the first backward")
     if isinstance(state, _State):

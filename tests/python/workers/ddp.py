@@ -165,8 +165,10 @@ def check_powersgd(expect):
     ROWS = 1 if expect == "exact" else ROWS
     dist.init_process_group("gloo")
     rank, n = dist.get_rank(), dist.get_world_size()
-    # building the model starts Perseus's side of DDP (which exchanges torch's groups)
-    ddp = DDP(model(100 + rank))
+    # DDP's own collectives (the bucket order it broadcasts after the first backward) on
+    # a gloo group of every rank, so that Perseus counts the hook's alone; building the
+    # model starts Perseus's side of DDP (which exchanges torch's groups)
+    ddp = DDP(model(100 + rank), process_group=dist.new_group(backend="gloo"))
     before = _core.counters()["operations"]
     train(ddp, rank, n)
     assert pddp.hooked(ddp) and ddp._perseus.powersgd.step == STEPS
