@@ -9,6 +9,10 @@ HorovodInternalError = _core.HorovodInternalError
 #: Perseus's own name for :data:`HorovodInternalError` (the same class).
 PerseusInternalError = HorovodInternalError
 
+#: The ranks disagreed about a collective (its shape, dtype, operation or root); the
+#: message names what each rank sent. A :data:`HorovodInternalError`.
+MismatchError = _core.MismatchError
+
 
 #: An operation was submitted under a name that one of this rank's operations still in
 #: flight has: a ``ValueError``.

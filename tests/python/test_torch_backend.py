@@ -1,0 +1,50 @@
+"""The ``perseus`` backend of torch.distributed (perseus.torch.backend): values of every
+collective against a one-process reference on 2 and 3 ranks, point to point, subgroups
+and a 2-D DeviceMesh, DDP and FSDP2 training, gloo served by perseus after ``import
+perseus``, and a mismatch named on every rank (workers/torch_backend.py)."""
+
+import pytest
+
+pytest.importorskip("torch")
+
+from perseus.torch import backend  # noqa: E402
+
+SIZES = [2, 3]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("n", SIZES)
+def test_every_collective_equals_one_process(run_workers, n):
+    run_workers(n, "torch_backend.py", "collectives", timeout=280)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("n", SIZES)
+def test_point_to_point(run_workers, n):
+    run_workers(n, "torch_backend.py", "p2p", timeout=180)
+
+
+@pytest.mark.timeout(200)
+def test_a_2d_device_mesh_reduces_along_each_dimension(run_workers):
+    run_workers(4, "torch_backend.py", "mesh", timeout=180)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("ddp", ["1", "0"])
+def test_ddp_and_fsdp2_train_as_one_process(run_workers, ddp):
+    """PERSEUS_DDP=0: DDP's own reducer reduces through the backend; 1: Perseus's hook."""
+    run_workers(2, "torch_backend.py", "training", env={"PERSEUS_DDP": ddp}, timeout=280)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("ddp", ["1", "0"])
+def test_gloo_is_served_by_perseus_unless_perseus_ddp_is_0(run_workers, ddp):
+    if not backend.BACKEND_CLASS and ddp == "1":
+        pytest.skip("this torch cannot hold a c10d Backend written in Python: gloo stays")
+    run_workers(2, "torch_backend.py", "gloo", env={"PERSEUS_DDP": ddp}, timeout=180)
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("n", SIZES)
+def test_mismatched_shapes_are_named_on_every_rank(run_workers, n):
+    run_workers(n, "torch_backend.py", "mismatch", timeout=180)
