@@ -7,7 +7,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from perseus.torch import backend  # noqa: E402
+from perseus.torch import backend
 
 SIZES = [2, 3]
 
