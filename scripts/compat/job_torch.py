@@ -9,7 +9,9 @@ the first that is wrong:
 - hvd.DistributedOptimizer: 2 ranks on half the batch each give what one process gets
   on the whole batch;
 - torch's DistributedDataParallel after ``import perseus``: the same, and its buckets
-  were reduced by Perseus.
+  were reduced by Perseus;
+- the ``perseus`` backend of torch.distributed: collectives on a group of it, and DDP
+  on that group through torch's own allreduce hook.
 """
 
 import os
@@ -95,6 +97,36 @@ def ddp(rank, n):
     dist.barrier()
 
 
+def backend(rank, n):
+    """torch.distributed's collectives on a group of the ``perseus`` backend (a c10d
+    Backend from torch 2.9, a whole ProcessGroup before), and a DDP model on it reduced
+    by DDP's own reducer."""
+    group = dist.new_group(backend="perseus")
+    assert dist.get_backend(group) == "perseus", dist.get_backend(group)
+    t = torch.full((3,), float(rank + 1))
+    dist.all_reduce(t, group=group)
+    same(t, torch.full((3,), float(n * (n + 1) // 2)).numpy(), "perseus all_reduce")
+    outs = [torch.empty(q + 1) for q in range(n)]
+    dist.all_gather(outs, torch.full((rank + 1,), float(rank)), group=group)
+    for q, o in enumerate(outs):
+        same(o, torch.full((q + 1,), float(q)).numpy(), "perseus all_gather, uneven")
+    b = torch.full((2,), float(rank))
+    dist.broadcast(b, src=n - 1, group=group)
+    same(b, torch.full((2,), float(n - 1)).numpy(), "perseus broadcast")
+    out = torch.empty(n)
+    dist.all_to_all_single(out, torch.arange(n, dtype=torch.float32) + 10 * rank, group=group)
+    same(out, (torch.arange(n, dtype=torch.float32) * 10 + rank).numpy(), "perseus all_to_all")
+    flags = torch.tensor([rank == 0, True, False])
+    dist.all_reduce(flags, group=group)
+    same(flags, torch.tensor([True, True, False]).numpy(), "perseus all_reduce of bool")
+    net = torch.nn.parallel.DistributedDataParallel(model(100 + rank), process_group=group)
+    net._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
+    x, y = data(n)
+    train(net, sgd(net), x[rows(rank)], y[rows(rank)])
+    check_model(net.module, n, "DDP on a perseus group")
+    dist.barrier(group=group)
+
+
 def main():
     hvd.init()
     rank, n = hvd.rank(), hvd.size()
@@ -102,6 +134,7 @@ def main():
     collectives(rank, n)
     distributed_optimizer(rank, n)
     ddp(rank, n)
+    backend(rank, n)
     print(f"compat ok: rank {rank} of {n}, torch {torch.__version__}, "
           f"Python {sys.version.split()[0]}", flush=True)
     # gloo's teardown at exit races in some torch releases; every check has passed.

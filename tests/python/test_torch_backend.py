@@ -7,8 +7,6 @@ import pytest
 
 pytest.importorskip("torch")
 
-from perseus.torch import backend
-
 SIZES = [2, 3]
 
 
@@ -26,6 +24,7 @@ def test_point_to_point(run_workers, n):
 
 @pytest.mark.timeout(200)
 def test_a_2d_device_mesh_reduces_along_each_dimension(run_workers):
+    pytest.importorskip("torch.distributed.device_mesh", reason="DeviceMesh: torch 2.2+")
     run_workers(4, "torch_backend.py", "mesh", timeout=180)
 
 
@@ -39,8 +38,8 @@ def test_ddp_and_fsdp2_train_as_one_process(run_workers, ddp):
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("ddp", ["1", "0"])
 def test_gloo_is_served_by_perseus_unless_perseus_ddp_is_0(run_workers, ddp):
-    if not backend.BACKEND_CLASS and ddp == "1":
-        pytest.skip("this torch cannot hold a c10d Backend written in Python: gloo stays")
+    """Before torch 2.9 (no c10d Backend in Python) gloo stays gloo, and the worker
+    checks that instead."""
     run_workers(2, "torch_backend.py", "gloo", env={"PERSEUS_DDP": ddp}, timeout=180)
 
 

@@ -56,6 +56,8 @@ class Work(dist.Work):
         self._error = None
         self._devices = devices
         self._future = None
+        if not BACKEND_CLASS:
+            _unfinished.add(self)
 
     def _complete(self):
         with self._lock:
@@ -67,6 +69,7 @@ class Work(dist.Work):
                     self._error = e
                 self._done = True
                 self._handle = None
+                _unfinished.discard(self)
         if self._error is not None:
             raise self._error
         return self._value
@@ -98,11 +101,25 @@ class Work(dist.Work):
         completion thread (or already, when the work finished)."""
         if self._future is None:
             future = torch.futures.Future(devices=self._devices)
-            completion.completions().submit(self._complete, future)
+            if BACKEND_CLASS:
+                completion.completions().submit(self._complete, future)
+            else:
+                # Older torch waits on the future from C++ holding the GIL (DDP's check
+                # of the parameters' shapes), so Perseus's thread could not complete it.
+                try:
+                    future.set_result(self._complete())
+                except Exception as e:  # noqa: BLE001 - raised through the callback
+                    future.set_exception(e)
             # An error set on the future is no error when torch reads it from C++; one
             # raised by a callback is.
             self._future = future.then(completion._value)
         return self._future
+
+
+# Before torch 2.9 torch keeps only the C++ part of a work a Python backend returns: the
+# Python object, which its wait() and get_future() live on, must be kept here until the
+# work finished, or torch's wait() finds none and waits forever.
+_unfinished = set()
 
 
 def _done(value):
@@ -117,6 +134,12 @@ def _one(tensors, what):
         raise UnsupportedError(f"perseus: {what} takes one tensor per process (torch's "
                                f"multi-device form is gone), got {len(tensors)}")
     return tensors[0]
+
+
+def _plain(t):
+    """``t``, or for a bool tensor its bytes (uint8, the same storage): DLPack has no
+    bool before torch 2.2."""
+    return t.view(torch.uint8) if t.dtype == torch.bool else t
 
 
 def _devices(tensor):
@@ -157,7 +180,7 @@ class _Collectives:
 
     def _reduction(self, op):
         """``(Perseus op, prescale factor)`` for torch's ``op``; bitwise ones: (None, fn)."""
-        kind = op.op if isinstance(op, dist.ReduceOp) else op
+        kind = getattr(op, "op", op)  # a ReduceOp, or its RedOpType
         if kind in _OPS:
             return _OPS[kind], 1.0
         if kind in _BITWISE:
@@ -173,6 +196,12 @@ class _Collectives:
         raise UnsupportedError(f"perseus: no reduction {kind}")
 
     def _allreduce_work(self, tensor, op):
+        given = tensor
+        if tensor.dtype == torch.bool:  # as gloo: a sum is an "or", a product an "and"
+            kind = getattr(op, "op", op)  # a ReduceOp, or its RedOpType
+            op = (_RedOp.MIN if kind in (_RedOp.MIN, _RedOp.PRODUCT, _RedOp.BAND) else
+                  _RedOp.BXOR if kind == _RedOp.BXOR else _RedOp.MAX)
+            tensor = _plain(tensor)
         rop, extra = self._reduction(op)
         if rop is None:  # bitwise: every rank's values, combined here
             handle = mpi_ops.stacked_allgather_async(tensor, process_set=self._ps)
@@ -181,11 +210,11 @@ class _Collectives:
                 out = stacked[0]
                 for row in stacked[1:]:
                     out = extra(out, row)
-                return [_written(tensor, out)]
+                return [_written(given, out)]
             return Work(handle, finish, _devices(tensor))
         handle = mpi_ops.allreduce_async_(tensor, op=rop, prescale_factor=extra,
                                           process_set=self._ps)
-        return Work(handle, lambda _r: [tensor], _devices(tensor))
+        return Work(handle, lambda _r: [given], _devices(tensor))
 
     # ------------------------------------------------------------------ allreduce
 
@@ -226,7 +255,7 @@ class _Collectives:
     def _gather_flat(self, tensor):
         """A handle whose result is every rank's ``tensor`` flattened, concatenated in
         rank order (sizes may differ between ranks)."""
-        return mpi_ops._allgather_concat_async(tensor.reshape(-1), None, self._ps)
+        return mpi_ops._allgather_concat_async(_plain(tensor).reshape(-1), None, self._ps)
 
     def allgather(self, output_tensors, input_tensors, opts=None):
         """``all_gather``: ``output_tensors[0][i]`` gets rank i's tensor."""
@@ -304,7 +333,7 @@ class _Collectives:
         """``broadcast`` from ``opts.rootRank`` (a rank of the group)."""
         tensor = _one(tensors, "broadcast")
         root = self._global(opts.rootRank, "broadcast's root")
-        handle = mpi_ops.broadcast_async_(tensor, root, process_set=self._ps)
+        handle = mpi_ops.broadcast_async_(_plain(tensor), root, process_set=self._ps)
         return Work(handle, lambda _r: [tensor], _devices(tensor))
 
     def scatter(self, output_tensors, input_tensors, opts):
@@ -316,10 +345,10 @@ class _Collectives:
         if mine:
             inputs = _one(input_tensors, "scatter")
             self._check_count(inputs, "scatter's input list")
-            flat = torch.cat([t.reshape(-1) for t in inputs])
+            flat = torch.cat([_plain(t).reshape(-1) for t in inputs])
             splits = [t.numel() for t in inputs]
         else:
-            flat = out.new_empty(0)
+            flat = _plain(out).new_empty(0)
             splits = [0] * size
         handle = mpi_ops.alltoall_async(flat, splits=splits, process_set=self._ps)
         return Work(handle, lambda result: [_written(out, result[0])], _devices(out))
@@ -384,7 +413,8 @@ class _Collectives:
                                  f"evenly over {size} ranks; give input_split_sizes")
             input_splits = [rows // size] * size
         expected = list(output_splits) if output_splits else None
-        handle = mpi_ops.alltoall_async(input, splits=list(input_splits), process_set=self._ps)
+        handle = mpi_ops.alltoall_async(_plain(input), splits=list(input_splits),
+                                        process_set=self._ps)
 
         def finish(result):
             out, received = result
@@ -408,7 +438,7 @@ class _Collectives:
         """``all_to_all``: ``input_tensors[i]`` to rank i; ``output_tensors[i]`` from it."""
         self._check_count(input_tensors, "all_to_all's input list")
         self._check_count(output_tensors, "all_to_all's output list")
-        flat = torch.cat([t.reshape(-1) for t in input_tensors])
+        flat = torch.cat([_plain(t).reshape(-1) for t in input_tensors])
         handle = mpi_ops.alltoall_async(flat, splits=[t.numel() for t in input_tensors],
                                         process_set=self._ps)
 
@@ -602,7 +632,7 @@ class _Deferred(Work):
 
     def start(self, ps, src, name):
         try:
-            self._handle = mpi_ops.broadcast_async_(self._tensor, src, name=name,
+            self._handle = mpi_ops.broadcast_async_(_plain(self._tensor), src, name=name,
                                                     process_set=ps)
         except Exception as e:  # noqa: BLE001 - raised by wait()
             self._failure = e

@@ -77,6 +77,13 @@ def check_all_reduce(r, n, group, ranks):
         assert "PREMUL_SUM" in str(e), e
     else:
         close(t, 0.5 * sum(value(q, (4,), torch.float32) for q in ranks), "PREMUL_SUM")
+    # bool: a sum is an "or", a minimum an "and", as gloo reduces them.
+    bits = [value(q, (6,), torch.int64) % 3 == 0 for q in ranks]
+    for op, want in ((dist.ReduceOp.SUM, torch.stack(bits).any(0)),
+                     (dist.ReduceOp.MIN, torch.stack(bits).all(0))):
+        t = bits[me].clone()
+        dist.all_reduce(t, op=op, group=group)
+        close(t, want, f"all_reduce {op} of bool")
     # A non-contiguous tensor is reduced in place all the same.
     base = value(r, (4, 6), torch.float32)
     view = base.t()
@@ -272,12 +279,14 @@ def training(r, n):
         ropt.zero_grad()
         ((ref(x) - y) ** 2).mean().backward()
         ropt.step()
-    for kind in ("ddp", "fsdp"):
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # FSDP2 is public from torch 2.6
+        fully_shard = None
+    for kind in ("ddp", "fsdp") if fully_shard is not None else ("ddp",):
         model = net()
         wrapped = nn.parallel.DistributedDataParallel(model) if kind == "ddp" else model
         if kind == "fsdp":
-            from torch.distributed.fsdp import fully_shard
-
             wrapped = fully_shard(model)
         opt = torch.optim.SGD(wrapped.parameters(), lr=0.1)
         rows = slice(4 * r, 4 * r + 4)
@@ -291,7 +300,10 @@ def training(r, n):
 
 
 def gloo(r, n):
-    want = "gloo" if os.environ.get("PERSEUS_DDP") == "0" else "perseus"
+    from perseus.torch import backend
+
+    serves = backend.BACKEND_CLASS and os.environ.get("PERSEUS_DDP") != "0"
+    want = "perseus" if serves else "gloo"
     assert dist.get_backend() == want, (dist.get_backend(), want)
     t = torch.full((2,), float(r))
     dist.all_reduce(t)
