@@ -1,5 +1,9 @@
 """Allreduce sweep: float32, 4 KiB to 256 MiB, Perseus against torch gloo and Open MPI.
 
+Implementations: ``core`` (perseus._core), ``hvd`` (perseus.torch.horovod), ``perseus``
+(torch.distributed's all_reduce on the perseus backend), ``ddp`` (the same after
+``import perseus`` asking for gloo), ``gloo`` and ``mpi`` (the peers).
+
     python benchmarks/allreduce_sweep.py [--ranks 2 3 4] [--short | --sizes 4K 1M ...]
                                          [--impls core hvd gloo mpi] [--json PATH] [--quick]
                                          [--device cpu|cuda] [--strict]
@@ -62,7 +66,7 @@ def _allreduce_fn(comm, t, name):
 
         def fn():
             hvd.allreduce_(t, op=hvd.Sum, name=name)
-    elif comm.impl == "gloo":
+    elif comm.impl in harness.TORCH_STARTED:  # gloo, or after import perseus: perseus
         dist = comm.dist
 
         def fn():
@@ -125,7 +129,7 @@ def sections(result, only=None):
     out = []
     impls = result["impls"]
     for n, runs in harness.runs_by_ranks(result, only):
-        perseus = [i for i in harness.PERSEUS if i in impls]
+        perseus = [i for i in (*harness.PERSEUS, "perseus", "ddp") if i in impls]
         headers = (["size"] + [f"{i} µs" for i in impls] + [f"{i} busbw" for i in impls]
                    + [f"{i} ÷ peer" for i in perseus])
         alg_headers = ["size"] + [f"{i} algbw" for i in impls]

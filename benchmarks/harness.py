@@ -30,12 +30,13 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-IMPLS = ("core", "hvd", "gloo", "ddp", "mpi")
-TORCH_STARTED = ("gloo", "ddp")  # processes given torchrun's variables
+IMPLS = ("core", "hvd", "gloo", "ddp", "mpi", "perseus")
+TORCH_STARTED = ("gloo", "ddp", "perseus")  # processes given torchrun's variables
 PEERS = ("gloo", "mpi")
 PERSEUS = ("core", "hvd")
 LABELS = {"core": "Perseus core", "hvd": "Perseus hvd", "gloo": "torch gloo",
-          "ddp": "DDP on Perseus", "mpi": "Open MPI"}
+          "ddp": "DDP on Perseus", "mpi": "Open MPI",
+          "perseus": "torch.distributed on perseus"}
 
 
 class JobFailed(RuntimeError):
@@ -258,12 +259,15 @@ class Comm:
         elif impl in TORCH_STARTED:
             import datetime
 
-            if impl == "ddp":
-                import perseus  # noqa: F401 - DDP models now reduce through Perseus
+            if impl != "gloo":
+                # DDP models now reduce through Perseus, and torch.distributed has the
+                # perseus backend (which also serves a request for gloo).
+                import perseus  # noqa: F401
             import torch.distributed as dist
 
             self.dist = dist
-            dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+            backend = "perseus" if impl == "perseus" else "gloo"
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=300))
             self.rank, self.size = dist.get_rank(), dist.get_world_size()
         elif impl == "mpi":
             from mpi4py import MPI

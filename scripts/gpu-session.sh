@@ -69,6 +69,9 @@ run)
     step gpu-tests 150 "${pytest[@]}" tests/python/test_gpu.py tests/python/test_kernels.py
     step gpu-optim-tests 90 "${pytest[@]}" -m gpu tests/python/test_optim.py \
         tests/python/test_amp.py
+    # torch.distributed's perseus backend with CUDA tensors (cuda:perseus in a device map).
+    step torch-backend-cuda 60 python3 -m perseus.runner.launch -np 2 python3 \
+        tests/python/workers/torch_backend.py cuda
     step kernels 50 python3 benchmarks/kernels.py
     cp docs/benchmarks_kernels_cuda.json docs/benchmarks_kernels_cuda.md "$out/" 2>/dev/null || true
     step staged-sweep 70 python3 benchmarks/allreduce_sweep.py --device cuda --ranks 2 \

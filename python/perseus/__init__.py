@@ -2,7 +2,7 @@
 
 Import a front-end to train: ``import perseus.torch.horovod as hvd`` (PyTorch).
 ``import perseus`` alone makes torch's DistributedDataParallel reduce its gradients
-through Perseus once torch is imported (perseus.torch.ddp, docs/ddp.md; ``PERSEUS_DDP=0``
+through Perseus once torch is imported (perseus.torch.ddp, docs/torch_distributed.md; ``PERSEUS_DDP=0``
 turns that off). ``perseus.run(func, np=...)`` runs a function as a job (Horovod's
 ``horovod.run``, docs/launching.md). This package itself imports nothing heavy: no
 framework and not the native core.

@@ -1,5 +1,5 @@
 """What ``import perseus`` sets up: once torch is imported, its DistributedDataParallel
-reduces gradients through Perseus (:mod:`perseus.torch.ddp`, docs/ddp.md),
+reduces gradients through Perseus (:mod:`perseus.torch.ddp`, docs/torch_distributed.md),
 torch.distributed has a ``perseus`` backend (:mod:`perseus.torch.backend`), and seed
 001's names are in torch's namespaces (:mod:`perseus.torch.aiak`).
 

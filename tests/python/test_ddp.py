@@ -1,4 +1,4 @@
-"""``import perseus`` and torch's DistributedDataParallel (perseus.torch.ddp, docs/ddp.md):
+"""``import perseus`` and torch's DistributedDataParallel (perseus.torch.ddp, docs/torch_distributed.md):
 DDP's buckets are averaged by Perseus under torchrun, perseusrun and
 ``torch.multiprocessing.spawn``, the models end as one process on the whole batch
 would have them, a user's hook is kept, seed 001's PowerSGD compresses them, and a

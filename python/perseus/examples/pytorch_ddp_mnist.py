@@ -1,5 +1,5 @@
 """A plain PyTorch DistributedDataParallel script, accelerated by one added line,
-``import perseus``: DDP's gradient buckets are then averaged by Perseus (docs/ddp.md).
+``import perseus``: DDP's gradient buckets are then averaged by Perseus (docs/torch_distributed.md).
 
     torchrun --nproc_per_node 2 examples/pytorch_ddp_mnist.py --epochs 2
     perseusrun -np 2 python examples/pytorch_ddp_mnist.py --epochs 2

@@ -738,6 +738,12 @@ def register():
     if not dist.is_available() or NAME.upper() in dist.Backend._plugins:
         return
     dist.Backend.register_backend(NAME, _create, extended_api=True, devices=["cpu", "cuda"])
+    # Perseus records its collectives itself (its flight recorder, docs/reliability.md):
+    # torch's recorder for backends that do not, a hook on every collective, would cost
+    # about 100 µs a call for the same record.
+    recording = getattr(dist.distributed_c10d, "_FR_SELF_RECORDING_BACKENDS", None)
+    if isinstance(recording, set):
+        recording.add(NAME)
     if hasattr(dist, "split_group") and _original_split_group is None:
         _original_split_group = dist.split_group
         _split_group.__wrapped__ = dist.split_group

@@ -1,4 +1,4 @@
-"""PyTorch DistributedDataParallel on the Perseus core (docs/ddp.md).
+"""PyTorch DistributedDataParallel on the Perseus core (docs/torch_distributed.md).
 
 ``import perseus`` (seed 003 asks for it before ``import torch``; after works too)
 and every ``DistributedDataParallel`` model, on torch's default process group or on

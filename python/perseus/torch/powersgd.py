@@ -9,7 +9,7 @@ P Q^T in place of M. Each rank keeps what the approximation left out of its own 
 and adds it to the next step's gradient (error feedback), and the averaged Q starts
 the next step (a warm start), as Vogels, Karimireddy and Jaggi describe (NeurIPS
 2019). The other gradients of the bucket (biases, small matrices) are averaged
-exactly, in the same collective as the P's. docs/ddp.md has the trade-offs.
+exactly, in the same collective as the P's. docs/torch_distributed.md has the trade-offs.
 """
 
 import torch

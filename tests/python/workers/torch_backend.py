@@ -11,6 +11,7 @@ holding every rank's inputs would get (the reference) and compare its own result
   and FSDP2's fully_shard equal one process on the whole batch;
 - ``gloo``: ``init_process_group("gloo")`` after ``import perseus`` is served by perseus
   (PERSEUS_DDP=0: by gloo itself);
+- ``cuda``: CUDA tensors through ``cuda:perseus`` in a device map (a GPU machine);
 - ``mismatch``: ranks that give all_reduce different shapes all raise MismatchError
   naming the shapes, and the next all_reduce works.
 """
@@ -310,6 +311,37 @@ def gloo(r, n):
     close(t, torch.full((2,), float(sum(range(n)))), "all_reduce")
 
 
+def cuda(r, n):
+    """CUDA tensors through the perseus backend (``cuda:perseus`` in a device map, gloo
+    for the CPU): the core's NCCL or host-staged path, values as on the CPU."""
+    dev = torch.device("cuda", 0 if torch.cuda.device_count() == 1 else r)
+    torch.cuda.set_device(dev)
+    ranks = list(range(n))
+    for dtype in (torch.float32, torch.float16, torch.int64):
+        t = value(r, (1000,), dtype).to(dev)
+        dist.all_reduce(t)
+        close(t.cpu(), sum(value(q, (1000,), torch.float64) for q in ranks).to(dtype),
+              f"cuda all_reduce {dtype}", *tol(dtype))
+    x = value(r, (2, 3), torch.float32).to(dev)
+    out = torch.empty(n * 2, 3, device=dev)
+    dist.all_gather_into_tensor(out, x)
+    close(out.cpu(), torch.cat([value(q, (2, 3), torch.float32) for q in ranks]),
+          "cuda all_gather_into_tensor")
+    b = value(r, (7,), torch.float32).to(dev)
+    dist.broadcast(b, src=n - 1)
+    close(b.cpu(), value(n - 1, (7,), torch.float32), "cuda broadcast")
+    full = value(r, (n * 4,), torch.float32).to(dev)
+    part = torch.empty(4, device=dev)
+    dist.reduce_scatter_tensor(part, full)
+    close(part.cpu(), sum(value(q, (n * 4,), torch.float32) for q in ranks)[r * 4:r * 4 + 4],
+          "cuda reduce_scatter_tensor")
+    # And the CPU half of the map is still gloo's.
+    c = torch.full((2,), float(r))
+    dist.all_reduce(c)
+    close(c, torch.full((2,), float(sum(ranks))), "cpu all_reduce beside")
+    torch.cuda.synchronize()
+
+
 def mismatch(r, n):
     from perseus.common.exceptions import MismatchError
 
@@ -325,11 +357,11 @@ def mismatch(r, n):
 
 
 def main():
-    backend = "gloo" if CHECK == "gloo" else "perseus"
+    backend = {"gloo": "gloo", "cuda": "cpu:gloo,cuda:perseus"}.get(CHECK, "perseus")
     dist.init_process_group(backend)
     r, n = dist.get_rank(), dist.get_world_size()
     {"collectives": collectives, "p2p": p2p, "mesh": mesh, "training": training,
-     "gloo": gloo, "mismatch": mismatch}[CHECK](r, n)
+     "gloo": gloo, "mismatch": mismatch, "cuda": cuda}[CHECK](r, n)
     done(r)
     dist.destroy_process_group()
 
