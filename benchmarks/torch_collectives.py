@@ -89,8 +89,8 @@ def sections(result, only=None):
                     "headers": ["op", "size", *(f"{i} µs" for i in IMPLS),
                                 "perseus ÷ best peer"],
                     "rows": rows,
-                    "notes": notes + ["perseus ÷ best peer: the best peer's time over "
-                                      "perseus's (>1: perseus faster)."]})
+                    "notes": notes + [("perseus ÷ best peer: the best peer's time over "
+                                       "perseus's (>1: perseus faster).")]})
     return out
 
 
