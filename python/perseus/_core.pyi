@@ -69,10 +69,16 @@ def allreduce(
     process_set: int,
     gradient: bool = False,
 ) -> int: ...
-def allgather(inp: Any, name: str | None, stack: bool, process_set: int) -> int: ...
+def allgather(
+    inp: Any, name: str | None, stack: bool, process_set: int, out: Any | None = None
+) -> int: ...
 def broadcast(buf: Any, name: str | None, root: int, process_set: int) -> int: ...
 def alltoall(
-    inp: Any, splits: list[int] | None, name: str | None, process_set: int
+    inp: Any,
+    splits: list[int] | None,
+    name: str | None,
+    process_set: int,
+    out: Any | None = None,
 ) -> int: ...
 def reducescatter(
     inp: Any,
@@ -81,6 +87,7 @@ def reducescatter(
     prescale: float,
     postscale: float,
     process_set: int,
+    out: Any | None = None,
 ) -> int: ...
 def barrier(process_set: int = 0) -> int: ...
 def join(process_set: int = 0) -> int: ...

@@ -22,7 +22,8 @@ pub struct Entry {
     pub handle: u64,
     /// Input tensor (absent for negotiation-only kinds).
     pub input: Option<TensorView>,
-    /// Output tensor written in place (allreduce, broadcast).
+    /// Output tensor written in place (allreduce, broadcast; allgather, alltoall and
+    /// reducescatter when the caller gave one of the result's size).
     pub output: Option<TensorView>,
 }
 
@@ -586,26 +587,43 @@ fn allgather(
     let input = input_of(entries)?;
     let row = elems(&shape[1..]) * dtype.size();
     let block: Vec<usize> = dims.iter().map(|&d| d as usize * row).collect();
-    let mut out = AlignedBuf::zeroed(block.iter().sum());
+    let mut own = None;
+    let out = result_buffer(entries, block.iter().sum(), &mut own);
     let off: usize = block[..comm.rank()].iter().sum();
     // SAFETY: the front-end keeps the input alive until completion.
-    out.as_mut_slice()[off..off + block[comm.rank()]].copy_from_slice(unsafe { input.bytes() });
+    out[off..off + block[comm.rank()]].copy_from_slice(unsafe { input.bytes() });
     if hierarchical && collective::fits(&collective::hosts_of(comm)) {
-        collective::allgatherv_hierarchical(comm, out.as_mut_slice(), &block)?;
+        collective::allgatherv_hierarchical(comm, out, &block)?;
     } else {
-        collective::allgatherv(comm, out.as_mut_slice(), &block)?;
+        collective::allgatherv(comm, out, &block)?;
     }
     let mut oshape = shape.to_vec();
     oshape[0] = dims.iter().sum();
     Ok(Output {
-        tensor: Some(OwnedTensor {
-            buf: out,
+        tensor: own.map(|buf| OwnedTensor {
+            buf,
             dtype,
             shape: oshape,
         }),
         splits: dims.to_vec(),
         value: 0,
     })
+}
+
+/// Where a gather, an exchange or a reduce-scatter writes its result of `nbytes`: the
+/// caller's output when it gave one of that size (host memory, written in place),
+/// else a zeroed buffer of the core's own, left in `own` for the caller to receive.
+fn result_buffer<'a>(
+    entries: &'a [Option<Entry>],
+    nbytes: usize,
+    own: &'a mut Option<AlignedBuf>,
+) -> &'a mut [u8] {
+    let given = entries[0].as_ref().and_then(|e| e.output.as_ref());
+    match given {
+        // SAFETY: the front-end keeps the output alive and untouched until completion.
+        Some(out) if out.nbytes == nbytes => unsafe { out.bytes_mut() },
+        _ => own.insert(AlignedBuf::zeroed(nbytes)).as_mut_slice(),
+    }
 }
 
 fn alltoall(
@@ -623,13 +641,14 @@ fn alltoall(
     let send = collective::consecutive((0..n).map(|d| matrix[r * n + d] as usize * row));
     let got: Vec<i64> = (0..n).map(|s| matrix[s * n + r]).collect();
     let recv = collective::consecutive(got.iter().map(|&g| g as usize * row));
-    let mut out = AlignedBuf::zeroed(recv.last().map_or(0, |x| x.end));
-    collective::alltoallv(comm, inp, &send, out.as_mut_slice(), &recv)?;
+    let mut own = None;
+    let out = result_buffer(entries, recv.last().map_or(0, |x| x.end), &mut own);
+    collective::alltoallv(comm, inp, &send, out, &recv)?;
     let mut oshape = shape.to_vec();
     oshape[0] = got.iter().sum();
     Ok(Output {
-        tensor: Some(OwnedTensor {
-            buf: out,
+        tensor: own.map(|buf| OwnedTensor {
+            buf,
             dtype,
             shape: oshape,
         }),
@@ -659,9 +678,11 @@ fn reducescatter(
     // SAFETY: the front-end keeps the input alive until completion.
     let mut work = AlignedBuf::from_slice(unsafe { input.bytes() });
     scale(work.as_mut_slice(), dtype, pre);
-    let own = collective::reduce_scatter(comm, work.as_mut_slice(), &counts, dtype, op)?;
-    let mut out = AlignedBuf::from_slice(&work.as_slice()[own]);
-    scale(out.as_mut_slice(), dtype, post);
+    let mine = collective::reduce_scatter(comm, work.as_mut_slice(), &counts, dtype, op)?;
+    let mut own = None;
+    let out = result_buffer(entries, mine.len(), &mut own);
+    out.copy_from_slice(&work.as_slice()[mine]);
+    scale(out, dtype, post);
     let mut oshape = if shape.is_empty() {
         vec![1]
     } else {
@@ -669,8 +690,8 @@ fn reducescatter(
     };
     oshape[0] = rows[comm.rank()] as i64;
     Ok(Output {
-        tensor: Some(OwnedTensor {
-            buf: out,
+        tensor: own.map(|buf| OwnedTensor {
+            buf,
             dtype,
             shape: oshape,
         }),

@@ -470,7 +470,8 @@ impl Engine {
 }
 
 /// Checks a request's tensors (a device tensor needs its device's library; an output
-/// matches its input) and takes the request's type, shape and device from them.
+/// has its input's dtype, and an allreduce's its size) and takes the request's type,
+/// shape and device from them.
 fn describe(
     req: &mut Request,
     input: Option<&TensorView>,
@@ -481,10 +482,19 @@ fn describe(
         crate::device::backend(v.device)?;
     }
     if let (Some(i), Some(o)) = (input, output) {
-        if i.dtype != o.dtype || i.nbytes != o.nbytes {
+        // An allreduce's output takes the input's place; a gather's, an exchange's or a
+        // reduce-scatter's result has a size of its own (a wrong one is not used).
+        let in_place = matches!(req.kind, OpKind::Allreduce | OpKind::Broadcast);
+        if i.dtype != o.dtype || (in_place && i.nbytes != o.nbytes) {
             return Err(PerseusError::InvalidArgument(
                 "output tensor must match the input's dtype and size".into(),
             ));
+        }
+        if !in_place && (i.device != Device::Cpu || o.device != Device::Cpu) {
+            return Err(PerseusError::InvalidArgument(format!(
+                "an output tensor for {} is taken in host memory only",
+                req.kind.name()
+            )));
         }
     }
     if let Some(v) = input.or(output) {

@@ -369,18 +369,20 @@ fn allreduce(
     .map_err(to_py)
 }
 
-/// Starts an allgather (concatenation along dim 0, or stacking).
+/// Starts an allgather (concatenation along dim 0, or stacking); `out`: a host tensor
+/// of the result's size to write it into (else the result is the core's own).
 #[pyfunction]
-#[pyo3(signature = (inp, name, stack, process_set))]
+#[pyo3(signature = (inp, name, stack, process_set, out=None))]
 fn allgather(
     inp: &Bound<'_, PyAny>,
     name: Option<String>,
     stack: bool,
     process_set: u32,
+    out: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<u64> {
     let mut req = named(OpKind::Allgather, name, process_set);
     req.stack = stack;
-    submit(req, Some(inp), None)
+    submit(req, Some(inp), out)
 }
 
 /// Starts an in-place broadcast from set rank `root`.
@@ -397,24 +399,27 @@ fn broadcast(
     submit(req, None, Some(buf))
 }
 
-/// Starts an alltoall; `splits` = rows for each rank (None: equal parts).
+/// Starts an alltoall; `splits` = rows for each rank (None: equal parts); `out` as
+/// for [`allgather`].
 #[pyfunction]
-#[pyo3(signature = (inp, splits, name, process_set))]
+#[pyo3(signature = (inp, splits, name, process_set, out=None))]
 fn alltoall(
     inp: &Bound<'_, PyAny>,
     splits: Option<Vec<i64>>,
     name: Option<String>,
     process_set: u32,
+    out: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<u64> {
     let mut req = named(OpKind::Alltoall, name, process_set);
     // None: equal parts, the engine's rule.
     req.ints = splits.unwrap_or_default();
-    submit(req, Some(inp), None)
+    submit(req, Some(inp), out)
 }
 
-/// Starts a reducescatter along dim 0.
+/// Starts a reducescatter along dim 0; `out` as for [`allgather`].
 #[pyfunction]
-#[pyo3(signature = (inp, name, op, prescale, postscale, process_set))]
+#[pyo3(signature = (inp, name, op, prescale, postscale, process_set, out=None))]
+#[allow(clippy::too_many_arguments)]
 fn reducescatter(
     inp: &Bound<'_, PyAny>,
     name: Option<String>,
@@ -422,12 +427,13 @@ fn reducescatter(
     prescale: f64,
     postscale: f64,
     process_set: u32,
+    out: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<u64> {
     let mut req = named(OpKind::Reducescatter, name, process_set);
     req.op = op_of(op)?;
     req.prescale = prescale;
     req.postscale = postscale;
-    submit(req, Some(inp), None)
+    submit(req, Some(inp), out)
 }
 
 /// Starts a barrier.

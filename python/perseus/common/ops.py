@@ -212,10 +212,13 @@ def allreduce_async(inp, out, *, name=None, op=Average, prescale_factor=1.0,
     return Handle(hid, (keep, inp, out), finish)
 
 
-def allgather_async(inp, *, name=None, stack=False, process_set=None, keep=(), finish=None):
-    """Concatenate ``inp`` along dim 0 across the set (``stack``: equal shapes required)."""
+def allgather_async(inp, *, name=None, stack=False, process_set=None, keep=(), finish=None,
+                    out=None):
+    """Concatenate ``inp`` along dim 0 across the set (``stack``: equal shapes required).
+    ``out``: a host buffer of the result's size that receives it (the handle's output
+    is then None); of another size, the result is the core's own as without it."""
     ps = _prepare(name, process_set)
-    return Handle(_core.allgather(inp, name, bool(stack), ps), (keep, inp), finish)
+    return Handle(_core.allgather(inp, name, bool(stack), ps, out), (keep, inp, out), finish)
 
 
 def broadcast_async(buf, *, root_rank, name=None, process_set=None, keep=(), finish=None):
@@ -226,23 +229,27 @@ def broadcast_async(buf, *, root_rank, name=None, process_set=None, keep=(), fin
     return Handle(_core.broadcast(buf, name, root, ps), (keep, buf), finish)
 
 
-def alltoall_async(inp, *, splits=None, name=None, process_set=None, keep=(), finish=None):
-    """Send ``splits[i]`` rows of ``inp`` to set rank i; receive the others' rows."""
+def alltoall_async(inp, *, splits=None, name=None, process_set=None, keep=(), finish=None,
+                   out=None):
+    """Send ``splits[i]`` rows of ``inp`` to set rank i; receive the others' rows
+    (``out``: as for :func:`allgather_async`)."""
     ps = _prepare(name, process_set)
     if splits is not None:
         splits = [int(s) for s in splits]
         if any(s < 0 for s in splits):
             raise ValueError(f"alltoall splits must be non-negative, got {splits}")
-    return Handle(_core.alltoall(inp, splits, name, ps), (keep, inp), finish)
+    return Handle(_core.alltoall(inp, splits, name, ps, out), (keep, inp, out), finish)
 
 
 def reducescatter_async(inp, *, name=None, op=Average, prescale_factor=1.0, postscale_factor=1.0,
-                        process_set=None, keep=(), finish=None):
-    """Reduce ``inp`` across the set; each rank receives its block of dim-0 rows."""
+                        process_set=None, keep=(), finish=None, out=None):
+    """Reduce ``inp`` across the set; each rank receives its block of dim-0 rows
+    (``out``: as for :func:`allgather_async`)."""
     ps = _prepare(name, process_set)
     op = check_op(op)
-    hid = _core.reducescatter(inp, name, op, float(prescale_factor), float(postscale_factor), ps)
-    return Handle(hid, (keep, inp), finish)
+    hid = _core.reducescatter(inp, name, op, float(prescale_factor), float(postscale_factor), ps,
+                              out)
+    return Handle(hid, (keep, inp, out), finish)
 
 
 def barrier_async(process_set=None):

@@ -142,6 +142,28 @@ def _plain(t):
     return t.view(torch.uint8) if t.dtype == torch.bool else t
 
 
+def _landing(output):
+    """A contiguous host ``output`` as the buffer a collective writes its result into
+    (its bytes, and their DLPack capsule); ``(None, None)`` for any other, which gets
+    the core's result copied in."""
+    if output.is_cpu and output.is_contiguous():
+        buf = _plain(output.detach())
+        return buf, mpi_ops._capsule(buf)
+    return None, None
+
+
+def _core_result(handle):
+    """The result the core made for ``handle``, or None when it wrote the caller's
+    output (see :func:`_landing`)."""
+    capsule = handle.output()
+    return None if capsule is None else torch.from_dlpack(capsule)
+
+
+def _landed(output, result):
+    """``output``, holding ``result`` where the core did not write it in place."""
+    return output if result is None else _written(output, result)
+
+
 def _devices(tensor):
     return [tensor.device] if tensor.is_cuda else None
 
@@ -293,8 +315,12 @@ class _Collectives:
             raise ValueError(f"perseus: all_gather_into_tensor's output holds "
                              f"{output.numel()} elements; {self.size()} ranks of "
                              f"{input.numel()} need {input.numel() * self.size()}")
-        handle = self._gather_flat(input)
-        return Work(handle, lambda flat: [_written(output, flat)], _devices(input))
+        src, cap = mpi_ops._export(_plain(input).reshape(-1))
+        dst, out_cap = _landing(output)
+        handle = _ops.allgather_async(cap, stack=False, process_set=self._ps,
+                                      keep=(input, src, dst), finish=_core_result,
+                                      out=out_cap)
+        return Work(handle, lambda flat: [_landed(output, flat)], _devices(input))
 
     def _allgather_base(self, output, input, opts=None):
         """``all_gather_into_tensor`` (torch before 2.6)."""
@@ -368,10 +394,12 @@ class _Collectives:
             start = self.rank() * output.numel()
             return Work(None, lambda _r: [_written(
                 output, inner.result()[0][start:start + output.numel()])])
-        rows = flat.reshape(self.size(), -1)
-        handle = mpi_ops.reducescatter_async(rows, op=rop, prescale_factor=extra,
-                                             process_set=self._ps)
-        return Work(handle, lambda block: [_written(output, block)], _devices(output))
+        src, cap = mpi_ops._export(flat.reshape(self.size(), -1))
+        dst, out_cap = _landing(output)
+        handle = _ops.reducescatter_async(cap, op=rop, prescale_factor=extra,
+                                          process_set=self._ps, keep=(flat, src, dst),
+                                          finish=_core_result, out=out_cap)
+        return Work(handle, lambda block: [_landed(output, block)], _devices(output))
 
     def reduce_scatter(self, output_tensors, input_tensors, opts):
         """``reduce_scatter``: this rank's tensor gets the reduction of every rank's
@@ -413,8 +441,12 @@ class _Collectives:
                                  f"evenly over {size} ranks; give input_split_sizes")
             input_splits = [rows // size] * size
         expected = list(output_splits) if output_splits else None
-        handle = mpi_ops.alltoall_async(_plain(input), splits=list(input_splits),
-                                        process_set=self._ps)
+        src, cap = mpi_ops._export(_plain(input))
+        dst, out_cap = _landing(output)
+        handle = _ops.alltoall_async(cap, splits=[int(k) for k in input_splits],
+                                     process_set=self._ps, keep=(input, src, dst),
+                                     finish=lambda h: (_core_result(h), h.recv_splits()),
+                                     out=out_cap)
 
         def finish(result):
             out, received = result
@@ -422,7 +454,7 @@ class _Collectives:
             if expected is not None and got != expected:
                 raise ValueError(f"perseus: all_to_all_single: output_split_sizes "
                                  f"{expected}, but the ranks sent {got} rows")
-            return [_written(output, out)]
+            return [_landed(output, out)]
         return Work(handle, finish, _devices(input))
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):

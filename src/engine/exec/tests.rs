@@ -134,3 +134,70 @@ fn hierarchical_average_scales_after_the_hierarchy() {
         assert_eq!(got, &want, "rank {r}");
     }
 }
+
+/// Runs one allgather of `rank + 1` floats per rank into an output of `out_len`
+/// floats; returns the output, and the tensor the core made instead (if any).
+fn gather_into(c: &dyn Comm, out_len: usize) -> (Vec<f32>, Option<Vec<f32>>) {
+    let n = c.size();
+    let mut input: Vec<f32> = (0..=c.rank()).map(|i| (10 * c.rank() + i) as f32).collect();
+    let mut output = vec![f32::NAN; out_len];
+    let entries = vec![Some(Entry {
+        handle: 0,
+        input: Some(view(&mut input)),
+        output: Some(view(&mut output)),
+    })];
+    let resp = Response::Op {
+        kind: OpKind::Allgather,
+        process_set: 0,
+        names: vec!["g".into()],
+        shapes: vec![vec![c.rank() as i64 + 1]],
+        dtype: DataType::F32,
+        op: ReduceOp::Sum,
+        root: 0,
+        prescale: 1.0,
+        postscale: 1.0,
+        sizes: (1..=n as i64).collect(),
+        plan: Plan::default(),
+    };
+    let mut out = run_op(c, &resp, &entries, &mut Buffers::default());
+    let result = out.results.remove(0).expect("allgather");
+    drop(entries);
+    let made = result.tensor.map(|t| {
+        t.buf
+            .as_slice()
+            .chunks(4)
+            .map(|b| f32::from_ne_bytes(b.try_into().unwrap()))
+            .collect()
+    });
+    (output, made)
+}
+
+#[test]
+fn an_allgather_writes_into_an_output_of_the_results_size_and_makes_its_own_otherwise() {
+    for n in [2, 3] {
+        let want: Vec<f32> = (0..n)
+            .flat_map(|r| (0..=r).map(move |i| (10 * r + i) as f32))
+            .collect();
+        let total = want.len();
+        for (r, (output, made)) in run(n, move |c| gather_into(c, total))
+            .into_iter()
+            .enumerate()
+        {
+            assert_eq!(output, want, "n={n} rank {r}: the output holds the result");
+            assert!(
+                made.is_none(),
+                "n={n} rank {r}: no tensor of the core's own"
+            );
+        }
+        for (r, (output, made)) in run(n, move |c| gather_into(c, total + 1))
+            .into_iter()
+            .enumerate()
+        {
+            assert!(
+                output.iter().all(|x| x.is_nan()),
+                "n={n} rank {r}: a wrong size is left"
+            );
+            assert_eq!(made.as_deref(), Some(&want[..]), "n={n} rank {r}");
+        }
+    }
+}
