@@ -122,9 +122,9 @@ class Work(dist.Work):
 _unfinished = set()
 
 
-def _done(value):
-    """A finished work whose outputs are ``value``."""
-    return Work(None, lambda _result: value)
+def _joined(works):
+    """One work for several: it finishes with all of them, their outputs in order."""
+    return Work(None, lambda _result: [t for w in works for t in w.result()])
 
 
 # --------------------------------------------------------------------------- the group
@@ -180,10 +180,9 @@ class _Collectives:
     """The collectives, over ``self._ranks`` (global ranks, by group rank) and Perseus
     process set ``self._ps``; mixed into a torch ``Backend`` or ``ProcessGroup``."""
 
-    def _setup(self, ranks, process_set, timeout):
+    def _setup(self, ranks, process_set):
         self._ranks = list(ranks)
         self._ps = process_set
-        self._timeout = timeout
         self._lanes = _Lanes(process_set)
 
     def getBackendName(self):
@@ -252,7 +251,7 @@ class _Collectives:
         rop, extra = self._reduction(op)
         if rop is None:
             works = [self._allreduce_work(t, op) for t in tensors]
-            return Work(None, lambda _r: [t for w in works for t in w.result()])
+            return _joined(works)
         handle = mpi_ops.grouped_allreduce_async_(list(tensors), op=rop, prescale_factor=extra,
                                                   process_set=self._ps)
         return Work(handle, lambda _r: list(tensors), _devices(tensors[0]) if tensors else None)
@@ -308,7 +307,7 @@ class _Collectives:
     def allgather_coalesced(self, output_lists, input_tensors, opts=None):
         """``all_gather_coalesced``: each input gathered into its output list."""
         works = [self.allgather([outs], [t]) for outs, t in zip(output_lists, input_tensors)]
-        return Work(None, lambda _r: [t for w in works for t in w.result()])
+        return _joined(works)
 
     def _allgather_into(self, output, input):
         if output.numel() != input.numel() * self.size():
@@ -333,7 +332,7 @@ class _Collectives:
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         """``all_gather_into_tensor`` under a coalescing manager."""
         works = [self._allgather_into(o, i) for o, i in zip(outputs, inputs)]
-        return Work(None, lambda _r: [t for w in works for t in w.result()])
+        return _joined(works)
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
@@ -426,7 +425,7 @@ class _Collectives:
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts):
         """``reduce_scatter_tensor`` under a coalescing manager."""
         works = [self._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs)]
-        return Work(None, lambda _r: [t for w in works for t in w.result()])
+        return _joined(works)
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
@@ -534,7 +533,7 @@ if BACKEND_CLASS:
 
         def __init__(self, rank, size, ranks, process_set, timeout=None):
             super().__init__(rank, size)
-            self._setup(ranks, process_set, timeout)
+            self._setup(ranks, process_set)
             self._options = _C10dBackend.Options(NAME)
             if timeout is not None:
                 self._options._timeout = timeout
@@ -562,7 +561,7 @@ class ProcessGroupPerseus(_Collectives, dist.ProcessGroup):
 
     def __init__(self, rank, size, ranks, process_set, timeout=None):
         super().__init__(rank, size)
-        self._setup(ranks, process_set, timeout)
+        self._setup(ranks, process_set)
         self._group_name = self._group_desc = ""
 
     def name(self):
