@@ -119,9 +119,8 @@ def seconds(runs, impl, k):
 
 def ratio(runs, impl, k):
     """Perseus ``impl`` busbw / best peer busbw at size index ``k``."""
-    mine = seconds(runs, impl, k)
-    peers = [s for s in (seconds(runs, p, k) for p in harness.PEERS) if s is not None]
-    return None if mine is None or not peers else min(peers) / mine
+    return harness.peer_ratio(seconds(runs, impl, k),
+                              [seconds(runs, p, k) for p in harness.PEERS])
 
 
 def sections(result, only=None):

@@ -508,6 +508,18 @@ def md_table(headers, rows):
     return "\n".join(out)
 
 
+def peer_ratio(mine, peers):
+    """The best (smallest) of the peers' times over ``mine`` (>1: mine is faster); None
+    when ``mine`` or every peer's time is missing (None)."""
+    peers = [p for p in peers if p is not None]
+    return min(peers) / mine if mine and peers else None
+
+
+def failure_notes(runs, impls):
+    """``"IMPL: failed: ..."`` for each of ``impls`` whose job in ``runs`` failed."""
+    return [f"{i}: failed: {runs[i]['error']}" for i in impls if failed(runs[i])]
+
+
 def fmt(value, spec, missing="-"):
     """``format(value, spec)``, or ``missing`` for None."""
     return missing if value is None else format(value, spec)

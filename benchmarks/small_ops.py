@@ -179,11 +179,10 @@ def sections(result, only=None):
         for key, label in labels(n).items():
             ms = [None if harness.failed(runs[i]) else runs[i][0][key]["median"] * 1e3
                   for i in IMPLS]
-            peers = [m for i, m in zip(IMPLS, ms) if i != "hvd" and m is not None]
-            ratio = min(peers) / ms[0] if ms[0] is not None and peers else None
+            ratio = harness.peer_ratio(ms[0], ms[1:])
             rows.append([label, *(harness.fmt(m, ".3f") for m in ms),
                          harness.fmt(ratio, ".2f") + "×"])
-        notes = [f"{i}: failed: {runs[i]['error']}" for i in IMPLS if harness.failed(runs[i])]
+        notes = harness.failure_notes(runs, IMPLS)
         out.append({"title": f"small tensors, broadcast, allgather: {n} ranks, median ms",
                     "headers": ["benchmark", *(f"{i} ms" for i in IMPLS), "hvd ÷ best peer"],
                     "rows": rows,

@@ -80,11 +80,10 @@ def sections(result, only=None):
                 key = f"{op}.{nbytes}"
                 us = [None if harness.failed(runs[i]) else runs[i][0][key]["median"] * 1e6
                       for i in IMPLS]
-                peers = [u for i, u in zip(IMPLS, us) if i != "perseus" and u is not None]
-                ratio = min(peers) / us[0] if us[0] and peers else None
+                ratio = harness.peer_ratio(us[0], us[1:])
                 rows.append([op, harness.human(nbytes), *(harness.fmt(u, ".1f") for u in us),
                              harness.fmt(ratio, ".2f") + "×"])
-        notes = [f"{i}: failed: {runs[i]['error']}" for i in IMPLS if harness.failed(runs[i])]
+        notes = harness.failure_notes(runs, IMPLS)
         out.append({"title": f"torch.distributed collectives: {n} ranks, median µs",
                     "headers": ["op", "size", *(f"{i} µs" for i in IMPLS),
                                 "perseus ÷ best peer"],
