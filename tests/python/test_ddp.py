@@ -1,9 +1,9 @@
 """``import perseus`` and torch's DistributedDataParallel (perseus.torch.ddp, docs/torch_distributed.md):
 DDP's buckets are averaged by Perseus under torchrun, perseusrun and
 ``torch.multiprocessing.spawn``, the models end as one process on the whole batch
-would have them, a user's hook is kept, seed 001's PowerSGD compresses them, and a
-bad value and a lost rank give clear errors. The checks run in workers/ddp.py, on
-every rank."""
+would have them, a user's hook is kept, seed 001's PowerSGD compresses them, the
+gradient switches act on them, and a bad value and a lost rank give clear errors. The
+checks run in workers/ddp.py, on every rank."""
 
 import os
 import subprocess
@@ -140,6 +140,25 @@ def test_powersgd_of_rank_1_compresses_and_keeps_the_ranks_equal():
 ])
 def test_ddp_on_subgroups_reduces_over_each_groups_ranks(compression, env):
     assert_ok(*perseusrun("subgroups", compression, n=4, **env), 4)
+
+
+@pytest.mark.timeout(120)
+def test_gradient_switches_act_on_ddp():
+    """Fusion shapes the buckets, accumulation keeps one call in two local and trains as
+    one process on both batches, the perf check names the slow rank, and the NaN check
+    fails every rank's backward naming the parameters and the rank (workers/ddp.py)."""
+    rc, out = perseusrun("switches", PERSEUS_ACCUMULATE_N_STEPS=2, PERSEUS_ALLREDUCE_FUSION=3,
+                         PERSEUS_PERF_CHECK_N_STEPS=2, PERSEUS_ALLREDUCE_NANCHECK=1)
+    assert_ok(rc, out, 2)
+    reports = [line for line in out.splitlines() if "PERSEUS_PERF_CHECK_N_STEPS:" in line]
+    assert reports and all(line.startswith("[1]<stderr>:") for line in reports), out
+    assert all("local rank 1) computed" in line for line in reports), reports
+
+
+@pytest.mark.timeout(120)
+def test_downsampling_with_momentum_acts_on_ddps_buckets():
+    assert_ok(*perseusrun("downsample", PERSEUS_DOWNSAMPLE_N_ELEMENTS=2,
+                          PERSEUS_GRADIENT_MOMENTUM=0.5), 2)
 
 
 @pytest.mark.timeout(120)

@@ -75,6 +75,16 @@ class Switches:
         self.fusion = knobs.get("PERSEUS_ALLREDUCE_FUSION", cfg)  # None: unset
         self.fused_optimizer = knobs.get("PERSEUS_FUSED_OPTIMIZER", cfg)
 
+    def set_on_gradients(self):
+        """The switches set here that act on the gradients themselves (accumulation,
+        the NaN check, down-sampling, the perf check), by variable."""
+        return [var for var, on in (
+            ("PERSEUS_ACCUMULATE_N_STEPS", self.accumulate > 1),
+            ("PERSEUS_ALLREDUCE_NANCHECK", self.nancheck),
+            ("PERSEUS_DOWNSAMPLE_N_ELEMENTS", self.downsample_n > 1),
+            ("PERSEUS_PERF_CHECK_N_STEPS", self.perf_every > 0),
+        ) if on]
+
     def fusion_threshold(self, gradient_bytes):
         """PERSEUS_ALLREDUCE_FUSION=N: the fusion threshold that cuts ``gradient_bytes``
         of gradients into N buffers (0: no fusion); None when the variable is unset."""
@@ -88,13 +98,7 @@ def warn_adasum_unapplied(stacklevel=3, cfg=None):
     engine's configuration) but act on gradient allreduces, which a
     DistributedOptimizer(op=Adasum) does not make (it reduces weight changes). Returns the
     variables warned about."""
-    switches = Switches(config() if cfg is None else cfg)
-    unapplied = [var for var, on in (
-        ("PERSEUS_ACCUMULATE_N_STEPS", switches.accumulate > 1),
-        ("PERSEUS_ALLREDUCE_NANCHECK", switches.nancheck),
-        ("PERSEUS_DOWNSAMPLE_N_ELEMENTS", switches.downsample_n > 1),
-        ("PERSEUS_PERF_CHECK_N_STEPS", switches.perf_every > 0),
-    ) if on]
+    unapplied = Switches(config() if cfg is None else cfg).set_on_gradients()
     if unapplied:
         warnings.warn(f"{', '.join(unapplied)} act on gradient allreduces: "
                       "DistributedOptimizer(op=Adasum) reduces weight changes and trains "

@@ -20,14 +20,17 @@ port. Under perseusrun, mpirun or srun, an ``init_process_group()`` that finds
 none of torch's variables gets them from Perseus.
 """
 
+import inspect
 import itertools
 import warnings
 
+import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from perseus.common import knobs
-from perseus.torch import startup
+from perseus.common.downsample import DownSampler
+from perseus.torch import ddp_switches, startup
 from perseus.torch.completion import completed
 
 __all__ = ["allreduce_hook", "completed", "enabled", "hooked", "init", "patch",
@@ -99,13 +102,14 @@ class _State:
     PowerSGD's state when seed 001's AIAK_POWERSGD_COMPRESSION=1 asks for it."""
 
     __slots__ = ("group", "hooked", "powersgd", "prefix", "process_set", "settled",
-                 "user_hook")
+                 "switches", "user_hook")
 
-    def __init__(self, prefix, group, user_hook, powersgd=None):
+    def __init__(self, prefix, group, user_hook, powersgd=None, switches=None):
         self.prefix = prefix
         self.group = group  # torch's process group of the model
         self.user_hook = user_hook
         self.powersgd = powersgd
+        self.switches = switches  # a ddp_switches.BucketSwitches, or None
         self.process_set = None  # the group's, found at the first need
         self.settled = False  # the first forward chose the hook
         self.hooked = False  # Perseus's hook is the model's
@@ -119,23 +123,63 @@ def allreduce_hook(state, bucket):
     Perseus.
 
     The reduction is a gradient one, so PERSEUS_ALLREDUCE_DTYPE, its gradient scale
-    and PERSEUS_ALLREDUCE_MODE apply as for ``DistributedOptimizer``. ``state`` may be
+    and PERSEUS_ALLREDUCE_MODE apply as for ``DistributedOptimizer``; on the models
+    Perseus hooks itself, the other gradient switches too (perseus.torch.ddp_switches).
+    ``state`` may be
     ``None`` (every rank) or a torch process group (its ranks), as for torch's own
     ``allreduce_hook``: ``ddp.register_comm_hook(group, perseus.ddp.allreduce_hook)``;
     every rank of the group must register it on the same models in the same order.
     Perseus must be running (see :func:`init`).
     """
+    switches = state.switches if isinstance(state, _State) else None
+    if switches is not None:
+        held = _accumulate(state, switches, bucket)
+        if held is not None:
+            return held
+    return _average(state, bucket, switches)
+
+
+def _accumulate(state, switches, bucket):
+    """Starts the bucket's step for the switches; under PERSEUS_ACCUMULATE_N_STEPS, the
+    done future of a bucket kept local inside a window, else None (the bucket now holds
+    the window's average, to be reduced)."""
+    switches.begin(bucket, _process_set(state))
+    if switches.hold(bucket):
+        return _done(bucket.buffer())
+    switches.release(bucket)
+    return None
+
+
+def _average(state, bucket, switches):
+    """Averages the bucket over the model's ranks (down-sampled and checked as the
+    switches say) and returns the future DDP waits on."""
     from perseus.torch.horovod import mpi_ops
 
-    buf = bucket.buffer()
-    handle = mpi_ops.gradient_allreduce_async_(buf, f"{_prefix(state)}.bucket{bucket.index()}",
-                                               mpi_ops.Average, 1.0, 1.0, _process_set(state))
+    buf, prefix, process_set = bucket.buffer(), _prefix(state), _process_set(state)
+    own = sent = sampled = None
+    if switches is not None:
+        own = switches.own_flags(bucket)
+        sent, sampled = switches.sample(bucket)
+    handle = mpi_ops.gradient_allreduce_async_(
+        buf if sent is None else sent, f"{prefix}.bucket{bucket.index()}", mpi_ops.Average,
+        1.0, 1.0, process_set)
 
     def finish():
         handle.wait()
+        if sampled is not None:
+            DownSampler.restore(buf, sent, sampled)
+        if switches is not None:
+            switches.reduced(bucket, own, prefix, process_set)
         return buf
 
     return completed(buf, finish)
+
+
+def _done(buf):
+    """The future of a bucket kept local (an accumulation window's inner step)."""
+    future = torch.futures.Future(devices=[buf.device] if buf.is_cuda else None)
+    future.set_result(buf)
+    return future
 
 
 def _prefix(state):
@@ -190,15 +234,20 @@ def _attach(ddp):
         warnings.warn(f"perseus: this DistributedDataParallel keeps torch's allreduce: {reason}",
                       RuntimeWarning, stacklevel=3)
         return
+    from perseus.common.basics import set_fusion_threshold
     from perseus.common.gradients import warn_unapplied
     from perseus.torch import powersgd
 
     warn_unapplied("DistributedDataParallel", fused_applies=True)
     on, rank, start = powersgd.settings()
     init()
+    threshold = ddp_switches.fusion_threshold(ddp.module)
+    if threshold is not None:
+        set_fusion_threshold(threshold)
     ddp._perseus = _State(f"ddp{next(_ids)}", ddp.process_group,
                           user_hook=bool(getattr(ddp, "_comm_hooks", ())),
-                          powersgd=powersgd.PowerSGD(rank, start) if on else None)
+                          powersgd=powersgd.PowerSGD(rank, start) if on else None,
+                          switches=ddp_switches.BucketSwitches.of(ddp.module, on))
     # Registers the group's set now, while every rank of the group builds the model.
     _process_set(ddp._perseus)
 
@@ -208,8 +257,27 @@ def _powersgd_hook(state, bucket):
     before ``AIAK_START_COMPRESS_ITER``."""
     from perseus.torch import powersgd
 
-    work = powersgd.reduce(state.powersgd, bucket, _prefix(state), _process_set(state))
-    return allreduce_hook(state, bucket) if work is None else completed(*work)
+    switches = state.switches
+    own = None
+    if switches is not None:
+        held = _accumulate(state, switches, bucket)
+        if held is not None:
+            return held
+        own = switches.own_flags(bucket)
+    prefix, process_set = _prefix(state), _process_set(state)
+    work = powersgd.reduce(state.powersgd, bucket, prefix, process_set)
+    if work is None:
+        return _average(state, bucket, switches)
+    buf, reduce = work
+    if switches is None:
+        return completed(buf, reduce)
+
+    def finish():
+        reduce()
+        switches.reduced(bucket, own, prefix, process_set)
+        return buf
+
+    return completed(buf, finish)
 
 
 def hooked(ddp):
@@ -219,6 +287,13 @@ def hooked(ddp):
 
 
 def _ddp_init(self, *args, **kwargs):
+    if enabled():
+        bound = inspect.signature(_originals["ddp_init"]).bind(self, *args, **kwargs)
+        mb = ddp_switches.bucket_cap_mb(bound.arguments["module"],
+                                        bound.arguments.get("bucket_cap_mb"))
+        if mb is not None:
+            bound.arguments["bucket_cap_mb"] = mb
+            args, kwargs = bound.args[1:], bound.kwargs
     _originals["ddp_init"](self, *args, **kwargs)
     _attach(self)
 
@@ -227,6 +302,11 @@ def _ddp_forward(self, *inputs, **kwargs):
     state = self.__dict__.get("_perseus")
     if state is not None and not state.settled:
         state.settled = True
+        unapplied = ddp_switches.unapplied_with_own_hook() if state.user_hook else ()
+        if unapplied:
+            warnings.warn(f"{', '.join(unapplied)} act on Perseus's DDP hook: this "
+                          "DistributedDataParallel keeps its own communication hook and "
+                          "trains without them", RuntimeWarning, stacklevel=2)
         if not state.user_hook:
             hook = allreduce_hook if state.powersgd is None else _powersgd_hook
             _originals["register_comm_hook"](self, state, hook)

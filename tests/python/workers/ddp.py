@@ -11,6 +11,10 @@ averaged by Perseus, and training gives what one process gets on the whole batch
   registered after Perseus's is refused with a message saying why;
 - ``peer-exit``: rank 1 exits after 2 steps; every other rank's next backward must
   raise an error naming the lost rank;
+- ``switches``: PERSEUS_ACCUMULATE_N_STEPS=2, PERSEUS_ALLREDUCE_FUSION=3,
+  PERSEUS_PERF_CHECK_N_STEPS=2 and PERSEUS_ALLREDUCE_NANCHECK=1 act on DDP (see
+  check_switches);
+- ``downsample``: PERSEUS_DOWNSAMPLE_N_ELEMENTS=2 with PERSEUS_GRADIENT_MOMENTUM=0.5;
 - ``subgroups plain|powersgd``: 4 ranks, DDP models on subgroups (data parallel in pairs),
   however torch made them, each reduced by a Perseus process set that the group's ranks
   register among themselves (see check_subgroups).
@@ -19,6 +23,8 @@ Each rank starts from its own weights; DDP's broadcast gives them rank 0's.
 
 import os
 import sys
+import time
+import warnings
 
 import perseus  # noqa: F401 - before torch, as seed 003 asks
 import torch
@@ -285,12 +291,108 @@ def check_subgroups(compression):
     end(rank)
 
 
+def check_switches():
+    """The gradient switches on DDP (the environment sets them, see the module doc):
+    the buckets are cut in three, one step in two only accumulates (no collective, no
+    update), the updates equal one process's on both steps' batches together, the slow
+    last rank is named by the perf check, and a NaN from rank 1 fails every rank's
+    backward naming the parameters."""
+    from perseus import _core
+
+    dist.init_process_group("gloo")
+    rank, n = dist.get_rank(), dist.get_world_size()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ddp = DDP(model(100 + rank), bucket_cap_mb=0.004)
+    said = " ".join(str(w.message) for w in caught)
+    assert "PERSEUS_ALLREDUCE_FUSION=3 sets this DistributedDataParallel's buckets" in said, said
+    total = sum(p.numel() * 4 for p in ddp.parameters())
+    assert ddp.bucket_bytes_cap == -(-total // 3), (ddp.bucket_bytes_cap, total)
+
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    rows = slice(rank * ROWS, (rank + 1) * ROWS)
+    calls, sent = 6, []
+    for call in range(calls):
+        x, y = batch(n, data=20 + call)
+        if rank == n - 1:
+            time.sleep(0.04)
+        before = _core.counters()["bytes_intra_host"]
+        opt.zero_grad()
+        F.mse_loss(ddp(x[rows]), y[rows]).backward()
+        opt.step()
+        sent.append(_core.counters()["bytes_intra_host"] - before)
+    # the calls that accumulate send no gradient (the perf check's few bytes at most)
+    held, reduced = sent[0::2], sent[1::2]
+    assert max(held) < 1024 and min(reduced) >= total // 2, f"rank {rank}: {sent}"
+
+    # one process: each update on both calls' batches together
+    net = model(100)
+    ref = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    for update in range(calls // 2):
+        xs, ys = zip(*(batch(n, data=20 + 2 * update + i) for i in range(2)))
+        ref.zero_grad()
+        F.mse_loss(net(torch.cat(xs)), torch.cat(ys)).backward()
+        ref.step()
+    for p, q in zip(ddp.module.parameters(), net.parameters()):
+        close(p.detach(), q.detach(), f"rank {rank}: after {calls} accumulated calls",
+              rtol=1e-5, atol=1e-6)
+
+    # a NaN in rank 1's input: the window's last step fails on every rank
+    for call in range(2):
+        x, y = batch(n, data=40)
+        if call == 1 and rank == 1:
+            x = x.clone()
+            x[rank * ROWS, 0] = float("nan")
+        opt.zero_grad()
+        loss = F.mse_loss(ddp(x[rows]), y[rows])
+        if call == 0:
+            loss.backward()
+            continue
+        with raises(RuntimeError, "FloatingPointError: PERSEUS_ALLREDUCE_NANCHECK", "4.weight",
+                    "it came from rank 1 (",
+                    what=f"rank {rank}: NaN check"):
+            loss.backward()
+    end(rank)
+
+
+def check_downsample():
+    """PERSEUS_DOWNSAMPLE_N_ELEMENTS=2, PERSEUS_GRADIENT_MOMENTUM=0.5: two backward passes
+    on the same batch (after one that lays DDP's buckets out) bring the two halves of
+    the averaged gradient in turn, the rest zero; the second half has grown by the
+    momentum (0.5 of the share kept from the pass before plus the new gradient)."""
+    dist.init_process_group("gloo")
+    rank, n = dist.get_rank(), dist.get_world_size()
+    ddp = DDP(model(100 + rank))
+    x, y = batch(n)
+    rows = slice(rank * ROWS, (rank + 1) * ROWS)
+    grads = []
+    for _ in range(3):  # the first pass lays DDP's buckets out (its residual starts anew)
+        ddp.zero_grad()
+        F.mse_loss(ddp(x[rows]), y[rows]).backward()
+        grads.append([p.grad.clone() for p in ddp.parameters()])
+    net = model(100)
+    F.mse_loss(net(x), y).backward()
+    factors = set()
+    for g1, g2, p in zip(grads[1], grads[2], net.parameters()):
+        full = p.grad
+        first, second = g1 != 0, g2 != 0
+        assert not (first & second).any() and (first | second).all(), f"rank {rank}"
+        close(g2[second], 1.5 * full[second], f"rank {rank}: the other half, with momentum",
+              rtol=1e-5, atol=1e-7)
+        # the first half got the first pass's kept share too, unless DDP's new layout
+        # started its residual anew
+        factors.update(round(float(f), 4) for f in (g1[first] / full[first]).unique())
+    assert factors in ({1.0}, {1.5}), f"rank {rank}: {factors}"
+    end(rank)
+
+
 if __name__ == "__main__":
     check = sys.argv[1]
     if check == "spawn":
         torch.multiprocessing.spawn(spawned, args=(2, int(sys.argv[2])), nprocs=2)
     else:
         {"train": check_train, "compiled": check_compiled, "user-hook": check_user_hook,
-         "peer-exit": check_peer_exit,
+         "peer-exit": check_peer_exit, "switches": check_switches,
+         "downsample": check_downsample,
          "powersgd": lambda: check_powersgd(sys.argv[2]),
          "subgroups": lambda: check_subgroups(sys.argv[2])}[check]()
