@@ -19,10 +19,12 @@ use errors::{
     to_py, GpuUnavailableError, HorovodInternalError, MismatchError, NameInFlightError,
     Rank0AddressUnknown,
 };
+use pyo3::exceptions::PyTimeoutError;
 use pyo3::prelude::*;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Once};
+use std::time::{Duration, Instant};
 
 static ENGINE: Mutex<Option<Arc<Engine>>> = Mutex::new(None);
 
@@ -111,15 +113,26 @@ fn init_copy(topology: [usize; 6], why: String) -> PyResult<()> {
     Ok(())
 }
 
-/// Waits for `handle` with the GIL released; Ctrl-C raises KeyboardInterrupt.
-fn wait_for(py: Python<'_>, e: &Engine, handle: u64) -> PyResult<Output> {
+/// Waits for `handle` with the GIL released; Ctrl-C raises KeyboardInterrupt. With a
+/// `timeout` (seconds), gives up after it with `TimeoutError`, the operation still in
+/// flight.
+fn wait_for(py: Python<'_>, e: &Engine, handle: u64, timeout: Option<f64>) -> PyResult<Output> {
+    let deadline = timeout.map(|s| Instant::now() + Duration::from_secs_f64(s.max(0.0)));
     let mut interrupt: Option<PyErr> = None;
     let r = py.detach(|| {
         e.wait(handle, || {
-            Python::attach(|py| py.check_signals().err()).map(|err| {
+            if let Some(err) = Python::attach(|py| py.check_signals().err()) {
                 interrupt = Some(err);
-                PerseusError::Aborted("interrupted".into())
-            })
+                return Some(PerseusError::Aborted("interrupted".into()));
+            }
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                interrupt = Some(PyTimeoutError::new_err(format!(
+                    "the operation did not finish within {:.3} s, and is still in flight",
+                    timeout.unwrap_or_default()
+                )));
+                return Some(PerseusError::Aborted("timed out".into()));
+            }
+            None
         })
     });
     if let Some(err) = interrupt {
@@ -296,7 +309,7 @@ fn add_process_set(py: Python<'_>, ranks: Vec<i64>) -> PyResult<u32> {
     let mut req = Request::new(OpKind::AddProcessSet, "", 0);
     req.ints = ranks;
     let h = e.enqueue(req, None, None).map_err(to_py)?;
-    Ok(wait_for(py, &e, h)?.value as u32)
+    Ok(wait_for(py, &e, h, None)?.value as u32)
 }
 
 /// Registers a process set over its members only (a collective over
@@ -310,7 +323,7 @@ fn form_process_set(py: Python<'_>, ranks: Vec<i64>) -> PyResult<u32> {
     let mut req = Request::new(OpKind::FormProcessSet, name, 0);
     req.ints = ranks;
     let h = e.enqueue(req, None, None).map_err(to_py)?;
-    Ok(wait_for(py, &e, h)?.value as u32)
+    Ok(wait_for(py, &e, h, None)?.value as u32)
 }
 
 /// Removes a process set (collective over all ranks).
@@ -320,7 +333,7 @@ fn remove_process_set(py: Python<'_>, id: u32) -> PyResult<()> {
     let mut req = Request::new(OpKind::RemoveProcessSet, "", 0);
     req.ints = vec![id as i64];
     let h = e.enqueue(req, None, None).map_err(to_py)?;
-    wait_for(py, &e, h).map(|_| ())
+    wait_for(py, &e, h, None).map(|_| ())
 }
 
 /// Global ranks of a process set.
@@ -465,11 +478,13 @@ fn poll(handle: u64) -> PyResult<bool> {
 type Produced = (Option<Py<PyAny>>, Vec<i64>, i64);
 
 /// Blocks until the operation finished and returns what it produced; raises its error.
-/// The core forgets the handle.
+/// The core forgets the handle. With `timeout` (seconds), raises `TimeoutError` once
+/// it passed, and the operation stays in flight (wait again for it).
 #[pyfunction]
-fn wait(py: Python<'_>, handle: u64) -> PyResult<Produced> {
+#[pyo3(signature = (handle, timeout=None))]
+fn wait(py: Python<'_>, handle: u64, timeout: Option<f64>) -> PyResult<Produced> {
     let e = engine()?;
-    let out = wait_for(py, &e, handle)?;
+    let out = wait_for(py, &e, handle, timeout)?;
     let tensor = match out.tensor {
         Some(t) => Some(dlpack::capsule(py, t)?),
         None => None,

@@ -1,7 +1,8 @@
 """The ``perseus`` backend of torch.distributed (perseus.torch.backend): values of every
 collective against a one-process reference on 2 and 3 ranks, point to point, subgroups
 and a 2-D DeviceMesh, DDP and FSDP2 training, gloo served by perseus after ``import
-perseus``, and a mismatch named on every rank (workers/torch_backend.py)."""
+perseus``, a mismatch named on every rank, and the group's timeout
+(workers/torch_backend.py)."""
 
 import pytest
 
@@ -44,6 +45,5 @@ def test_gloo_is_served_by_perseus_unless_perseus_ddp_is_0(run_workers, ddp):
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("n", SIZES)
-def test_mismatched_shapes_are_named_on_every_rank(run_workers, n):
-    run_workers(n, "torch_backend.py", "mismatch", timeout=180)
+def test_mismatches_are_named_on_every_rank_and_timeouts_raise(run_workers):
+    run_workers(3, "torch_backend.py", "errors", timeout=180)

@@ -6,6 +6,7 @@ core is done with them. ``finish`` callbacks turn the raw results (output capsul
 received splits) into framework tensors when the handle is waited on.
 """
 
+import time
 import warnings
 
 from perseus import _core
@@ -76,13 +77,16 @@ class Handle:
         """True once the operation finished (successfully or not); never blocks."""
         return self._done or _core.poll(self._id)
 
-    def wait(self):
-        """Block until done and return the result; raise the operation's error."""
+    def wait(self, timeout=None):
+        """Block until done and return the result; raise the operation's error. With
+        ``timeout`` (seconds), ``TimeoutError`` once it passed: the operation is still
+        in flight, and a later ``wait()`` gives its result."""
         if not self._done:
             try:
-                self._out = _core.wait(self._id)
+                self._out = (_core.wait(self._id) if timeout is None else
+                             _core.wait(self._id, timeout))
                 self._result = self._finish(self) if self._finish is not None else None
-            except KeyboardInterrupt:
+            except (KeyboardInterrupt, TimeoutError):
                 raise  # still in flight: keep everything alive
             except Exception as e:  # noqa: BLE001 - stored and re-raised below
                 self._error = e
@@ -143,14 +147,17 @@ class GroupHandle:
         """True once every operation finished."""
         return self._done or all(h.poll() for h in self._handles)
 
-    def wait(self):
-        """Wait for all (even after a failure) and return the combined result."""
+    def wait(self, timeout=None):
+        """Wait for all (even after a failure) and return the combined result; with
+        ``timeout`` (seconds for all of them), ``TimeoutError`` once it passed."""
         if not self._done:
             results, error = [], None
+            deadline = None if timeout is None else time.monotonic() + timeout
             for h in self._handles:
                 try:
-                    results.append(h.wait())
-                except KeyboardInterrupt:
+                    results.append(h.wait() if deadline is None else
+                                   h.wait(max(0.0, deadline - time.monotonic())))
+                except (KeyboardInterrupt, TimeoutError):
                     raise
                 except Exception as e:  # noqa: BLE001 - first error re-raised below
                     error = error or e

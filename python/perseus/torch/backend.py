@@ -46,10 +46,11 @@ class Work(dist.Work):
     list of output tensors (writing them where torch wants them); ``wait()`` and the
     future both run it once."""
 
-    def __init__(self, handle, finish, devices=None):
+    def __init__(self, handle, finish, devices=None, limit=None):
         super().__init__()
         self._handle = handle
         self._finish = finish
+        self._limit = limit  # (seconds, the group's ranks): the group's timeout
         self._lock = threading.Lock()
         self._done = False
         self._value = None
@@ -59,12 +60,14 @@ class Work(dist.Work):
         if not BACKEND_CLASS:
             _unfinished.add(self)
 
-    def _complete(self):
+    def _complete(self, timeout=None):
         with self._lock:
             if not self._done:
                 try:
-                    result = None if self._handle is None else self._handle.wait()
+                    result = None if self._handle is None else self._wait(timeout)
                     self._value = self._finish(result)
+                except TimeoutError:
+                    self._error = _timed_out(self._limit, timeout)
                 except Exception as e:  # noqa: BLE001 - raised by wait() and the future
                     self._error = e
                 self._done = True
@@ -74,10 +77,18 @@ class Work(dist.Work):
             raise self._error
         return self._value
 
+    def _wait(self, timeout):
+        """The handle's result, within ``timeout`` (seconds) or the group's timeout."""
+        if timeout is None and self._limit is not None:
+            timeout = self._limit[0]
+        return self._handle.wait() if timeout is None else self._handle.wait(timeout)
+
     def wait(self, timeout=None):
         """Wait for the operation; raises its error (``HorovodInternalError`` and its
-        kinds) when it failed."""
-        self._complete()
+        kinds) when it failed, and torch's ``DistBackendError`` when it did not finish
+        within ``timeout`` (a ``timedelta``; none or zero: the group's timeout, from
+        ``init_process_group`` or ``new_group``)."""
+        self._complete(_seconds(timeout))
         return True
 
     def is_completed(self):
@@ -120,6 +131,27 @@ class Work(dist.Work):
 # Python object, which its wait() and get_future() live on, must be kept here until the
 # work finished, or torch's wait() finds none and waits forever.
 _unfinished = set()
+
+
+def _seconds(timeout):
+    """A torch timeout (``timedelta``, seconds, or none) in seconds; None for none or
+    zero (torch's "the default")."""
+    if timeout is None:
+        return None
+    seconds = timeout.total_seconds() if hasattr(timeout, "total_seconds") else float(timeout)
+    return seconds if seconds > 0 else None
+
+
+def _timed_out(limit, timeout):
+    """torch's error for an operation of the ``perseus`` backend past its timeout."""
+    seconds = timeout if timeout is not None else limit[0] if limit else None
+    group = f"the group of ranks {limit[1]}" if limit else "its group"
+    return dist.DistBackendError(
+        f"perseus: an operation of {group} did not finish within {seconds:g} s (the "
+        f"timeout given to wait(), or the group's from init_process_group or new_group): "
+        f"a rank of the group has not reached it, or is stuck. The operation is still in "
+        f"flight; the stall check (PERSEUS_STALL_CHECK_TIME_SECONDS) names the ranks "
+        f"missing from it")
 
 
 def _joined(works):
@@ -180,10 +212,12 @@ class _Collectives:
     """The collectives, over ``self._ranks`` (global ranks, by group rank) and Perseus
     process set ``self._ps``; mixed into a torch ``Backend`` or ``ProcessGroup``."""
 
-    def _setup(self, ranks, process_set):
+    def _setup(self, ranks, process_set, timeout=None):
         self._ranks = list(ranks)
         self._ps = process_set
-        self._lanes = _Lanes(process_set)
+        seconds = _seconds(timeout)
+        self._limit = None if seconds is None else (seconds, self._ranks)
+        self._lanes = _Lanes(process_set, self._limit)
 
     def getBackendName(self):
         return NAME
@@ -192,6 +226,9 @@ class _Collectives:
         return f"<perseus {type(self).__name__} of ranks {self._ranks}>"
 
     # ------------------------------------------------------------------ helpers
+
+    def _work(self, handle, finish, devices=None):
+        return Work(handle, finish, devices, self._limit)
 
     def _global(self, group_rank, what):
         if not 0 <= group_rank < len(self._ranks):
@@ -232,10 +269,10 @@ class _Collectives:
                 for row in stacked[1:]:
                     out = extra(out, row)
                 return [_written(given, out)]
-            return Work(handle, finish, _devices(tensor))
+            return self._work(handle, finish, _devices(tensor))
         handle = mpi_ops.allreduce_async_(tensor, op=rop, prescale_factor=extra,
                                           process_set=self._ps)
-        return Work(handle, lambda _r: [given], _devices(tensor))
+        return self._work(handle, lambda _r: [given], _devices(tensor))
 
     # ------------------------------------------------------------------ allreduce
 
@@ -254,7 +291,7 @@ class _Collectives:
             return _joined(works)
         handle = mpi_ops.grouped_allreduce_async_(list(tensors), op=rop, prescale_factor=extra,
                                                   process_set=self._ps)
-        return Work(handle, lambda _r: list(tensors), _devices(tensors[0]) if tensors else None)
+        return self._work(handle, lambda _r: list(tensors), _devices(tensors[0]) if tensors else None)
 
     def reduce(self, tensors, opts):
         """``reduce``: the root's tensor gets the reduction; the others' stay as they were."""
@@ -264,11 +301,11 @@ class _Collectives:
         mine = opts.rootRank == self.rank()
         if rop is None:
             inner = self._allreduce_work(tensor.clone(), opts.reduceOp)
-            return Work(None, lambda _r: [_written(tensor, inner.result()[0]) if mine
+            return self._work(None, lambda _r: [_written(tensor, inner.result()[0]) if mine
                                           else tensor])
         handle = mpi_ops.allreduce_async(tensor, op=rop, prescale_factor=extra,
                                          process_set=self._ps)
-        return Work(handle, lambda out: [_written(tensor, out) if mine else tensor],
+        return self._work(handle, lambda out: [_written(tensor, out) if mine else tensor],
                     _devices(tensor))
 
     # ------------------------------------------------------------------ gathers
@@ -288,7 +325,7 @@ class _Collectives:
         def finish(flat):
             self._scatter_into(flat, outputs, "all_gather")
             return list(outputs)
-        return Work(handle, finish, _devices(tensor))
+        return self._work(handle, finish, _devices(tensor))
 
     def _check_count(self, tensors, what):
         if len(tensors) != self.size():
@@ -319,7 +356,7 @@ class _Collectives:
         handle = _ops.allgather_async(cap, stack=False, process_set=self._ps,
                                       keep=(input, src, dst), finish=_core_result,
                                       out=out_cap)
-        return Work(handle, lambda flat: [_landed(output, flat)], _devices(input))
+        return self._work(handle, lambda flat: [_landed(output, flat)], _devices(input))
 
     def _allgather_base(self, output, input, opts=None):
         """``all_gather_into_tensor`` (torch before 2.6)."""
@@ -350,7 +387,7 @@ class _Collectives:
             if mine:
                 self._scatter_into(flat, outputs, "gather")
             return list(outputs)
-        return Work(handle, finish, _devices(tensor))
+        return self._work(handle, finish, _devices(tensor))
 
     # ------------------------------------------------------------------ broadcast, scatter
 
@@ -359,7 +396,7 @@ class _Collectives:
         tensor = _one(tensors, "broadcast")
         root = self._global(opts.rootRank, "broadcast's root")
         handle = mpi_ops.broadcast_async_(_plain(tensor), root, process_set=self._ps)
-        return Work(handle, lambda _r: [tensor], _devices(tensor))
+        return self._work(handle, lambda _r: [tensor], _devices(tensor))
 
     def scatter(self, output_tensors, input_tensors, opts):
         """``scatter``: rank i's tensor gets the root's ``input_tensors[0][i]``."""
@@ -376,7 +413,7 @@ class _Collectives:
             flat = _plain(out).new_empty(0)
             splits = [0] * size
         handle = mpi_ops.alltoall_async(flat, splits=splits, process_set=self._ps)
-        return Work(handle, lambda result: [_written(out, result[0])], _devices(out))
+        return self._work(handle, lambda result: [_written(out, result[0])], _devices(out))
 
     # ------------------------------------------------------------------ reduce-scatter
 
@@ -391,14 +428,14 @@ class _Collectives:
         if rop is None:
             inner = self._allreduce_work(flat.clone(), op)
             start = self.rank() * output.numel()
-            return Work(None, lambda _r: [_written(
+            return self._work(None, lambda _r: [_written(
                 output, inner.result()[0][start:start + output.numel()])])
         src, cap = mpi_ops._export(flat.reshape(self.size(), -1))
         dst, out_cap = _landing(output)
         handle = _ops.reducescatter_async(cap, op=rop, prescale_factor=extra,
                                           process_set=self._ps, keep=(flat, src, dst),
                                           finish=_core_result, out=out_cap)
-        return Work(handle, lambda block: [_landed(output, block)], _devices(output))
+        return self._work(handle, lambda block: [_landed(output, block)], _devices(output))
 
     def reduce_scatter(self, output_tensors, input_tensors, opts):
         """``reduce_scatter``: this rank's tensor gets the reduction of every rank's
@@ -454,7 +491,7 @@ class _Collectives:
                 raise ValueError(f"perseus: all_to_all_single: output_split_sizes "
                                  f"{expected}, but the ranks sent {got} rows")
             return [_landed(output, out)]
-        return Work(handle, finish, _devices(input))
+        return self._work(handle, finish, _devices(input))
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         """``all_to_all_single`` (torch before 2.6)."""
@@ -476,7 +513,7 @@ class _Collectives:
         def finish(result):
             self._scatter_into(result[0], output_tensors, "all_to_all")
             return list(output_tensors)
-        return Work(handle, finish, _devices(flat))
+        return self._work(handle, finish, _devices(flat))
 
     # ------------------------------------------------------------------ point to point
 
@@ -508,7 +545,7 @@ class _Collectives:
 
     def barrier(self, opts=None):
         """``barrier``: every rank of the group reached it."""
-        return Work(_ops.barrier_async(self._ps), lambda _r: [])
+        return self._work(_ops.barrier_async(self._ps), lambda _r: [])
 
 
 # torch 2.9 and later let Python subclass a c10d Backend: torch's own ProcessGroup then
@@ -533,7 +570,7 @@ if BACKEND_CLASS:
 
         def __init__(self, rank, size, ranks, process_set, timeout=None):
             super().__init__(rank, size)
-            self._setup(ranks, process_set)
+            self._setup(ranks, process_set, timeout)
             self._options = _C10dBackend.Options(NAME)
             if timeout is not None:
                 self._options._timeout = timeout
@@ -561,7 +598,7 @@ class ProcessGroupPerseus(_Collectives, dist.ProcessGroup):
 
     def __init__(self, rank, size, ranks, process_set, timeout=None):
         super().__init__(rank, size)
-        self._setup(ranks, process_set)
+        self._setup(ranks, process_set, timeout)
         self._group_name = self._group_desc = ""
 
     def name(self):
@@ -597,8 +634,9 @@ class _Lanes:
     ``p2p.SRC>DST.TAG.COUNT``, counted on each side alike, so the n-th send from SRC to
     DST with TAG meets the n-th receive there, as torch defines it."""
 
-    def __init__(self, process_set):
+    def __init__(self, process_set, limit=None):
         self._world = process_set
+        self._limit = limit  # the group's timeout, for each transfer's work
         self._lock = threading.Lock()
         self._sets = {}  # peer -> its pair's process set, once registered
         self._queues = {}  # peer -> queue of transfers waiting for the registration
@@ -616,7 +654,7 @@ class _Lanes:
         me = _core.rank()
         peer = dst if src == me else src
         name = self._name(src, dst, tag)
-        work = _Deferred(tensor)
+        work = _Deferred(tensor, self._limit)
         with self._lock:
             ps = self._sets.get(peer)
             if ps is None and _core.size() == 2 and self._world.process_set_id == 0:
@@ -655,8 +693,8 @@ class _Lanes:
 class _Deferred(Work):
     """A transfer's work, whose collective may start later (see :class:`_Lanes`)."""
 
-    def __init__(self, tensor):
-        super().__init__(None, lambda _r: [tensor], _devices(tensor))
+    def __init__(self, tensor, limit=None):
+        super().__init__(None, lambda _r: [tensor], _devices(tensor), limit)
         self._tensor = tensor
         self._started = threading.Event()
         self._failure = None
@@ -673,11 +711,17 @@ class _Deferred(Work):
         self._failure = error
         self._started.set()
 
-    def _complete(self):
-        self._started.wait()
-        if self._failure is not None:
+    def _complete(self, timeout=None):
+        # The timeout bounds the wait for the pair's registration (the peer's first
+        # transfer with this rank) and then the transfer's own.
+        limit = timeout if timeout is not None else self._limit[0] if self._limit else None
+        if not self._started.wait(limit):
+            with self._lock:
+                if not self._done:
+                    self._error, self._done = _timed_out(self._limit, timeout), True
+        elif self._failure is not None:
             self._error, self._done = self._failure, True
-        return super()._complete()
+        return super()._complete(timeout)
 
     def is_completed(self):
         return self._started.is_set() and super().is_completed()

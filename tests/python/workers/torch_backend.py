@@ -12,12 +12,17 @@ holding every rank's inputs would get (the reference) and compare its own result
 - ``gloo``: ``init_process_group("gloo")`` after ``import perseus`` is served by perseus
   (PERSEUS_DDP=0: by gloo itself);
 - ``cuda``: CUDA tensors through ``cuda:perseus`` in a device map (a GPU machine);
-- ``mismatch``: ranks that give all_reduce different shapes all raise MismatchError
-  naming the shapes, and the next all_reduce works.
+- ``errors``: ranks that give all_reduce different shapes all raise MismatchError
+  naming the shapes, and the next all_reduce works; a collective, a receive and a
+  ``wait(timeout)`` that the other ranks reach late raise torch's
+  DistBackendError on rank 0 after the group's timeout (3 s, from
+  init_process_group) or the wait's, and the job goes on once they arrive.
 """
 
 import os
 import sys
+import time
+from datetime import timedelta
 
 import perseus  # noqa: F401 - registers the backend
 import torch
@@ -356,12 +361,52 @@ def mismatch(r, n):
     close(t, torch.full((2,), float(n)), "all_reduce after the error")
 
 
+GROUP_TIMEOUT = 3  # seconds: the errors check's init_process_group(timeout=)
+
+
+def timeouts(r, n):
+    """Rank 0 reaches each operation 1.5 s more than its timeout before the others: it
+    fails after the group's 3 s (a collective, a receive) or after wait()'s 0.5 s,
+    naming the group; once the others arrive the operation completes and the job goes
+    on."""
+
+    def on_time(what, call, seconds):
+        late = seconds + 1.5
+        if r != 0:
+            time.sleep(late)
+            call()
+        else:
+            started = time.monotonic()
+            with raises(dist.DistBackendError, f"did not finish within {seconds:g} s",
+                        f"the group of ranks {list(range(n))}", what=what):
+                call()
+            took = time.monotonic() - started
+            assert seconds - 0.2 < took < late, f"{what}: failed after {took:.1f} s"
+        dist.barrier()
+
+    on_time("all_reduce", lambda: dist.all_reduce(torch.ones(3)), GROUP_TIMEOUT)
+    on_time("wait(timeout)", lambda: dist.all_reduce(torch.ones(3), async_op=True).wait(
+        timedelta(seconds=0.5)), 0.5)
+    t = torch.full((2,), float(r))
+    on_time("recv", lambda: dist.recv(t, 1) if r == 0 else dist.send(t, 0) if r == 1 else None,
+            GROUP_TIMEOUT)
+    # rank 0's receive is done now: it holds what rank 1 sent
+    if r == 0:
+        close(t, torch.ones(2), "the receive that timed out, once rank 1 sent")
+
+
+def errors(r, n):
+    mismatch(r, n)
+    timeouts(r, n)
+
+
 def main():
     backend = {"gloo": "gloo", "cuda": "cpu:gloo,cuda:perseus"}.get(CHECK, "perseus")
-    dist.init_process_group(backend)
+    timeout = {"errors": timedelta(seconds=GROUP_TIMEOUT)}.get(CHECK)
+    dist.init_process_group(backend, **({"timeout": timeout} if timeout else {}))
     r, n = dist.get_rank(), dist.get_world_size()
     {"collectives": collectives, "p2p": p2p, "mesh": mesh, "training": training,
-     "gloo": gloo, "mismatch": mismatch, "cuda": cuda}[CHECK](r, n)
+     "gloo": gloo, "errors": errors, "cuda": cuda}[CHECK](r, n)
     done(r)
     dist.destroy_process_group()
 
