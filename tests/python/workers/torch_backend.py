@@ -4,7 +4,8 @@ Every rank makes its inputs from its rank alone, so each can compute what one pr
 holding every rank's inputs would get (the reference) and compare its own result.
 
 - ``collectives``: every collective, across dtypes, uneven sizes, async works and their
-  futures, on the default group and on a subgroup of the first and last ranks;
+  futures, on the default group and on a subgroup of the first and last ranks; torch's
+  functional collectives, eager and under torch.compile;
 - ``p2p``: a ring of isend/irecv, batch_isend_irecv, tagged blocking send/recv;
 - ``mesh``: a 2 x 2 DeviceMesh (4 ranks), all_reduce along each dimension;
 - ``training``: DDP (through DDP's own reducer with PERSEUS_DDP=0, else Perseus's hook)
@@ -212,11 +213,31 @@ def check_async(r, n, group, ranks):
     dist.barrier(group=group)
 
 
+def check_functional(r, n, group, ranks):
+    """torch's functional collectives (what torch.compile traces), eager and compiled."""
+    import torch.distributed._functional_collectives as fc
+
+    group = group or dist.group.WORLD
+    me = ranks.index(r)
+    t = value(r, (len(ranks) * 2,), torch.float32)
+    total = sum(value(q, (len(ranks) * 2,), torch.float32) for q in ranks)
+    close(fc.wait_tensor(fc.all_reduce(t, "sum", group)), total, "functional all_reduce")
+
+    def step(x):
+        y = fc.all_reduce(x * 2, "sum", group)
+        gathered = fc.all_gather_tensor(y, 0, group)
+        return gathered + 1, fc.reduce_scatter_tensor(x, "sum", 0, group)
+
+    gathered, scattered = torch.compile(step, backend="aot_eager")(t)
+    close(gathered, torch.cat([total * 2] * len(ranks)) + 1, "compiled all_gather")
+    close(scattered, total[me * 2:me * 2 + 2], "compiled reduce_scatter")
+
+
 def collectives(r, n):
     assert dist.get_backend() == "perseus", dist.get_backend()
     everyone = list(range(n))
     for check in (check_all_reduce, check_gathers, check_scatters, check_all_to_all,
-                  check_async):
+                  check_async, check_functional):
         check(r, n, None, everyone)
     pair = [0, n - 1]
     sub = dist.new_group(pair)
@@ -395,6 +416,21 @@ def timeouts(r, n):
         close(t, torch.ones(2), "the receive that timed out, once rank 1 sent")
 
 
+def dead(r, n):
+    """The last rank exits after one all_reduce: every other rank's next collective
+    raises, naming it, and they leave."""
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    if r == n - 1:
+        sys.stdout.flush()
+        os._exit(3)
+    with raises(RuntimeError, f"rank {n - 1}", what=f"rank {r}: all_reduce after a rank left"):
+        dist.all_reduce(t)
+    done(r)
+    sys.stdout.flush()
+    os._exit(0)  # the group cannot be torn down without the lost rank
+
+
 def errors(r, n):
     mismatch(r, n)
     timeouts(r, n)
@@ -406,7 +442,7 @@ def main():
     dist.init_process_group(backend, **({"timeout": timeout} if timeout else {}))
     r, n = dist.get_rank(), dist.get_world_size()
     {"collectives": collectives, "p2p": p2p, "mesh": mesh, "training": training,
-     "gloo": gloo, "errors": errors, "cuda": cuda}[CHECK](r, n)
+     "gloo": gloo, "errors": errors, "dead": dead, "cuda": cuda}[CHECK](r, n)
     done(r)
     dist.destroy_process_group()
 
