@@ -1,9 +1,11 @@
-"""End to end: samples/s of a communication-bound MLP: hvd.DistributedOptimizer, and torch
-DistributedDataParallel after ``import perseus`` (its buckets reduced by Perseus), against
-DistributedDataParallel on gloo.
+"""End to end: samples/s of a communication-bound MLP: hvd.DistributedOptimizer, torch
+DistributedDataParallel after ``import perseus`` (its buckets reduced by Perseus's hook),
+DDP on a ``perseus`` process group (its own reducer, each bucket through the backend's
+all_reduce, PERSEUS_DDP=0), against DistributedDataParallel on gloo. ``--fsdp``: FSDP2
+(``fully_shard`` on each layer and the model, on the CPU) on perseus against gloo.
 
-    python benchmarks/training.py [--ranks 2] [--steps 40] [--batch 16] [--json PATH]
-                                  [--quick]
+    python benchmarks/training.py [--ranks 2] [--steps 40] [--batch 16] [--fsdp]
+                                  [--json PATH] [--quick]
 
 The model: dense layers 4096 -> 2048 -> 2048 -> 2048 -> 2048 -> 2048 -> 10 with ReLU, 25.2 M
 float32 parameters (100 MB of gradients a step), fed a small batch of random data, so a
@@ -21,7 +23,8 @@ import time
 
 import harness
 
-IMPLS = ("hvd", "ddp", "gloo")
+IMPLS = ("hvd", "ddp", "perseus", "gloo")
+FSDP_IMPLS = ("perseus", "gloo")
 # Where switches.py's autotuned run logs its samples; rank 0 reports the settings kept.
 AUTOTUNE_LOG = os.path.join(tempfile.gettempdir(), "perseus-bench-autotune.csv")
 DIMS = (4096, 2048, 2048, 2048, 2048, 2048, 10)
@@ -44,6 +47,13 @@ def body(comm, opts):
     steps, batch = opts["steps"], opts["batch"]
     net = model()
     params = sum(p.numel() for p in net.parameters())
+    if opts.get("fsdp"):
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in net:
+            if isinstance(layer, torch.nn.Linear):
+                fully_shard(layer)
+        fully_shard(net)
     if opts.get("optimizer", "sgd") == "adam":
         opt = torch.optim.Adam(net.parameters(), lr=1e-4)
     else:
@@ -52,7 +62,7 @@ def body(comm, opts):
         hvd = comm.hvd
         hvd.broadcast_parameters(net.state_dict(), root_rank=0)
         opt = hvd.DistributedOptimizer(opt, named_parameters=net.named_parameters())
-    else:
+    elif not opts.get("fsdp"):
         net = torch.nn.parallel.DistributedDataParallel(net)
     gen = torch.Generator().manual_seed(comm.rank)
     x = torch.randn(batch, DIMS[0], generator=gen)
@@ -70,10 +80,10 @@ def body(comm, opts):
         step()
     comm.barrier()
     perseus = comm.hvd if comm.impl == "hvd" else None
-    if comm.impl == "ddp":
+    if comm.impl in ("ddp", "perseus"):
         from perseus.common import basics as perseus
 
-        assert perseus.is_initialized(), "DDP did not start Perseus"
+        assert perseus.is_initialized(), f"{comm.impl}: Perseus did not start"
     counters = perseus.counters() if perseus else {}
     t0 = time.perf_counter()
     for _ in range(steps):
@@ -108,18 +118,20 @@ def after_tuning(comm):
             f"cycle time {best['cycle_time_ms']} ms, after {samples} samples")
 
 
-def run(ranks=(2,), steps=40, batch=16, timeout=600, echo=True):
+def run(ranks=(2,), steps=40, batch=16, timeout=600, echo=True, fsdp=False):
     """Driver: one job per implementation and rank count; returns the results."""
-    result = {"ranks": list(ranks), "impls": list(IMPLS), "steps": steps, "batch": batch,
-              "runs": {}}
+    impls = FSDP_IMPLS if fsdp else IMPLS
+    result = {"ranks": list(ranks), "impls": list(impls), "steps": steps, "batch": batch,
+              "fsdp": fsdp, "runs": {}}
+    opts = {"steps": steps, "batch": batch, "fsdp": fsdp}
+    return harness.run_into(result, __file__, impls, ranks, opts, sections, timeout=timeout,
+                            echo=echo)
 
-    return harness.run_into(result, __file__, IMPLS, ranks, {"steps": steps, "batch": batch},
-                            sections, timeout=timeout, echo=echo)
 
-
-def speedup(runs, impl="hvd"):
-    """``impl``'s samples/s ÷ DDP-on-gloo's, None when either job failed (or is absent)."""
-    h, g = runs.get(impl), runs.get("gloo")
+def speedup(runs, impl="hvd", base="gloo"):
+    """``impl``'s samples/s ÷ ``base``'s (DDP on gloo), None when either job failed (or
+    is absent)."""
+    h, g = runs.get(impl), runs.get(base)
     if h is None or g is None or harness.failed(h) or harness.failed(g):
         return None
     return h[0]["samples_per_s"] / g[0]["samples_per_s"]
@@ -127,11 +139,15 @@ def speedup(runs, impl="hvd"):
 
 def sections(result, only=None):
     out = []
+    fsdp = result.get("fsdp", False)
+    labels = ((("perseus", "FSDP2 on perseus"), ("gloo", "FSDP2 on gloo")) if fsdp else
+              (("hvd", "hvd.DistributedOptimizer"),
+               ("ddp", "torch DDP after import perseus"),
+               ("perseus", "torch DDP on a perseus group, its own reducer"),
+               ("gloo", "torch DDP (gloo)")))
     for n, runs in harness.runs_by_ranks(result, only):
         rows, notes = [], []
-        for impl, label in (("hvd", "hvd.DistributedOptimizer"),
-                            ("ddp", "torch DDP after import perseus"),
-                            ("gloo", "torch DDP (gloo)")):
+        for impl, label in labels:
             res = runs.get(impl)
             if res is None:
                 continue
@@ -144,10 +160,17 @@ def sections(result, only=None):
                          f"{r['seconds'] / r['steps'] * 1e3:.1f}", f"{r['final_loss']:.4f}"])
         params = next((runs[i][0]["params"] for i in IMPLS
                        if i in runs and not harness.failed(runs[i])), 0)
-        notes.append(f"hvd ÷ DDP on gloo: {harness.fmt(speedup(runs), '.2f')}×")
-        notes.append("DDP on Perseus ÷ DDP on gloo: "
-                     f"{harness.fmt(speedup(runs, 'ddp'), '.2f')}×")
-        out.append({"title": f"training, {n} ranks: MLP of {params / 1e6:.1f} M parameters, "
+        if fsdp:
+            notes.append("FSDP2 on perseus ÷ on gloo: "
+                         f"{harness.fmt(speedup(runs, 'perseus'), '.2f')}×")
+        else:
+            notes.append(f"hvd ÷ DDP on gloo: {harness.fmt(speedup(runs), '.2f')}×")
+            notes.append("DDP on Perseus ÷ DDP on gloo: "
+                         f"{harness.fmt(speedup(runs, 'ddp'), '.2f')}×")
+            notes.append("DDP on a perseus group (reducer) ÷ DDP after import perseus "
+                         f"(hook): {harness.fmt(speedup(runs, 'perseus', 'ddp'), '.2f')}×")
+        what = "FSDP2 training" if fsdp else "training"
+        out.append({"title": f"{what}, {n} ranks: MLP of {params / 1e6:.1f} M parameters, "
                              f"batch {result['batch']} per rank, {result['steps']} steps",
                     "headers": ["implementation", "samples/s", "ms/step", "final loss"],
                     "rows": rows, "notes": notes})
@@ -160,9 +183,10 @@ def main(argv=None):
     p = harness.driver_parser(__doc__, "smoke run: 5 steps")
     p.add_argument("--steps", type=int, help="timed steps (default 40, --quick 5)")
     p.add_argument("--batch", type=int, default=16, help="samples per rank and step")
+    p.add_argument("--fsdp", action="store_true", help="FSDP2 on perseus against gloo")
     a = p.parse_args(argv)
     steps = a.steps or (5 if a.quick else 40)
-    result = run(a.ranks, steps, a.batch, a.timeout)
+    result = run(a.ranks, steps, a.batch, a.timeout, fsdp=a.fsdp)
     harness.finish(result, a.json)
 
 

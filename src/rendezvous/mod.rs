@@ -13,6 +13,11 @@ pub use client::StoreClient;
 pub use server::fuzz_request;
 pub use server::StoreServer;
 
+/// The key under which every server publishes, as it starts, a random id of its own:
+/// a client tells two servers at the same address apart by it (one that stopped,
+/// and a new one that got its port).
+pub const INSTANCE_KEY: &str = "perseus/instance";
+
 /// Frame kinds of the store protocol.
 pub(crate) mod kind {
     /// Client → server: key, value.
@@ -48,8 +53,25 @@ mod tests {
         assert_eq!(getter.join().unwrap(), b"value");
         let e = c.get("missing", Duration::from_millis(100)).unwrap_err();
         assert!(e.to_string().contains("missing"), "{e}");
-        assert_eq!(server.keys(), vec!["k".to_string()]);
+        assert_eq!(server.keys(), vec!["k".to_string(), INSTANCE_KEY.to_string()]);
         server.stop();
+    }
+
+    #[test]
+    fn each_server_publishes_an_id_of_its_own() {
+        let t = Duration::from_secs(5);
+        let ids: Vec<Vec<u8>> = (0..2)
+            .map(|_| {
+                let server = StoreServer::start("127.0.0.1:0", "k").unwrap();
+                let mut c = StoreClient::connect("127.0.0.1", server.port(), "k", t).unwrap();
+                let id = c.get(INSTANCE_KEY, t).unwrap();
+                assert_eq!(Some(id.clone()), server.get(INSTANCE_KEY));
+                server.stop();
+                id
+            })
+            .collect();
+        assert_eq!(ids[0].len(), 32, "{:?}", String::from_utf8_lossy(&ids[0]));
+        assert_ne!(ids[0], ids[1]);
     }
 
     #[test]

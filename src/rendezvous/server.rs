@@ -37,6 +37,15 @@ impl StoreServer {
         let port = listener.local_addr()?.port();
         let stopping = Arc::new(AtomicBool::new(false));
         let store = Arc::new(Store::default());
+        let instance: String = crate::auth::nonce()
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        store
+            .map
+            .lock()
+            .unwrap()
+            .insert(super::INSTANCE_KEY.to_string(), instance.into_bytes());
         let (stop, secret, shared) = (stopping.clone(), secret.to_string(), store.clone());
         std::thread::Builder::new()
             .name("perseus-store".into())

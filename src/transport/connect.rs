@@ -10,7 +10,7 @@ use crate::auth;
 use crate::config::Config;
 use crate::deadline::{Deadlined, Vetting, HANDSHAKE_TIME, MAX_UNPROVEN};
 use crate::error::{PerseusError, Result};
-use crate::rendezvous::StoreClient;
+use crate::rendezvous::{StoreClient, INSTANCE_KEY};
 use crate::wire::{read_frame, write_frame, Reader, Writer};
 use std::collections::BTreeMap;
 use std::net::{IpAddr, TcpListener, TcpStream, UdpSocket};
@@ -76,7 +76,8 @@ pub fn connect_mesh(cfg: &Config) -> Result<MeshParts> {
         });
     };
     let mut store = StoreClient::connect(host, *port, &cfg.secret, timeout)?;
-    let gen = generation(host, *port, &cfg.scope, rank);
+    let instance = store.get(INSTANCE_KEY, timeout)?;
+    let gen = generation(&instance, &cfg.scope, rank);
     let ip = local_addr(cfg, host)?;
     let listener = TcpListener::bind((ip, 0))?;
     let addr = listener.local_addr()?;
@@ -287,14 +288,15 @@ fn must_agree<T: PartialEq + std::fmt::Display>(
 }
 
 /// How many times this process connected as `rank` of the job at the
-/// rendezvous `host:port` before: every rank of a job calls init() and
+/// rendezvous server `instance` (the id it publishes, so a new server at a
+/// reused port starts a new count) before: every rank of a job calls init() and
 /// shutdown() together, so the counts agree, and each new connection reads
 /// only entries of its own round (never the addresses of closed listeners).
-fn generation(host: &str, port: u16, scope: &str, rank: usize) -> u64 {
-    type Key = (String, u16, String, usize);
+fn generation(instance: &[u8], scope: &str, rank: usize) -> u64 {
+    type Key = (Vec<u8>, String, usize);
     static ROUNDS: Mutex<BTreeMap<Key, u64>> = Mutex::new(BTreeMap::new());
     let mut rounds = ROUNDS.lock().unwrap_or_else(PoisonError::into_inner);
-    let key = (host.to_string(), port, scope.to_string(), rank);
+    let key = (instance.to_vec(), scope.to_string(), rank);
     let n = rounds.entry(key).or_insert(0);
     *n += 1;
     *n - 1
@@ -553,5 +555,24 @@ fn vet(
         }
         Some((from, ch, s)) if ch == CHANNEL_DATA || ch == CHANNEL_CONTROL => Ok((from, ch, s)),
         Some((_, ch, _)) => told(format!("unknown channel {ch}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rounds_count_per_server_instance_scope_and_rank() {
+        // Ids no real server draws (those are 32 hex digits).
+        let (a, b) = (b"test-instance-a".as_slice(), b"test-instance-b".as_slice());
+        assert_eq!(generation(a, "", 0), 0);
+        assert_eq!(generation(a, "", 0), 1);
+        assert_eq!(generation(a, "", 1), 0);
+        assert_eq!(generation(a, "elastic/1/", 0), 0);
+        // a new server at the same address: a new count
+        assert_eq!(generation(b, "", 0), 0);
+        assert_eq!(mesh_key("", 3, 0), "mesh/3");
+        assert_eq!(mesh_key("elastic/1/", 3, 2), "elastic/1/mesh/3/2");
     }
 }
