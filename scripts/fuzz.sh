@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A short fuzz run of every target in fuzz/ (default 20 s each; FUZZ_SECONDS to change).
+# A short fuzz run of every target in fuzz/ (default 10 s each; FUZZ_SECONDS to change).
 # Installs cargo-fuzz into the cache once. Needs a nightly compiler for the
 # sanitizer flags: the nightly toolchain when rustup has one, else the stable one
 # with RUSTC_BOOTSTRAP=1. The seeds are fuzz/corpus/<target>/; inputs that found new
@@ -10,7 +10,7 @@ set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
 cache=${PERSEUS_CACHE:-$HOME/.cache/perseus}
-seconds=${FUZZ_SECONDS:-20}
+seconds=${FUZZ_SECONDS:-10}
 version=0.13.1
 tools="$cache/cargo-fuzz-$version"
 if [[ ! -x $tools/bin/cargo-fuzz ]]; then

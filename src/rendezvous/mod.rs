@@ -53,7 +53,10 @@ mod tests {
         assert_eq!(getter.join().unwrap(), b"value");
         let e = c.get("missing", Duration::from_millis(100)).unwrap_err();
         assert!(e.to_string().contains("missing"), "{e}");
-        assert_eq!(server.keys(), vec!["k".to_string(), INSTANCE_KEY.to_string()]);
+        assert_eq!(
+            server.keys(),
+            vec!["k".to_string(), INSTANCE_KEY.to_string()]
+        );
         server.stop();
     }
 

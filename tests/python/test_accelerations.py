@@ -87,7 +87,7 @@ def test_downsample_n_elements(run_workers, n, every, momentum):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [3])  # 2 ranks: test_ddp.py's switches test
 def test_perf_check_names_the_slow_rank(run_workers, n):
     """Every 3 steps; only the slow rank reports, with its host, local rank and figures."""
     out = run_workers(n, "accelerations.py", "perfcheck",

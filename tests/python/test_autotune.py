@@ -15,7 +15,7 @@ TUNE = {"HOROVOD_AUTOTUNE": "1", "HOROVOD_AUTOTUNE_WARMUP_SAMPLES": "1",
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("n", [3])
 def test_autotune_samples_settings_keeps_the_best_and_every_rank_follows(run_workers,
                                                                           tmp_path, n):
     log = tmp_path / "autotune.csv"

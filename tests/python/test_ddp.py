@@ -54,10 +54,12 @@ def test_the_ddp_example_trains_through_perseus():
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("ddp", ["1", "0"])
+@pytest.mark.parametrize("ddp", ["1"])
 def test_seed_003s_ddp_benchmark_under_torch_distributed_launch(ddp):
     # seed 003, 2.1.2: the DDP benchmark started by torch.distributed.launch (which passes
     # --local-rank); PERSEUS_DDP=0 measures torch's own communication with the same script
+    # (the script's reducer line says "torch" then; test_perseus_ddp_0_leaves_ddp_to_torch
+    # covers PERSEUS_DDP=0 itself, so CI runs "1" alone)
     example = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "examples",
                            "pytorch_ddp_benchmark.py")
     cmd = [PY, "-W", "ignore::FutureWarning", "-m", "torch.distributed.launch",

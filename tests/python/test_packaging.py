@@ -29,8 +29,16 @@ def _run(cmd, **kwargs):
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory):
-    """A wheel built from this checkout with the cargo target directory the suite shares
-    (scripts/test.sh exports it), so only the crate itself is compiled again."""
+    """The release wheel PERSEUS_TEST_WHEEL names (a wheel, or a directory holding one:
+    scripts/test.sh builds it first), else a wheel built from this checkout with the
+    cargo target directory the suite shares, so only the crate itself is compiled
+    again."""
+    given = os.environ.get("PERSEUS_TEST_WHEEL")
+    if given:
+        path = Path(given)
+        found = sorted(path.glob("perseus-*.whl")) if path.is_dir() else [path]
+        assert len(found) == 1, f"PERSEUS_TEST_WHEEL={given}: {found}"
+        return found[0]
     if shutil.which("cargo") is None:
         pytest.skip("no cargo: cannot build the wheel")
     out = tmp_path_factory.mktemp("wheel")
