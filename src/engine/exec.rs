@@ -194,7 +194,13 @@ pub fn run_op(
         )),
         OpKind::Alltoall => one(alltoall(comm, &shapes[0], *dtype, sizes, entries)),
         OpKind::Reducescatter => one(reducescatter(
-            comm, &shapes[0], *dtype, *op, *prescale, post, entries,
+            comm,
+            &shapes[0],
+            *dtype,
+            *op,
+            (*prescale, post),
+            entries,
+            bufs,
         )),
         _ => unreachable!("not a data-moving kind"),
     }
@@ -662,9 +668,9 @@ fn reducescatter(
     shape: &[i64],
     dtype: DataType,
     op: ReduceOp,
-    pre: f64,
-    post: f64,
+    (pre, post): (f64, f64),
     entries: &[Option<Entry>],
+    bufs: &mut Buffers,
 ) -> Result<Output> {
     let input = input_of(entries)?;
     let n = comm.size();
@@ -675,13 +681,27 @@ fn reducescatter(
         .map(|p| p.len())
         .collect();
     let counts: Vec<usize> = rows.iter().map(|r| r * row_elems).collect();
+    // The input stays as it is: the reduction runs on a copy in the fusion buffer, which
+    // the engine keeps (a fresh one each call faults every page in again, which costs
+    // more than the reduction on a virtual machine).
     // SAFETY: the front-end keeps the input alive until completion.
-    let mut work = AlignedBuf::from_slice(unsafe { input.bytes() });
+    let bytes = unsafe { input.bytes() };
+    let mut work = std::mem::take(&mut bufs.fusion);
+    work.resize(bytes.len());
+    work.as_mut_slice().copy_from_slice(bytes);
     scale(work.as_mut_slice(), dtype, pre);
-    let mine = collective::reduce_scatter(comm, work.as_mut_slice(), &counts, dtype, op)?;
+    let reduced = collective::reduce_scatter(comm, work.as_mut_slice(), &counts, dtype, op);
+    let mine = match reduced {
+        Ok(mine) => mine,
+        Err(e) => {
+            bufs.fusion = work;
+            return Err(e);
+        }
+    };
     let mut own = None;
     let out = result_buffer(entries, mine.len(), &mut own);
     out.copy_from_slice(&work.as_slice()[mine]);
+    bufs.fusion = work;
     scale(out, dtype, post);
     let mut oshape = if shape.is_empty() {
         vec![1]
