@@ -539,3 +539,32 @@ def test_a_failed_rank_is_followed_by_a_diagnosis_before_the_others_are_stopped(
         assert (records / "rank.0.json").exists()
     finally:
         job.stop()
+
+
+OMP_WORKER = textwrap.dedent("""
+    import os
+    print(os.environ["PERSEUS_HOSTNAME"], os.environ.get("OMP_NUM_THREADS"), flush=True)
+""")
+
+
+@pytest.mark.timeout(60)
+def test_omp_num_threads_unset_becomes_cores_over_local_ranks_and_a_set_one_is_kept():
+    from perseus.runner import threads
+
+    unset = {k: v for k, v in ENV.items() if k != "OMP_NUM_THREADS"}
+    hosts = ["-H", "localhost:2,nodeA:2,nodeB:1", "--network-interface", "lo",
+             "--rsh", "env -i FAKE_HOST={host}"]  # "remote" hosts: here, an empty env
+    r = launch(["-np", "5", *hosts, sys.executable, "-c", OMP_WORKER], env=unset)
+    assert r.returncode == 0, r.stderr
+    each = threads.per_rank(threads.host_cores(), 2)
+    assert sorted(r.stdout.splitlines()) == [
+        f"[0]<stdout>:localhost {each}", f"[1]<stdout>:localhost {each}",
+        # computed on the host itself; a host of one rank keeps the variable unset
+        f"[2]<stdout>:nodeA {each}", f"[3]<stdout>:nodeA {each}", "[4]<stdout>:nodeB None"]
+    said = [line for line in r.stderr.splitlines() if "OMP_NUM_THREADS is unset" in line]
+    assert len(said) == 1 and "set OMP_NUM_THREADS to choose" in said[0], r.stderr
+    r = launch(["-np", "5", *hosts, sys.executable, "-c", OMP_WORKER],
+               env=dict(unset, OMP_NUM_THREADS="3"))
+    assert r.returncode == 0, r.stderr
+    assert [line.split()[-1] for line in r.stdout.splitlines()] == ["3"] * 5, r.stdout
+    assert "OMP_NUM_THREADS is unset" not in r.stderr

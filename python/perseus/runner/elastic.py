@@ -72,6 +72,7 @@ class WorkerSlot:
     index: int
     rank: int  # the worker's number in launch order: its output's prefix
     round: int
+    local_size: int = 1  # the workers on its host in the round it starts in
 
     @property
     def id(self):
@@ -236,7 +237,8 @@ class ElasticJob(_job.Launcher):
             rank.signal_group(signal.SIGTERM)
 
     def _start(self, host, index):
-        slot = WorkerSlot(host, index, self.launched, self.round)
+        local_size = self.tables[self.round][f"{host}[{index}]"][3]
+        slot = WorkerSlot(host, index, self.launched, self.round, local_size)
         self.launched += 1
         rank = self.launch(slot)
         try:

@@ -44,7 +44,7 @@ def forwarded_env(environ):
             and k.isprintable() and "=" not in k and k}
 
 
-def remote_script(command, env, cwd):
+def remote_script(command, env, cwd, prelude=""):
     """The shell script a remote host runs for one rank.
 
     The secret comes as the first line of stdin, so it appears on no command line.
@@ -52,12 +52,13 @@ def remote_script(command, env, cwd):
     or the remote shell connection went away) the rank gets SIGTERM, then SIGKILL. Where
     the host has ``setsid`` (util-linux) the rank runs in its own process group and the
     signals go to the whole group: the children it started, a shell it runs under.
+    ``prelude``: shell run first on the remote host (variables computed there).
     """
     assignments = " ".join(shlex.quote(f"{k}={v}") for k, v in sorted(env.items()))
     run = f"env {assignments} {shlex.join(command)}" if assignments else shlex.join(command)
     return (
         "IFS= read -r PERSEUS_SECRET; export PERSEUS_SECRET; "
-        f"cd {shlex.quote(cwd)} || exit 127; exec 3<&0; "
+        f"{prelude}cd {shlex.quote(cwd)} || exit 127; exec 3<&0; "
         # A background job is no group leader, so setsid runs the rank in place: $p is
         # the rank and the leader of its own group, -$p the group.
         "if command -v setsid >/dev/null 2>&1; then s=setsid g=-; else s= g=; fi; "

@@ -18,6 +18,7 @@ from perseus.runner import elastic as _elastic
 from perseus.runner import horovod_flags as _hvd_flags
 from perseus.runner import hosts as _hosts
 from perseus.runner import job as _job
+from perseus.runner import threads as _threads
 
 DEFAULT_SSH = "ssh -o BatchMode=yes -o StrictHostKeyChecking=no"
 
@@ -430,14 +431,26 @@ def job_env(args, addr, port):
 def make_ranks(args, slots, common_env, secret, local_names):
     ranks, cwd, prefix = [], os.getcwd(), rsh_prefix(args)
     stamped = bool(getattr(args, "prefix_output_with_timestamp", False))
+    unset = _threads.wanted(knobs.environment())
     for slot in slots:
         env = dict(common_env, **slot.env())
-        if _hosts.is_local(slot.hostname, local_names):
+        local = _hosts.is_local(slot.hostname, local_names)
+        # One rank on a host takes its cores with the variable unset as with it set.
+        threads = unset and slot.local_size > 1
+        if threads:
+            _threads.announce(slot.local_size, remote=not local)
+        if local:
+            if threads:
+                env[_threads.VAR] = str(_threads.per_rank(_threads.host_cores(),
+                                                          slot.local_size))
             full = dict(os.environ, **env, PERSEUS_SECRET=secret)
             ranks.append(_job.Rank(slot, list(args.command), full, timestamps=stamped))
         else:
             env = dict(_job.forwarded_env(knobs.environment()), **env)
-            script = _job.remote_script(args.command, env, cwd)
+            if threads:  # a blank value forwarded would undo the prelude's
+                env.pop(_threads.VAR, None)
+            prelude = _threads.remote_prelude(slot.local_size) if threads else ""
+            script = _job.remote_script(args.command, env, cwd, prelude)
             argv = _job.rsh_argv(prefix, slot.hostname, script)
             ranks.append(_job.Rank(slot, argv, dict(os.environ), secret=secret, remote=True,
                                    timestamps=stamped))

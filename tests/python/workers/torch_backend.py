@@ -12,7 +12,8 @@ holding every rank's inputs would get (the reference) and compare its own result
   and FSDP2's fully_shard equal one process on the whole batch;
 - ``gloo``: ``init_process_group("gloo")`` after ``import perseus`` is served by perseus
   (PERSEUS_DDP=0: by gloo itself);
-- ``cuda``: CUDA tensors through ``cuda:perseus`` in a device map (a GPU machine);
+- ``cuda``: CUDA tensors through ``cuda:perseus`` in a device map (a GPU machine), and
+  torch's SyncBatchNorm (CUDA only) against BatchNorm on the whole batch;
 - ``errors``: ranks that give all_reduce different shapes all raise MismatchError
   naming the shapes, and the next all_reduce works; a collective, a receive and a
   ``wait(timeout)`` that the other ranks reach late raise torch's
@@ -337,6 +338,30 @@ def gloo(r, n):
     close(t, torch.full((2,), float(sum(range(n)))), "all_reduce")
 
 
+def check_sync_batch_norm(r, n, dev):
+    """torch's SyncBatchNorm (CUDA only in torch) on the perseus group: each rank's output
+    rows, the gradients and the running statistics equal BatchNorm's on the whole batch
+    in one process."""
+    from torch import nn
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4 * n, 3, 2, generator=g, dtype=torch.float64)
+    ref = nn.BatchNorm1d(3).double()
+    xr = x.clone().requires_grad_(True)
+    want = ref(xr)
+    want.square().sum().backward()  # the loss of every rank's rows, summed
+    sync = nn.SyncBatchNorm(3).double().to(dev)
+    rows = slice(4 * r, 4 * r + 4)
+    xs = x[rows].to(dev).requires_grad_(True)
+    out = sync(xs)
+    out.square().sum().backward()
+    close(out.detach().cpu(), want[rows].detach(), "SyncBatchNorm output", 1e-9, 1e-9)
+    close(xs.grad.cpu(), xr.grad[rows], "SyncBatchNorm input gradient", 1e-9, 1e-9)
+    for name in ("running_mean", "running_var"):
+        close(getattr(sync, name).cpu(), getattr(ref, name), f"SyncBatchNorm {name}",
+              1e-9, 1e-9)
+
+
 def cuda(r, n):
     """CUDA tensors through the perseus backend (``cuda:perseus`` in a device map, gloo
     for the CPU): the core's NCCL or host-staged path, values as on the CPU."""
@@ -361,6 +386,7 @@ def cuda(r, n):
     dist.reduce_scatter_tensor(part, full)
     close(part.cpu(), sum(value(q, (n * 4,), torch.float32) for q in ranks)[r * 4:r * 4 + 4],
           "cuda reduce_scatter_tensor")
+    check_sync_batch_norm(r, n, dev)
     # And the CPU half of the map is still gloo's.
     c = torch.full((2,), float(r))
     dist.all_reduce(c)
