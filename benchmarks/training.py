@@ -3,6 +3,8 @@ DistributedDataParallel after ``import perseus`` (its buckets reduced by Perseus
 DDP on a ``perseus`` process group (its own reducer, each bucket through the backend's
 all_reduce, PERSEUS_DDP=0), against DistributedDataParallel on gloo. ``--fsdp``: FSDP2
 (``fully_shard`` on each layer and the model, on the CPU) on perseus against gloo.
+Each run also times one rank alone, with no communication, and reports each job's
+scaling efficiency: samples/s on N ranks ÷ (N × that rank's samples/s).
 
     python benchmarks/training.py [--ranks 2] [--steps 40] [--batch 16] [--fsdp]
                                   [--json PATH] [--quick]
@@ -47,7 +49,8 @@ def body(comm, opts):
     steps, batch = opts["steps"], opts["batch"]
     net = model()
     params = sum(p.numel() for p in net.parameters())
-    if opts.get("fsdp"):
+    solo = opts.get("solo", False)  # one rank alone, no communication
+    if opts.get("fsdp") and not solo:
         from torch.distributed.fsdp import fully_shard
 
         for layer in net:
@@ -58,11 +61,11 @@ def body(comm, opts):
         opt = torch.optim.Adam(net.parameters(), lr=1e-4)
     else:
         opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
-    if comm.impl == "hvd":
+    if comm.impl == "hvd" and not solo:
         hvd = comm.hvd
         hvd.broadcast_parameters(net.state_dict(), root_rank=0)
         opt = hvd.DistributedOptimizer(opt, named_parameters=net.named_parameters())
-    elif not opts.get("fsdp"):
+    elif not (opts.get("fsdp") or solo):
         net = torch.nn.parallel.DistributedDataParallel(net)
     gen = torch.Generator().manual_seed(comm.rank)
     x = torch.randn(batch, DIMS[0], generator=gen)
@@ -80,7 +83,7 @@ def body(comm, opts):
         step()
     comm.barrier()
     perseus = comm.hvd if comm.impl == "hvd" else None
-    if comm.impl in ("ddp", "perseus"):
+    if comm.impl in ("ddp", "perseus") and not solo:
         from perseus.common import basics as perseus
 
         assert perseus.is_initialized(), f"{comm.impl}: Perseus did not start"
@@ -124,8 +127,21 @@ def run(ranks=(2,), steps=40, batch=16, timeout=600, echo=True, fsdp=False):
     result = {"ranks": list(ranks), "impls": list(impls), "steps": steps, "batch": batch,
               "fsdp": fsdp, "runs": {}}
     opts = {"steps": steps, "batch": batch, "fsdp": fsdp}
+    try:  # the base of the scaling efficiency, before the jobs so that they print it
+        result["solo"] = harness.launch(__file__, "gloo", 1, dict(opts, solo=True),
+                                        timeout=timeout)[0]
+    except harness.JobFailed as e:
+        result["solo"] = {"error": str(e)}
     return harness.run_into(result, __file__, impls, ranks, opts, sections, timeout=timeout,
                             echo=echo)
+
+
+def efficiency(result, runs, impl, n):
+    """``impl``'s samples/s on ``n`` ranks ÷ (n × one rank's alone), or None."""
+    solo, res = result.get("solo"), runs.get(impl)
+    if not solo or "error" in solo or res is None or harness.failed(res):
+        return None
+    return res[0]["samples_per_s"] / (int(n) * solo["samples_per_s"])
 
 
 def speedup(runs, impl="hvd", base="gloo"):
@@ -169,6 +185,14 @@ def sections(result, only=None):
                          f"{harness.fmt(speedup(runs, 'ddp'), '.2f')}×")
             notes.append("DDP on a perseus group (reducer) ÷ DDP after import perseus "
                          f"(hook): {harness.fmt(speedup(runs, 'perseus', 'ddp'), '.2f')}×")
+        solo = result.get("solo")
+        if solo and "error" not in solo:
+            shares = ", ".join(f"{label} {harness.fmt(efficiency(result, runs, impl, n), '.0%')}"
+                               for impl, label in labels)
+            notes.append(f"scaling efficiency, samples/s ÷ ({n} × one rank alone with no "
+                         f"communication, {solo['samples_per_s']:.1f} samples/s): {shares}")
+        elif solo:
+            notes.append(f"one rank alone: failed: {solo['error']}")
         what = "FSDP2 training" if fsdp else "training"
         out.append({"title": f"{what}, {n} ranks: MLP of {params / 1e6:.1f} M parameters, "
                              f"batch {result['batch']} per rank, {result['steps']} steps",
