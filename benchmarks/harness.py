@@ -336,11 +336,13 @@ class Comm:
             os._exit(0)
 
 
-def measure(comm, fn, warmup=2, min_iters=5, max_iters=200, budget=0.5):
+def measure(comm, fn, warmup=2, min_iters=5, max_iters=200, budget=0.5, calls=1):
     """Times ``fn()`` on every rank: ``warmup`` untimed calls, then iterations each
     started after a barrier and timed as the slowest rank's time. The number of
     iterations fits ``budget`` seconds (within ``min_iters``..``max_iters``) and is
-    agreed by every rank. Returns median, minimum and count of the iterations."""
+    agreed by every rank. ``calls``: calls back to back in each iteration, whose time
+    is divided by it (a call as in a loop of them, not one right after a barrier).
+    Returns median, minimum and count of the iterations."""
     t0 = time.perf_counter()
     for _ in range(max(1, warmup)):
         fn()
@@ -350,8 +352,9 @@ def measure(comm, fn, warmup=2, min_iters=5, max_iters=200, budget=0.5):
     for _ in range(iters):
         comm.barrier()
         t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - t) / calls)
     times = comm.max_over_ranks(times)
     return {"median": statistics.median(times), "min": min(times), "iters": iters}
 

@@ -1,7 +1,8 @@
 """torch.distributed's collectives on the perseus backend, beside gloo and Open MPI.
 
     python benchmarks/torch_collectives.py [--ranks 2 3 4] [--sizes 4K 1M 64M ...]
-                                           [--ops all_reduce ...] [--json PATH] [--quick]
+                                           [--ops all_reduce ...] [--calls K]
+                                           [--json PATH] [--quick]
 
 One job per implementation and rank count: ``perseus`` (``init_process_group("perseus")``
 after ``import perseus``), ``gloo`` (torch.distributed without Perseus) and ``mpi``
@@ -9,7 +10,10 @@ after ``import perseus``), ``gloo`` (torch.distributed without Perseus) and ``mp
 buffers). Float32; SIZE is each rank's buffer: all_reduce and broadcast of SIZE,
 all_gather_into_tensor of SIZE per rank, reduce_scatter_tensor of SIZE into SIZE / n,
 all_to_all_single of SIZE. Times are medians over iterations, each the slowest rank's;
-the ratio is the best peer's time over perseus's (>1: perseus faster).
+the ratio is the best peer's time over perseus's (>1: perseus faster). ``--calls K``:
+each iteration makes K calls back to back after its barrier and counts their mean (a
+call in a loop of them, where the default times one call right after a barrier, which
+also pays for waking every rank's threads).
 """
 
 import harness
@@ -57,16 +61,17 @@ def body(comm, opts):
     for op in opts["ops"]:
         for nbytes in opts["sizes"]:
             fn = op_fn(comm, op, nbytes)
-            rows[f"{op}.{nbytes}"] = harness.measure(comm, fn, **opts["timing"])
+            rows[f"{op}.{nbytes}"] = harness.measure(comm, fn, calls=opts.get("calls", 1),
+                                                     **opts["timing"])
             del fn
     return rows
 
 
-def run(ranks=(2,), sizes=SIZES, ops=OPS, quick=False, timeout=900, echo=True):
+def run(ranks=(2,), sizes=SIZES, ops=OPS, quick=False, timeout=900, echo=True, calls=1):
     timing = QUICK_TIMING if quick else TIMING
-    opts = {"sizes": list(sizes), "ops": list(ops), "timing": timing}
+    opts = {"sizes": list(sizes), "ops": list(ops), "timing": timing, "calls": calls}
     result = {"ranks": list(ranks), "impls": list(IMPLS), "sizes": list(sizes),
-              "ops": list(ops), "timing": timing, "runs": {}}
+              "ops": list(ops), "timing": timing, "calls": calls, "runs": {}}
     return harness.run_into(result, __file__, IMPLS, ranks, opts, sections,
                             timeout=timeout, echo=echo)
 
@@ -84,7 +89,9 @@ def sections(result, only=None):
                 rows.append([op, harness.human(nbytes), *(harness.fmt(u, ".1f") for u in us),
                              harness.fmt(ratio, ".2f") + "×"])
         notes = harness.failure_notes(runs, IMPLS)
-        out.append({"title": f"torch.distributed collectives: {n} ranks, median µs",
+        calls = result.get("calls", 1)
+        how = f", {calls} calls back to back" if calls > 1 else ""
+        out.append({"title": f"torch.distributed collectives: {n} ranks{how}, median µs",
                     "headers": ["op", "size", *(f"{i} µs" for i in IMPLS),
                                 "perseus ÷ best peer"],
                     "rows": rows,
@@ -99,8 +106,10 @@ def main(argv=None):
     p = harness.driver_parser(__doc__, "smoke run: few iterations")
     p.add_argument("--sizes", nargs="+", type=harness.parse_size, default=None)
     p.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS))
+    p.add_argument("--calls", type=int, default=1,
+                   help="calls back to back in each timed iteration (default 1)")
     a = p.parse_args(argv)
-    result = run(a.ranks, a.sizes or SIZES, a.ops, a.quick, a.timeout)
+    result = run(a.ranks, a.sizes or SIZES, a.ops, a.quick, a.timeout, calls=a.calls)
     harness.finish(result, a.json)
 
 
