@@ -156,13 +156,12 @@ def _average(state, bucket, switches):
     from perseus.torch.horovod import mpi_ops
 
     buf, prefix, process_set = bucket.buffer(), _prefix(state), _process_set(state)
-    own = sent = sampled = None
+    own, sent, sampled = None, buf, None
     if switches is not None:
         own = switches.own_flags(bucket)
         sent, sampled = switches.sample(bucket)
     handle = mpi_ops.gradient_allreduce_async_(
-        buf if sent is None else sent, f"{prefix}.bucket{bucket.index()}", mpi_ops.Average,
-        1.0, 1.0, process_set)
+        sent, f"{prefix}.bucket{bucket.index()}", mpi_ops.Average, 1.0, 1.0, process_set)
 
     def finish():
         handle.wait()

@@ -6,9 +6,9 @@
 - PERSEUS_ACCUMULATE_N_STEPS=N keeps N-1 backward passes local (each bucket adds into
   a sum of its own) and reduces their average at the N-th; the optimizers that hold the
   model's parameters skip the steps in between (:func:`skip_held_steps`);
-- PERSEUS_ALLREDUCE_NANCHECK=1 checks each reduced bucket and raises
-  ``FloatingPointError`` from backward on every rank, naming the bucket's parameters
-  and the ranks whose own gradient was not finite;
+- PERSEUS_ALLREDUCE_NANCHECK=1 checks each reduced bucket and fails backward on every
+  rank (torch raises a ``RuntimeError`` carrying our ``FloatingPointError``), naming the
+  bucket's parameters and the ranks whose own gradient was not finite;
 - PERSEUS_DOWNSAMPLE_N_ELEMENTS with PERSEUS_GRADIENT_MOMENTUM sends a rotating slice
   of each bucket's residual (perseus.common.downsample);
 - PERSEUS_PERF_CHECK_N_STEPS=N compares the ranks' compute times every N steps.
