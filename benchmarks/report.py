@@ -14,6 +14,7 @@ import os
 import allreduce_sweep
 import harness
 import memory
+import out_of_place
 import small_ops
 import switches
 import training
@@ -194,6 +195,8 @@ def render(data, png=PNG, pages_dir=None):
     for key, title, module in (("small", "Small tensors, broadcast, allgather", small_ops),
                                ("training", "Training throughput", training),
                                ("memory", "Memory", memory),
+                               ("outofplace", "Out-of-place collectives (issue 45)",
+                                out_of_place),
                                ("switches", "The PERSEUS_* switches (issue 5)", switches)):
         if data.get(key):
             lines += [f"## {title}", "", describe(module),

@@ -1,13 +1,15 @@
 """Every benchmark in one run, then the report: docs/benchmarks.json, docs/benchmarks.md and
 docs/benchmarks_allreduce.png.
 
-    python benchmarks/run_all.py [--quick] [--only sweep small training memory switches]
+    python benchmarks/run_all.py [--quick]
+                                 [--only sweep small training memory outofplace switches]
                                  [--timeout SECONDS]
 
 Runs, one job at a time: the allreduce sweep (allreduce_sweep.py, 2, 3 and 4 ranks), the
 small-tensor benchmarks (small_ops.py), training throughput (training.py), memory
-growth (memory.py), each Perseus implementation beside the peers, and the effect of each
-PERSEUS_* switch (switches.py). ``--quick`` is a smoke
+growth (memory.py), out-of-place against in-place collectives (out_of_place.py), each
+Perseus implementation beside the peers, and the effect of each PERSEUS_* switch
+(switches.py). ``--quick`` is a smoke
 run of a few minutes that writes benchmarks/results/quick/ and never replaces the
 published numbers. ``--only`` reruns some parts and keeps the others from the existing
 JSON. `bash benchmarks/run.sh` sets up the environment and calls this.
@@ -22,12 +24,13 @@ import time
 import allreduce_sweep
 import harness
 import memory
+import out_of_place
 import report
 import small_ops
 import switches
 import training
 
-PARTS = ("sweep", "small", "training", "memory", "switches")
+PARTS = ("sweep", "small", "training", "memory", "outofplace", "switches")
 
 
 def run_part(part, quick, timeout):
@@ -43,6 +46,9 @@ def run_part(part, quick, timeout):
     if part == "switches":
         return switches.run(steps=5 if quick else 40, size=(1 << 20) if quick else (64 << 20),
                             quick=quick, timeout=timeout)
+    if part == "outofplace":
+        sizes = [16 << 20] if quick else [16 << 20, 64 << 20, 256 << 20]
+        return out_of_place.run(sizes=sizes, count=1000 if quick else 10_000, timeout=timeout)
     return memory.run(count=1000 if quick else 10_000, timeout=timeout)
 
 

@@ -24,7 +24,7 @@ pub use broadcast::broadcast;
 pub use hierarchical::{
     allgatherv_hierarchical, allreduce_hierarchical, fits, host_and_peers, hosts_of,
 };
-pub use ring::{allgatherv, allreduce, allreduce_half_links, reduce_scatter};
+pub use ring::{allgatherv, allreduce, allreduce_from, allreduce_half_links, reduce_scatter};
 pub use stripe::{striped, stripes, MIN_STRIPE};
 pub use vote::patient_max;
 

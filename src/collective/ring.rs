@@ -37,6 +37,55 @@ pub fn allreduce(
     })
 }
 
+/// [`allreduce`] of `src` into `buf` (same length, apart): where the ring runs on
+/// one stream, the reduce-scatter reads this rank's operand from `src` as each
+/// chunk arrives, and every byte of `buf` is written once. Elsewhere (small
+/// buffers, stripes) `src` is copied into `buf` first.
+pub fn allreduce_from(
+    comm: &dyn Comm,
+    src: &[u8],
+    buf: &mut [u8],
+    dtype: DataType,
+    op: ReduceOp,
+    factor: f64,
+    scratch: &mut AlignedBuf,
+) -> Result<()> {
+    assert_eq!(src.len(), buf.len(), "allreduce_from: lengths differ");
+    let n = comm.size();
+    if n == 1 || buf.len() <= DIRECT_MAX || super::stripe::stripes(comm, buf.len()) > 1 {
+        buf.copy_from_slice(src);
+        return allreduce(comm, buf, dtype, op, factor, scratch);
+    }
+    let parts = byte_parts(buf.len(), dtype.size(), n);
+    let (r, right, left) = (
+        comm.rank(),
+        (comm.rank() + 1) % n,
+        (comm.rank() + n - 1) % n,
+    );
+    // Rank r first receives chunk r-s-2 in step s, so each is reduced from `src`
+    // into `buf` once; from step 1 on, what it sends is a chunk it received.
+    for s in 0..n - 1 {
+        let sc = (r + 2 * n - s - 1) % n;
+        let rc = (r + 2 * n - s - 2) % n;
+        let f = if s == n - 2 { factor } else { 1.0 };
+        let base = &src[parts[rc].clone()];
+        if s == 0 {
+            let dst = &mut buf[parts[rc].clone()];
+            comm.transfer(
+                &mut [Send::new(right, &src[parts[sc].clone()])],
+                &mut [Recv::reducing_onto(left, dst, base, dtype, op, f)],
+            )?;
+        } else {
+            let (out, dst) = split2(buf, parts[sc].clone(), parts[rc].clone());
+            comm.transfer(
+                &mut [Send::new(right, out)],
+                &mut [Recv::reducing_onto(left, dst, base, dtype, op, f)],
+            )?;
+        }
+    }
+    allgather_ranges(comm, buf, &parts)
+}
+
 /// [`allreduce`] on one stream.
 fn allreduce_one(
     comm: &dyn Comm,

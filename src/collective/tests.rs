@@ -259,6 +259,58 @@ fn scaled_allreduce_gives_the_bytes_of_reducing_then_scaling() {
 }
 
 #[test]
+fn allreduce_from_a_separate_input_gives_the_in_place_bytes_and_leaves_the_input() {
+    // Direct exchange, ring (its first step reads the input), odd counts; a factor.
+    for n in [1, 2, 3, 4, 5] {
+        for count in [17usize, 70_001, 300_000] {
+            for (dtype, op) in [
+                (DataType::F32, ReduceOp::Sum),
+                (DataType::I32, ReduceOp::Max),
+                (DataType::F64, ReduceOp::Product),
+            ] {
+                let out = run(n, move |c| {
+                    let bytes: Vec<u8> = (0..count)
+                        .flat_map(|i| {
+                            let x = ((i * 11 + c.rank() * 3) % 7) as f64 * 0.5 + 0.5;
+                            match dtype {
+                                DataType::F32 => (x as f32).to_ne_bytes().to_vec(),
+                                DataType::F64 => x.to_ne_bytes().to_vec(),
+                                _ => ((x * 4.0) as i32 - 9).to_ne_bytes().to_vec(),
+                            }
+                        })
+                        .collect();
+                    let factor = if op == ReduceOp::Sum { 0.25 } else { 1.0 };
+                    let src = AlignedBuf::from_slice(&bytes);
+                    let mut want = AlignedBuf::from_slice(&bytes);
+                    let mut got = AlignedBuf::zeroed(bytes.len());
+                    let mut s = AlignedBuf::default();
+                    allreduce(c, want.as_mut_slice(), dtype, op, factor, &mut s).unwrap();
+                    allreduce_from(
+                        c,
+                        src.as_slice(),
+                        got.as_mut_slice(),
+                        dtype,
+                        op,
+                        factor,
+                        &mut s,
+                    )
+                    .unwrap();
+                    (
+                        want.as_slice().to_vec(),
+                        got.as_slice().to_vec(),
+                        src.as_slice() == &bytes[..],
+                    )
+                });
+                for (r, (want, got, kept)) in out.iter().enumerate() {
+                    assert!(want == got, "n={n} count={count} {dtype:?} {op:?} rank {r}");
+                    assert!(kept, "n={n} count={count} rank {r}: the input changed");
+                }
+            }
+        }
+    }
+}
+
+#[test]
 fn allreduce_min_max_product_on_ints() {
     for n in [2, 3, 5] {
         for op in [ReduceOp::Min, ReduceOp::Max, ReduceOp::Product] {

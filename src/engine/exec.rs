@@ -10,7 +10,7 @@ use crate::device::{OwnedTensor, TensorView};
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::{PerseusError, Result};
 use crate::kernels::{
-    adasum, clock, copy_scaled, first_nonfinite, from_half, scale, to_half, AlignedBuf,
+    adasum, clock, copy_scaled, first_nonfinite, from_half, pool, scale, to_half, AlignedBuf,
 };
 use crate::plan::{Mode, Plan};
 use std::ops::Range;
@@ -401,14 +401,32 @@ impl Allreduce<'_> {
             (Some(o), _) => unsafe { o.bytes_mut() },
             (None, b) => b.expect("borrowed when there is no output").as_mut_slice(),
         };
-        match self.input(i) {
-            Some(src) if src.as_ptr() != out.as_ptr() => {
-                copy_scaled(out, src, self.dtype, self.pre)
+        let r = match self.input(i) {
+            // Out of place on the flat ring: the input is read where it lies.
+            Some(src) if src.as_ptr() != out.as_ptr() && self.pre == 1.0 && !hier => {
+                bufs.transfer(TRANSPORT_ALLREDUCE, |bufs| {
+                    collective::allreduce_from(
+                        self.comm,
+                        src,
+                        out,
+                        self.dtype,
+                        self.op,
+                        self.post,
+                        &mut bufs.scratch,
+                    )
+                })
             }
-            Some(_) => scale(out, self.dtype, self.pre),
-            None => out.fill(0),
-        }
-        let r = self.reduce(out, self.dtype, hier, self.post, bufs);
+            src => {
+                match src {
+                    Some(src) if src.as_ptr() != out.as_ptr() => {
+                        copy_scaled(out, src, self.dtype, self.pre)
+                    }
+                    Some(_) => scale(out, self.dtype, self.pre),
+                    None => out.fill(0),
+                }
+                self.reduce(out, self.dtype, hier, self.post, bufs)
+            }
+        };
         // Nothing is left to copy or scale: an empty COMPLETE keeps every
         // allreduce's rows alike on the timeline.
         bufs.mark("COMPLETE", Instant::now());
@@ -618,7 +636,8 @@ fn allgather(
 
 /// Where a gather, an exchange or a reduce-scatter writes its result of `nbytes`: the
 /// caller's output when it gave one of that size (host memory, written in place),
-/// else a zeroed buffer of the core's own, left in `own` for the caller to receive.
+/// else a buffer of the core's own from [`pool::take`] (every byte of it is written),
+/// left in `own` for the caller to receive.
 fn result_buffer<'a>(
     entries: &'a [Option<Entry>],
     nbytes: usize,
@@ -628,7 +647,7 @@ fn result_buffer<'a>(
     match given {
         // SAFETY: the front-end keeps the output alive and untouched until completion.
         Some(out) if out.nbytes == nbytes => unsafe { out.bytes_mut() },
-        _ => own.insert(AlignedBuf::zeroed(nbytes)).as_mut_slice(),
+        _ => own.insert(pool::take(nbytes)).as_mut_slice(),
     }
 }
 

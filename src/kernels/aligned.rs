@@ -48,6 +48,11 @@ impl AlignedBuf {
         self.len
     }
 
+    /// Bytes allocated: the most [`AlignedBuf::resize`] can reach without moving.
+    pub fn capacity(&self) -> usize {
+        self.words.len() * 64
+    }
+
     /// True when empty.
     pub fn is_empty(&self) -> bool {
         self.len == 0

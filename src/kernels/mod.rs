@@ -8,6 +8,7 @@ mod aligned;
 pub mod clock;
 mod convert;
 pub mod dgc;
+pub mod pool;
 
 pub use aligned::AlignedBuf;
 pub use convert::{first_nonfinite, from_half, reduce_half_into, round_through_half, to_half};

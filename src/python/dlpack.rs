@@ -4,6 +4,7 @@
 use crate::dtype::DataType;
 use crate::engine::{Device, OwnedTensor, TensorView};
 use crate::error::{PerseusError, Result};
+use crate::kernels::pool;
 use pyo3::ffi;
 use pyo3::prelude::*;
 use std::ffi::{c_void, CStr};
@@ -177,7 +178,28 @@ struct Holder {
 
 unsafe extern "C" fn delete_holder(m: *mut DLManagedTensor) {
     // SAFETY: manager_ctx is the Box<Holder> leaked in `capsule`.
-    drop(Box::from_raw((*m).manager_ctx as *mut Holder));
+    let h = Box::from_raw((*m).manager_ctx as *mut Holder);
+    // The memory stays faulted in for the next output of its size.
+    pool::give(h.tensor.buf);
+}
+
+/// A new contiguous host tensor shaped and typed like the one capsule `like`
+/// describes, as a capsule. Its memory comes from the output pool (its contents are
+/// unspecified): the out-of-place operations' outputs, which the caller fills.
+/// A device tensor's capsule is refused: the pool is host memory.
+pub fn empty_like(py: Python<'_>, like: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
+    let v = view(like).map_err(super::errors::to_py)?;
+    if v.device != Device::Cpu {
+        return Err(super::errors::to_py(PerseusError::InvalidArgument(
+            "empty_like: the output pool holds host memory only".into(),
+        )));
+    }
+    let tensor = OwnedTensor {
+        buf: pool::take(v.nbytes),
+        dtype: v.dtype,
+        shape: v.shape,
+    };
+    capsule(py, tensor)
 }
 
 unsafe extern "C" fn capsule_destructor(cap: *mut ffi::PyObject) {

@@ -296,6 +296,13 @@ fn flight_record() -> PyResult<Vec<FlightRow>> {
         .collect())
 }
 
+/// A new host tensor shaped and typed like capsule `like`'s, from the output pool
+/// (contents unspecified), as a capsule; see `kernels::pool`.
+#[pyfunction]
+fn empty_like(py: Python<'_>, like: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
+    dlpack::empty_like(py, like)
+}
+
 /// What the engine has done so far on this rank (see `Engine::counters`).
 #[pyfunction]
 fn counters() -> PyResult<BTreeMap<String, u64>> {
@@ -570,6 +577,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cross_size, m)?)?;
     m.add_function(wrap_pyfunction!(config, m)?)?;
     m.add_function(wrap_pyfunction!(counters, m)?)?;
+    m.add_function(wrap_pyfunction!(empty_like, m)?)?;
+    m.add("POOL_MIN_BYTES", crate::kernels::pool::POOL_MIN_BYTES)?;
     m.add_function(wrap_pyfunction!(config_notes, m)?)?;
     m.add_function(wrap_pyfunction!(log, m)?)?;
     m.add_function(wrap_pyfunction!(_debug_panic, m)?)?;

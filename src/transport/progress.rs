@@ -83,6 +83,9 @@ pub struct Recv<'a> {
     peer: usize,
     hdr: [u8; HEADER],
     data: &'a mut [u8],
+    /// A reducing receive's other operand when it is not `data` itself:
+    /// `data[i] = op(base[i], msg[i])` (same length as `data`).
+    base: Option<&'a [u8]>,
     pos: usize,
     landing: Landing,
     staging: Option<(AlignedBuf, usize)>,
@@ -95,6 +98,7 @@ impl<'a> Recv<'a> {
             peer,
             hdr: [0; HEADER],
             data,
+            base: None,
             pos: 0,
             landing: Landing::Copy,
             staging: None,
@@ -116,6 +120,23 @@ impl<'a> Recv<'a> {
         Recv {
             landing: Landing::Reduce(dtype, op, factor),
             ..Recv::new(peer, data)
+        }
+    }
+    /// [`Recv::reducing_scaled`] with the other operand elsewhere: `data[i] =
+    /// op(base[i], msg[i]) * factor`, so an out-of-place reduction writes its
+    /// output once instead of copying its input there first.
+    pub fn reducing_onto(
+        peer: usize,
+        data: &'a mut [u8],
+        base: &'a [u8],
+        dtype: DataType,
+        op: ReduceOp,
+        factor: f64,
+    ) -> Self {
+        assert_eq!(data.len(), base.len(), "reducing_onto: lengths differ");
+        Recv {
+            base: Some(base),
+            ..Recv::reducing_scaled(peer, data, dtype, op, factor)
         }
     }
     /// A float16 message from rank `peer` for the float32 buffer `data`:
@@ -159,18 +180,36 @@ impl<'a> Recv<'a> {
     /// Delivers a whole payload at once (in-memory transports in tests).
     pub fn deliver(&mut self, msg: &[u8]) {
         assert_eq!(msg.len(), self.wire_len(), "message length");
-        land(self.landing, self.data, msg);
+        land(self.landing, self.data, self.base, msg);
         self.pos = self.total();
     }
 }
 
-/// Lands payload bytes `src` on `dst` (the matching part of the data).
-fn land(landing: Landing, dst: &mut [u8], src: &[u8]) {
+/// Bytes of a reduction onto a separate base done at a time: the base's block
+/// is copied to the destination, then reduced there while still in cache.
+const BASE_BLOCK: usize = 8 << 10;
+
+/// Lands payload bytes `src` on `dst` (the matching part of the data), with
+/// `base` the matching part of a reducing receive's other operand, if apart.
+fn land(landing: Landing, dst: &mut [u8], base: Option<&[u8]>, src: &[u8]) {
     match landing {
         Landing::Copy => dst.copy_from_slice(src),
         Landing::Reduce(dtype, op, factor) => {
-            reduce_into(dst, src, dtype, op);
-            scale(dst, dtype, factor);
+            let Some(base) = base else {
+                reduce_into(dst, src, dtype, op);
+                scale(dst, dtype, factor);
+                return;
+            };
+            let block = BASE_BLOCK - BASE_BLOCK % dtype.size();
+            for ((d, b), s) in dst
+                .chunks_mut(block)
+                .zip(base.chunks(block))
+                .zip(src.chunks(block))
+            {
+                d.copy_from_slice(b);
+                reduce_into(d, s, dtype, op);
+                scale(d, dtype, factor);
+            }
         }
         Landing::Widen(Some(op)) => reduce_half_into(dst, src, op),
         Landing::Widen(None) => from_half(dst, src, 1.0),
@@ -289,11 +328,13 @@ fn recv_landing(l: &Link, r: &mut Recv<'_>, off: usize, landing: Landing) -> Res
     };
     if let Link::Shm { seg, me, peer, .. } = l {
         let dst = &mut r.data[off * widen..];
+        let base = r.base.map(|b| &b[off * widen..]);
         let ring = seg.ring(*peer, *me);
         return io(
             r.peer,
             ring.consume(dst.len() / widen, es, |at, src| {
-                land(landing, &mut dst[at * widen..(at + src.len()) * widen], src)
+                let part = at * widen..(at + src.len()) * widen;
+                land(landing, &mut dst[part.clone()], base.map(|b| &b[part]), src)
             }),
         );
     }
@@ -312,9 +353,11 @@ fn recv_landing(l: &Link, r: &mut Recv<'_>, off: usize, landing: Landing) -> Res
     };
     let have = *carry + n;
     let whole = have - have % es;
+    let part = landed * widen..(landed + whole) * widen;
     land(
         landing,
-        &mut r.data[landed * widen..(landed + whole) * widen],
+        &mut r.data[part.clone()],
+        r.base.map(|b| &b[part]),
         &buf.as_slice()[..whole],
     );
     buf.as_mut_slice().copy_within(whole..have, 0);

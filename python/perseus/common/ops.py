@@ -198,6 +198,17 @@ def _after_shutdown():
     _inflight.clear()
 
 
+#: Outputs of at least this many bytes are worth taking from :func:`empty_like`.
+POOL_MIN_BYTES = _core.POOL_MIN_BYTES
+
+
+def empty_like(capsule):
+    """A new contiguous host tensor (as a capsule) shaped and typed like ``capsule``'s,
+    from the core's pool of memory already faulted in; it returns there when the
+    framework frees it. Contents unspecified: for outputs the caller overwrites."""
+    return _core.empty_like(capsule)
+
+
 def _prepare(name, process_set):
     # No check_initialized() here: the core raises the same ValueError, and this is
     # the per-tensor hot path.

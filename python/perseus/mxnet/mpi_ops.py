@@ -180,6 +180,17 @@ def _group_names(name, n):
 
 # --------------------------------------------------------------------------- allreduce
 
+def _new_output(tensor):
+    """A new NDArray like ``tensor`` for an out-of-place result (contents unspecified).
+    Large host arrays come from the core's pool of memory already faulted in, to which
+    they return when freed (a fresh allocation faults in every page again)."""
+    if (tensor.context.device_type == "cpu"
+            and tensor.size * np.dtype(tensor.dtype).itemsize >= _ops.POOL_MIN_BYTES):
+        cap = _ops.empty_like(_export(tensor.to_dlpack_for_read()))
+        return mx.nd.from_dlpack(_retag(cap, _CORE_BOOL, _MX_BOOL))
+    return mx.nd.empty(tensor.shape, ctx=tensor.context, dtype=tensor.dtype)
+
+
 def _allreduce_into(tensor, output, name, op, prescale_factor, postscale_factor, process_set,
                     gradient=False):
     """Start reducing ``tensor`` into ``output`` (the same array: in place)."""
@@ -204,7 +215,7 @@ def allreduce(tensor, average=None, name=None, priority=0, prescale_factor=1.0,
     ranks (default: the call order, the same on every rank).
     """
     op = _ops.resolve_op(op, average)
-    output = mx.nd.empty(_check(tensor).shape, ctx=tensor.context, dtype=tensor.dtype)
+    output = _new_output(_check(tensor))
     return _allreduce_into(tensor, output, name, op, prescale_factor, postscale_factor,
                            process_set).wait()
 
@@ -283,7 +294,9 @@ def broadcast(tensor, root_rank, name=None, priority=0, process_set=global_proce
     """``root_rank``'s value of ``tensor`` (a rank of the job, in the set), as a new NDArray
     (not recorded by autograd, as no collective here is)."""
     with mx.autograd.pause():
-        out = _check(tensor).copy()
+        out = _new_output(_check(tensor))
+        if _basics.rank() == root_rank:  # elsewhere the broadcast overwrites all of it
+            tensor.copyto(out)
     return _broadcast_into(out, root_rank, name, process_set, tensor).wait()
 
 

@@ -162,6 +162,24 @@ def concatenating_allgather(r, n, dtype):
     check(b, np.concatenate(other), dtype, "grouped_allgather (concatenated) 1")
 
 
+def large_outputs(r, n):
+    """Results of at least a MiB come from the core's pool of memory (float32, and bool
+    retagged both ways): values right, and outputs held at once apart."""
+    rows = (1 << 20) // 12 + 5
+    for dtype in ("float32", "bool"):
+        inputs = [value(i, rows, dtype) for i in range(n)]
+        x = nd(inputs[r], dtype)
+        op = hvd.Max if dtype == "bool" else hvd.Sum
+        held = [hvd.allreduce(x, op=op, name=f"big.{dtype}.{k}") for k in range(2)]
+        for out in held:
+            check(out, reduced(inputs, op, dtype), dtype, f"large allreduce {dtype}")
+        check(hvd.broadcast(x, n - 1, name=f"big.bcast.{dtype}"), inputs[n - 1], dtype,
+              f"large broadcast {dtype}")
+        check(x, inputs[r], dtype, f"large broadcast left its input alone {dtype}")
+        held[0][:] = 0
+        check(held[1], reduced(inputs, op, dtype), dtype, f"a held output kept {dtype}")
+
+
 def not_recorded(r, n):
     """Under autograd.record() the collectives' results are not in the graph: backward
     through one raises MXNetError and leaves the input's gradient alone."""
@@ -188,6 +206,7 @@ def main():
         broadcasts(r, n, dtype)
         alltoalls(r, n, dtype)
         reducescatters(r, n, dtype)
+    large_outputs(r, n)
     not_recorded(r, n)
     hvd.shutdown()
     os.environ["PERSEUS_CHANGE_HVD_ALLGATHER"] = "1"

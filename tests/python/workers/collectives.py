@@ -256,6 +256,57 @@ def check_reducescatter(r, n):
     close(hvd.reducescatter(inputs[r]), full[start:start + sizes[r]] / n, "default op: Average")
 
 
+def _rss_bytes():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_large_outputs(r, n):
+    """Out-of-place results of at least POOL_MIN_BYTES come from the core's pool: values
+    right for every op that makes one, outputs held at once never share memory, a freed
+    one's memory serves the next, and many calls do not grow the process."""
+    rows = (3 << 20) // 64 + 7  # 16 float32 per row: over 3 MiB, not a multiple of n
+    x = torch.arange(rows * 16, dtype=torch.float32).reshape(rows, 16) % 1000
+    mine = x + r
+    total = sum(x + i for i in range(n))
+    held = [hvd.allreduce(mine, op=hvd.Sum, name="big.sum"),
+            hvd.allreduce(mine, op=hvd.Average, name="big.avg"),
+            hvd.allreduce(mine.double(), op=hvd.Max, name="big.max")]
+    close(held[0], total, "large allreduce sum")
+    close(held[1], total / n, "large allreduce average")
+    close(held[2], (x + n - 1).double(), "large allreduce max")
+    close(mine, x + r, "large allreduce input untouched")
+    ptrs = {t.data_ptr() for t in held} | {mine.data_ptr()}
+    assert len(ptrs) == 4, "outputs held at once share memory"
+    close(hvd.broadcast(mine, n - 1, name="big.bcast"), x + n - 1, "large broadcast")
+    close(mine, x + r, "large broadcast input untouched")
+    parts = [x + i for i in range(n)]
+    close(hvd.allgather(mine, name="big.gather"),
+          torch.stack(parts) if MODE == "0" else torch.cat(parts), "large allgather")
+    sizes = [rows // n + (1 if i < rows % n else 0) for i in range(n)]
+    start = sum(sizes[:r])
+    close(hvd.reducescatter(mine, op=hvd.Sum, name="big.rs"), total[start:start + sizes[r]],
+          "large reducescatter")
+    got, _ = hvd.alltoall(mine, splits=sizes, name="big.a2a")
+    close(got, torch.cat([(x + i)[start:start + sizes[r]] for i in range(n)]), "large alltoall")
+    # A freed output's memory serves the next out-of-place result of its size.
+    first = held.pop(0)
+    at = first.data_ptr()
+    del first
+    again = hvd.allreduce(mine, op=hvd.Sum, name="big.sum")
+    assert again.data_ptr() == at, "a freed output's memory was not reused"
+    close(again, total, "large allreduce from reused memory")
+    del held, again
+    # Many calls: the process stays the size it was after the first few.
+    for i in range(210):
+        out = hvd.allreduce(mine, op=hvd.Sum, name="big.sum")
+        if i == 9:
+            base = _rss_bytes()
+    close(out, total, "large allreduce after many calls")
+    grown = _rss_bytes() - base
+    assert grown < 16 << 20, f"200 large allreduces grew the process by {grown >> 20} MiB"
+
+
 def check_objects(r, n):
     obj = {"rank": r, "items": list(range(r + 1)), "text": "x" * (r * 100)}
     for root in range(n):
@@ -508,6 +559,7 @@ def main():
     check_broadcast(r, n)
     check_alltoall(r, n)
     check_reducescatter(r, n)
+    check_large_outputs(r, n)
     hvd.barrier()
     check_objects(r, n)
     check_join(r, n)

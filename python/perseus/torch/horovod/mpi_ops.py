@@ -102,6 +102,17 @@ def _export(tensor):
     return t, _capsule(t)
 
 
+def _new_output(tensor):
+    """A new contiguous tensor like ``tensor`` for an out-of-place result (contents
+    unspecified). Large host tensors come from the core's pool of memory already
+    faulted in, to which they return when freed: a fresh allocation would fault in
+    every page again, which costs more than the collective."""
+    if (tensor.is_cpu and tensor.is_contiguous()
+            and tensor.numel() * tensor.element_size() >= _ops.POOL_MIN_BYTES):
+        return torch.from_dlpack(_ops.empty_like(_to_dlpack(tensor.detach())))
+    return torch.empty_like(tensor, memory_format=torch.contiguous_format)
+
+
 def _in_place(tensor):
     """Buffer, capsule and finish callback for an operation writing into ``tensor``."""
     if tensor.is_contiguous():
@@ -171,7 +182,7 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
     """
     op = _ops.resolve_op(op, average)
     _check_tensor(tensor)
-    output = torch.empty_like(tensor, memory_format=torch.contiguous_format)
+    output = _new_output(tensor)
     return _allreduce_async(tensor, output, name, op, prescale_factor, postscale_factor,
                             process_set)
 
@@ -409,7 +420,9 @@ def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set
     rank must submit the same dtype and shape under one name.
     """
     _check_tensor(tensor)
-    out = tensor.detach().clone(memory_format=torch.contiguous_format)
+    out = _new_output(tensor)
+    if _basics.rank() == root_rank:  # elsewhere the broadcast overwrites all of it
+        out.copy_(tensor.detach())
     return _ops.broadcast_async(_capsule(out), root_rank=root_rank, name=name,
                                 process_set=process_set, keep=(tensor, out),
                                 finish=lambda _h: out)
