@@ -14,6 +14,7 @@ import os
 import allreduce_sweep
 import harness
 import memory
+import negotiation
 import out_of_place
 import small_ops
 import switches
@@ -197,6 +198,8 @@ def render(data, png=PNG, pages_dir=None):
                                ("memory", "Memory", memory),
                                ("outofplace", "Out-of-place collectives (issue 45)",
                                 out_of_place),
+                               ("negotiation", "Negotiation at scale, by counts (issue 45)",
+                                negotiation),
                                ("switches", "The PERSEUS_* switches (issue 5)", switches)):
         if data.get(key):
             lines += [f"## {title}", "", describe(module),

@@ -2,12 +2,14 @@
 docs/benchmarks_allreduce.png.
 
     python benchmarks/run_all.py [--quick]
-                                 [--only sweep small training memory outofplace switches]
+                                 [--only sweep small training memory outofplace negotiation
+                                        switches]
                                  [--timeout SECONDS]
 
 Runs, one job at a time: the allreduce sweep (allreduce_sweep.py, 2, 3 and 4 ranks), the
 small-tensor benchmarks (small_ops.py), training throughput (training.py), memory
-growth (memory.py), out-of-place against in-place collectives (out_of_place.py), each
+growth (memory.py), out-of-place against in-place collectives (out_of_place.py),
+control-plane traffic per step at 2-32 ranks (negotiation.py), each
 Perseus implementation beside the peers, and the effect of each PERSEUS_* switch
 (switches.py). ``--quick`` is a smoke
 run of a few minutes that writes benchmarks/results/quick/ and never replaces the
@@ -24,13 +26,14 @@ import time
 import allreduce_sweep
 import harness
 import memory
+import negotiation
 import out_of_place
 import report
 import small_ops
 import switches
 import training
 
-PARTS = ("sweep", "small", "training", "memory", "outofplace", "switches")
+PARTS = ("sweep", "small", "training", "memory", "outofplace", "negotiation", "switches")
 
 
 def run_part(part, quick, timeout):
@@ -46,6 +49,9 @@ def run_part(part, quick, timeout):
     if part == "switches":
         return switches.run(steps=5 if quick else 40, size=(1 << 20) if quick else (64 << 20),
                             quick=quick, timeout=timeout)
+    if part == "negotiation":
+        return negotiation.run(ranks=(2, 8) if quick else (2, 8, 16, 32),
+                               steps=3 if quick else 10, timeout=timeout)
     if part == "outofplace":
         sizes = [16 << 20] if quick else [16 << 20, 64 << 20, 256 << 20]
         return out_of_place.run(sizes=sizes, count=1000 if quick else 10_000, timeout=timeout)

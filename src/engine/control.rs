@@ -12,7 +12,7 @@ use super::message::{
 use super::outgoing::Outgoing;
 use crate::error::{PerseusError, Result};
 use crate::transport::Control;
-use crate::wire::{framed, FrameReader};
+use crate::wire::{framed, FrameReader, HEADER};
 use std::collections::BTreeMap;
 use std::io::Write;
 use std::net::TcpStream;
@@ -32,6 +32,27 @@ const MORE: u16 = 0x10;
 /// A batch of requests or responses goes as frames of at most about this many
 /// bytes ([`in_parts`]), far below the frame limit whatever the batch.
 const FRAME_BYTES: usize = 1 << 20;
+
+/// Frames and bytes (headers included) that crossed control streams one way.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Traffic {
+    /// Frames.
+    pub frames: u64,
+    /// Bytes, frame headers included.
+    pub bytes: u64,
+}
+
+impl Traffic {
+    fn add(&mut self, other: Traffic) {
+        self.frames += other.frames;
+        self.bytes += other.bytes;
+    }
+
+    fn frame(&mut self, payload: usize) {
+        self.frames += 1;
+        self.bytes += (HEADER + payload) as u64;
+    }
+}
 
 /// One non-blocking control stream, the frame it is in the middle of reading,
 /// and what waits to be written.
@@ -60,6 +81,9 @@ pub struct Stream {
     moved: Instant,
     /// How long the queue may stand still before the peer counts as gone.
     timeout: Duration,
+    /// What this end queued to send, and what it received, so far.
+    sent: Traffic,
+    received: Traffic,
 }
 
 impl Stream {
@@ -75,6 +99,8 @@ impl Stream {
             written: 0,
             moved: Instant::now(),
             timeout,
+            sent: Traffic::default(),
+            received: Traffic::default(),
         })
     }
 
@@ -107,6 +133,7 @@ impl Stream {
         }
         let mut whole = Vec::new();
         for (k, p) in frames {
+            self.received.frame(p.len());
             if k == kind | MORE {
                 self.partial.push(p);
             } else if k == kind {
@@ -132,6 +159,7 @@ impl Stream {
         let last = parts.len() - 1;
         for (i, part) in parts.iter().enumerate() {
             let k = if i == last { kind } else { kind | MORE };
+            self.sent.frame(part.len());
             self.out.extend_from_slice(&framed(k, part));
         }
     }
@@ -235,6 +263,21 @@ impl Uplink {
             },
             Control::Worker(s) => Uplink::Worker(Some(Stream::new(s, timeout)?)),
         })
+    }
+
+    /// What this rank's control streams sent and received so far (a
+    /// coordinator's own requests and answers cross no stream).
+    pub fn traffic(&self) -> (Traffic, Traffic) {
+        let (mut sent, mut received) = (Traffic::default(), Traffic::default());
+        let streams: Vec<&Stream> = match self {
+            Uplink::Coordinator { workers, .. } => workers.iter().flatten().collect(),
+            Uplink::Worker(s) => s.iter().collect(),
+        };
+        for s in streams {
+            sent.add(s.sent);
+            received.add(s.received);
+        }
+        (sent, received)
     }
 
     /// Reads, without blocking, every whole frame the streams hold.

@@ -102,6 +102,12 @@ struct Counters {
     nccl_operations: AtomicU64,
     autotune_changes: AtomicU64,
     stall_warnings: AtomicU64,
+    control_frames_sent: AtomicU64,
+    control_bytes_sent: AtomicU64,
+    control_frames_received: AtomicU64,
+    control_bytes_received: AtomicU64,
+    vote_messages: AtomicU64,
+    vote_bytes: AtomicU64,
 }
 
 /// A running engine.
@@ -239,7 +245,11 @@ impl Engine {
     /// first (PERSEUS_ALLREDUCE_STREAMS), and `nccl_operations`: collectives
     /// of CUDA tensors carried by NCCL (the device-direct path), and
     /// `autotune_changes`: settings HOROVOD_AUTOTUNE sent this rank, and
-    /// `stall_warnings` (rank 0): stall warnings given.
+    /// `stall_warnings` (rank 0): stall warnings given. The control plane:
+    /// `control_frames_sent`/`_received` and `control_bytes_sent`/`_received`
+    /// (headers included) on the negotiation streams to and from rank 0, and
+    /// `vote_messages` and `vote_bytes` this rank sent in the offline schedule's
+    /// votes (PERSEUS_OFFLINE_NEG).
     pub fn counters(&self) -> BTreeMap<String, u64> {
         let c = &self.shared.counters;
         let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
@@ -258,6 +268,12 @@ impl Engine {
             ("nccl_operations", get(&c.nccl_operations)),
             ("autotune_changes", get(&c.autotune_changes)),
             ("stall_warnings", get(&c.stall_warnings)),
+            ("control_frames_sent", get(&c.control_frames_sent)),
+            ("control_bytes_sent", get(&c.control_bytes_sent)),
+            ("control_frames_received", get(&c.control_frames_received)),
+            ("control_bytes_received", get(&c.control_bytes_received)),
+            ("vote_messages", get(&c.vote_messages)),
+            ("vote_bytes", get(&c.vote_bytes)),
         ]
         .into_iter()
         .map(|(k, v)| (k.to_string(), v))

@@ -13,14 +13,17 @@
 //! progress that were already answered, which the schedule's first pass
 //! skips; otherwise the held requests are sent up as before.
 //!
-//! Running offline, a rank takes the groups in order. Before each it votes
-//! with every other rank (a one-byte max over the mesh, much cheaper than a
-//! trip through rank 0): 0 once it holds the whole group, 1 when it cannot go
-//! on (a request off the schedule: another name, shape, type, reduction or
-//! process set, a barrier, a join, a shutdown; or a caller waiting on a
-//! tensor that a missing one holds back). A 1 from anyone sends every rank
-//! back to negotiation at the same group, with every held request sent up in
-//! order, so nothing is lost and no rank runs a collective the others do not.
+//! Running offline, a rank takes the groups in order. Before the next ones it
+//! votes with every other rank (a one-byte max over the mesh, much cheaper
+//! than a trip through rank 0), saying how many groups in a row it holds
+//! whole, or that it cannot go on (a request off the schedule: another name,
+//! shape, type, reduction or process set, a barrier, a join, a shutdown; or a
+//! caller waiting on a tensor that a missing one holds back). Every rank then
+//! runs as many groups as the rank holding the fewest, so one vote serves a
+//! whole step when its gradients are all in. A rank that cannot go on sends
+//! every rank back to negotiation at the same group, with every held request
+//! sent up in order, so nothing is lost and no rank runs a collective the
+//! others do not.
 
 use super::message::{OpKind, Request, Response};
 use super::outgoing::Outgoing;
@@ -301,6 +304,34 @@ impl Schedule {
     pub fn advance(&mut self) {
         self.pos += 1;
     }
+
+    /// How many of the groups [`Schedule::next`] would return from here, in a row
+    /// (at most as many as the schedule has), `ready` accepts.
+    pub fn ready_ahead(&self, ready: impl Fn(&Response) -> bool) -> usize {
+        let (mut pos, mut first_pass, mut count) = (self.pos, !self.skip.is_empty(), 0);
+        // A first pass may skip whole groups; the second has none to skip.
+        for _ in 0..2 * self.groups.len() {
+            if count == self.groups.len() {
+                break;
+            }
+            if pos == self.groups.len() {
+                pos = 0;
+                first_pass = false;
+            }
+            let g = if first_pass {
+                without(&self.groups[pos], &self.skip)
+            } else {
+                Some(self.groups[pos].clone())
+            };
+            pos += 1;
+            match g {
+                None => continue,
+                Some(g) if ready(&g) => count += 1,
+                Some(_) => break,
+            }
+        }
+        count
+    }
 }
 
 /// `g` less the tensors named in `skip`; `None` when nothing is left.
@@ -472,5 +503,35 @@ mod tests {
             })
             .collect();
         assert_eq!(order, vec![vec!["c"], vec!["a"], vec!["b"], vec!["c"]]);
+    }
+
+    #[test]
+    fn groups_ready_ahead_are_counted_in_order_within_one_pass() {
+        let mut c = Coordinator::new(2, 1 << 20).with_offline(true);
+        step(&mut c, &["a", "b", "c"]);
+        step(&mut c, &["a", "b", "c"]);
+        let groups = offer_of(&step(&mut c, &["a", "b", "c"])).unwrap();
+        let held = |names: &[&str]| {
+            let names: Vec<String> = names.iter().map(|n| n.to_string()).collect();
+            move |g: &Response| match g {
+                Response::Op { names: ns, .. } => ns.iter().all(|n| names.contains(n)),
+                _ => false,
+            }
+        };
+        // First pass without "a": "b", "c", then the next pass's "a" and so on.
+        let s = Schedule::new(groups.clone(), vec!["a".into()]);
+        assert_eq!(s.ready_ahead(held(&["b", "c"])), 2);
+        assert_eq!(s.ready_ahead(held(&["c"])), 0, "the first group is missing");
+        assert_eq!(
+            s.ready_ahead(held(&["a", "b", "c"])),
+            3,
+            "as many as the schedule has"
+        );
+        let s = Schedule::new(groups, vec![]);
+        assert_eq!(
+            s.ready_ahead(held(&["a", "c"])),
+            1,
+            "stops at the first missing"
+        );
     }
 }

@@ -19,7 +19,7 @@ mod progress;
 pub mod shm;
 
 pub use connect::{connect_mesh, Control, MeshParts};
-pub use progress::{Recv, Send};
+pub use progress::{message_bytes, Recv, Send};
 
 use crate::error::{PerseusError, Result};
 use shm::Segment;

@@ -26,6 +26,11 @@ fn pad(len: usize) -> usize {
     (8 - len % 8) % 8
 }
 
+/// Bytes a message of `len` payload bytes takes on a link: header, payload, padding.
+pub fn message_bytes(len: usize) -> usize {
+    HEADER + len + pad(len)
+}
+
 /// One outgoing message: a header, then `data`, then padding.
 pub struct Send<'a> {
     peer: usize,
@@ -45,7 +50,7 @@ impl<'a> Send<'a> {
         }
     }
     fn total(&self) -> usize {
-        HEADER + self.data.len() + pad(self.data.len())
+        message_bytes(self.data.len())
     }
     fn done(&self) -> bool {
         self.pos == self.total()
@@ -156,7 +161,7 @@ impl<'a> Recv<'a> {
         }
     }
     fn total(&self) -> usize {
-        HEADER + self.wire_len() + pad(self.wire_len())
+        message_bytes(self.wire_len())
     }
     fn done(&self) -> bool {
         self.pos == self.total()

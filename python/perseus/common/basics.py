@@ -146,8 +146,12 @@ def counters():
     PERSEUS_OFFLINE_NEG, without asking the coordinator), ``bytes_extra_streams``
     (payload bytes sent on streams other than the first, PERSEUS_ALLREDUCE_STREAMS),
     ``nccl_operations`` (collectives of CUDA tensors NCCL carried, docs/gpu.md),
-    ``autotune_changes`` (settings HOROVOD_AUTOTUNE sent this rank), and
-    ``stall_warnings`` (rank 0: stall warnings given)."""
+    ``autotune_changes`` (settings HOROVOD_AUTOTUNE sent this rank),
+    ``stall_warnings`` (rank 0: stall warnings given), and the control plane:
+    ``control_frames_sent``, ``control_bytes_sent``, ``control_frames_received`` and
+    ``control_bytes_received`` (frame headers included) on the negotiation streams to
+    and from rank 0, and ``vote_messages`` and ``vote_bytes`` this rank sent in the
+    offline schedule's votes (PERSEUS_OFFLINE_NEG)."""
     check_initialized()
     return dict(_core.counters())
 

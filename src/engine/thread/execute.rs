@@ -44,6 +44,8 @@ impl State {
     }
 
     pub(super) fn execute(&mut self, mut resp: Response) {
+        // What negotiated this operation is in the counters before a caller wakes.
+        self.note_traffic();
         if let Response::Op {
             kind: OpKind::Allreduce,
             plan,

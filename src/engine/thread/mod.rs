@@ -158,6 +158,7 @@ impl State {
                 self.parked.append(&mut held);
             }
             let answered = self.receive(&mut held);
+            self.note_traffic();
             self.check_stalls();
             if self.exit {
                 return;
@@ -339,46 +340,72 @@ impl State {
     }
 
     /// Runs the offline schedule as far as the held requests allow: before
-    /// each group every rank votes; one that cannot go on sends all back to
-    /// negotiation. True when it did something.
+    /// the next groups every rank votes; one that cannot go on sends all back
+    /// to negotiation. True when it did something.
     fn run_offline(&mut self) -> bool {
         let mut did = false;
         while let Mode::Running(schedule) = &mut self.mode {
             if self.exit {
                 break;
             }
-            let group = schedule.next();
-            let Response::Op { names, .. } = &group else {
-                break;
-            };
             let off = self.parked.iter().any(|r| !schedule.fits(r));
             let held: HashSet<&str> = self.parked.iter().map(|r| r.name.as_str()).collect();
-            let whole = !off && names.iter().all(|n| held.contains(n.as_str()));
-            let count = names.len();
+            let ready = if off {
+                0
+            } else {
+                schedule.ready_ahead(|g| match g {
+                    Response::Op { names, .. } => names.iter().all(|n| held.contains(n.as_str())),
+                    _ => false,
+                })
+            };
             drop(held);
-            if !whole && !off && !self.caller_blocked() {
+            if ready == 0 && !off && !self.caller_blocked() {
                 break;
             }
             did = true;
-            let voted = offline_vote(&self.mesh, &mut self.uplink, &mut self.local, whole);
+            let voted = offline_vote(&self.mesh, &mut self.uplink, &mut self.local, ready);
+            let voted = voted.map(|(k, sent)| {
+                let c = &self.shared.counters;
+                c.vote_messages.fetch_add(sent as u64, Ordering::Relaxed);
+                let each = crate::transport::message_bytes(1) as u64;
+                c.vote_bytes
+                    .fetch_add(sent as u64 * each, Ordering::Relaxed);
+                k
+            });
             match voted {
                 Err(e) => self.fail_all(e),
-                Ok(false) => self.fall_back(),
-                Ok(true) => {
-                    if let Mode::Running(s) = &mut self.mode {
+                Ok(0) => self.fall_back(),
+                Ok(k) => {
+                    for _ in 0..k {
+                        let Mode::Running(s) = &mut self.mode else {
+                            break;
+                        };
+                        let group = s.next();
                         s.advance();
+                        if let Response::Op { names, .. } = &group {
+                            let ran: HashSet<&String> = names.iter().collect();
+                            self.parked.retain(|r| !ran.contains(&r.name));
+                            let skipped = &self.shared.counters.negotiations_skipped;
+                            skipped.fetch_add(names.len() as u64, Ordering::Relaxed);
+                        }
+                        self.execute(group);
                     }
-                    if let Response::Op { names, .. } = &group {
-                        let ran: HashSet<&String> = names.iter().collect();
-                        self.parked.retain(|r| !ran.contains(&r.name));
-                    }
-                    let skipped = &self.shared.counters.negotiations_skipped;
-                    skipped.fetch_add(count as u64, Ordering::Relaxed);
-                    self.execute(group);
                 }
             }
         }
         did
+    }
+
+    /// Publishes what the control streams carried so far (`Engine::counters`).
+    pub(super) fn note_traffic(&self) {
+        let (sent, received) = self.uplink.traffic();
+        let c = &self.shared.counters;
+        c.control_frames_sent.store(sent.frames, Ordering::Relaxed);
+        c.control_bytes_sent.store(sent.bytes, Ordering::Relaxed);
+        c.control_frames_received
+            .store(received.frames, Ordering::Relaxed);
+        c.control_bytes_received
+            .store(received.bytes, Ordering::Relaxed);
     }
 
     /// True when a caller waits on a held tensor: its group cannot complete
@@ -442,6 +469,7 @@ impl State {
                 }
             }
         }
+        self.note_traffic();
     }
 
     fn finish(&self, ps: &u32, name: &str, handle: u64, r: Result<Output>) {
@@ -484,16 +512,22 @@ fn lost_coordinator(why: &str) -> PerseusError {
     ))
 }
 
-/// One offline vote with every rank (the largest of one byte each: 0 to go on, 1 to
-/// leave the schedule); true when all said 0. Peers may be busy computing for a long
-/// time, so it waits patiently, reading the control streams meanwhile: a lost rank or
-/// an abort ends it with that error.
+/// An offline vote's byte for "cannot go on": an offer of `k` groups is this less `k`.
+const VOTE_LEAVE: u8 = u8::MAX;
+
+/// One offline vote with every rank: each offers how many groups in a row it holds
+/// whole (`ready`; 0: it cannot go on), and all learn the fewest offered, which is how
+/// many groups every rank now runs (0: all leave the schedule). It travels as the
+/// largest of one byte each, [`VOTE_LEAVE`] less the offer; also returned: the
+/// messages this rank sent for it. Peers may be busy
+/// computing for a long time, so it waits patiently, reading the control streams
+/// meanwhile: a lost rank or an abort ends it with that error.
 fn offline_vote(
     mesh: &Mesh,
     uplink: &mut Uplink,
     local: &mut Vec<Response>,
-    go: bool,
-) -> Result<bool> {
+    ready: usize,
+) -> Result<(usize, usize)> {
     let mut alive = || -> Result<()> {
         for inc in uplink.receive() {
             match inc {
@@ -525,5 +559,7 @@ fn offline_vote(
         }
         Ok(())
     };
-    collective::patient_max(mesh, u8::from(!go), &mut alive).map(|max| max == 0)
+    let mine = VOTE_LEAVE - ready.min(usize::from(VOTE_LEAVE - 1)) as u8;
+    collective::patient_max(mesh, mine, &mut alive)
+        .map(|(max, sent)| (usize::from(VOTE_LEAVE - max), sent))
 }

@@ -24,7 +24,9 @@ def main():
                        "cache_hits", "bytes_intra_host", "bytes_inter_host",
                        "compression_resends", "negotiations_skipped",
                        "bytes_extra_streams", "nccl_operations", "autotune_changes",
-                       "stall_warnings"}, c0
+                       "stall_warnings", "control_frames_sent", "control_bytes_sent",
+                       "control_frames_received", "control_bytes_received",
+                       "vote_messages", "vote_bytes"}, c0
 
     # One 1 MiB allreduce: a ring moves (n-1)/n of the buffer in each of its two
     # phases from every rank, 2(n-1) MiB over the whole job; no byte leaves the host.
@@ -55,6 +57,26 @@ def main():
         hvd.allreduce(torch.ones(4), name="steady")
     d = delta(before, hvd.counters())
     assert d["cache_hits"] == (0 if r == 0 else 4), (r, d)
+
+    # The control plane, frame by frame: each cached request is one frame from a worker
+    # to rank 0 of a header (16 bytes), the batch's count (4), a tag (1) and the id (4).
+    before = hvd.counters()
+    for _ in range(4):
+        hvd.allreduce(torch.ones(4), name="steady")
+    d = delta(before, hvd.counters())
+    cached = 16 + 4 + 1 + 4
+    if r == 0:
+        # (What rank 0 received in the window is not exact: a worker that finished may
+        # already have asked for its next operation.)
+        assert d["control_frames_sent"] == 4 * (n - 1), d
+        assert d["control_bytes_sent"] > 4 * (n - 1) * 16, d
+    else:
+        assert d["control_frames_sent"] == 4 and d["control_bytes_sent"] == 4 * cached, d
+        assert d["control_frames_received"] == 4, d
+    # What rank 0 wrote is what the workers read.
+    assert total(d["control_bytes_received"] if r else 0) == \
+        total(d["control_bytes_sent"] if r == 0 else 0), d
+    assert d["vote_messages"] == 0 and d["vote_bytes"] == 0, d
     hvd.shutdown()
     done(r)
 

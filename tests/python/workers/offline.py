@@ -55,6 +55,9 @@ def settled(i, what):
             d = delta(before)
             assert d["negotiation_messages"] == 0, (what, d)
             assert d["negotiations_skipped"] == len(SIZES), (what, d)
+            # No control frame sent: the groups' votes are all the control traffic.
+            assert d["control_frames_sent"] == 0, (what, d)
+            assert d["vote_messages"] >= 1 and d["vote_bytes"] == 24 * d["vote_messages"], d
             return i + k + 2
     raise AssertionError(f"{what}: never ran offline: {hvd.counters()}")
 
