@@ -74,6 +74,18 @@ def test_seed_003s_ddp_benchmark_under_torch_distributed_launch(ddp):
 
 
 @pytest.mark.timeout(120)
+def test_the_ddp_benchmark_alone_trains_without_a_process_group():
+    # --single: the baseline of benchmarks/resnet_scaling.py, one process, no DDP
+    example = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "examples",
+                           "pytorch_ddp_benchmark.py")
+    cmd = [PY, example, "--single", "--threads", "1", "--num-iters", "1",
+           "--num-batches-per-iter", "1", "--num-warmup-batches", "1", "--batch-size", "4"]
+    rc, out = run(cmd, clean_env(), timeout=100)
+    assert rc == 0 and "1 processes; gradients reduced by none (one process alone)" in out, out
+    assert "Total img/sec on 1 CPU(s)" in out, out
+
+
+@pytest.mark.timeout(120)
 def test_perseusrun_gives_init_process_group_its_variables():
     # three ranks: the average is not a single addition
     assert_ok(*perseusrun("train", n=3), 3)

@@ -7,6 +7,8 @@ own DistributedDataParallel script with one added line, ``import perseus`` (seed
 
 or with ``torchrun --nproc_per_node 2`` or ``perseusrun -np 2 python``. With
 ``PERSEUS_DDP=0`` DDP keeps torch's own communication: the same script measures both.
+``--single`` trains the model alone in one process, without a process group or DDP: the
+baseline of scaling efficiency (benchmarks/resnet_scaling.py).
 
 ``--model`` is a torchvision model name when torchvision is installed (``resnet50``, for
 GPUs) or ``small-resnet`` (the default, for CPUs). Rank 0 prints the rate of each
@@ -37,6 +39,10 @@ def parse_args():
     p.add_argument("--num-batches-per-iter", type=int, default=10)
     p.add_argument("--num-iters", type=int, default=10)
     p.add_argument("--no-cuda", action="store_true", help="train on the CPU")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads per process (default: the cores / local processes)")
+    p.add_argument("--single", action="store_true",
+                   help="one process alone: no process group, no DDP, no communication")
     # torch.distributed.launch without --use_env passes the local rank as an argument.
     p.add_argument("--local-rank", "--local_rank", type=int, default=None,
                    help=argparse.SUPPRESS)
@@ -46,21 +52,24 @@ def parse_args():
 def main():
     args = parse_args()
     cuda = not args.no_cuda and torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
-    rank, size = dist.get_rank(), dist.get_world_size()
+    if args.single:
+        rank, size = 0, 1
+    else:
+        dist.init_process_group("nccl" if cuda else "gloo")
+        rank, size = dist.get_rank(), dist.get_world_size()
     local_rank = args.local_rank if args.local_rank is not None else \
         int(os.environ.get("LOCAL_RANK", "0"))
     local_size = int(os.environ.get("LOCAL_WORLD_SIZE", str(size)))
     if cuda:
         torch.cuda.set_device(local_rank)
     else:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_size))
+        torch.set_num_threads(args.threads or max(1, (os.cpu_count() or 1) // local_size))
     device = torch.device("cuda" if cuda else "cpu")
     image = args.image_size or (64 if args.model == "small-resnet" else 224)
 
     torch.manual_seed(1234)
     model = build_model(args.model).to(device)
-    ddp = DDP(model, device_ids=[local_rank] if cuda else None)
+    ddp = model if args.single else DDP(model, device_ids=[local_rank] if cuda else None)
     optimizer = torch.optim.SGD(ddp.parameters(), lr=0.01 * size)
     data, target = synthetic_batch(args.batch_size, image, device)
 
@@ -75,8 +84,10 @@ def main():
 
     timeit.timeit(step, number=args.num_warmup_batches)
     where = "GPU" if cuda else "CPU"
+    reducer = "none (one process alone)" if args.single else \
+        "Perseus" if perseus_ddp.hooked(ddp) else "torch"
     log(f"Model: {args.model}, batch size {args.batch_size}, {size} processes; "
-        f"gradients reduced by {'Perseus' if perseus_ddp.hooked(ddp) else 'torch'}")
+        f"gradients reduced by {reducer}")
     rates = []
     for i in range(args.num_iters):
         seconds = timeit.timeit(step, number=args.num_batches_per_iter)
@@ -85,6 +96,8 @@ def main():
     mean, spread = np.mean(rates), 1.96 * np.std(rates)
     log(f"Img/sec per {where}: {mean:.1f} +-{spread:.1f}")
     log(f"Total img/sec on {size} {where}(s): {size * mean:.1f} +-{size * spread:.1f}")
+    if args.single:
+        return
     dist.barrier()
     # torch 2.15's gloo teardown can abort at exit ("terminate called without an active
     # exception", PERSEUS_DDP=0 too); every rank is done here.
