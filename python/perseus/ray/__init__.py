@@ -1,0 +1,17 @@
+"""``perseus.ray``: Horovod 0.28's ``horovod.ray`` API on Perseus.
+
+    from perseus.ray import RayExecutor
+
+    settings = RayExecutor.create_settings(timeout_s=30)
+    executor = RayExecutor(settings, num_workers=4, use_gpu=False)
+    executor.start()
+    results = executor.run(train)      # train() calls hvd.init(); one result per rank
+    executor.shutdown()
+
+Ray is optional: it is imported by this package only. Workers are Ray actors; rank 0's
+address and the job's secret reach them through Ray (no ssh).
+"""
+
+from perseus.ray.executor import RayExecutor, RaySettings
+
+__all__ = ["RayExecutor", "RaySettings"]

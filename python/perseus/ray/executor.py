@@ -1,0 +1,220 @@
+"""RayExecutor: a Perseus job whose ranks are Ray actors.
+
+The executor starts one actor per worker (on ``num_hosts`` hosts of
+``num_workers_per_host`` each, through a placement group, or ``num_workers`` wherever Ray
+places them), asks each for its node's address, and gives each its rank the way
+perseusrun does (ranks of one host consecutive, ``perseus.runner.hosts.place``). Rank 0's
+actor picks a free port on its node; every actor then gets the topology, that address and
+port, and a fresh secret as environment variables, so ``hvd.init()`` inside the function
+an actor runs joins the job. A function that fails on one rank ends the run on every
+rank: the executor kills the actors (the others would wait for it in their next
+collective) and raises the failing rank's error, its traceback included.
+"""
+
+import os
+import secrets
+import socket
+from dataclasses import dataclass
+
+from perseus.runner.hosts import Host, place
+
+#: Seconds a placement group may take to be ready, by default (Horovod's).
+PLACEMENT_GROUP_TIMEOUT_S = 100
+
+
+def _ray():
+    try:
+        import ray
+    except ImportError:
+        raise ImportError("perseus.ray needs Ray: pip install 'ray[default]'") from None
+    return ray
+
+
+@dataclass
+class RaySettings:
+    """What :meth:`RayExecutor.create_settings` returns (Horovod's settings object).
+    ``timeout_s`` bounds the job's start (PERSEUS_START_TIMEOUT); the ssh fields are
+    accepted for compatibility and unused, since the actors meet through Ray."""
+
+    timeout_s: int = 30
+    ssh_identity_file: str = None
+    ssh_str: str = None
+    placement_group_timeout_s: int = PLACEMENT_GROUP_TIMEOUT_S
+    nics: set = None
+
+
+class _Worker:
+    """The body of each actor."""
+
+    def __init__(self):
+        self.executable = None
+
+    def node(self):
+        import ray
+
+        return ray.util.get_node_ip_address()
+
+    def free_port(self):
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return s.getsockname()[1]
+
+    def set_env(self, env):
+        os.environ.update(env)
+
+    def start_executable(self, cls, args, kwargs):
+        if cls is not None:
+            self.executable = cls(*(args or ()), **(kwargs or {}))
+
+    def execute(self, fn):
+        return fn(self.executable)
+
+    def run(self, fn, args, kwargs):
+        return fn(*(args or ()), **(kwargs or {}))
+
+
+class RayExecutor:
+    """Runs functions on a Perseus job of Ray actors, as ``horovod.ray.RayExecutor``.
+
+    ``num_workers`` actors (or ``num_hosts`` × ``num_workers_per_host``), each with
+    ``cpus_per_worker`` CPUs and, with ``use_gpu``, ``gpus_per_worker`` GPUs (default 1).
+    Elastic mode (``min_workers``/``max_workers``) is not served yet: it raises
+    NotImplementedError naming it."""
+
+    @classmethod
+    def create_settings(cls, timeout_s=30, ssh_identity_file=None, ssh_str=None,
+                        placement_group_timeout_s=PLACEMENT_GROUP_TIMEOUT_S, nics=None):
+        return RaySettings(timeout_s, ssh_identity_file, ssh_str, placement_group_timeout_s,
+                           nics)
+
+    def __init__(self, settings=None, num_workers=None, num_hosts=None,
+                 num_workers_per_host=1, cpus_per_worker=1, use_gpu=False,
+                 gpus_per_worker=None, use_current_placement_group=True, min_workers=None,
+                 max_workers=None, reset_limit=None, cooldown_range=None,
+                 elastic_timeout=600, override_discovery=True):
+        if min_workers is not None or max_workers is not None:
+            raise NotImplementedError(
+                "RayExecutor's elastic mode (min_workers/max_workers) is not in Perseus yet; "
+                "give num_workers or num_hosts for a job of fixed size")
+        if (num_workers is None) == (num_hosts is None):
+            raise ValueError("RayExecutor needs either num_workers or num_hosts "
+                             "(with num_workers_per_host), not both")
+        for name, value in (("num_workers", num_workers), ("num_hosts", num_hosts),
+                            ("num_workers_per_host", num_workers_per_host),
+                            ("cpus_per_worker", cpus_per_worker)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"RayExecutor: {name} must be a positive int, got {value!r}")
+        self.settings = settings or RaySettings()
+        self.num_hosts = num_hosts
+        self.num_workers_per_host = num_workers_per_host
+        self.num_workers = num_workers if num_workers is not None else \
+            num_hosts * num_workers_per_host
+        self.cpus_per_worker = cpus_per_worker
+        self.gpus_per_worker = (gpus_per_worker or 1) if use_gpu else 0
+        self.use_gpu = use_gpu
+        self.workers = []
+        self._group = None
+
+    # ----------------------------------------------------------------- start, shutdown
+
+    def _actors(self, ray):
+        options = {"num_cpus": self.cpus_per_worker, "num_gpus": self.gpus_per_worker}
+        cls = ray.remote(_Worker)
+        if self.num_hosts is None:
+            return [cls.options(**options).remote() for _ in range(self.num_workers)]
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        per_host = {"CPU": self.cpus_per_worker * self.num_workers_per_host}
+        if self.gpus_per_worker:
+            per_host["GPU"] = self.gpus_per_worker * self.num_workers_per_host
+        self._group = placement_group([per_host] * self.num_hosts, strategy="STRICT_SPREAD")
+        ready, _ = ray.wait([self._group.ready()],
+                            timeout=self.settings.placement_group_timeout_s)
+        if not ready:
+            raise TimeoutError(
+                f"Ray could not place {self.num_hosts} hosts of {per_host} within "
+                f"{self.settings.placement_group_timeout_s} s (placement_group_timeout_s)")
+        return [cls.options(**options, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self._group, placement_group_bundle_index=i // self.num_workers_per_host))
+                .remote() for i in range(self.num_workers)]
+
+    def start(self, executable_cls=None, executable_args=None, executable_kwargs=None,
+              extra_env_vars=None):
+        """Starts the actors and gives each its rank; ``executable_cls(*args, **kwargs)`` is
+        then made on every worker, for :meth:`execute`."""
+        ray = _ray()
+        if not ray.is_initialized():
+            ray.init()
+        actors = self._actors(ray)
+        nodes = ray.get([a.node.remote() for a in actors])
+        # Ranks of one node consecutive, nodes in the order their first actor came.
+        order = sorted(range(len(actors)), key=lambda i: (nodes.index(nodes[i]), i))
+        hosts = []
+        for i in order:
+            if hosts and hosts[-1][0] == nodes[i]:
+                hosts[-1][1] += 1
+            else:
+                hosts.append([nodes[i], 1])
+        slots = place([Host(name, n) for name, n in hosts], len(actors))
+        self.workers = [actors[i] for i in order]
+        port = ray.get(self.workers[0].free_port.remote())
+        common = {"PERSEUS_MASTER_ADDR": slots[0].hostname, "PERSEUS_MASTER_PORT": str(port),
+                  "PERSEUS_SECRET": secrets.token_hex(16),
+                  "PERSEUS_START_TIMEOUT": str(self.settings.timeout_s),
+                  **{k: str(v) for k, v in (extra_env_vars or {}).items()}}
+        ray.get([w.set_env.remote(dict(common, **slot.env()))
+                 for w, slot in zip(self.workers, slots)])
+        ray.get([w.start_executable.remote(executable_cls, executable_args, executable_kwargs)
+                 for w in self.workers])
+
+    def shutdown(self):
+        """Stops every actor (and frees the placement group)."""
+        ray = _ray()
+        for w in self.workers:
+            ray.kill(w)
+        self.workers = []
+        if self._group is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self._group)
+            self._group = None
+
+    # ----------------------------------------------------------------- running
+
+    def _check_started(self):
+        if not self.workers:
+            raise RuntimeError("RayExecutor: call start() before running functions")
+
+    def _gather(self, refs):
+        """Every rank's result, by rank; on the first failure every actor is stopped (the
+        others would wait for the failed rank) and its error raised."""
+        ray = _ray()
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            try:
+                ray.get(done[0])
+            except Exception:
+                self.shutdown()
+                raise
+        return ray.get(list(refs))
+
+    def run_remote(self, fn, args=None, kwargs=None):
+        """Starts ``fn(*args, **kwargs)`` on every worker; returns Ray object refs, by rank."""
+        self._check_started()
+        return [w.run.remote(fn, args, kwargs) for w in self.workers]
+
+    def run(self, fn, args=None, kwargs=None, callbacks=None):
+        """``fn(*args, **kwargs)`` on every worker; returns each rank's result, by rank."""
+        return self._gather(self.run_remote(fn, args, kwargs))
+
+    def execute(self, fn, callbacks=None):
+        """``fn(executable)`` on every worker (the object :meth:`start` made); by rank."""
+        self._check_started()
+        return self._gather([w.execute.remote(fn) for w in self.workers])
+
+    def execute_single(self, fn):
+        """``fn(executable)`` on the worker of rank 0 only."""
+        self._check_started()
+        return _ray().get(self.workers[0].execute.remote(fn))

@@ -1,0 +1,132 @@
+"""perseus.ray.RayExecutor on a Ray cluster of two nodes this module starts on this
+machine (skipped where Ray is not installed)."""
+
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import pytest
+
+# Ray reads its authentication settings when imported: the cluster's token is made first.
+os.environ.setdefault("RAY_AUTH_TOKEN", secrets.token_hex(16))
+os.environ.setdefault("RAY_AUTH_MODE", "token")
+ray = pytest.importorskip("ray")
+pytest.importorskip("torch")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKERS = os.path.join(HERE, "workers")
+PYTHON = os.path.join(os.path.dirname(os.path.dirname(HERE)), "python")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A Ray cluster on this machine of a head and one worker node, each a ``ray start`` of
+    its own, on free ports and with this module's token; ``_ray_cluster.py`` keeps it
+    and stops exactly its processes at the end."""
+    path = os.pathsep.join(p for p in (WORKERS, PYTHON, os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", RAY_USAGE_STATS_ENABLED="0")
+    sys.path.insert(0, WORKERS)
+    tmp = tempfile.mkdtemp(prefix="pr-", dir="/tmp")  # Ray's socket paths must stay short
+    keeper = subprocess.Popen([sys.executable, os.path.join(HERE, "_ray_cluster.py"), tmp],
+                              env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        line = keeper.stdout.readline()
+        assert line.startswith("ready "), line + keeper.stdout.read()
+        ray.init(address=f"127.0.0.1:{line.split()[1]}",
+                 runtime_env={"env_vars": {"PYTHONPATH": path, "OMP_NUM_THREADS": "1"}})
+        assert len([n for n in ray.nodes() if n["Alive"]]) == 2, ray.nodes()
+        yield
+    finally:
+        ray.shutdown()
+        keeper.stdin.close()
+        keeper.wait(timeout=60)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.mark.timeout(300)
+def test_a_horovod_style_program_trains_and_returns_results_by_rank(cluster):
+    import ray_fns
+    from perseus.ray import RayExecutor
+
+    settings = RayExecutor.create_settings(timeout_s=60)
+    executor = RayExecutor(settings, num_workers=2, use_gpu=False)
+    executor.start()
+    try:
+        topo = executor.run(ray_fns.topology)
+        assert [t["rank"] for t in topo] == [0, 1], topo
+        assert all(t["size"] == 2 and t["local_size"] == 2 for t in topo), topo
+        assert sorted(t["local_rank"] for t in topo) == [0, 1], topo
+        assert topo[0]["pid"] != topo[1]["pid"]
+        results = executor.run(ray_fns.train, kwargs={"steps": 5})
+        assert [r for r, _ in results] == [0, 1]
+        for rank, diff in results:
+            assert diff < 1e-5, f"rank {rank} ended {diff} from one process on the whole batch"
+        refs = executor.run_remote(ray_fns.topology)
+        assert [t["rank"] for t in ray.get(refs)] == [0, 1]
+    finally:
+        executor.shutdown()
+
+
+@pytest.mark.timeout(300)
+def test_executables_keep_state_and_execute_single_runs_on_rank_0(cluster):
+    import ray_fns
+    from perseus.ray import RayExecutor
+
+    # One worker on each of the two Ray nodes (a placement group spread over them).
+    executor = RayExecutor(RayExecutor.create_settings(), num_hosts=2, num_workers_per_host=1)
+    executor.start(executable_cls=ray_fns.Counter, executable_args=[10])
+    try:
+        assert [t["rank"] for t in executor.run(ray_fns.topology)] == [0, 1]
+        assert executor.execute(lambda c: c.bump()) == [11, 11]
+        assert executor.execute_single(lambda c: c.bump()) == 12
+        assert executor.execute(lambda c: c.value) == [12, 11]
+    finally:
+        executor.shutdown()
+
+
+@pytest.mark.timeout(300)
+def test_a_failing_worker_raises_its_traceback_and_stops_the_others(cluster):
+    import ray_fns
+    from perseus.ray import RayExecutor
+
+    executor = RayExecutor(RayExecutor.create_settings(), num_workers=2)
+    executor.start()
+    with pytest.raises(ray.exceptions.RayTaskError) as e:
+        executor.run(ray_fns.fail_on_rank_1)
+    text = str(e.value)
+    assert "boom from rank 1" in text and "fail_on_rank_1" in text, text
+    assert isinstance(e.value, ValueError) or "ValueError" in text
+    assert executor.workers == [], "the actors were not stopped"
+    with pytest.raises(RuntimeError, match="start"):
+        executor.run(ray_fns.topology)
+
+
+def test_bad_arguments_are_named():
+    from perseus.ray import RayExecutor
+
+    with pytest.raises(ValueError, match="num_workers or num_hosts"):
+        RayExecutor(RayExecutor.create_settings())
+    with pytest.raises(ValueError, match="cpus_per_worker"):
+        RayExecutor(num_workers=2, cpus_per_worker=0)
+    with pytest.raises(NotImplementedError, match="elastic"):
+        RayExecutor(min_workers=1, max_workers=2)
+
+
+@pytest.mark.timeout(300)
+def test_the_ray_example_runs_as_it_is(cluster):
+    example = os.path.join(os.path.dirname(os.path.dirname(HERE)), "examples",
+                           "ray_pytorch_mnist.py")
+    env = dict(os.environ, RAY_ADDRESS=ray.get_runtime_context().gcs_address,
+               PYTHONPATH=os.pathsep.join(p for p in (PYTHON, os.environ.get("PYTHONPATH"))
+                                          if p))
+    done = subprocess.run([sys.executable, example, "--num-workers", "2", "--epochs", "1"],
+                          env=env, capture_output=True, text=True, timeout=240, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    line = [t for t in done.stdout.splitlines() if t.startswith("final loss")]
+    assert line, done.stdout + done.stderr
+    losses = [float(v) for v in line[0].split("[")[1].rstrip("]").split(",")]
+    assert len(losses) == 2 and losses[0] == losses[1] and 0 < losses[0] < 3, losses
