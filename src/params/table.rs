@@ -610,6 +610,15 @@ pub const PARAMS: &[Param] = &[
         doc: "seconds a worker waits for a round to take it (perseusrun sets it from --elastic-timeout)",
     },
     Param {
+        name: "HOROVOD_SPARK_START_TIMEOUT",
+        aliases: &[],
+        kind: Kind::Int { min: 1, max: 86_400 },
+        default: Default::Int(600),
+        scope: Scope::Python,
+        note: "(seconds)",
+        doc: "how long perseus.spark.run's ranks may take to meet, when start_timeout is not given",
+    },
+    Param {
         name: "PERSEUS_RSH",
         aliases: &[],
         kind: Kind::Text,

@@ -9,56 +9,16 @@ kill exactly those processes, however they renamed themselves, and reap them: an
 job's Ray on the host is left alone.
 """
 
-import ctypes
 import os
-import signal
-import socket
 import subprocess
 import sys
 
-PR_SET_CHILD_SUBREAPER = 36
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def descendants(root):
-    children = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
-            continue
-        children.setdefault(ppid, []).append(int(pid))
-    out, todo = [], [root]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            out.append(c)
-            todo.append(c)
-    return out
-
-
-def stop():
-    for _ in range(3):
-        for pid in descendants(os.getpid()):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-        try:
-            while os.waitpid(-1, os.WNOHANG)[0]:
-                pass
-        except ChildProcessError:
-            pass
+from _reaper import become_subreaper, free_port, stop
 
 
 def main():
     tmp = sys.argv[1]
-    ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    become_subreaper()
     ray = os.path.join(os.path.dirname(sys.executable), "ray")
     port = free_port()
     common = ["--node-ip-address", "127.0.0.1", "--num-cpus", "2", "--min-worker-port", "0",

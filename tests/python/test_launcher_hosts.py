@@ -244,3 +244,15 @@ def test_rendezvous_address(monkeypatch):
     args.network_interface = "no-such-if0"
     with pytest.raises(H.HostError, match="--network-interface no-such-if0: no IPv4"):
         L.rendezvous_address(args, ["node1"], names)
+
+
+def test_processes_already_running_get_consecutive_ranks_by_host():
+    # Ray actors or Spark tasks, by the host each landed on: b, a, b, c, a.
+    order, slots = H.place_by_host(["b", "a", "b", "c", "a"])
+    assert order == [0, 2, 1, 4, 3]
+    assert [s.hostname for s in slots] == ["b", "b", "a", "a", "c"]
+    assert [(s.rank, s.local_rank, s.local_size) for s in slots] == [
+        (0, 0, 2), (1, 1, 2), (2, 0, 2), (3, 1, 2), (4, 0, 1)]
+    assert [(s.cross_rank, s.cross_size) for s in slots] == [
+        (0, 3), (0, 2), (1, 3), (1, 2), (2, 3)]
+    assert all(s.size == 5 for s in slots)

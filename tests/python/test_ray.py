@@ -49,23 +49,23 @@ def cluster():
 
 @pytest.mark.timeout(300)
 def test_a_horovod_style_program_trains_and_returns_results_by_rank(cluster):
-    import ray_fns
+    import cluster_fns
     from perseus.ray import RayExecutor
 
     settings = RayExecutor.create_settings(timeout_s=60)
     executor = RayExecutor(settings, num_workers=2, use_gpu=False)
     executor.start()
     try:
-        topo = executor.run(ray_fns.topology)
+        topo = executor.run(cluster_fns.topology)
         assert [t["rank"] for t in topo] == [0, 1], topo
         assert all(t["size"] == 2 and t["local_size"] == 2 for t in topo), topo
         assert sorted(t["local_rank"] for t in topo) == [0, 1], topo
         assert topo[0]["pid"] != topo[1]["pid"]
-        results = executor.run(ray_fns.train, kwargs={"steps": 5})
+        results = executor.run(cluster_fns.train, kwargs={"steps": 5})
         assert [r for r, _ in results] == [0, 1]
         for rank, diff in results:
             assert diff < 1e-5, f"rank {rank} ended {diff} from one process on the whole batch"
-        refs = executor.run_remote(ray_fns.topology)
+        refs = executor.run_remote(cluster_fns.topology)
         assert [t["rank"] for t in ray.get(refs)] == [0, 1]
     finally:
         executor.shutdown()
@@ -73,14 +73,14 @@ def test_a_horovod_style_program_trains_and_returns_results_by_rank(cluster):
 
 @pytest.mark.timeout(300)
 def test_executables_keep_state_and_execute_single_runs_on_rank_0(cluster):
-    import ray_fns
+    import cluster_fns
     from perseus.ray import RayExecutor
 
     # One worker on each of the two Ray nodes (a placement group spread over them).
     executor = RayExecutor(RayExecutor.create_settings(), num_hosts=2, num_workers_per_host=1)
-    executor.start(executable_cls=ray_fns.Counter, executable_args=[10])
+    executor.start(executable_cls=cluster_fns.Counter, executable_args=[10])
     try:
-        assert [t["rank"] for t in executor.run(ray_fns.topology)] == [0, 1]
+        assert [t["rank"] for t in executor.run(cluster_fns.topology)] == [0, 1]
         assert executor.execute(lambda c: c.bump()) == [11, 11]
         assert executor.execute_single(lambda c: c.bump()) == 12
         assert executor.execute(lambda c: c.value) == [12, 11]
@@ -90,19 +90,19 @@ def test_executables_keep_state_and_execute_single_runs_on_rank_0(cluster):
 
 @pytest.mark.timeout(300)
 def test_a_failing_worker_raises_its_traceback_and_stops_the_others(cluster):
-    import ray_fns
+    import cluster_fns
     from perseus.ray import RayExecutor
 
     executor = RayExecutor(RayExecutor.create_settings(), num_workers=2)
     executor.start()
     with pytest.raises(ray.exceptions.RayTaskError) as e:
-        executor.run(ray_fns.fail_on_rank_1)
+        executor.run(cluster_fns.fail_on_rank_1)
     text = str(e.value)
     assert "boom from rank 1" in text and "fail_on_rank_1" in text, text
     assert isinstance(e.value, ValueError) or "ValueError" in text
     assert executor.workers == [], "the actors were not stopped"
     with pytest.raises(RuntimeError, match="start"):
-        executor.run(ray_fns.topology)
+        executor.run(cluster_fns.topology)
 
 
 def test_bad_arguments_are_named():

@@ -16,7 +16,7 @@ import secrets
 import socket
 from dataclasses import dataclass
 
-from perseus.runner.hosts import Host, place
+from perseus.runner.hosts import place_by_host
 
 #: Seconds a placement group may take to be ready, by default (Horovod's).
 PLACEMENT_GROUP_TIMEOUT_S = 100
@@ -147,16 +147,7 @@ class RayExecutor:
         if not ray.is_initialized():
             ray.init()
         actors = self._actors(ray)
-        nodes = ray.get([a.node.remote() for a in actors])
-        # Ranks of one node consecutive, nodes in the order their first actor came.
-        order = sorted(range(len(actors)), key=lambda i: (nodes.index(nodes[i]), i))
-        hosts = []
-        for i in order:
-            if hosts and hosts[-1][0] == nodes[i]:
-                hosts[-1][1] += 1
-            else:
-                hosts.append([nodes[i], 1])
-        slots = place([Host(name, n) for name, n in hosts], len(actors))
+        order, slots = place_by_host(ray.get([a.node.remote() for a in actors]))
         self.workers = [actors[i] for i in order]
         port = ray.get(self.workers[0].free_port.remote())
         common = {"PERSEUS_MASTER_ADDR": slots[0].hostname, "PERSEUS_MASTER_PORT": str(port),

@@ -133,6 +133,21 @@ def place(hosts, num_proc):
     return slots
 
 
+def place_by_host(hosts):
+    """Ranks for processes already running, ``hosts[i]`` being process ``i``'s host (a Ray
+    actor's node, a Spark task's executor): the processes of one host get consecutive
+    ranks, hosts in the order their first process came. Returns ``order`` (``order[r]``:
+    the process of rank ``r``) and the slots of :func:`place`, by rank."""
+    order = sorted(range(len(hosts)), key=lambda i: (hosts.index(hosts[i]), i))
+    counts = []
+    for i in order:
+        if counts and counts[-1].name == hosts[i]:
+            counts[-1] = Host(hosts[i], counts[-1].slots + 1)
+        else:
+            counts.append(Host(hosts[i], 1))
+    return order, place(counts, len(hosts))
+
+
 def local_names():
     names = {"localhost", "127.0.0.1", "::1"}
     for fn in (socket.gethostname, socket.getfqdn):

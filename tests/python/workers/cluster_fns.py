@@ -1,4 +1,4 @@
-"""Functions the Ray tests run on their executors' actors (imported there by name)."""
+"""Functions the Ray and Spark tests run on their workers (imported there by name)."""
 
 import os
 
