@@ -186,21 +186,9 @@ def apply_config_file(args):
 
 
 def _read_yaml(text, path):
-    """Horovod's configuration file: PyYAML's reading when it is installed, else the
-    two-level mapping of scalars that file is (``section:`` then indented ``key: value``
-    lines, ``#`` comments)."""
-    try:
-        import yaml
-    except ImportError:
-        yaml = None
-    if yaml is not None:
-        try:
-            config = yaml.safe_load(text) or {}
-        except yaml.YAMLError as e:
-            raise ValueError(f"--config-file {path}: {e}") from None
-        if not isinstance(config, dict):
-            raise ValueError(f"--config-file {path}: not a mapping of sections")
-        return config
+    """Horovod's configuration file: the two-level mapping of scalars it is (``section:``
+    then indented ``key: value`` lines, ``#`` comments), read the same way whether or not
+    PyYAML is installed, so that a file's errors are named alike everywhere."""
     config, section = {}, None
     for number, line in enumerate(text.splitlines(), 1):
         body = line.split("#", 1)[0].rstrip()
