@@ -1,5 +1,5 @@
-"""The IPv4 address of a network interface of this machine (Linux), for the launcher and
-the ranks alike; imports nothing of Perseus."""
+"""Network facts of this machine (Linux): the IPv4 address of an interface, a free port;
+for the launcher and the ranks alike. Imports nothing of Perseus."""
 
 import socket
 
@@ -31,3 +31,11 @@ def first_ipv4(names):
             return address, None
         why.append(f"{name}: {reason}")
     return None, "; ".join(why)
+
+
+def free_port():
+    """A TCP port free on every address of this machine now (the kernel's pick): for a
+    server the caller starts at once, such as rank 0's or torch's store."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]

@@ -67,6 +67,9 @@ def test_a_horovod_style_program_trains_and_returns_results_by_rank(cluster):
             assert diff < 1e-5, f"rank {rank} ended {diff} from one process on the whole batch"
         refs = executor.run_remote(cluster_fns.topology)
         assert [t["rank"] for t in ray.get(refs)] == [0, 1]
+        got = []
+        assert executor.run(cluster_fns.log_steps, callbacks=[got.append]) == [0, 1]
+        assert got == [{"step": i, "rank": 0} for i in range(3)], got
     finally:
         executor.shutdown()
 
@@ -112,8 +115,64 @@ def test_bad_arguments_are_named():
         RayExecutor(RayExecutor.create_settings())
     with pytest.raises(ValueError, match="cpus_per_worker"):
         RayExecutor(num_workers=2, cpus_per_worker=0)
-    with pytest.raises(NotImplementedError, match="elastic"):
-        RayExecutor(min_workers=1, max_workers=2)
+    with pytest.raises(ValueError, match="not both"):
+        RayExecutor(num_workers=2, min_workers=1)
+    with pytest.raises(ValueError, match="max_workers needs a positive min_workers"):
+        RayExecutor(max_workers=2)
+    with pytest.raises(ValueError, match="below min_workers"):
+        RayExecutor(min_workers=3, max_workers=2)
+    elastic = RayExecutor(min_workers=1, max_workers=2)
+    elastic._started = True  # what start() records; no Ray needed for the refusals
+    with pytest.raises(NotImplementedError, match="run_remote"):
+        elastic.run_remote(print)
+    with pytest.raises(NotImplementedError, match="execute_single"):
+        elastic.execute_single(print)
+
+
+def test_ray_discovery_counts_slots_of_live_nodes_by_address():
+    from perseus.ray.elastic import RayHostDiscovery
+
+    class FakeRay:
+        @staticmethod
+        def nodes():
+            return [
+                {"Alive": True, "NodeManagerAddress": "10.0.0.1",
+                 "Resources": {"CPU": 8.0, "GPU": 2.0}},
+                {"Alive": True, "NodeManagerAddress": "10.0.0.1",
+                 "Resources": {"CPU": 3.0}},  # a second node at the same address
+                {"Alive": False, "NodeManagerAddress": "10.0.0.2",
+                 "Resources": {"CPU": 64.0, "GPU": 8.0}},
+                {"Alive": True, "NodeManagerAddress": "10.0.0.3",
+                 "Resources": {"CPU": 1.0, "GPU": 4.0}},
+            ]
+
+    assert RayHostDiscovery(FakeRay, 2)() == {"10.0.0.1": 5}
+    assert RayHostDiscovery(FakeRay, 1)() == {"10.0.0.1": 11, "10.0.0.3": 1}
+    assert RayHostDiscovery(FakeRay, 1, 1)() == {"10.0.0.1": 2, "10.0.0.3": 1}
+
+
+@pytest.mark.timeout(300)
+def test_elastic_training_goes_on_from_the_last_commit_when_a_worker_is_killed(cluster):
+    import cluster_fns
+    from perseus.ray import RayExecutor
+
+    # The cluster offers 4 slots (2 CPUs on each of its nodes, both at 127.0.0.1).
+    executor = RayExecutor(RayExecutor.create_settings(timeout_s=60), min_workers=1,
+                           max_workers=2, elastic_timeout=60)
+    executor.start()
+    logged = []
+    results = executor.run(cluster_fns.elastic_train, kwargs={"batches": 8, "kill_at": 3},
+                           callbacks=[logged.append])
+    executor.shutdown()
+    # Two workers finished: the first one, and the one started in the killed one's place.
+    assert len(results) == 2, results
+    for done, sizes, round_, _ in results:
+        # Batch 3's uncommitted append was rolled back: every batch exactly once.
+        assert done == list(range(8)), done
+        assert sizes == [2] * 8, sizes
+        assert round_ == 1, round_
+    assert results[0][3] == results[1][3], "the ranks' weights differ"
+    assert logged == [{"batch": b} for b in range(8)], logged
 
 
 @pytest.mark.timeout(300)

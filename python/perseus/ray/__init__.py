@@ -9,9 +9,12 @@
     executor.shutdown()
 
 Ray is optional: it is imported by this package only. Workers are Ray actors; rank 0's
-address and the job's secret reach them through Ray (no ssh).
+address and the job's secret reach them through Ray (no ssh). ``min_workers`` and
+``max_workers`` make the job elastic (perseus.ray.elastic); ``ray_logger.log`` sends a
+worker's values to the driver's ``callbacks``.
 """
 
+from perseus.ray import ray_logger
 from perseus.ray.executor import RayExecutor, RaySettings
 
-__all__ = ["RayExecutor", "RaySettings"]
+__all__ = ["RayExecutor", "RaySettings", "ray_logger"]

@@ -441,11 +441,12 @@ class Launcher:
     _signal = None  # set by the signal handler, which takes no lock
     _flight_asked = False  # SIGUSR1 came: set by its handler
     flight = None
+    who = "perseusrun"  # the prefix of the lines it writes
 
     def _say(self, message):
         with self._lock:
             try:
-                self.err.write(f"perseusrun: {message}\n".encode())
+                self.err.write(f"{self.who}: {message}\n".encode())
                 self.err.flush()
             except (OSError, ValueError):
                 pass

@@ -16,10 +16,10 @@ of every rank whose function raised. Otherwise the driver returns the results by
 
 import os
 import secrets
-import socket
 import traceback
 import warnings
 
+from perseus import _netif
 from perseus.common import knobs
 from perseus.runner.hosts import place_by_host
 
@@ -36,12 +36,6 @@ def _spark_context():
     return sc
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 def _task(fn, args, kwargs, secret, timeout, env):
     """The body of every task of the barrier stage."""
 
@@ -54,7 +48,7 @@ def _task(fn, args, kwargs, secret, timeout, env):
                                       for info in ctx.getTaskInfos()])
         rank = order.index(index)
         slot = slots[rank]
-        port = ctx.allGather(str(_free_port()) if rank == 0 else "")
+        port = ctx.allGather(str(_netif.free_port()) if rank == 0 else "")
         os.environ.update({k: str(v) for k, v in (env or {}).items()})
         os.environ.update(slot.env(), PERSEUS_MASTER_ADDR=slots[0].hostname,
                           PERSEUS_MASTER_PORT=next(p for p in port if p),

@@ -15,6 +15,7 @@ import socket
 
 import torch.distributed as dist
 
+from perseus import _netif
 from perseus.common import knobs
 
 # Variables by which Perseus's core finds its ranks without torch (config/topology.rs).
@@ -114,12 +115,6 @@ def torch_env_missing(args, kwargs):
             and any(knobs.given(v) for v in _LAUNCHER_RANKS))
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 def torch_env_from_perseus():
     """Under perseusrun, mpirun or srun: torch's env:// variables from Perseus's ranks;
     rank 0 names its host and a free port for torch's store."""
@@ -132,7 +127,7 @@ def torch_env_from_perseus():
         host = ("127.0.0.1" if c.local_size() == c.size() else
                 knobs.text("MASTER_ADDR") or knobs.text("PERSEUS_HOSTNAME")
                 or socket.getfqdn())
-        where = (host, _free_port())
+        where = (host, _netif.free_port())
     host, port = objects.broadcast_object(where, 0, name="perseus.ddp.torch_store")
     os.environ.update({
         "RANK": str(c.rank()), "WORLD_SIZE": str(c.size()),

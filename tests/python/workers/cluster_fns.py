@@ -66,3 +66,58 @@ class Counter:
     def bump(self):
         self.value += 1
         return self.value
+
+
+def log_steps(steps=3):
+    """Logs ``{"step": i, "rank": rank}`` through ray_logger on every rank (only rank 0's
+    reach the driver) and returns the rank."""
+    import perseus.torch.horovod as hvd
+    from perseus.ray import ray_logger
+
+    hvd.init()
+    for i in range(steps):
+        ray_logger.log({"step": i, "rank": hvd.rank()})
+    return hvd.rank()
+
+
+def elastic_train(batches=8, kill_at=3):
+    """Elastic training with hvd.elastic.run and TorchState: in the first round the worker
+    of rank 1 kills its own process at batch ``kill_at``, after rank 0 has already
+    changed its state for that batch (uncommitted, so restore must undo it). Every batch
+    appends itself to ``state.done`` and the job's size to ``state.sizes``; rank 0 logs
+    each committed batch through ray_logger. Returns ``(done, sizes, round, weights)``."""
+    import signal
+
+    import perseus.torch.horovod as hvd
+    import torch
+    from perseus.common import elastic
+    from perseus.ray import ray_logger
+
+    hvd.init()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    state = hvd.elastic.TorchState(model=model, optimizer=opt, batch=0, done=[], sizes=[])
+
+    @hvd.elastic.run
+    def train(state):
+        while state.batch < batches:
+            b = state.batch
+            state.done.append(b)
+            if b == kill_at and hvd.rank() == 1 and elastic.current_round() == 0:
+                os.kill(os.getpid(), signal.SIGKILL)
+            size = int(hvd.allreduce(torch.ones(1), op=hvd.Sum, name=f"size.{b}").item())
+            torch.manual_seed(100 * b + hvd.rank())
+            x, y = torch.randn(8, 4), torch.randn(8, 1)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            state.sizes.append(size)
+            state.batch += 1
+            state.commit()
+            ray_logger.log({"batch": b})
+        return (list(state.done), list(state.sizes), elastic.current_round(),
+                [p.detach().flatten().tolist() for p in model.parameters()])
+
+    return train(state)
