@@ -616,7 +616,7 @@ pub const PARAMS: &[Param] = &[
         default: Default::Int(600),
         scope: Scope::Python,
         note: "(seconds)",
-        doc: "how long perseus.spark.run's ranks may take to meet, when start_timeout is not given",
+        doc: "how long perseus.spark.run's ranks may take to meet (run_elastic's tasks to start), when start_timeout is not given",
     },
     Param {
         name: "PERSEUS_RSH",

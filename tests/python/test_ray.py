@@ -161,7 +161,7 @@ def test_elastic_training_goes_on_from_the_last_commit_when_a_worker_is_killed(c
                            max_workers=2, elastic_timeout=60)
     executor.start()
     logged = []
-    results = executor.run(cluster_fns.elastic_train, kwargs={"batches": 8, "kill_at": 3},
+    results = executor.run(cluster_fns.elastic_train, kwargs={"batches": 8, "kill_at": 3, "log": True},
                            callbacks=[logged.append])
     executor.shutdown()
     # Two workers finished: the first one, and the one started in the killed one's place.

@@ -99,8 +99,65 @@ def test_arguments_are_checked():
         run(print, use_gloo=True, use_mpi=True)
     with pytest.raises(TypeError, match="function"):
         run(3)
-    with pytest.raises(NotImplementedError, match="run_elastic"):
-        run_elastic(print)
+    with pytest.raises(TypeError, match="function"):
+        run_elastic(3)
+
+
+def test_agents_hold_slots_per_host_and_are_dropped_when_they_stop_beating(monkeypatch):
+    import time
+
+    from perseus import _core
+    from perseus.spark import elastic
+
+    monkeypatch.setattr(elastic, "SILENCE_SECONDS", 0.5)
+    server = _core.RendezvousServer("127.0.0.1:0", "s")
+    try:
+        agents = elastic.Agents(server)
+        for aid, host in (("0.0", "a"), ("1.0", "a"), ("2.0", "b")):
+            server.set(f"spark/agent/{aid}", host.encode())
+        assert agents.hosts() == {"a": 2, "b": 1}
+        assert agents.order("a", 1, {"X": "1"}) == ("1.0", 0)
+        assert server.get("spark/run/1.0/0") == b'{"X": "1"}'
+        assert agents.order("a", 1, {}) == ("1.0", 1)
+        assert agents.order("a", 5, {}) is None
+        time.sleep(0.3)
+        for aid in ("1.0", "2.0"):
+            server.set(f"spark/beat/{aid}", b"1")
+        time.sleep(0.3)
+        # Agent 0.0 never beat: gone. Slot a[0] has no agent, a[1] still counts.
+        assert agents.hosts() == {"a": 2, "b": 1}
+        assert not agents.live("0.0") and agents.live("1.0")
+        assert agents.order("a", 0, {}) is None
+        # A retried task on host a takes the free slot a[0].
+        server.set("spark/agent/0.1", b"a")
+        assert agents.hosts() == {"a": 2, "b": 1}
+        assert agents.order("a", 0, {}) == ("0.1", 0)
+        agents.stop_all()
+        assert server.get("spark/run/1.0/2") == b"stop"
+        assert server.get("spark/run/0.1/1") == b"stop"
+    finally:
+        server.stop()
+
+
+@pytest.mark.timeout(300)
+def test_run_elastic_goes_on_from_the_last_commit_when_a_worker_is_killed(spark):
+    import cluster_fns
+    from perseus.spark import run, run_elastic
+
+    with pytest.raises(ValueError, match="min_np"):
+        run_elastic(print, num_proc=2, min_np=3)
+    # The cluster has two task slots. Rank 1 kills its own process at batch 3 of the first
+    # round: its slot is blacklisted, and rank 0 goes on alone from its last commit.
+    results = run_elastic(cluster_fns.elastic_train, kwargs={"batches": 8, "kill_at": 3},
+                          num_proc=2, min_np=1, max_np=2, start_timeout=120,
+                          elastic_timeout=60)
+    assert len(results) == 1, results
+    done, sizes, round_, _ = results[0]
+    assert done == list(range(8)), done  # batch 3's uncommitted append was rolled back
+    assert sizes == [2] * 3 + [1] * 5, sizes
+    assert round_ == 1, round_
+    # Every task of the elastic job ended: both slots take the next job.
+    assert [t["rank"] for t in run(cluster_fns.topology, num_proc=2)] == [0, 1]
 
 
 @pytest.mark.timeout(300)

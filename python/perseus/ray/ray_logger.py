@@ -6,9 +6,10 @@ and calls every callback of ``RayExecutor.run(..., callbacks=[...])`` with it. O
 0 logs unless ``chief_only=False``.
 """
 
-import os
 import threading
 import warnings
+
+from perseus.common import knobs
 
 #: How long the driver waits on the queue before it looks whether the run ended (s).
 POLL_SECONDS = 0.1
@@ -27,7 +28,7 @@ def log(info_dict, chief_only=True):
     """Send ``info_dict`` (picklable) to the driver's callbacks; with ``chief_only``, only
     from the worker of rank 0. Outside a run with callbacks it warns once and drops it."""
     global _warned
-    if chief_only and os.environ.get("PERSEUS_RANK") != "0":
+    if chief_only and knobs.text("PERSEUS_RANK") != "0":
         return
     if _queue is None:
         if not _warned:

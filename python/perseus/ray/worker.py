@@ -3,6 +3,7 @@
 import os
 
 from perseus import _netif
+from perseus.common import knobs
 from perseus.ray import ray_logger
 
 
@@ -42,4 +43,4 @@ class Worker:
         """``(rank, fn(executable))``, the rank being the one this process had last: an
         elastic worker's rank changes from round to round."""
         value = fn(self.executable)
-        return int(os.environ.get("PERSEUS_RANK", "-1")), value
+        return int(knobs.text("PERSEUS_RANK") or -1), value

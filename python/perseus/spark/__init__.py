@@ -10,11 +10,13 @@
 
     results = run(train, args=(0.1,), num_proc=4)   # one result per rank, by rank
 
-pyspark is optional: it is imported by this package only. Horovod's Spark estimators
+``run_elastic`` runs an elastic job (``hvd.elastic.run``) whose workers Spark tasks
+start (perseus.spark.elastic). pyspark is optional: it is imported by this package only. Horovod's Spark estimators
 (``horovod.spark.torch.TorchEstimator`` and the others, built on Petastorm) are not part
 of Perseus.
 """
 
-from perseus.spark.runner import run, run_elastic
+from perseus.spark.elastic import run_elastic
+from perseus.spark.runner import run
 
 __all__ = ["run", "run_elastic"]

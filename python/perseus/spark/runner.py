@@ -107,14 +107,3 @@ def run(fn, args=(), kwargs=None, num_proc=None, start_timeout=None, extra_mpi_a
             [f"perseus.spark.run: the function raised on {len(failed)} of {num_proc} ranks"]
             + [f"rank {rank} raised:\n{text.rstrip()}" for rank, text in failed]))
     return [result for _, _, result in outcomes]
-
-
-def run_elastic(fn, args=(), kwargs=None, num_proc=None, min_np=None, max_np=None,
-                start_timeout=None, elastic_timeout=None, reset_limit=None, env=None,
-                stdout=None, stderr=None, verbose=1, nics=None,
-                prefix_output_with_timestamp=False):
-    """Horovod's elastic Spark run: not in Perseus yet. Raises NotImplementedError, which
-    names what serves instead."""
-    raise NotImplementedError(
-        "perseus.spark.run_elastic is not in Perseus yet; use perseus.spark.run for a job "
-        "of fixed size, or perseusrun --min-np/--max-np (docs/elastic.md)")

@@ -80,18 +80,17 @@ def log_steps(steps=3):
     return hvd.rank()
 
 
-def elastic_train(batches=8, kill_at=3):
+def elastic_train(batches=8, kill_at=3, log=False):
     """Elastic training with hvd.elastic.run and TorchState: in the first round the worker
     of rank 1 kills its own process at batch ``kill_at``, after rank 0 has already
     changed its state for that batch (uncommitted, so restore must undo it). Every batch
-    appends itself to ``state.done`` and the job's size to ``state.sizes``; rank 0 logs
-    each committed batch through ray_logger. Returns ``(done, sizes, round, weights)``."""
+    appends itself to ``state.done`` and the job's size to ``state.sizes``; with ``log``,
+    rank 0 logs each committed batch through perseus.ray's ray_logger. Returns ``(done, sizes, round, weights)``."""
     import signal
 
     import perseus.torch.horovod as hvd
     import torch
     from perseus.common import elastic
-    from perseus.ray import ray_logger
 
     hvd.init()
     torch.manual_seed(0)
@@ -116,7 +115,10 @@ def elastic_train(batches=8, kill_at=3):
             state.sizes.append(size)
             state.batch += 1
             state.commit()
-            ray_logger.log({"batch": b})
+            if log:
+                from perseus.ray import ray_logger
+
+                ray_logger.log({"batch": b})
         return (list(state.done), list(state.sizes), elastic.current_round(),
                 [p.detach().flatten().tolist() for p in model.parameters()])
 
