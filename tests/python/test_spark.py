@@ -142,7 +142,7 @@ def test_agents_hold_slots_per_host_and_are_dropped_when_they_stop_beating(monke
 @pytest.mark.timeout(300)
 def test_run_elastic_goes_on_from_the_last_commit_when_a_worker_is_killed(spark):
     import cluster_fns
-    from perseus.spark import run, run_elastic
+    from perseus.spark import run_elastic
 
     with pytest.raises(ValueError, match="min_np"):
         run_elastic(print, num_proc=2, min_np=3)
@@ -156,7 +156,42 @@ def test_run_elastic_goes_on_from_the_last_commit_when_a_worker_is_killed(spark)
     assert done == list(range(8)), done  # batch 3's uncommitted append was rolled back
     assert sizes == [2] * 3 + [1] * 5, sizes
     assert round_ == 1, round_
-    # Every task of the elastic job ended: both slots take the next job.
+
+
+@pytest.mark.timeout(300)
+def test_run_elastic_stops_naming_spark_when_a_task_is_lost_for_good(spark, tmp_path):
+    import time
+
+    import cluster_fns
+    from perseus.spark import run, run_elastic
+
+    # Rank 1 kills its Spark task's Python worker. The session allows one failure per
+    # task, so Spark aborts the job of the tasks: no slot can come back, and the run
+    # stops at once, naming that, instead of waiting out elastic_timeout.
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="Spark job of its tasks ended"):
+        run_elastic(cluster_fns.elastic_train,
+                    kwargs={"batches": 8, "kill_at": 3, "kill_parent": True,
+                            "pid_dir": str(tmp_path)},
+                    num_proc=2, min_np=1, max_np=2, start_timeout=120, elastic_timeout=120)
+    assert time.monotonic() - started < 100
+    pids = [int(p.name) for p in tmp_path.iterdir()]
+    assert len(pids) >= 2, pids
+
+    def running(pid):
+        # A dead worker whose agent died too waits, a zombie, for the cluster's keeper
+        # (their subreaper) to reap it at the end: dead is what counts.
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    deadline = time.monotonic() + 15
+    while any(map(running, pids)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in pids if running(p)], "a worker outlived its task"
+    # Every task of both elastic jobs ended: both slots take the next job.
     assert [t["rank"] for t in run(cluster_fns.topology, num_proc=2)] == [0, 1]
 
 

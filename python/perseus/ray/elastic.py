@@ -169,6 +169,6 @@ def run(ray, executor, fn, callbacks=None):
         why = job.stopped_because or "a worker failed after another had finished"
         raise RuntimeError("\n".join([f"perseus.ray: the elastic job failed: {why}"]
                                      + failures[-4:]))
-    done = sorted(w.proc.result for w in started
-                  if w.proc is not None and w.proc.returncode == 0)
+    done = sorted((w.proc.result for w in started
+                   if w.proc is not None and w.proc.returncode == 0), key=lambda r: r[0])
     return [value for _, value in done]

@@ -147,6 +147,7 @@ class Agents:
         self._seen = {}  # agent id -> (last beat, driver time it changed)
         self._slot = {}  # agent id -> (host, index)
         self._next = {}  # agent id -> the number of its next order
+        self.ended = threading.Event()  # set when the Spark job of the agents ended
 
     def _refresh(self):
         now = time.monotonic()
@@ -166,7 +167,7 @@ class Agents:
                 self._slot[aid] = (host, min(set(range(len(taken) + 1)) - taken))
 
     def _live(self, aid, now):
-        return now - self._seen[aid][1] < SILENCE_SECONDS
+        return not self.ended.is_set() and now - self._seen[aid][1] < SILENCE_SECONDS
 
     def live(self, aid):
         with self._lock:
@@ -210,6 +211,10 @@ class Agents:
             self._refresh()
             for aid in self._seen:
                 self.server.set(f"spark/run/{aid}/{self._next.get(aid, -1) + 1}", b"stop")
+
+
+class SparkJobEnded(RuntimeError):
+    """The Spark job that runs the agents ended while the elastic job ran."""
 
 
 class _AgentProcess:
@@ -273,6 +278,13 @@ class SparkWorker:
         pass
 
 
+def _spark_reason(error):
+    """The line of a Spark job's error that says why (Py4J's first line names only the
+    call that failed), at most 500 characters."""
+    lines = [t.strip() for t in str(error).splitlines() if t.strip()] or [repr(error)]
+    return next((t for t in lines if "aborted" in t), lines[0])[:500]
+
+
 def run_elastic(fn, args=(), kwargs=None, num_proc=None, min_np=None, max_np=None,
                 start_timeout=None, elastic_timeout=None, reset_limit=None, env=None,
                 stdout=None, stderr=None, verbose=1, nics=None,
@@ -321,6 +333,8 @@ def run_elastic(fn, args=(), kwargs=None, num_proc=None, min_np=None, max_np=Non
             sc.parallelize(range(max_np), max_np).mapPartitionsWithIndex(body).collect()
         except Exception as e:  # noqa: BLE001 - reported by the driver
             spark_error.append(e)
+        finally:
+            agents.ended.set()  # every agent is gone: its workers with it
 
     agents = Agents(server)
     thread = threading.Thread(target=spark_job, daemon=True, name="perseus-spark-job")
@@ -331,8 +345,9 @@ def run_elastic(fn, args=(), kwargs=None, num_proc=None, min_np=None, max_np=Non
         deadline = time.monotonic() + start_timeout
         while agents.count() < num_proc:
             if spark_error or not thread.is_alive():
-                raise RuntimeError(f"perseus.spark.run_elastic: the Spark job ended before "
-                                   f"its tasks started: {spark_error[:1]}")
+                why = _spark_reason(spark_error[0]) if spark_error else "its tasks returned"
+                raise SparkJobEnded(f"perseus.spark.run_elastic: the Spark job ended before "
+                                    f"its tasks started: {why}")
             if time.monotonic() > deadline:
                 raise RuntimeError(
                     f"perseus.spark.run_elastic: {agents.count()} of {num_proc} Spark tasks "
@@ -349,7 +364,17 @@ def run_elastic(fn, args=(), kwargs=None, num_proc=None, min_np=None, max_np=Non
             workers.append(worker)
             return worker
 
-        job = _elastic.ElasticJob(agents.hosts, launch_worker, server, min_np, max_np,
+        def discover():
+            # The tasks end only when told to, after the job: a Spark job that ended
+            # before failed (its tasks lost beyond spark.task.maxFailures, the
+            # application stopped), and no slot will come back.
+            if agents.ended.is_set():
+                why = _spark_reason(spark_error[0]) if spark_error else "its tasks returned"
+                raise SparkJobEnded(f"perseus.spark.run_elastic: the Spark job of its tasks "
+                                    f"ended during the run ({why}); stopping the job")
+            return agents.hosts()
+
+        job = _elastic.ElasticJob(discover, launch_worker, server, min_np, max_np,
                                   num_proc, elastic_timeout=elastic_timeout,
                                   reset_limit=reset_limit, start_timeout=start_timeout)
         job.who = "perseus.spark"
@@ -367,6 +392,6 @@ def run_elastic(fn, args=(), kwargs=None, num_proc=None, min_np=None, max_np=Non
                     if w.proc is not None and w.proc.error]
         raise RuntimeError("\n".join([f"perseus.spark.run_elastic: the job failed: {why}"]
                                      + failures[-4:]))
-    done = sorted(w.proc.result for w in workers
-                  if w.proc is not None and w.proc.returncode == 0)
+    done = sorted((w.proc.result for w in workers
+                   if w.proc is not None and w.proc.returncode == 0), key=lambda r: r[0])
     return [value for _, value in done]

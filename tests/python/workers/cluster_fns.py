@@ -80,18 +80,22 @@ def log_steps(steps=3):
     return hvd.rank()
 
 
-def elastic_train(batches=8, kill_at=3, log=False):
+def elastic_train(batches=8, kill_at=3, log=False, kill_parent=False, pid_dir=None):
     """Elastic training with hvd.elastic.run and TorchState: in the first round the worker
     of rank 1 kills its own process at batch ``kill_at``, after rank 0 has already
     changed its state for that batch (uncommitted, so restore must undo it). Every batch
     appends itself to ``state.done`` and the job's size to ``state.sizes``; with ``log``,
-    rank 0 logs each committed batch through perseus.ray's ray_logger. Returns ``(done, sizes, round, weights)``."""
+    rank 0 logs each committed batch through perseus.ray's ray_logger. With
+    ``kill_parent`` rank 1 kills its parent process instead (a Spark agent). With
+    ``pid_dir`` each worker leaves its pid there (a file named by it). Returns ``(done, sizes, round, weights)``."""
     import signal
 
     import perseus.torch.horovod as hvd
     import torch
     from perseus.common import elastic
 
+    if pid_dir:
+        open(os.path.join(pid_dir, str(os.getpid())), "w").close()
     hvd.init()
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 1)
@@ -105,7 +109,7 @@ def elastic_train(batches=8, kill_at=3, log=False):
             b = state.batch
             state.done.append(b)
             if b == kill_at and hvd.rank() == 1 and elastic.current_round() == 0:
-                os.kill(os.getpid(), signal.SIGKILL)
+                os.kill(os.getppid() if kill_parent else os.getpid(), signal.SIGKILL)
             size = int(hvd.allreduce(torch.ones(1), op=hvd.Sum, name=f"size.{b}").item())
             torch.manual_seed(100 * b + hvd.rank())
             x, y = torch.randn(8, 4), torch.randn(8, 1)
