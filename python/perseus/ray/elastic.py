@@ -90,7 +90,7 @@ class _ActorProcess:
         self._ray.kill(self.actor, no_restart=True)
 
 
-class ActorWorker:
+class ActorWorker(_elastic.ManagedWorker):
     """One worker of the elastic job, an actor on ``slot``'s host, with the interface
     ElasticJob drives (that of :class:`perseus.runner.job.Rank`)."""
 
@@ -109,19 +109,6 @@ class ActorWorker:
         actor.set_queue.remote(self._queue)
         actor.start_executable.remote(*self._executable)
         self.proc = _ActorProcess(self._ray, actor, actor.execute_ranked.remote(self._fn))
-
-    def signal_group(self, sig):
-        """Any signal but 0 stops the actor; returns whether it was still running."""
-        running = self.proc is not None and self.proc.returncode is None
-        if running and sig != 0:
-            self.proc.kill()
-        return running
-
-    def hang_up(self):
-        pass
-
-    def close(self, timeout=2.0):
-        pass
 
 
 def run(ray, executor, fn, callbacks=None):
@@ -163,12 +150,4 @@ def run(ray, executor, fn, callbacks=None):
                 worker.proc.kill()
         server.stop()
         relay.close()
-    if status != 0:
-        failures = [f"worker {w.slot.id}: {w.proc.error.strip()}" for w in started
-                    if w.proc is not None and w.proc.error]
-        why = job.stopped_because or "a worker failed after another had finished"
-        raise RuntimeError("\n".join([f"perseus.ray: the elastic job failed: {why}"]
-                                     + failures[-4:]))
-    done = sorted((w.proc.result for w in started
-                   if w.proc is not None and w.proc.returncode == 0), key=lambda r: r[0])
-    return [value for _, value in done]
+    return _elastic.results(job, status, started, "perseus.ray")

@@ -424,6 +424,46 @@ class ElasticJob(_job.Launcher):
         _job.teardown(list(self.workers.values()), self.grace)
 
 
+class ManagedWorker:
+    """A worker that a cluster manager runs for ElasticJob (a Ray actor, a process of a
+    Spark task), with the part of :class:`perseus.runner.job.Rank`'s interface that does
+    not depend on the manager. A subclass sets ``slot`` and ``argv`` and, in
+    ``start()``, ``proc``: an object with ``wait()``, ``poll()``, ``kill()``,
+    ``returncode``, ``error`` (what went wrong) and ``result`` (``(rank, value)`` once
+    the function returned)."""
+
+    proc = None
+
+    def signal_group(self, sig):
+        """Any signal but 0 stops the worker; returns whether it was still running."""
+        running = self.proc is not None and self.proc.returncode is None
+        if running and sig != 0:
+            self.proc.kill()
+        return running
+
+    def hang_up(self):
+        pass
+
+    def close(self, timeout=2.0):
+        pass
+
+
+def results(job, status, workers, who):
+    """What an elastic job run from Python (perseus.ray, perseus.spark) returns: the value
+    of each of ``workers`` that finished, by its last rank. Raises RuntimeError with the
+    job's reason and the last failed workers' errors when ``status`` is not 0."""
+    started = [w for w in workers if w.proc is not None]
+    if status != 0:
+        why = job.stopped_because or "a worker failed after another had finished"
+        failures = [f"worker {w.slot.id}: {w.proc.error.strip()}" for w in started
+                    if w.proc.error]
+        raise RuntimeError("\n".join([f"{who}: the elastic job failed: {why}"]
+                                     + failures[-4:]))
+    done = sorted((w.proc.result for w in started if w.proc.returncode == 0),
+                  key=lambda r: r[0])
+    return [value for _, value in done]
+
+
 class _Stop(Exception):
     def __init__(self, message, status):
         super().__init__(message)

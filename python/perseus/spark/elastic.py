@@ -29,6 +29,7 @@ import threading
 import time
 
 from perseus.common import knobs
+from perseus.runner import elastic as _elastic
 
 #: Seconds between two beats of an agent.
 BEAT_SECONDS = 1.0
@@ -246,8 +247,12 @@ class _AgentProcess:
     def poll(self):
         return self.returncode
 
+    def kill(self):
+        """Ask the agent to stop the worker's process group."""
+        self.agents.server.set(f"spark/kill/{self.aid}/{self.n}", b"1")
 
-class SparkWorker:
+
+class SparkWorker(_elastic.ManagedWorker):
     """One worker of the elastic job, run by the agent of its slot, with the interface
     ElasticJob drives (that of :class:`perseus.runner.job.Rank`)."""
 
@@ -264,18 +269,6 @@ class SparkWorker:
                                       error=f"no live Spark task holds slot {self.slot.id}")
         else:
             self.proc = _AgentProcess(self.agents, *ordered)
-
-    def signal_group(self, sig):
-        running = self.proc is not None and self.proc.returncode is None
-        if running and sig != 0:
-            self.agents.server.set(f"spark/kill/{self.proc.aid}/{self.proc.n}", b"1")
-        return running
-
-    def hang_up(self):
-        pass
-
-    def close(self, timeout=2.0):
-        pass
 
 
 def _spark_reason(error):
@@ -298,7 +291,6 @@ def run_elastic(fn, args=(), kwargs=None, num_proc=None, min_np=None, max_np=Non
     rank; raises RuntimeError with the driver's reason and the workers' tracebacks when
     the job fails."""
     del stdout, stderr, verbose, nics, prefix_output_with_timestamp
-    from perseus.runner import elastic as _elastic
     from perseus.runner import launch
     from perseus.spark.runner import _spark_context
 
@@ -386,12 +378,4 @@ def run_elastic(fn, args=(), kwargs=None, num_proc=None, min_np=None, max_np=Non
             sc.cancelJobGroup(group)
             thread.join()
         server.stop()
-    if status != 0:
-        why = job.stopped_because or "a worker failed after another had finished"
-        failures = [f"worker {w.slot.id}: {w.proc.error.strip()}" for w in workers
-                    if w.proc is not None and w.proc.error]
-        raise RuntimeError("\n".join([f"perseus.spark.run_elastic: the job failed: {why}"]
-                                     + failures[-4:]))
-    done = sorted((w.proc.result for w in workers
-                   if w.proc is not None and w.proc.returncode == 0), key=lambda r: r[0])
-    return [value for _, value in done]
+    return _elastic.results(job, status, workers, "perseus.spark.run_elastic")
