@@ -9,7 +9,7 @@ cd "$root"
 export PERSEUS_CACHE=${PERSEUS_CACHE:-$HOME/.cache/perseus}
 export CARGO_TARGET_DIR="$PERSEUS_CACHE/target"
 
-step() { printf '\n==> %s\n' "$*" >&2; }
+step() { printf '\n==> [%s] %s\n' "$(date +%T)" "$*" >&2; }
 
 step "cargo fmt --check"
 cargo fmt --check
@@ -23,14 +23,18 @@ step "fuzz (a short run of each target; docs/reliability.md)"
 bash scripts/fuzz.sh
 
 step "torch virtual environment"
+python="$(bash scripts/make-venv.sh torch requirements/torch.txt | tail -n 1)/bin/python"
+
+# Before any `maturin develop`: PYO3_PYTHON here makes pyo3's build script run again, and
+# after it each develop would too; in this order only the torch one does.
+step "cargo clippy (python and cuda features, as the wheel is built)"
+PYO3_PYTHON="$python" cargo clippy --release --features python,cuda -- -D warnings
+
+step "Perseus into the torch virtual environment"
 venv=$(bash scripts/setup-venv.sh torch | tail -n 1)
-python="$venv/bin/python"
 # This clone's package first, whatever clone last installed into the shared venv.
 export PYTHONPATH="$root/python${PYTHONPATH:+:$PYTHONPATH}"
 export PATH="$venv/bin:$PATH"
-
-step "cargo clippy (python and cuda features, as the wheel is built)"
-PYO3_PYTHON="$python" cargo clippy --release --features python,cuda -- -D warnings
 
 lint=()
 for dir in python tests benchmarks scripts; do
@@ -85,10 +89,15 @@ run_pytest() {
     return "$status"
 }
 
+# Every rank of every test imports the package and the tests' helpers: compiled once
+# here (after the wheel, which must not hold them), not in each process, where
+# PYTHONDONTWRITEBYTECODE may keep Python from writing what it compiled.
+"$python" -m compileall -q python tests
+
 step "pytest tests/python"
 status=0
 [[ $wheel_built -eq 1 ]] || status=1
-run_pytest "$python" -m pytest -q --durations=15 tests/python || status=$?
+run_pytest "$python" -m pytest -q --durations=40 tests/python || status=$?
 
 step "TensorFlow virtual environment"
 tf_venv=$(bash scripts/setup-venv.sh tensorflow | tail -n 1)

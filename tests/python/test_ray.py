@@ -3,10 +3,9 @@ machine (skipped where Ray is not installed)."""
 
 import os
 import secrets
-import shutil
 import subprocess
 import sys
-import tempfile
+import time
 
 import pytest
 
@@ -24,27 +23,13 @@ PYTHON = os.path.join(os.path.dirname(os.path.dirname(HERE)), "python")
 @pytest.fixture(scope="module")
 def cluster():
     """A Ray cluster on this machine of a head and one worker node, each a ``ray start`` of
-    its own, on free ports and with this module's token; ``_ray_cluster.py`` keeps it
-    and stops exactly its processes at the end."""
-    path = os.pathsep.join(p for p in (WORKERS, PYTHON, os.environ.get("PYTHONPATH")) if p)
-    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", RAY_USAGE_STATS_ENABLED="0")
+    its own, on free ports and with this module's token (``_clusters.ray_cluster``)."""
+    import _clusters
+
     sys.path.insert(0, WORKERS)
-    tmp = tempfile.mkdtemp(prefix="pr-", dir="/tmp")  # Ray's socket paths must stay short
-    keeper = subprocess.Popen([sys.executable, os.path.join(HERE, "_ray_cluster.py"), tmp],
-                              env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              text=True)
-    try:
-        line = keeper.stdout.readline()
-        assert line.startswith("ready "), line + keeper.stdout.read()
-        ray.init(address=f"127.0.0.1:{line.split()[1]}",
-                 runtime_env={"env_vars": {"PYTHONPATH": path, "OMP_NUM_THREADS": "1"}})
-        assert len([n for n in ray.nodes() if n["Alive"]]) == 2, ray.nodes()
-        yield
-    finally:
-        ray.shutdown()
-        keeper.stdin.close()
-        keeper.wait(timeout=60)
-        shutil.rmtree(tmp, ignore_errors=True)
+    path = os.pathsep.join(p for p in (WORKERS, PYTHON, os.environ.get("PYTHONPATH")) if p)
+    with _clusters.ray_cluster(path) as add_node:
+        yield add_node
 
 
 @pytest.mark.timeout(300)
@@ -189,3 +174,40 @@ def test_the_ray_example_runs_as_it_is(cluster):
     assert line, done.stdout + done.stderr
     losses = [float(v) for v in line[0].split("[")[1].rstrip("]").split(",")]
     assert len(losses) == 2 and losses[0] == losses[1] and 0 < losses[0] < 3, losses
+
+
+@pytest.mark.timeout(300)
+def test_elastic_training_grows_when_ray_adds_a_node(cluster, tmp_path):
+    import threading
+
+    import cluster_fns
+    from perseus.ray import RayExecutor
+
+    # A worker takes a node's 2 CPUs: 2 slots, then 3 once the test adds a third node
+    # during the run (this module's last test: the node stays until the cluster stops).
+    marker = tmp_path / "started"
+
+    def add_node_once_started():
+        deadline = time.monotonic() + 120
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        cluster()
+
+    adder = threading.Thread(target=add_node_once_started, daemon=True)
+    adder.start()
+    executor = RayExecutor(RayExecutor.create_settings(timeout_s=60), min_workers=1,
+                           max_workers=3, cpus_per_worker=2, elastic_timeout=60)
+    executor.start()
+    try:
+        results = executor.run(cluster_fns.elastic_grow, kwargs={"marker": str(marker)})
+    finally:
+        executor.shutdown()
+    adder.join(timeout=10)
+    assert len(results) == 3, results
+    for done, sizes, round_ in results:
+        # The newcomer got rank 0's state: every batch exactly once, on every worker.
+        assert done == list(range(len(done))), done
+        assert sizes[0] == 2 and sizes[-1] == 3, sizes
+        assert sorted(sizes) == sizes and set(sizes) == {2, 3}, sizes
+        assert round_ == 1, round_
+    assert len({len(done) for done, _, _ in results}) == 1, results

@@ -5,7 +5,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 
 import pytest
 
@@ -21,42 +20,14 @@ PYTHON = os.path.join(os.path.dirname(os.path.dirname(HERE)), "python")
 
 @pytest.fixture(scope="module")
 def spark():
-    """A SparkSession on a standalone cluster that ``_spark_cluster.py`` keeps: its own
-    ports and directories, its JVMs stopped at the end."""
-    path = os.pathsep.join(p for p in (WORKERS, PYTHON, os.environ.get("PYTHONPATH")) if p)
-    sys.path.insert(0, WORKERS)
-    tmp = tempfile.mkdtemp(prefix="perseus-spark-")
-    keeper = subprocess.Popen([sys.executable, os.path.join(HERE, "_spark_cluster.py"), tmp],
-                              env=dict(os.environ, PYTHONPATH=path), stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True)
-    session = None
-    try:
-        line = keeper.stdout.readline()
-        assert line.startswith("ready "), line + keeper.stdout.read()
-        from pyspark.sql import SparkSession
+    """A SparkSession on a standalone cluster of a master and two workers on this machine
+    (``_clusters.spark_session``)."""
+    import _clusters
 
-        session = (SparkSession.builder.master(line.split()[1])
-                   .appName("perseus-spark-tests")
-                   .config("spark.driver.host", "127.0.0.1")
-                   .config("spark.driver.bindAddress", "127.0.0.1")
-                   .config("spark.executor.cores", "1")
-                   .config("spark.executor.memory", "512m")
-                   .config("spark.local.dir", tmp)
-                   .config("spark.ui.enabled", "false")
-                   # A failed barrier stage is not tried again: the test sees the failure.
-                   .config("spark.stage.maxConsecutiveAttempts", "1")
-                   .config("spark.task.maxFailures", "1")
-                   .config("spark.executorEnv.PYTHONPATH", path)
-                   .config("spark.executorEnv.OMP_NUM_THREADS", "1")
-                   .config("spark.pyspark.python", sys.executable)
-                   .getOrCreate())
+    sys.path.insert(0, WORKERS)
+    path = os.pathsep.join(p for p in (WORKERS, PYTHON, os.environ.get("PYTHONPATH")) if p)
+    with _clusters.spark_session(path) as session:
         yield session
-    finally:
-        if session is not None:
-            session.stop()
-        keeper.stdin.close()
-        keeper.wait(timeout=60)
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @pytest.mark.timeout(400)

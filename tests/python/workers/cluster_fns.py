@@ -80,6 +80,21 @@ def log_steps(steps=3):
     return hvd.rank()
 
 
+def _elastic_state():
+    """After ``hvd.init()``: a linear model, its DistributedOptimizer, and their
+    TorchState, with a batch counter and the lists ``done`` and ``sizes``."""
+    import perseus.torch.horovod as hvd
+    import torch
+
+    hvd.init()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    state = hvd.elastic.TorchState(model=model, optimizer=opt, batch=0, done=[], sizes=[])
+    return model, opt, state
+
+
 def elastic_train(batches=8, kill_at=3, log=False, kill_parent=False, pid_dir=None):
     """Elastic training with hvd.elastic.run and TorchState: in the first round the worker
     of rank 1 kills its own process at batch ``kill_at``, after rank 0 has already
@@ -96,12 +111,7 @@ def elastic_train(batches=8, kill_at=3, log=False, kill_parent=False, pid_dir=No
 
     if pid_dir:
         open(os.path.join(pid_dir, str(os.getpid())), "w").close()
-    hvd.init()
-    torch.manual_seed(0)
-    model = torch.nn.Linear(4, 1)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                   named_parameters=model.named_parameters())
-    state = hvd.elastic.TorchState(model=model, optimizer=opt, batch=0, done=[], sizes=[])
+    model, opt, state = _elastic_state()
 
     @hvd.elastic.run
     def train(state):
@@ -125,5 +135,36 @@ def elastic_train(batches=8, kill_at=3, log=False, kill_parent=False, pid_dir=No
                 ray_logger.log({"batch": b})
         return (list(state.done), list(state.sizes), elastic.current_round(),
                 [p.detach().flatten().tolist() for p in model.parameters()])
+
+    return train(state)
+
+
+def elastic_grow(marker, want=3, most=600):
+    """Elastic training that goes on, a batch every 0.1 s, until the job has ``want``
+    workers (or ``most`` batches): rank 0 leaves the file ``marker`` once the first batch
+    is done, for the test to add a node then. Every batch commits and appends itself to
+    ``state.done`` and the job's size to ``state.sizes``. Returns ``(done, sizes, round)``."""
+    import time
+
+    import perseus.torch.horovod as hvd
+    import torch
+    from perseus.common import elastic
+
+    _, _, state = _elastic_state()
+
+    @hvd.elastic.run
+    def train(state):
+        while True:
+            b = state.batch
+            size = int(hvd.allreduce(torch.ones(1), op=hvd.Sum, name=f"size.{b}").item())
+            state.done.append(b)
+            state.sizes.append(size)
+            state.batch += 1
+            state.commit()
+            if hvd.rank() == 0 and not os.path.exists(marker):
+                open(marker, "w").close()
+            if size >= want or state.batch >= most:
+                return list(state.done), list(state.sizes), elastic.current_round()
+            time.sleep(0.1)
 
     return train(state)

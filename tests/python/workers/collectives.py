@@ -278,7 +278,9 @@ def check_large_outputs(r, n):
     close(mine, x + r, "large allreduce input untouched")
     ptrs = {t.data_ptr() for t in held} | {mine.data_ptr()}
     assert len(ptrs) == 4, "outputs held at once share memory"
-    close(hvd.broadcast(mine, n - 1, name="big.bcast"), x + n - 1, "large broadcast")
+    got = hvd.broadcast(mine, n - 1, name="big.bcast")
+    close(got, x + n - 1, "large broadcast")
+    assert got.data_ptr() != mine.data_ptr(), "broadcast returned its input"
     close(mine, x + r, "large broadcast input untouched")
     parts = [x + i for i in range(n)]
     close(hvd.allgather(mine, name="big.gather"),

@@ -77,6 +77,13 @@ def fresh_copy(t):
     return buf, _to_dlpack(buf)
 
 
+def empty_like(t):
+    """A new eager tensor shaped and typed like ``t``, its values unspecified (for a
+    result the core writes whole), and its capsule."""
+    buf = tf.raw_ops.Empty(shape=tf.shape(t), dtype=t.dtype)
+    return buf, _to_dlpack(buf)
+
+
 def imported(capsule):
     """The eager tensor over a capsule the core allocated."""
     return _from_dlpack(capsule)

@@ -288,9 +288,12 @@ def grouped_allgather(tensors, name=None, ignore_name_scope=False,
 # --------------------------------------------------------------------------- broadcast
 
 def _broadcast_now(tensors, root_rank, names, process_set):
+    # The root only sends: its input goes as it lies, and is its result too (a tensor is
+    # immutable). The others receive into new buffers, no copy of their input first.
+    root = rank() == root_rank
     handles = []
     for t, name in zip(tensors, names):
-        buf, cap = _bridge.fresh_copy(t)
+        buf, cap = (t, _bridge.export(t)) if root else _bridge.empty_like(t)
         handles.append(_ops.broadcast_async(cap, root_rank=root_rank, name=name,
                                             process_set=process_set, keep=buf,
                                             finish=lambda _h, b=buf: b))

@@ -421,11 +421,19 @@ def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set
     """
     _check_tensor(tensor)
     out = _new_output(tensor)
-    if _basics.rank() == root_rank:  # elsewhere the broadcast overwrites all of it
-        out.copy_(tensor.detach())
-    return _ops.broadcast_async(_capsule(out), root_rank=root_rank, name=name,
-                                process_set=process_set, keep=(tensor, out),
-                                finish=lambda _h: out)
+    if _basics.rank() != root_rank:  # the broadcast overwrites all of it
+        return _ops.broadcast_async(_capsule(out), root_rank=root_rank, name=name,
+                                    process_set=process_set, keep=(tensor, out),
+                                    finish=lambda _h: out)
+    # The root sends its input as it lies and copies it into the output meanwhile, both
+    # only reading it, rather than copying first and sending the copy.
+    src, cap = _export(tensor)
+    handle = _ops.broadcast_async(cap, root_rank=root_rank, name=name,
+                                  process_set=process_set, keep=(tensor, src, out),
+                                  finish=lambda _h: out)
+    with torch.no_grad():
+        out.copy_(src)
+    return handle
 
 
 def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set):
