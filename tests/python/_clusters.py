@@ -10,6 +10,8 @@ import subprocess
 import sys
 import tempfile
 
+from _spark_cluster import JVM_OPTIONS
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -89,7 +91,9 @@ def spark_session(pythonpath, standalone=True, env_vars=None):
                    .config("spark.ui.enabled", "false")
                    .config("spark.stage.maxConsecutiveAttempts", "1")
                    .config("spark.task.maxFailures", "1")
-                   .config("spark.pyspark.python", sys.executable))
+                   .config("spark.pyspark.python", sys.executable)
+                   .config("spark.driver.extraJavaOptions", JVM_OPTIONS)
+                   .config("spark.executor.extraJavaOptions", JVM_OPTIONS))
         variables = dict(env_vars or {}, PYTHONPATH=pythonpath, OMP_NUM_THREADS="1")
         for name, value in variables.items():
             builder = builder.config(f"spark.executorEnv.{name}", value)

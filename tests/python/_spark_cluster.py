@@ -15,6 +15,10 @@ import time
 
 from _reaper import become_subreaper, free_port, stop
 
+#: The JVMs of a test's short cluster: no optimizing JIT compiler (it costs more CPU than
+#: it saves in a run of seconds), and a single-threaded collector.
+JVM_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"
+
 
 def main():
     import pyspark
@@ -23,7 +27,8 @@ def main():
     become_subreaper()
     spark_class = os.path.join(os.path.dirname(pyspark.__file__), "bin", "spark-class")
     env = dict(os.environ, SPARK_LOCAL_IP="127.0.0.1", SPARK_LOCAL_DIRS=tmp,
-               SPARK_WORKER_DIR=tmp, SPARK_LOG_DIR=tmp, PYSPARK_PYTHON=sys.executable)
+               SPARK_WORKER_DIR=tmp, SPARK_LOG_DIR=tmp, PYSPARK_PYTHON=sys.executable,
+               SPARK_DAEMON_JAVA_OPTS=JVM_OPTIONS)
     port = free_port()
     url = f"spark://127.0.0.1:{port}"
     logs = []

@@ -176,6 +176,44 @@ def test_the_ray_example_runs_as_it_is(cluster):
     assert len(losses) == 2 and losses[0] == losses[1] and 0 < losses[0] < 3, losses
 
 
+def test_elastic_ray_executors_arguments_are_horovods():
+    from perseus.ray import ElasticRayExecutor
+
+    with pytest.warns(DeprecationWarning, match="is deprecated"):
+        settings = ElasticRayExecutor.create_settings(min_np=2, max_np=4, verbose=True)
+    assert (settings.min_num_proc, settings.max_num_proc) == (2, 4)
+    assert settings.extra == {"verbose": True}
+    with pytest.raises(ValueError, match="use_gpu must be True"):
+        ElasticRayExecutor(settings, gpus_per_slot=1)
+    with pytest.raises(ValueError, match="settings.discovery"):
+        ElasticRayExecutor(settings, override_discovery=False)
+    executor = ElasticRayExecutor(settings, cpus_per_slot=2, env_vars={"A": 1})
+    assert executor._executor.min_workers == 2 and executor._executor.max_workers == 4
+    assert executor._executor.cpus_per_worker == 2
+
+
+@pytest.mark.timeout(300)
+def test_a_horovod_style_elastic_ray_executor_program_runs_on_its_discovery(cluster):
+    import cluster_fns
+    from perseus.ray import ElasticRayExecutor
+
+    # Horovod's HostDiscovery: two slots at the address of this machine's Ray nodes
+    address = ray.nodes()[0]["NodeManagerAddress"]
+
+    class Discovery:
+        def find_available_hosts_and_slots(self):
+            return {address: 2}
+
+    settings = ElasticRayExecutor.create_settings(min_num_proc=1, timeout_s=60)
+    settings.discovery = Discovery()
+    executor = ElasticRayExecutor(settings, override_discovery=False,
+                                  env_vars={"PERSEUS_TEST_MARK": "elastic"})
+    executor.start()
+    topo = executor.run(cluster_fns.topology)
+    assert [t["rank"] for t in topo] == [0, 1], topo
+    assert all(t["size"] == 2 and t["mark"] == "elastic" for t in topo), topo
+
+
 @pytest.mark.timeout(300)
 def test_elastic_training_grows_when_ray_adds_a_node(cluster, tmp_path):
     import threading

@@ -170,7 +170,9 @@ def test_run_elastic_stops_naming_spark_when_a_task_is_lost_for_good(spark, tmp_
 def test_the_spark_example_runs_as_it_is():
     example = os.path.join(os.path.dirname(os.path.dirname(HERE)), "examples",
                            "spark_pytorch_mnist.py")
-    env = dict(os.environ, PYSPARK_PYTHON=sys.executable,
+    from _spark_cluster import JVM_OPTIONS
+
+    env = dict(os.environ, PYSPARK_PYTHON=sys.executable, JAVA_TOOL_OPTIONS=JVM_OPTIONS,
                PYTHONPATH=os.pathsep.join(p for p in (PYTHON, os.environ.get("PYTHONPATH"))
                                           if p))
     done = subprocess.run([sys.executable, example, "--num-proc", "2", "--epochs", "1"],

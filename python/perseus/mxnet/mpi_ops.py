@@ -295,9 +295,16 @@ def broadcast(tensor, root_rank, name=None, priority=0, process_set=global_proce
     (not recorded by autograd, as no collective here is)."""
     with mx.autograd.pause():
         out = _new_output(_check(tensor))
-        if _basics.rank() == root_rank:  # elsewhere the broadcast overwrites all of it
-            tensor.copyto(out)
-    return _broadcast_into(out, root_rank, name, process_set, tensor).wait()
+        if _basics.rank() != root_rank:  # the broadcast overwrites all of it
+            return _broadcast_into(out, root_rank, name, process_set, tensor).wait()
+        # The root sends its input as it lies and copies it into the output meanwhile,
+        # both only reading it, rather than copying first and sending the copy.
+        src, cap = _readable(tensor)
+        handle = _ops.broadcast_async(cap, root_rank=root_rank, name=name,
+                                      process_set=process_set, keep=(tensor, src, out),
+                                      finish=lambda _h: out)
+        tensor.copyto(out)
+    return handle.wait()
 
 
 def broadcast_(tensor, root_rank, name=None, priority=0, process_set=global_process_set):

@@ -136,8 +136,10 @@ def run(ray, executor, fn, callbacks=None):
             return worker
 
         most = executor.max_workers or sys.maxsize
+        discovery = executor.discovery
         job = _elastic.ElasticJob(
-            RayHostDiscovery(ray, executor.cpus_per_worker, executor.gpus_per_worker),
+            RayHostDiscovery(ray, executor.cpus_per_worker, executor.gpus_per_worker)
+            if discovery is None else lambda: dict(discovery.find_available_hosts_and_slots()),
             launch_worker, server, executor.min_workers, most, most,
             elastic_timeout=executor.elastic_timeout, reset_limit=executor.reset_limit,
             interval=DISCOVERY_SECONDS, start_timeout=executor.settings.timeout_s,

@@ -104,6 +104,9 @@ class RayExecutor:
         self.workers = []
         self.executable = (None, None, None)  # an elastic job's (cls, args, kwargs)
         self.extra_env = {}
+        #: Elastic jobs: an object with Horovod's ``find_available_hosts_and_slots()``
+        #: whose hosts replace Ray's nodes (ElasticRayExecutor's override_discovery=False).
+        self.discovery = None
         self._started = False
         self._group = None
 

@@ -8,7 +8,8 @@ def topology():
 
     hvd.init()
     return {"rank": hvd.rank(), "size": hvd.size(), "local_rank": hvd.local_rank(),
-            "local_size": hvd.local_size(), "pid": os.getpid()}
+            "local_size": hvd.local_size(), "pid": os.getpid(),
+            "mark": os.environ.get("PERSEUS_TEST_MARK")}
 
 
 def train(steps=5):
