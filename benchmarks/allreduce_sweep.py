@@ -21,6 +21,17 @@ its host-staged path (docs/gpu.md) and torch gloo its own copies through host me
 each call ends with ``torch.cuda.synchronize()`` in both. Only hvd and gloo take CUDA
 tensors here (core takes DLPack capsules without a stream, mpi4py host buffers).
 
+The machine's own bound, from 16 MiB (where the sizes stop fitting in the caches):
+each Perseus job also times a STREAM-like copy (``b = a``) and add (``a += b``) on every
+rank at once, one thread each, at those sizes. Its memory traffic rate per rank is the
+better of the two, counted as STREAM counts it (2 and 3 bytes of traffic per byte of
+buffer). The ring moves at least ``5(n-1)/n`` bytes of memory traffic per byte of buffer
+on each rank (the reduce-scatter reads the chunk it sends, then reads and writes the chunk
+it reduces into, the segment between the ranks staying in cache; the allgather reads
+what it sends and writes what it receives), so the fastest the algorithm can be is that
+traffic at that rate: a busbw of 0.4 times the rate, whatever ``n``. The tables give each
+Perseus implementation's busbw as a fraction of the bound its own job measured.
+
 ``--page``: a markdown page of saved sweeps, one after the other (scripts/gpu-session.sh
 writes docs/benchmarks_staged_cuda.md so: the sweep on a shared GPU, then the same on
 host tensors).
@@ -37,6 +48,11 @@ QUICK = [4 << 10, 256 << 10, 16 << 20]
 TIMING = {"warmup": 3, "min_iters": 5, "max_iters": 300, "budget": 0.5}
 QUICK_TIMING = {"warmup": 1, "min_iters": 3, "max_iters": 20, "budget": 0.05}
 
+#: From this size on the buffers leave the caches: the memory bound is measured there.
+BOUND_FROM = 16 << 20
+#: Bytes of memory traffic per byte of buffer: a STREAM copy, a STREAM add, and the
+#: ring allreduce on each rank times n/(n-1) (see the module's text).
+COPY_TRAFFIC, ADD_TRAFFIC, RING_TRAFFIC = 2, 3, 5
 
 CUDA_IMPLS = ("hvd", "gloo")
 
@@ -92,7 +108,55 @@ def body(comm, opts):
         fn = allreduce_fn(comm, t, f"sweep.{nbytes}")
         rows.append({"bytes": nbytes, **harness.measure(comm, fn, **opts["timing"])})
         del fn, t
-    return {"rows": rows, "rss_after_init_mib": rss_init, "peak_rss_mib": harness.peak_rss_mib()}
+    result = {"rows": rows, "rss_after_init_mib": rss_init,
+              "peak_rss_mib": harness.peak_rss_mib()}
+    if comm.impl in harness.PERSEUS and opts["device"] == "cpu":
+        result["memory"] = memory_rates(comm, opts["sizes"], opts["timing"])
+    return result
+
+
+def memory_rates(comm, sizes, timing):
+    """STREAM-like copy and add timed on every rank at once, one thread each, at each size
+    from BOUND_FROM: ``[{"bytes", "copy", "add"}]`` in seconds (medians, slowest rank)."""
+    import functools
+
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    rows = []
+    try:
+        for nbytes in sizes:
+            if nbytes < BOUND_FROM:
+                continue
+            a = torch.full((nbytes // 4,), 0.0, dtype=torch.float32)
+            b = torch.full((nbytes // 4,), 0.0, dtype=torch.float32)
+            copy = harness.measure(comm, functools.partial(b.copy_, a), **timing)
+            add = harness.measure(comm, functools.partial(a.add_, b), **timing)
+            rows.append({"bytes": nbytes, "copy": copy["median"], "add": add["median"]})
+            del a, b
+    finally:
+        torch.set_num_threads(threads)
+    return rows
+
+
+def bound_busbw(row, n):
+    """The busbw (GB/s) at which the ring's memory traffic on ``n`` ranks runs at the rate
+    that ``row`` of :func:`memory_rates` measured."""
+    nbytes = row["bytes"]
+    rate = max(COPY_TRAFFIC * nbytes / row["copy"], ADD_TRAFFIC * nbytes / row["add"])
+    fastest = RING_TRAFFIC * (n - 1) / n * nbytes / rate
+    return harness.busbw(nbytes, fastest, n)
+
+
+def bounds(runs, impl, n):
+    """``{bytes: (copy GB/s, add GB/s, bound busbw GB/s)}`` from ``impl``'s job."""
+    res = runs.get(impl)
+    if res is None or harness.failed(res) or not res[0].get("memory"):
+        return {}
+    return {r["bytes"]: (harness.algbw(r["bytes"], r["copy"]),
+                         harness.algbw(r["bytes"], r["add"]), bound_busbw(r, n))
+            for r in res[0]["memory"]}
 
 
 def run(sizes=SIZES, ranks=(2, 3, 4), impls=harness.IMPLS, quick=False, timeout=600,
@@ -160,7 +224,38 @@ def sections(result, only=None):
         out.append({"title": f"allreduce, float32{on}, {n} ranks: algbw (GB/s)",
                     "headers": alg_headers, "rows": alg_rows,
                     "notes": ["Peak RSS over the sweep, rank 0/1/...:", *notes]})
+        bound = bound_section(result, runs, n)
+        if bound:
+            out.append(bound)
     return out
+
+
+def bound_section(result, runs, n):
+    """Each Perseus implementation's busbw against the memory bound its job measured."""
+    measured = [i for i in harness.PERSEUS if bounds(runs, i, n)]
+    if not measured:
+        return None
+    first = bounds(runs, measured[0], n)
+    rows = []
+    for k, nbytes in enumerate(result["sizes"]):
+        if nbytes not in first:
+            continue
+        copy, add, bound = first[nbytes]
+        row = [harness.human(nbytes), f"{copy:.2f}", f"{add:.2f}", f"{bound:.2f}"]
+        for i in measured:
+            s = seconds(runs, i, k)
+            row.append(harness.fmt(s and harness.busbw(nbytes, s, n) / bounds(runs, i, n)
+                                   [nbytes][2] * 100, ".0f") + " %")
+        rows.append(row)
+    return {"title": f"allreduce, float32, {n} ranks: Perseus busbw against this machine's "
+                     "memory bound",
+            "headers": ["size", "copy GB/s", "add GB/s", "bound busbw"]
+                       + [f"{i} ÷ bound" for i in measured],
+            "rows": rows,
+            "notes": [(f"copy, add: bytes of buffer a second per rank, all {n} ranks at "
+                       f"once ({measured[0]}'s job); bound: the ring's {RING_TRAFFIC}(n-1)/n "
+                       "bytes of traffic per byte at the better of their traffic rates; "
+                       "÷ bound: busbw over the bound its own job measured")]}
 
 
 def page(results):

@@ -9,28 +9,52 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 
 from _spark_cluster import JVM_OPTIONS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+#: Seconds a keeper has to answer (its every engine start is bounded by 120 s).
+ANSWER_SECONDS = 300
+
+
+def _worker_env(pythonpath):
+    """What every worker's environment gets, on either engine."""
+    return {"PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1"}
+
+
+def _answer(keeper):
+    """The keeper's next line, or '' when it gave none within ANSWER_SECONDS."""
+    line = []
+    reader = threading.Thread(target=lambda: line.append(keeper.stdout.readline()),
+                              daemon=True)
+    reader.start()
+    reader.join(ANSWER_SECONDS)
+    return line[0] if line else ""
 
 
 def _keeper(script, tmp, env):
     """Starts the keeper ``script`` of this directory; returns it and its ``ready`` line's
-    argument (or raises with what it printed)."""
+    argument (or stops it and raises with what it printed)."""
     keeper = subprocess.Popen([sys.executable, os.path.join(HERE, script), tmp], env=env,
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    line = keeper.stdout.readline()
+    line = _answer(keeper)
     if not line.startswith("ready "):
-        keeper.stdin.close()
-        keeper.wait(timeout=60)
-        raise RuntimeError(f"{script} did not start: {line}{keeper.stdout.read()}")
+        _stop(keeper)
+        raise RuntimeError(f"{script} did not start within {ANSWER_SECONDS} s: "
+                           f"{line}{keeper.stdout.read()}")
     return keeper, line.split()[1]
 
 
 def _stop(keeper):
+    """Closes the keeper's input, on which it stops what it started; kills it if it has
+    not ended within a minute."""
     keeper.stdin.close()
-    keeper.wait(timeout=60)
+    try:
+        keeper.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        keeper.kill()
+        keeper.wait()
 
 
 @contextlib.contextmanager
@@ -41,21 +65,21 @@ def ray_cluster(pythonpath, env_vars=None):
     adds one more worker node of 2 CPUs and returns once it runs."""
     import ray
 
-    env = dict(os.environ, PYTHONPATH=pythonpath, OMP_NUM_THREADS="1",
-               RAY_USAGE_STATS_ENABLED="0")
+    workers = _worker_env(pythonpath)
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", **workers)
     tmp = tempfile.mkdtemp(prefix="pr-", dir="/tmp")  # Ray's socket paths must stay short
     keeper = None
     try:
         keeper, port = _keeper("_ray_cluster.py", tmp, env)
-        variables = dict(env_vars or {}, PYTHONPATH=pythonpath, OMP_NUM_THREADS="1")
-        ray.init(address=f"127.0.0.1:{port}", runtime_env={"env_vars": variables})
+        ray.init(address=f"127.0.0.1:{port}",
+                 runtime_env={"env_vars": dict(env_vars or {}, **workers)})
         alive = [n for n in ray.nodes() if n["Alive"]]
         assert len(alive) == 2, ray.nodes()
 
         def add_node():
             keeper.stdin.write("add\n")
             keeper.stdin.flush()
-            answer = keeper.stdout.readline()
+            answer = _answer(keeper)
             assert answer.startswith("added"), answer
 
         yield add_node
@@ -74,6 +98,7 @@ def spark_session(pythonpath, standalone=True, env_vars=None):
     directories; a failed task or barrier stage is not tried again."""
     from pyspark.sql import SparkSession
 
+    workers = _worker_env(pythonpath)
     tmp = tempfile.mkdtemp(prefix="perseus-spark-")
     keeper = session = None
     try:
@@ -94,8 +119,7 @@ def spark_session(pythonpath, standalone=True, env_vars=None):
                    .config("spark.pyspark.python", sys.executable)
                    .config("spark.driver.extraJavaOptions", JVM_OPTIONS)
                    .config("spark.executor.extraJavaOptions", JVM_OPTIONS))
-        variables = dict(env_vars or {}, PYTHONPATH=pythonpath, OMP_NUM_THREADS="1")
-        for name, value in variables.items():
+        for name, value in dict(env_vars or {}, **workers).items():
             builder = builder.config(f"spark.executorEnv.{name}", value)
         session = builder.getOrCreate()
         yield session

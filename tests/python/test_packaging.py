@@ -137,7 +137,8 @@ def test_seed_001s_variables_alone_bring_perseus_into_a_plain_ddp_script(wheel, 
         assert out.stdout.strip() == imported, (value, out.stdout, out.stderr)
     script = tmp_path / "plain_ddp.py"
     script.write_text(PLAIN_DDP)
-    for var in ("AIAK_FP16_COMPRESSION", "AIAK_HIERARCHICAL_ALLREDUCE", None):
+    # (any AIAK_ variable acts alike: the probes above showed one; a job each way here)
+    for var in ("AIAK_HIERARCHICAL_ALLREDUCE", None):
         extra = {} if var is None else {var: "1"}
         run = _run([str(python), "-W", "ignore::FutureWarning", "-m", "torch.distributed.run",
                     "--nproc_per_node", "2", "--master_port", str(free_port()), str(script)],

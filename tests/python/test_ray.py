@@ -193,16 +193,18 @@ def test_elastic_ray_executors_arguments_are_horovods():
 
 
 @pytest.mark.timeout(300)
-def test_a_horovod_style_elastic_ray_executor_program_runs_on_its_discovery(cluster):
+def test_a_horovod_style_elastic_ray_executor_program_runs_on_its_discovery(cluster,
+                                                                            capfd):
     import cluster_fns
     from perseus.ray import ElasticRayExecutor
 
-    # Horovod's HostDiscovery: two slots at the address of this machine's Ray nodes
+    # Horovod's HostDiscovery: two slots at the address of this machine's Ray nodes, and
+    # a host with no Ray node, which is named and left out (no start timeout waited).
     address = ray.nodes()[0]["NodeManagerAddress"]
 
     class Discovery:
         def find_available_hosts_and_slots(self):
-            return {address: 2}
+            return {"198.51.100.7": 1, address: 2}
 
     settings = ElasticRayExecutor.create_settings(min_num_proc=1, timeout_s=60)
     settings.discovery = Discovery()
@@ -212,6 +214,9 @@ def test_a_horovod_style_elastic_ray_executor_program_runs_on_its_discovery(clus
     topo = executor.run(cluster_fns.topology)
     assert [t["rank"] for t in topo] == [0, 1], topo
     assert all(t["size"] == 2 and t["mark"] == "elastic" for t in topo), topo
+    err = capfd.readouterr().err
+    assert err.count("the discovery names host 198.51.100.7, which is no live Ray node") \
+        == 1, err
 
 
 @pytest.mark.timeout(300)

@@ -51,6 +51,26 @@ class RayHostDiscovery:
         return hosts
 
 
+class OnRayNodes:
+    """The hosts of ``discovery`` (Horovod's ``find_available_hosts_and_slots()``) that
+    are live Ray nodes' addresses. A host that is not gets no worker, where its actor
+    would wait for the start timeout and its slot then for ``elastic_timeout``: it is
+    named on standard error once, beside the nodes' addresses."""
+
+    def __init__(self, ray, discovery):
+        self.ray, self.discovery, self.named = ray, discovery, set()
+
+    def __call__(self):
+        nodes = {n["NodeManagerAddress"] for n in self.ray.nodes() if n.get("Alive")}
+        hosts = dict(self.discovery.find_available_hosts_and_slots())
+        for host in sorted(set(hosts) - nodes - self.named):
+            self.named.add(host)
+            print(f"perseus.ray: the discovery names host {host}, which is no live Ray "
+                  f"node (their addresses: {', '.join(sorted(nodes))}); it gets no worker",
+                  file=sys.stderr, flush=True)
+        return {h: n for h, n in hosts.items() if h in nodes}
+
+
 class _ActorProcess:
     """A worker's actor seen as the launcher sees a process: ``wait()`` (0 when the
     function returned, 1 when it raised, :data:`ACTOR_DIED` when the actor died),
@@ -139,7 +159,7 @@ def run(ray, executor, fn, callbacks=None):
         discovery = executor.discovery
         job = _elastic.ElasticJob(
             RayHostDiscovery(ray, executor.cpus_per_worker, executor.gpus_per_worker)
-            if discovery is None else lambda: dict(discovery.find_available_hosts_and_slots()),
+            if discovery is None else OnRayNodes(ray, discovery),
             launch_worker, server, executor.min_workers, most, most,
             elastic_timeout=executor.elastic_timeout, reset_limit=executor.reset_limit,
             interval=DISCOVERY_SECONDS, start_timeout=executor.settings.timeout_s,

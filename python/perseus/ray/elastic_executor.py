@@ -65,12 +65,6 @@ class ElasticRayExecutor:
         gpus_per_slot = gpus_per_slot or int(use_gpu)
         if use_gpu and gpus_per_slot < 1:
             raise ValueError(f"gpus_per_slot must be >= 1: Got {gpus_per_slot}.")
-        discovery = None
-        if not override_discovery:
-            discovery = getattr(settings, "discovery", None)
-            if discovery is None:
-                raise ValueError("ElasticRayExecutor: override_discovery=False needs "
-                                 "settings.discovery (find_available_hosts_and_slots())")
         self.settings = settings
         self.use_gpu, self.cpus_per_slot, self.gpus_per_slot = use_gpu, cpus_per_slot, \
             gpus_per_slot
@@ -79,8 +73,8 @@ class ElasticRayExecutor:
             settings, cpus_per_worker=cpus_per_slot, use_gpu=use_gpu,
             gpus_per_worker=gpus_per_slot if use_gpu else None,
             min_workers=settings.min_num_proc, max_workers=settings.max_num_proc,
-            reset_limit=settings.reset_limit, elastic_timeout=settings.elastic_timeout)
-        self._executor.discovery = discovery
+            reset_limit=settings.reset_limit, elastic_timeout=settings.elastic_timeout,
+            override_discovery=override_discovery)
 
     def start(self):
         """Readies the job (Ray is initialized here when it was not)."""

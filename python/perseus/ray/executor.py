@@ -104,9 +104,15 @@ class RayExecutor:
         self.workers = []
         self.executable = (None, None, None)  # an elastic job's (cls, args, kwargs)
         self.extra_env = {}
-        #: Elastic jobs: an object with Horovod's ``find_available_hosts_and_slots()``
-        #: whose hosts replace Ray's nodes (ElasticRayExecutor's override_discovery=False).
+        #: Elastic jobs with ``override_discovery=False``: ``settings.discovery``, an
+        #: object with Horovod's ``find_available_hosts_and_slots()`` whose hosts replace
+        #: Ray's nodes.
         self.discovery = None
+        if self.elastic and not override_discovery:
+            self.discovery = getattr(self.settings, "discovery", None)
+            if self.discovery is None:
+                raise ValueError("RayExecutor: override_discovery=False needs "
+                                 "settings.discovery (find_available_hosts_and_slots())")
         self._started = False
         self._group = None
 

@@ -431,8 +431,12 @@ def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set
     handle = _ops.broadcast_async(cap, root_rank=root_rank, name=name,
                                   process_set=process_set, keep=(tensor, src, out),
                                   finish=lambda _h: out)
-    with torch.no_grad():
-        out.copy_(src)
+    try:
+        with torch.no_grad():
+            out.copy_(src)
+    except BaseException:
+        synchronize(handle)  # the others take part: finish it, then raise, leaving none
+        raise
     return handle
 
 
