@@ -232,20 +232,20 @@ def sections(result, only=None):
 
 def bound_section(result, runs, n):
     """Each Perseus implementation's busbw against the memory bound its job measured."""
-    measured = [i for i in harness.PERSEUS if bounds(runs, i, n)]
+    measured = {i: b for i in harness.PERSEUS if (b := bounds(runs, i, n))}
     if not measured:
         return None
-    first = bounds(runs, measured[0], n)
+    first = next(iter(measured.values()))
     rows = []
     for k, nbytes in enumerate(result["sizes"]):
         if nbytes not in first:
             continue
         copy, add, bound = first[nbytes]
         row = [harness.human(nbytes), f"{copy:.2f}", f"{add:.2f}", f"{bound:.2f}"]
-        for i in measured:
+        for i, own in measured.items():
             s = seconds(runs, i, k)
-            row.append(harness.fmt(s and harness.busbw(nbytes, s, n) / bounds(runs, i, n)
-                                   [nbytes][2] * 100, ".0f") + " %")
+            row.append(harness.fmt(s and harness.busbw(nbytes, s, n) / own[nbytes][2] * 100,
+                                   ".0f") + " %")
         rows.append(row)
     return {"title": f"allreduce, float32, {n} ranks: Perseus busbw against this machine's "
                      "memory bound",
@@ -253,7 +253,7 @@ def bound_section(result, runs, n):
                        + [f"{i} ÷ bound" for i in measured],
             "rows": rows,
             "notes": [(f"copy, add: bytes of buffer a second per rank, all {n} ranks at "
-                       f"once ({measured[0]}'s job); bound: the ring's {RING_TRAFFIC}(n-1)/n "
+                       f"once ({next(iter(measured))}'s job); bound: the ring's {RING_TRAFFIC}(n-1)/n "
                        "bytes of traffic per byte at the better of their traffic rates; "
                        "÷ bound: busbw over the bound its own job measured")]}
 

@@ -303,7 +303,11 @@ def broadcast(tensor, root_rank, name=None, priority=0, process_set=global_proce
         handle = _ops.broadcast_async(cap, root_rank=root_rank, name=name,
                                       process_set=process_set, keep=(tensor, src, out),
                                       finish=lambda _h: out)
-        tensor.copyto(out)
+        try:
+            tensor.copyto(out)
+        except BaseException:
+            handle.wait()  # the others take part: finish it, then raise, leaving none
+            raise
     return handle.wait()
 
 
