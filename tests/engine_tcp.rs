@@ -209,8 +209,11 @@ fn shared_memory_and_tcp_give_identical_bits() {
     for shm in [false, true] {
         let out = results.clone();
         job_over(3, shm, move |r, e| {
-            // Odd sizes around the direct/ring switch and the ring capacity.
-            for (k, count) in [1usize, 16_385, 131_071, 700_001].into_iter().enumerate() {
+            // Odd sizes around the direct/ring switch and the ring capacity,
+            // and one just past the size whose result is written past the
+            // cache (misaligned chunks, pieces of every length).
+            let sizes = [1usize, 16_385, 131_071, 700_001, (16 << 18) + 3];
+            for (k, count) in sizes.into_iter().enumerate() {
                 let mut v: Vec<f32> = (0..count)
                     .map(|i| ((i * 2_654_435_761 + r * 97) % 1000) as f32 / 7.0)
                     .collect();
@@ -227,7 +230,7 @@ fn shared_memory_and_tcp_give_identical_bits() {
         let tcp = all.iter().find(|t| !t.0 && t.1 == r && t.2 == k).unwrap().3;
         assert_eq!(bits, tcp, "rank {r} tensor {k}");
     }
-    assert_eq!(all.len(), 2 * 3 * 4);
+    assert_eq!(all.len(), 2 * 3 * 5);
 }
 
 #[test]

@@ -314,13 +314,14 @@ pub(super) fn allgather_ranges(
     buf: &mut [u8],
     parts: &[Range<usize>],
 ) -> Result<()> {
-    let (n, r) = (comm.size(), comm.rank());
+    let (n, r, len) = (comm.size(), comm.rank(), buf.len());
     let (right, left) = ((r + 1) % n, (r + n - 1) % n);
     for s in 0..n - 1 {
         let sc = (r + n - s) % n;
         let rc = (r + 2 * n - s - 1) % n;
         let (out, dst) = split2(buf, parts[sc].clone(), parts[rc].clone());
-        comm.transfer(&mut [Send::new(right, out)], &mut [Recv::new(left, dst)])?;
+        let recv = Recv::new(left, dst).of_result(len);
+        comm.transfer(&mut [Send::new(right, out)], &mut [recv])?;
     }
     Ok(())
 }

@@ -9,9 +9,11 @@ pub mod clock;
 mod convert;
 pub mod dgc;
 pub mod pool;
+mod stream;
 
 pub use aligned::AlignedBuf;
 pub use convert::{first_nonfinite, from_half, reduce_half_into, round_through_half, to_half};
+pub use stream::copy_streaming;
 
 use crate::dtype::{DataType, ReduceOp};
 use half::slice::HalfFloatSliceExt;

@@ -68,6 +68,15 @@ impl Link {
         }
     }
 
+    /// [`Link::read`] with stores that bypass the cache where the link is
+    /// shared memory (a socket's bytes arrive through the kernel's copy).
+    pub fn read_streaming(&self, buf: &mut [u8]) -> std::io::Result<usize> {
+        match self {
+            Link::Shm { seg, me, peer, .. } => seg.ring(*peer, *me).read_streaming(buf),
+            _ => self.read(buf),
+        }
+    }
+
     /// True when the peer's process has ended: its TCP stream (for a
     /// shared-memory peer, the idle one kept beside the rings) was closed
     /// by the peer or failed. Asks `poll(2)` for hang-up rather than reading,

@@ -21,6 +21,13 @@ const DATA: u16 = 0x100;
 const PAD: [u8; 8] = [0; 8];
 /// Bytes a reducing receive reads from a socket at a time.
 const STAGING: usize = 256 << 10;
+/// Copies into a result of at least this many bytes use stores that bypass
+/// the cache: a result this large leaves the cache before anyone reads it,
+/// and not fetching its lines first saves a third of the copy's memory
+/// traffic (1.1-1.25x faster allreduce from 16 MiB on 2 and 3 ranks here).
+/// Below it, the result stays in cache for its reader, which gains more:
+/// streaming made an 8 MiB allreduce followed by a read 1.4x slower.
+const STREAM_FROM: usize = 16 << 20;
 
 fn pad(len: usize) -> usize {
     (8 - len % 8) % 8
@@ -94,6 +101,8 @@ pub struct Recv<'a> {
     pos: usize,
     landing: Landing,
     staging: Option<(AlignedBuf, usize)>,
+    /// Whether a copied payload lands with stores that bypass the cache.
+    stream: bool,
 }
 
 impl<'a> Recv<'a> {
@@ -107,7 +116,14 @@ impl<'a> Recv<'a> {
             pos: 0,
             landing: Landing::Copy,
             staging: None,
+            stream: false,
         }
+    }
+    /// Marks a copied message as one piece of a result of `len` bytes, so
+    /// that a large result is written past the cache ([`STREAM_FROM`]).
+    pub fn of_result(mut self, len: usize) -> Self {
+        self.stream = len >= STREAM_FROM;
+        self
     }
     /// A message from rank `peer` reduced into `data` (`data[i] = op(data[i], msg[i])`).
     pub fn reducing(peer: usize, data: &'a mut [u8], dtype: DataType, op: ReduceOp) -> Self {
@@ -288,6 +304,7 @@ fn step_recv(links: &[Link], r: &mut Recv<'_>) -> Result<bool> {
         } else if r.pos < HEADER + len {
             let off = r.pos - HEADER;
             match r.landing {
+                Landing::Copy if r.stream => io(r.peer, l.read_streaming(&mut r.data[off..]))?,
                 Landing::Copy => io(r.peer, l.read(&mut r.data[off..]))?,
                 landing => recv_landing(l, r, off, landing)?,
             }

@@ -8,6 +8,7 @@
 //! cannot tell the two apart.
 
 use crate::error::{PerseusError, Result};
+use crate::kernels::copy_streaming;
 use std::io::ErrorKind;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
@@ -242,6 +243,16 @@ impl Ring<'_> {
 
     /// Copies out as much as is available into `buf`; `WouldBlock` when empty.
     pub fn read(&self, buf: &mut [u8]) -> std::io::Result<usize> {
+        self.read_with(buf, |d, s| d.copy_from_slice(s))
+    }
+
+    /// [`Ring::read`] with stores that bypass the cache, for a destination
+    /// too large to stay in it.
+    pub fn read_streaming(&self, buf: &mut [u8]) -> std::io::Result<usize> {
+        self.read_with(buf, copy_streaming)
+    }
+
+    fn read_with(&self, buf: &mut [u8], copy: impl Fn(&mut [u8], &[u8])) -> std::io::Result<usize> {
         let tail = self.tail.load(Ordering::Relaxed);
         let head = self.head.load(Ordering::Acquire);
         let n = ((head - tail) as usize).min(buf.len());
@@ -251,10 +262,15 @@ impl Ring<'_> {
         let at = (tail % self.cap as u64) as usize;
         let first = n.min(self.cap - at);
         // SAFETY: the reader owns [tail, head); ranges are inside the data area.
-        unsafe {
-            std::ptr::copy_nonoverlapping(self.data.add(at), buf.as_mut_ptr(), first);
-            std::ptr::copy_nonoverlapping(self.data, buf.as_mut_ptr().add(first), n - first);
-        }
+        let (a, b) = unsafe {
+            (
+                std::slice::from_raw_parts(self.data.add(at), first),
+                std::slice::from_raw_parts(self.data, n - first),
+            )
+        };
+        let (da, db) = buf[..n].split_at_mut(first);
+        copy(da, a);
+        copy(db, b);
         self.tail.store(tail + n as u64, Ordering::Release);
         self.writer.ring();
         Ok(n)
@@ -265,35 +281,59 @@ impl Ring<'_> {
 mod tests {
     use super::*;
 
-    #[test]
-    fn bytes_cross_the_ring_in_order_with_wraparound() {
-        let path = format!("/dev/shm/perseus-test-{}", std::process::id());
-        let a = Segment::open(&path, 2, 1000).unwrap();
-        let b = Segment::open(&path, 2, 1000).unwrap();
+    /// Streams 200,000 bytes through a ring of `cap` bytes in writes of
+    /// `piece` bytes and returns what the reader got.
+    fn through_ring(cap: usize, piece: usize, streaming: bool) -> Vec<u8> {
+        let path = format!("/dev/shm/perseus-test-{}-{cap}-{piece}", std::process::id());
+        let a = Segment::open(&path, 2, cap).unwrap();
+        let b = Segment::open(&path, 2, cap).unwrap();
         let _ = std::fs::remove_file(&path);
-        let msg: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
-        let m2 = msg.clone();
+        let msg: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
         let writer = std::thread::spawn(move || {
             let ring = a.ring(0, 1);
             let mut off = 0;
-            while off < m2.len() {
-                match ring.write(&m2[off..(off + 777).min(m2.len())]) {
+            while off < msg.len() {
+                match ring.write(&msg[off..(off + piece).min(msg.len())]) {
                     Ok(n) => off += n,
                     Err(_) => a.wait(0, a.bell(0), Duration::from_millis(10)),
                 }
             }
         });
         let ring = b.ring(0, 1);
-        let mut got = vec![0u8; msg.len()];
-        let mut off = 0;
+        // Off by one from an aligned address, so streamed stores need a head.
+        let mut got = vec![0u8; 200_001];
+        let mut off = 1;
         while off < got.len() {
             let seen = b.bell(1);
-            match ring.read(&mut got[off..]) {
+            let dst = &mut got[off..];
+            let read = if streaming {
+                ring.read_streaming(dst)
+            } else {
+                ring.read(dst)
+            };
+            match read {
                 Ok(n) => off += n,
                 Err(_) => b.wait(1, seen, Duration::from_millis(10)),
             }
         }
         writer.join().unwrap();
-        assert_eq!(got, msg);
+        got.remove(0);
+        got
+    }
+
+    #[test]
+    fn bytes_cross_the_ring_in_order_with_wraparound() {
+        let msg: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
+        // Small rings and pieces wrap often; large ones give reads long
+        // enough to be streamed past the cache.
+        for (cap, piece) in [(1000, 777), (70_000, 9_999), (65_536, 65_536)] {
+            for streaming in [false, true] {
+                let got = through_ring(cap, piece, streaming);
+                assert!(
+                    got == msg,
+                    "ring {cap}, pieces {piece}, streaming {streaming}"
+                );
+            }
+        }
     }
 }
