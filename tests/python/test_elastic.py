@@ -331,6 +331,9 @@ def test_torchrun_restarts_the_workers_and_they_go_on_from_rank_0s_checkpoint(tm
     worker = Path(__file__).parent / "workers" / "torchrun_restart.py"
     cmd = [PY, "-W", "ignore::FutureWarning", "-m", "torch.distributed.run",
            "--nproc_per_node", "2", "--max-restarts", "1", "--master_port", str(free_port()),
+           # A second before torchrun stops the survivors: rank 0's error must come out
+           # first on a loaded host too (torchrun's default looks every 0.1 s).
+           "--monitor-interval", "1",
            str(worker), str(tmp_path / "ckpt")]
     rc, out = run(cmd, clean_env(PERSEUS_MASTER_PORT=free_port(), OMP_NUM_THREADS=1),
                   timeout=100)
