@@ -75,6 +75,15 @@ fn allreduce(e: &Engine, name: &str, v: &mut [f32], op: ReduceOp) -> Result<(), 
     e.wait(h, || None).map(|_| ())
 }
 
+fn broadcast(e: &Engine, name: &str, v: &mut [f32], root: i64) -> Result<(), PerseusError> {
+    let mut r = Request::new(OpKind::Broadcast, name, 0);
+    r.dtype = DataType::F32;
+    r.shape = vec![v.len() as i64];
+    r.root = root;
+    let h = e.enqueue(r, Some(view(v)), Some(view(v)))?;
+    e.wait(h, || None).map(|_| ())
+}
+
 fn job<F>(n: usize, f: F)
 where
     F: Fn(usize, &Engine) + Send + Sync + 'static,
@@ -223,6 +232,20 @@ fn shared_memory_and_tcp_give_identical_bits() {
                     .fold(0u64, |h, x| h.rotate_left(5) ^ x.to_bits() as u64);
                 out.lock().unwrap().push((shm, r, k, bits));
             }
+            // A broadcast of a result large enough to be written past the cache,
+            // forwarded along the chain through rank 2.
+            let len = (16 << 18) + 3;
+            let mut b: Vec<f32> = if r == 1 {
+                (0..len).map(|i| (i % 1009) as f32).collect()
+            } else {
+                vec![0.0; len]
+            };
+            broadcast(e, "b", &mut b, 1).unwrap();
+            let wrong = b
+                .iter()
+                .enumerate()
+                .position(|(i, x)| *x != (i % 1009) as f32);
+            assert_eq!(wrong, None, "rank {r} shm {shm}: first wrong element");
         });
     }
     let all = results.lock().unwrap();

@@ -28,6 +28,7 @@ pub fn broadcast(comm: &dyn Comm, buf: &mut [u8], root: usize) -> Result<()> {
             comm.transfer(&mut [], &mut [Recv::new(root, buf)])
         };
     }
+    let len = buf.len();
     let v = (r + n - root) % n;
     let prev = (v > 0).then(|| (r + n - 1) % n);
     let next = (v + 1 < n).then(|| (r + 1) % n);
@@ -44,11 +45,13 @@ pub fn broadcast(comm: &dyn Comm, buf: &mut [u8], root: usize) -> Result<()> {
         match (fwd, get) {
             (Some((to, a)), Some((from, b))) => {
                 let (out, inp) = split2(buf, a, b);
-                comm.transfer(&mut [Send::new(to, out)], &mut [Recv::new(from, inp)])?
+                let recv = Recv::new(from, inp).of_result(len);
+                comm.transfer(&mut [Send::new(to, out)], &mut [recv])?
             }
             (Some((to, a)), None) => comm.transfer(&mut [Send::new(to, &buf[a])], &mut [])?,
             (None, Some((from, b))) => {
-                comm.transfer(&mut [], &mut [Recv::new(from, &mut buf[b])])?
+                let recv = Recv::new(from, &mut buf[b]).of_result(len);
+                comm.transfer(&mut [], &mut [recv])?
             }
             (None, None) => {}
         }
