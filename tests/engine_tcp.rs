@@ -66,22 +66,28 @@ fn view(v: &mut [f32]) -> TensorView {
     }
 }
 
-fn allreduce(e: &Engine, name: &str, v: &mut [f32], op: ReduceOp) -> Result<(), PerseusError> {
-    let mut r = Request::new(OpKind::Allreduce, name, 0);
+/// Runs a `kind` of float32 `v` in place, `set` filling in what else it needs.
+fn in_place(
+    e: &Engine,
+    kind: OpKind,
+    name: &str,
+    v: &mut [f32],
+    set: impl FnOnce(&mut Request),
+) -> Result<(), PerseusError> {
+    let mut r = Request::new(kind, name, 0);
     r.dtype = DataType::F32;
     r.shape = vec![v.len() as i64];
-    r.op = op;
+    set(&mut r);
     let h = e.enqueue(r, Some(view(v)), Some(view(v)))?;
     e.wait(h, || None).map(|_| ())
 }
 
+fn allreduce(e: &Engine, name: &str, v: &mut [f32], op: ReduceOp) -> Result<(), PerseusError> {
+    in_place(e, OpKind::Allreduce, name, v, |r| r.op = op)
+}
+
 fn broadcast(e: &Engine, name: &str, v: &mut [f32], root: i64) -> Result<(), PerseusError> {
-    let mut r = Request::new(OpKind::Broadcast, name, 0);
-    r.dtype = DataType::F32;
-    r.shape = vec![v.len() as i64];
-    r.root = root;
-    let h = e.enqueue(r, Some(view(v)), Some(view(v)))?;
-    e.wait(h, || None).map(|_| ())
+    in_place(e, OpKind::Broadcast, name, v, |r| r.root = root)
 }
 
 fn job<F>(n: usize, f: F)
