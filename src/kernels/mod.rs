@@ -13,7 +13,7 @@ mod stream;
 
 pub use aligned::AlignedBuf;
 pub use convert::{first_nonfinite, from_half, reduce_half_into, round_through_half, to_half};
-pub use stream::copy_streaming;
+pub use stream::{copy_result, copy_streaming, STREAM_FROM};
 
 use crate::dtype::{DataType, ReduceOp};
 use half::slice::HalfFloatSliceExt;

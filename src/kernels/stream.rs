@@ -4,6 +4,24 @@
 //! non-temporal stores the destination is only written: two. Worth it only
 //! for results too large to stay in cache anyway; the caller decides that.
 
+/// Results of at least this many bytes are written past the cache: a result
+/// this large leaves the cache before anyone reads it, and not fetching its
+/// lines first saves a third of the copy's memory traffic (1.1-1.25x faster
+/// allreduce from 16 MiB on 2 and 3 ranks here, 1.3-1.5x broadcast). Below
+/// it, the result stays in cache for its reader, which gains more: streaming
+/// made an 8 MiB allreduce followed by a read 1.4x slower.
+pub const STREAM_FROM: usize = 16 << 20;
+
+/// Copies `src` into `dst` (equal lengths), written past the cache when the
+/// result is at least [`STREAM_FROM`] bytes.
+pub fn copy_result(dst: &mut [u8], src: &[u8]) {
+    if dst.len() >= STREAM_FROM {
+        copy_streaming(dst, src);
+    } else {
+        dst.copy_from_slice(src);
+    }
+}
+
 /// Pieces shorter than this are copied plainly: the fence and the alignment
 /// head cost more than the traffic saved.
 const STREAM_MIN: usize = 4 << 10;

@@ -202,6 +202,44 @@ pub fn empty_like(py: Python<'_>, like: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>
     capsule(py, tensor)
 }
 
+/// Copies the host tensor capsule `src` describes into the one `dst` describes
+/// (equal sizes, no overlap), without the GIL; a result of
+/// [`kernels::STREAM_FROM`](crate::kernels::STREAM_FROM) bytes or more is
+/// written past the cache. The out-of-place broadcast's root copies its input
+/// into its new output this way while the engine sends the input.
+pub fn copy_into(py: Python<'_>, dst: &Bound<'_, PyAny>, src: &Bound<'_, PyAny>) -> PyResult<()> {
+    let (d, s) = (
+        view(dst).map_err(super::errors::to_py)?,
+        view(src).map_err(super::errors::to_py)?,
+    );
+    let refuse = |why: String| Err(super::errors::to_py(PerseusError::InvalidArgument(why)));
+    if d.device != Device::Cpu || s.device != Device::Cpu {
+        return refuse("copy_into: host tensors only".into());
+    }
+    if d.nbytes != s.nbytes {
+        return refuse(format!(
+            "copy_into: {} bytes into {} bytes",
+            s.nbytes, d.nbytes
+        ));
+    }
+    let (dp, sp, n) = (d.ptr as usize, s.ptr as usize, d.nbytes);
+    if n > 0 && dp < sp + n && sp < dp + n {
+        return refuse("copy_into: the tensors overlap".into());
+    }
+    py.detach(|| {
+        // SAFETY: both capsules' tensors are alive while the caller holds them
+        // (it does, through this call), host memory of `n` bytes each, disjoint.
+        let (dst, src) = unsafe {
+            (
+                std::slice::from_raw_parts_mut(dp as *mut u8, n),
+                std::slice::from_raw_parts(sp as *const u8, n),
+            )
+        };
+        crate::kernels::copy_result(dst, src);
+    });
+    Ok(())
+}
+
 unsafe extern "C" fn capsule_destructor(cap: *mut ffi::PyObject) {
     // A consumer renames the capsule ("used_dltensor") and owns the deleter;
     // an unconsumed one is freed here.

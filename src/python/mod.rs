@@ -303,6 +303,13 @@ fn empty_like(py: Python<'_>, like: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
     dlpack::empty_like(py, like)
 }
 
+/// Copies host capsule `src` into `dst` without the GIL, past the cache when
+/// large; see `dlpack::copy_into`.
+#[pyfunction]
+fn copy_into(py: Python<'_>, dst: &Bound<'_, PyAny>, src: &Bound<'_, PyAny>) -> PyResult<()> {
+    dlpack::copy_into(py, dst, src)
+}
+
 /// What the engine has done so far on this rank (see `Engine::counters`).
 #[pyfunction]
 fn counters() -> PyResult<BTreeMap<String, u64>> {
@@ -551,6 +558,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
         m.py().get_type::<GpuUnavailableError>(),
     )?;
     m.add_function(wrap_pyfunction!(flight_record, m)?)?;
+    m.add_function(wrap_pyfunction!(copy_into, m)?)?;
     m.add_function(wrap_pyfunction!(gpu::gpu_libraries, m)?)?;
     m.add_function(wrap_pyfunction!(gpu::gpu_compile_kernels, m)?)?;
     m.add(
@@ -579,6 +587,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(counters, m)?)?;
     m.add_function(wrap_pyfunction!(empty_like, m)?)?;
     m.add("POOL_MIN_BYTES", crate::kernels::pool::POOL_MIN_BYTES)?;
+    m.add("STREAM_FROM", crate::kernels::STREAM_FROM)?;
     m.add_function(wrap_pyfunction!(config_notes, m)?)?;
     m.add_function(wrap_pyfunction!(log, m)?)?;
     m.add_function(wrap_pyfunction!(_debug_panic, m)?)?;

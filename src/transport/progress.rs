@@ -9,7 +9,7 @@ use super::shm::Segment;
 use super::Link;
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::{PerseusError, Result};
-use crate::kernels::{from_half, reduce_half_into, reduce_into, scale, AlignedBuf};
+use crate::kernels::{from_half, reduce_half_into, reduce_into, scale, AlignedBuf, STREAM_FROM};
 use crate::wire::{header, parse_header, HEADER};
 use std::io::ErrorKind;
 use std::os::fd::AsRawFd;
@@ -21,15 +21,6 @@ const DATA: u16 = 0x100;
 const PAD: [u8; 8] = [0; 8];
 /// Bytes a reducing receive reads from a socket at a time.
 const STAGING: usize = 256 << 10;
-/// Copies into a result of at least this many bytes use stores that bypass
-/// the cache: a result this large leaves the cache before anyone reads it,
-/// and not fetching its lines first saves a third of the copy's memory
-/// traffic (1.1-1.25x faster allreduce from 16 MiB on 2 and 3 ranks here).
-/// Below it, the result stays in cache for its reader, which gains more:
-/// streaming made an 8 MiB allreduce followed by a read 1.4x slower. The
-/// ring allgather and the chained broadcast ask for it ([`Recv::of_result`]);
-/// a 16-256 MiB broadcast gained 1.3-1.5x on 2 and 3 ranks.
-const STREAM_FROM: usize = 16 << 20;
 
 fn pad(len: usize) -> usize {
     (8 - len % 8) % 8

@@ -209,6 +209,17 @@ def empty_like(capsule):
     return _core.empty_like(capsule)
 
 
+#: Copies of at least this many bytes are worth :func:`copy_into` (written past the
+#: cache); smaller results stay in cache for their reader.
+STREAM_FROM = _core.STREAM_FROM
+
+
+def copy_into(dst, src):
+    """Copies host capsule ``src`` into ``dst`` (same size, no overlap) without the
+    GIL, writing a result of :data:`STREAM_FROM` bytes or more past the cache."""
+    _core.copy_into(dst, src)
+
+
 def _prepare(name, process_set):
     # No check_initialized() here: the core raises the same ValueError, and this is
     # the per-tensor hot path.

@@ -14,6 +14,7 @@ import numpy as np
 import perseus.mxnet as hvd
 from _mxhelpers import close, done, raises
 from mxnet.base import MXNetError
+from perseus.common.ops import STREAM_FROM
 
 DTYPES = ("uint8", "int8", "int32", "int64", "float16", "float32", "float64", "bool")
 
@@ -178,6 +179,13 @@ def large_outputs(r, n):
         check(x, inputs[r], dtype, f"large broadcast left its input alone {dtype}")
         held[0][:] = 0
         check(held[1], reduced(inputs, op, dtype), dtype, f"a held output kept {dtype}")
+    # Past STREAM_FROM bytes the root's copy into its new output bypasses the cache.
+    rows = STREAM_FROM // 12 + 5
+    inputs = [value(i, rows, "float32") for i in range(n)]
+    x = nd(inputs[r], "float32")
+    check(hvd.broadcast(x, n - 1, name="huge.bcast"), inputs[n - 1], "float32",
+          "huge broadcast")
+    check(x, inputs[r], "float32", "huge broadcast left its input alone")
 
 
 def not_recorded(r, n):

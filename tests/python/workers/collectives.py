@@ -9,7 +9,7 @@ import warnings
 import perseus.torch.horovod as hvd
 import torch
 from _helpers import close, done, raises, read_timeline_while_running, timeline_rows, tol
-from perseus.common import gpu
+from perseus.common import gpu, ops
 from perseus.common.process_sets import process_sets
 from perseus.common.timeline import timeline_file
 
@@ -282,6 +282,14 @@ def check_large_outputs(r, n):
     close(got, x + n - 1, "large broadcast")
     assert got.data_ptr() != mine.data_ptr(), "broadcast returned its input"
     close(mine, x + r, "large broadcast input untouched")
+    # Past STREAM_FROM, the root's copy into its new output bypasses the cache.
+    base = torch.arange(ops.STREAM_FROM // 4 + 5, dtype=torch.float32) % 977
+    huge = base + r
+    got = hvd.broadcast(huge, n - 1, name="huge.bcast")
+    assert got.data_ptr() != huge.data_ptr(), "huge broadcast returned its input"
+    assert torch.equal(got, base + n - 1), f"rank {r}: huge broadcast"
+    assert torch.equal(huge, base + r), f"rank {r}: huge broadcast input changed"
+    del base, huge, got
     parts = [x + i for i in range(n)]
     close(hvd.allgather(mine, name="big.gather"),
           torch.stack(parts) if MODE == "0" else torch.cat(parts), "large allgather")

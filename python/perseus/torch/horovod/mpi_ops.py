@@ -432,8 +432,11 @@ def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set
                                   process_set=process_set, keep=(tensor, src, out),
                                   finish=lambda _h: out)
     try:
-        with torch.no_grad():
-            out.copy_(src)
+        if out.is_cpu and out.numel() * out.element_size() >= _ops.STREAM_FROM:
+            _ops.copy_into(_to_dlpack(out), _to_dlpack(src))  # past the cache
+        else:
+            with torch.no_grad():
+                out.copy_(src)
     except BaseException:
         synchronize(handle)  # the others take part: finish it, then raise, leaving none
         raise
