@@ -1,6 +1,6 @@
 """perseus.ray and perseus.spark with TensorFlow workers: a Ray cluster of two nodes and a
-Spark session in local mode, each started on this machine by its test (skipped where Ray,
-pyspark or Java is missing)."""
+Spark standalone cluster (a master and two workers), each started on this machine by its
+test (skipped where Ray, pyspark or Java is missing)."""
 
 import os
 import secrets
@@ -72,6 +72,6 @@ def test_a_tensorflow_allreduce_on_spark(clusters):
     import cluster_tf
     from perseus.spark import run
 
-    with clusters.spark_session(PATH, standalone=False, env_vars=QUIET):
+    with clusters.spark_session(PATH, env_vars=QUIET):
         results = run(cluster_tf.allreduce_and_step, num_proc=2)
     check(results)
