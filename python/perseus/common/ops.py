@@ -220,6 +220,17 @@ def copy_into(dst, src):
     _core.copy_into(dst, src)
 
 
+def copy_result(host, nbytes, capsules, framework_copy):
+    """Copies a result of ``nbytes`` the way that suits its size, the one place a
+    front-end decides it: a host result of :data:`STREAM_FROM` bytes or more through
+    :func:`copy_into` (``capsules()`` gives its ``(dst, src)``), anything else by
+    ``framework_copy()``, which serves devices and leaves a small result in cache."""
+    if host and nbytes >= STREAM_FROM:
+        copy_into(*capsules())
+    else:
+        framework_copy()
+
+
 def _prepare(name, process_set):
     # No check_initialized() here: the core raises the same ValueError, and this is
     # the per-tensor hot path.

@@ -304,11 +304,10 @@ def broadcast(tensor, root_rank, name=None, priority=0, process_set=global_proce
                                       process_set=process_set, keep=(tensor, src, out),
                                       finish=lambda _h: out)
         try:
-            if (out.context.device_type == "cpu"
-                    and out.size * np.dtype(out.dtype).itemsize >= _ops.STREAM_FROM):
-                _ops.copy_into(_export(out.to_dlpack_for_write()), cap)  # past the cache
-            else:
-                tensor.copyto(out)
+            _ops.copy_result(out.context.device_type == "cpu",
+                             out.size * np.dtype(out.dtype).itemsize,
+                             lambda: (_export(out.to_dlpack_for_write()), cap),
+                             lambda: tensor.copyto(out))
         except BaseException:
             handle.wait()  # the others take part: finish it, then raise, leaving none
             raise

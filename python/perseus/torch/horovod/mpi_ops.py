@@ -129,6 +129,11 @@ def _in_place(tensor):
     return buf, _capsule(buf), finish
 
 
+def _copy_plain(out, src):
+    with torch.no_grad():
+        out.copy_(src)
+
+
 def _output(handle):
     """The tensor the core allocated for ``handle`` (in host memory)."""
     capsule = handle.output()
@@ -432,11 +437,9 @@ def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set
                                   process_set=process_set, keep=(tensor, src, out),
                                   finish=lambda _h: out)
     try:
-        if out.is_cpu and out.numel() * out.element_size() >= _ops.STREAM_FROM:
-            _ops.copy_into(_to_dlpack(out), _to_dlpack(src))  # past the cache
-        else:
-            with torch.no_grad():
-                out.copy_(src)
+        _ops.copy_result(out.is_cpu, out.numel() * out.element_size(),
+                         lambda: (_to_dlpack(out), _to_dlpack(src)),
+                         lambda: _copy_plain(out, src))
     except BaseException:
         synchronize(handle)  # the others take part: finish it, then raise, leaving none
         raise
