@@ -38,6 +38,7 @@ fn config(rank: usize, size: usize, port: u16, shm: bool) -> Config {
         log_level: perseus::log::default_level(),
         log_time: false,
         shm,
+        shm_direct: true,
         accumulate_n_steps: 1,
         allreduce_fusion: None,
         notes: vec![],
@@ -238,8 +239,9 @@ fn shared_memory_and_tcp_give_identical_bits() {
                     .fold(0u64, |h, x| h.rotate_left(5) ^ x.to_bits() as u64);
                 out.lock().unwrap().push((shm, r, k, bits));
             }
-            // A broadcast of a result large enough to be written past the cache,
-            // forwarded along the chain through rank 2.
+            // A broadcast of a result large enough to be written past the cache:
+            // over TCP forwarded along the chain through rank 2, in shared memory
+            // read from rank 1's memory where the kernel allows (PERSEUS_SHM_DIRECT).
             let len = (16 << 18) + 3;
             let mut b: Vec<f32> = if r == 1 {
                 (0..len).map(|i| (i % 1009) as f32).collect()

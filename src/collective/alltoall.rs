@@ -1,9 +1,10 @@
 //! All-to-all with per-pair sizes: every block travels at once, the
 //! transport interleaving them, so no ordering between pairs can deadlock.
+//! Large blocks between ranks of one host are read from the sender's memory
+//! ([`offer`]).
 
-use super::Comm;
+use super::{offer, Comm};
 use crate::error::Result;
-use crate::transport::{Recv, Send};
 use std::ops::Range;
 
 /// Sends `input[send[i]]` to rank `i` and receives rank `i`'s block into
@@ -17,9 +18,9 @@ pub fn alltoallv(
 ) -> Result<()> {
     let r = comm.rank();
     output[recv[r].clone()].copy_from_slice(&input[send[r].clone()]);
-    let mut sends: Vec<Send<'_>> = (0..comm.size())
+    let gives: Vec<(usize, &[u8])> = (0..comm.size())
         .filter(|&p| p != r)
-        .map(|p| Send::new(p, &input[send[p].clone()]))
+        .map(|p| (p, &input[send[p].clone()]))
         .collect();
     let mut rest: Vec<(usize, &mut [u8])> = Vec::new();
     let mut tail = output;
@@ -36,6 +37,5 @@ pub fn alltoallv(
             rest.push((p, mine));
         }
     }
-    let mut recvs: Vec<Recv<'_>> = rest.into_iter().map(|(p, b)| Recv::new(p, b)).collect();
-    comm.transfer(&mut sends, &mut recvs)
+    offer::exchange(comm, &gives, &mut rest)
 }

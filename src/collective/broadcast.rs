@@ -1,8 +1,12 @@
 //! Broadcast from any root. Small buffers go straight from the root to every
-//! rank; large ones flow down a chain (root, root+1, ...) in segments, each
-//! rank forwarding segment `k` while it receives segment `k+1`.
+//! rank. Larger ones, when every rank shares the root's host and memory and
+//! can read its peers' ([`Comm::readable`]), are read by each rank straight
+//! out of the root's buffer ([`offer`]; among [`DIRECT_RANKS`] or more);
+//! otherwise they flow down a chain (root, root+1,
+//! ...) in segments, each rank forwarding segment `k` while it receives
+//! segment `k+1`.
 
-use super::{split2, Comm};
+use super::{offer, split2, Comm};
 use crate::error::Result;
 use crate::transport::{Recv, Send};
 
@@ -10,6 +14,11 @@ use crate::transport::{Recv, Send};
 const STAR_MAX: usize = 64 << 10;
 /// Segment of the chain.
 const SEGMENT: usize = 1 << 20;
+/// The fewest ranks whose large broadcasts are read from the root's memory. Between
+/// two, the ring, where the root's core writes while the other's reads, matched or
+/// beat one core's read at every size but 256 MiB; among three or more, the chain's
+/// hops cost more than the reads (measured: benchmarks/NOTES.md).
+pub(super) const DIRECT_RANKS: usize = 3;
 
 /// Copies the root's `buf` into every rank's `buf`.
 pub fn broadcast(comm: &dyn Comm, buf: &mut [u8], root: usize) -> Result<()> {
@@ -26,6 +35,19 @@ pub fn broadcast(comm: &dyn Comm, buf: &mut [u8], root: usize) -> Result<()> {
             comm.transfer(&mut sends, &mut [])
         } else {
             comm.transfer(&mut [], &mut [Recv::new(root, buf)])
+        };
+    }
+    let root_host = comm.host(root);
+    let direct = n >= DIRECT_RANKS
+        && comm.shares_memory()
+        && (0..n).all(|p| comm.host(p) == root_host && comm.readable(p));
+    if direct {
+        return if r == root {
+            let gives: Vec<(usize, &[u8])> =
+                (0..n).filter(|&p| p != root).map(|p| (p, &*buf)).collect();
+            offer::exchange(comm, &gives, &mut [])
+        } else {
+            offer::exchange(comm, &[], &mut [(root, buf)])
         };
     }
     let len = buf.len();

@@ -11,6 +11,7 @@ mod alltoall;
 mod barrier;
 mod broadcast;
 mod hierarchical;
+pub mod offer;
 mod ring;
 mod stripe;
 mod vote;
@@ -64,6 +65,23 @@ pub trait Comm: Sync {
     fn ended(&self) -> Vec<usize> {
         Vec::new()
     }
+    /// True when group rank `rank` lets the ranks sharing its host and memory read
+    /// its buffers, and can read theirs (the same answer on every rank).
+    fn readable(&self, _rank: usize) -> bool {
+        false
+    }
+    /// Copies `buf.len()` bytes at address `addr` of group rank `from` (on this
+    /// host) into `buf`; false, with `buf` in any state, when that failed.
+    fn read_direct(&self, _from: usize, _addr: u64, _buf: &mut [u8]) -> bool {
+        false
+    }
+    /// True once a direct read between this rank and `peer` failed (both know:
+    /// the reader tells the other).
+    fn direct_refused(&self, _peer: usize) -> bool {
+        false
+    }
+    /// Records that a direct read between this rank and `peer` failed.
+    fn refuse_direct(&self, _peer: usize) {}
 }
 
 /// A subgroup of a parent group: group rank `i` is parent rank `members[i]`.
@@ -152,6 +170,18 @@ impl Comm for SubComm<'_> {
             .filter(|&i| gone.contains(&self.members[i]))
             .collect()
     }
+    fn readable(&self, rank: usize) -> bool {
+        self.parent().readable(self.members[rank])
+    }
+    fn read_direct(&self, from: usize, addr: u64, buf: &mut [u8]) -> bool {
+        self.parent().read_direct(self.members[from], addr, buf)
+    }
+    fn direct_refused(&self, peer: usize) -> bool {
+        self.parent().direct_refused(self.members[peer])
+    }
+    fn refuse_direct(&self, peer: usize) {
+        self.parent().refuse_direct(self.members[peer])
+    }
 }
 
 /// The whole mesh is the group of all ranks; process sets are [`SubComm`]s of it.
@@ -179,6 +209,18 @@ impl Comm for Mesh {
     }
     fn ended(&self) -> Vec<usize> {
         Mesh::ended(self)
+    }
+    fn readable(&self, rank: usize) -> bool {
+        Mesh::readable(self, rank)
+    }
+    fn read_direct(&self, from: usize, addr: u64, buf: &mut [u8]) -> bool {
+        Mesh::read_direct(self, from, addr, buf)
+    }
+    fn direct_refused(&self, peer: usize) -> bool {
+        Mesh::direct_refused(self, peer)
+    }
+    fn refuse_direct(&self, peer: usize) {
+        Mesh::refuse_direct(self, peer)
     }
 }
 

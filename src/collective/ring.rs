@@ -327,7 +327,9 @@ pub(super) fn allgather_ranges(
 }
 
 /// Ring allgather of blocks of `sizes[i]` bytes from rank `i`, laid out in
-/// rank order in `buf`; this rank's block must already be in place.
+/// rank order in `buf`; this rank's block must already be in place. When
+/// every rank shares this host and can read the others' memory, and some
+/// block is large, each rank reads the others' blocks instead ([`super::offer`]).
 pub fn allgatherv(comm: &dyn Comm, buf: &mut [u8], sizes: &[usize]) -> Result<()> {
     let parts = super::consecutive(sizes.iter().copied());
     assert_eq!(
@@ -335,8 +337,31 @@ pub fn allgatherv(comm: &dyn Comm, buf: &mut [u8], sizes: &[usize]) -> Result<()
         buf.len(),
         "allgatherv: sizes do not cover the buffer"
     );
-    if comm.size() == 1 {
+    let (n, r) = (comm.size(), comm.rank());
+    if n == 1 {
         return Ok(());
     }
-    allgather_ranges(comm, buf, &parts)
+    let host = comm.host(r);
+    let all_direct = comm.shares_memory()
+        && (0..n).all(|p| comm.host(p) == host && comm.readable(p))
+        && sizes.iter().any(|&s| s >= super::offer::DIRECT_FROM);
+    if !all_direct {
+        return allgather_ranges(comm, buf, &parts);
+    }
+    // Every rank reads each other's block out of its memory (small blocks are sent).
+    let mut blocks: Vec<&mut [u8]> = Vec::with_capacity(n);
+    let mut rest = buf;
+    for p in &parts {
+        let (b, tail) = std::mem::take(&mut rest).split_at_mut(p.len());
+        blocks.push(b);
+        rest = tail;
+    }
+    let mine: &[u8] = std::mem::take::<&mut [u8]>(&mut blocks[r]);
+    let gives: Vec<(usize, &[u8])> = (0..n).filter(|&p| p != r).map(|p| (p, mine)).collect();
+    let mut takes: Vec<(usize, &mut [u8])> = blocks
+        .into_iter()
+        .enumerate()
+        .filter(|&(p, _)| p != r)
+        .collect();
+    super::offer::exchange(comm, &gives, &mut takes)
 }

@@ -25,6 +25,14 @@ pub(crate) struct ThreadComm {
     sent: AtomicUsize,
     /// Payload bytes this rank sent on each stream.
     per_stream: Vec<AtomicUsize>,
+    /// Ranks may read each other's memory (all threads of this process).
+    direct: bool,
+    /// Peers whose memory this rank fails to read.
+    failing: Vec<usize>,
+    /// Per peer: a direct read between this rank and it failed.
+    refused: Vec<std::sync::atomic::AtomicBool>,
+    /// Direct reads this rank made.
+    direct_reads: AtomicUsize,
 }
 
 /// One stream's channels of a rank.
@@ -43,6 +51,10 @@ fn group_streams(n: usize, streams: usize) -> Vec<ThreadComm> {
             inter: AtomicUsize::new(0),
             sent: AtomicUsize::new(0),
             per_stream: (0..streams).map(|_| AtomicUsize::new(0)).collect(),
+            direct: false,
+            failing: Vec::new(),
+            refused: (0..n).map(|_| Default::default()).collect(),
+            direct_reads: AtomicUsize::new(0),
         })
         .collect();
     for _ in 0..streams {
@@ -117,6 +129,23 @@ impl Comm for ThreadComm {
     fn channel(&self, s: usize) -> Option<Box<dyn Comm + '_>> {
         (s < self.streams.len()).then(|| Box::new(Stream { comm: self, s }) as Box<dyn Comm>)
     }
+    fn readable(&self, _rank: usize) -> bool {
+        self.direct
+    }
+    fn read_direct(&self, from: usize, addr: u64, buf: &mut [u8]) -> bool {
+        if self.failing.contains(&from) {
+            return false;
+        }
+        self.direct_reads.fetch_add(1, Ordering::Relaxed);
+        // Every rank is a thread of this process: the real call, on ourselves.
+        crate::transport::cma::Token::own().is_ok_and(|t| t.read(addr, buf))
+    }
+    fn direct_refused(&self, peer: usize) -> bool {
+        self.refused[peer].load(Ordering::Relaxed)
+    }
+    fn refuse_direct(&self, peer: usize) {
+        self.refused[peer].store(true, Ordering::Relaxed);
+    }
 }
 
 /// Stream `s` of a [`ThreadComm`].
@@ -164,12 +193,20 @@ fn run_streams<T: std::marker::Send + 'static>(
     shm: bool,
     f: impl Fn(&ThreadComm) -> T + std::marker::Send + Sync + 'static,
 ) -> Vec<T> {
-    let f = std::sync::Arc::new(f);
     let mut comms = group_streams(hosts.len(), streams);
     comms.iter_mut().for_each(|c| {
         c.hosts = hosts.to_vec();
         c.shm = shm;
     });
+    run_comms(comms, f)
+}
+
+/// Runs `f(comm)` for each of `comms` on a thread of its own; the results in rank order.
+fn run_comms<T: std::marker::Send + 'static>(
+    comms: Vec<ThreadComm>,
+    f: impl Fn(&ThreadComm) -> T + std::marker::Send + Sync + 'static,
+) -> Vec<T> {
+    let f = std::sync::Arc::new(f);
     let handles: Vec<_> = comms
         .into_iter()
         .map(|c| {
@@ -409,6 +446,171 @@ fn broadcast_from_every_root_small_and_chained() {
                     "n={n} len={len} root={root}"
                 );
             }
+        }
+    }
+}
+
+/// Runs `f(comm)` on `n` threads of one host whose memory each can read, except
+/// that rank `r` fails to read the ranks `failing(r)`.
+fn run_direct<T: std::marker::Send + 'static>(
+    n: usize,
+    failing: impl Fn(usize) -> Vec<usize>,
+    f: impl Fn(&ThreadComm) -> T + std::marker::Send + Sync + 'static,
+) -> Vec<T> {
+    let mut comms = group_streams(n, 1);
+    comms.iter_mut().for_each(|c| {
+        c.shm = true;
+        c.direct = true;
+        c.failing = failing(c.rank);
+    });
+    run_comms(comms, f)
+}
+
+#[test]
+fn a_direct_broadcast_is_read_from_the_roots_memory() {
+    if crate::transport::cma::Token::own().is_err() {
+        eprintln!("this host forbids process_vm_readv: the direct broadcast is not tried");
+        return;
+    }
+    for n in [2, 3, 4] {
+        for len in [10usize, 64 * 1024 + 1, 3 * (1 << 20) + 5] {
+            for root in 0..n {
+                let out = run_direct(
+                    n,
+                    |_| Vec::new(),
+                    move |c| {
+                        let mut b = if c.rank() == root {
+                            (0..len).map(|i| (i % 251) as u8).collect()
+                        } else {
+                            vec![0u8; len]
+                        };
+                        broadcast(c, &mut b, root).unwrap();
+                        (
+                            b,
+                            c.sent.load(Ordering::Relaxed),
+                            c.direct_reads.load(Ordering::Relaxed),
+                        )
+                    },
+                );
+                let want: Vec<u8> = (0..len).map(|i| (i % 251) as u8).collect();
+                // Three ranks or more read; two take the ring.
+                let big = len > 64 * 1024 && n >= 3;
+                let chained = len > 64 * 1024 && !big;
+                for (r, (b, sent, reads)) in out.iter().enumerate() {
+                    assert!(b == &want, "n={n} len={len} root={root} rank {r}");
+                    let (want_sent, want_reads) = match (big, r == root) {
+                        // The root sends each reader an offer; each reader answers.
+                        (true, true) => (16 * (n - 1), 0),
+                        (true, false) => (1, 1),
+                        _ if chained => (if r == root { len } else { 0 }, 0),
+                        // Small buffers go from the root to each rank.
+                        (false, true) => (len * (n - 1), 0),
+                        (false, false) => (0, 0),
+                    };
+                    assert_eq!(
+                        (*sent, *reads),
+                        (want_sent, want_reads),
+                        "n={n} len={len} root={root} rank {r}: bytes sent, direct reads"
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn a_rank_that_cannot_read_the_root_gets_the_bytes_then_and_after() {
+    // Rank 2 cannot read rank 0's memory: it says so and is sent the buffer; the
+    // second broadcast sends it at once (both sides remember); the others read.
+    let len = 1 << 20;
+    const { assert!(4 >= super::broadcast::DIRECT_RANKS, "four ranks read") };
+    let out = run_direct(
+        4,
+        |r| if r == 2 { vec![0] } else { Vec::new() },
+        move |c| {
+            let mut sent = Vec::new();
+            for round in 0..2u8 {
+                let mut b = if c.rank() == 0 {
+                    vec![round + 7; len]
+                } else {
+                    vec![0u8; len]
+                };
+                let before = c.sent.load(Ordering::Relaxed);
+                broadcast(c, &mut b, 0).unwrap();
+                assert!(
+                    b.iter().all(|&x| x == round + 7),
+                    "rank {} round {round}",
+                    c.rank()
+                );
+                sent.push(c.sent.load(Ordering::Relaxed) - before);
+            }
+            (sent, c.direct_refused(0), c.direct_refused(2))
+        },
+    );
+    // The root: offers to 1, 2 and 3, then the bytes to 2; next time offers to 1
+    // and 3 and the bytes to 2 at once.
+    assert_eq!(out[0], (vec![3 * 16 + len, 2 * 16 + len], false, true));
+    assert_eq!(out[1], (vec![1, 1], false, false));
+    assert_eq!(out[2], (vec![1, 0], true, false));
+    assert_eq!(out[3], (vec![1, 1], false, false));
+}
+
+#[test]
+fn direct_allgather_and_alltoall_read_large_blocks_and_send_small_ones() {
+    if crate::transport::cma::Token::own().is_err() {
+        eprintln!("this host forbids process_vm_readv: the direct exchange is not tried");
+        return;
+    }
+    let big = offer::DIRECT_FROM;
+    for n in [2, 3, 4] {
+        // Rank 1 cannot read rank 0: that pair's blocks travel as bytes, both ways.
+        let failing = |r: usize| if r == 1 { vec![0] } else { Vec::new() };
+        // Allgather: rank p's block has sizes[p] bytes of value p + 1; rank 0's is small.
+        let sizes: Vec<usize> = (0..n).map(|p| if p == 0 { 100 } else { big + p }).collect();
+        let sz = sizes.clone();
+        let out = run_direct(n, failing, move |c| {
+            let total: usize = sz.iter().sum();
+            let parts = consecutive(sz.iter().copied());
+            let mut buf = vec![0u8; total];
+            buf[parts[c.rank()].clone()].fill(c.rank() as u8 + 1);
+            allgatherv(c, &mut buf, &sz).unwrap();
+            // Alltoall: rank r sends (r + d) * 1000 + 70_000 bytes of value r * 16 + d to d.
+            let len = |r: usize, d: usize| (r + d) * 1000 + 70_000;
+            let r = c.rank();
+            let mut input = Vec::new();
+            let mut send = Vec::new();
+            for d in 0..n {
+                let s = input.len();
+                input.extend(std::iter::repeat_n((r * 16 + d) as u8, len(r, d)));
+                send.push(s..input.len());
+            }
+            let recv = consecutive((0..n).map(|p| len(p, r)));
+            let mut output = vec![0u8; recv.last().unwrap().end];
+            alltoallv(c, &input, &send, &mut output, &recv).unwrap();
+            let want: Vec<u8> = (0..n)
+                .flat_map(|p| std::iter::repeat_n((p * 16 + r) as u8, len(p, r)))
+                .collect();
+            assert!(output == want, "n={n} rank {r}: alltoall");
+            (
+                buf,
+                c.direct_reads.load(Ordering::Relaxed),
+                c.direct_refused(0),
+                c.direct_refused(1),
+            )
+        });
+        let want: Vec<u8> = sizes
+            .iter()
+            .enumerate()
+            .flat_map(|(p, &s)| vec![p as u8 + 1; s])
+            .collect();
+        for (r, (buf, reads, refused0, refused1)) in out.iter().enumerate() {
+            assert!(buf == &want, "n={n} rank {r}: allgather");
+            // Allgather: the large blocks of the others (all but rank 0's small one);
+            // alltoall: every other rank's block. Rank 1 reads nothing of rank 0's.
+            let others_big = (1..n).filter(|&p| p != r).count();
+            let want_reads = others_big + if r == 1 { n - 2 } else { n - 1 };
+            assert_eq!(*reads, want_reads, "n={n} rank {r}: direct reads");
+            assert_eq!((*refused0, *refused1), (r == 1, r == 0), "n={n} rank {r}");
         }
     }
 }

@@ -83,6 +83,8 @@ pub struct Config {
     pub log_time: bool,
     /// Ranks on one host use shared memory.
     pub shm: bool,
+    /// PERSEUS_SHM_DIRECT: large broadcasts on one host read the root's memory directly.
+    pub shm_direct: bool,
     /// PERSEUS_ACCUMULATE_N_STEPS: local gradient accumulation steps (read by front-ends).
     pub accumulate_n_steps: u32,
     /// PERSEUS_ALLREDUCE_NANCHECK: check reduced gradients for NaN/Inf (front-ends).
@@ -361,6 +363,7 @@ impl Config {
             log_level: log_level()?,
             log_time: !params::flag("HOROVOD_LOG_HIDE_TIME")?,
             shm: params::flag("PERSEUS_SHM")?,
+            shm_direct: params::flag("PERSEUS_SHM_DIRECT")?,
             allreduce_fusion: params::int_opt("PERSEUS_ALLREDUCE_FUSION")?.map(|n| n as u32),
             notes: precedence_notes()
                 .into_iter()
@@ -419,6 +422,10 @@ impl Config {
             self.allgather_mode.to_string(),
         );
         m.insert("PERSEUS_SHM".into(), u8::from(self.shm).to_string());
+        m.insert(
+            "PERSEUS_SHM_DIRECT".into(),
+            u8::from(self.shm_direct).to_string(),
+        );
         m.insert(
             "PERSEUS_GLOO_NETWORK_INTERFACE".into(),
             var("PERSEUS_GLOO_NETWORK_INTERFACE").unwrap_or_default(),

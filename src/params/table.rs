@@ -119,6 +119,18 @@ pub const PARAMS: &[Param] = &[
         doc: "1: ranks on one host exchange data through shared memory; 0: loopback TCP",
     },
     Param {
+        name: "PERSEUS_SHM_DIRECT",
+        aliases: &[],
+        kind: Kind::Flag,
+        default: Default::Flag(true),
+        scope: Scope::Core,
+        note: "",
+        doc: "1: blocks of 64 KiB or more that an allgather, an alltoall or a broadcast \
+              to two or more others moves between ranks of one host are read straight \
+              from the sender's memory (process_vm_readv) where the kernel allows it; \
+              0: through the shared-memory rings",
+    },
+    Param {
         name: "PERSEUS_MASTER_PORT",
         aliases: &[],
         kind: Kind::Int { min: 1, max: 65_535 },

@@ -5,7 +5,7 @@
 //! answers.
 
 use super::shm::Segment;
-use super::{Link, Mesh};
+use super::{cma, Link, Mesh};
 use crate::auth;
 use crate::config::Config;
 use crate::deadline::{Deadlined, Vetting, HANDSHAKE_TIME, MAX_UNPROVEN};
@@ -82,7 +82,19 @@ pub fn connect_mesh(cfg: &Config) -> Result<MeshParts> {
     let listener = TcpListener::bind((ip, 0))?;
     let addr = listener.local_addr()?;
     let host = host_key(cfg);
-    let entry = format!("{addr} {host} {} {}", cfg.streams, u8::from(cfg.shm));
+    let (token, unreadable) = match cfg.shm && cfg.shm_direct {
+        true => match cma::Token::own() {
+            Ok(t) => (Some(t), None),
+            Err(why) => (None, Some(why)),
+        },
+        false => (None, None),
+    };
+    let token_text = token.map_or_else(|| "-".to_string(), |t| t.encode());
+    let entry = format!(
+        "{addr} {host} {} {} {token_text}",
+        cfg.streams,
+        u8::from(cfg.shm)
+    );
     store.set(&mesh_key(&cfg.scope, rank, gen), entry.as_bytes())?;
     let mut peers = Vec::with_capacity(size);
     for p in 0..size {
@@ -92,6 +104,7 @@ pub fn connect_mesh(cfg: &Config) -> Result<MeshParts> {
                 host: host.clone(),
                 streams: cfg.streams,
                 shm: cfg.shm,
+                token,
             }
         } else {
             published(&mut store, &cfg.scope, p, gen, timeout)?
@@ -102,6 +115,7 @@ pub fn connect_mesh(cfg: &Config) -> Result<MeshParts> {
     must_agree("PERSEUS_ALLREDUCE_STREAMS", &peers, rank, |e| e.streams)?;
     must_agree("PERSEUS_SHM", &peers, rank, |e| u8::from(e.shm))?;
     let hosts: Vec<String> = peers.iter().map(|e| e.host.clone()).collect();
+    let tokens: Vec<Option<cma::Token>> = peers.iter().map(|e| e.token).collect();
     // Pairs in shared memory keep one TCP data stream (unused once the rings are up).
     let streams_to = |p: usize| {
         if cfg.shm && hosts[p] == host {
@@ -228,6 +242,14 @@ pub fn connect_mesh(cfg: &Config) -> Result<MeshParts> {
     let extra: Vec<Vec<Link>> = rows.map(Iterator::collect).collect();
     let mut shm = None;
     let group: Vec<usize> = (0..size).filter(|&p| hosts[p] == host).collect();
+    if let (Some(why), true) = (unreadable, group.len() > 1 && group[0] == rank) {
+        crate::log!(
+            crate::log::Level::Info,
+            "rank {rank}: ranks of host {} cannot read one another's memory ({why}): \
+             large blocks between them go through the shared-memory rings",
+            host.split('@').next().unwrap_or_default()
+        );
+    }
     if cfg.shm && group.len() > 1 {
         let seg = Arc::new(open_segment(cfg, &mut store, &group, &host, gen)?);
         let me = group.iter().position(|&p| p == rank).unwrap();
@@ -250,6 +272,7 @@ pub fn connect_mesh(cfg: &Config) -> Result<MeshParts> {
     Ok(MeshParts {
         mesh: Mesh::new(rank, links, shm, timeout)
             .with_hosts(&hosts)
+            .with_tokens(tokens)
             .with_streams(extra, cfg.shm),
         control,
         hosts,
@@ -266,6 +289,8 @@ struct Published {
     streams: usize,
     /// Its PERSEUS_SHM.
     shm: bool,
+    /// What its peers on its host need to read its memory, where they can.
+    token: Option<cma::Token>,
 }
 
 /// Fails, naming `var` and the first rank that differs, unless `of` reads from every
@@ -316,7 +341,8 @@ fn mesh_key(scope: &str, rank: usize, gen: u64) -> String {
 /// never publish one (an elastic job's worker that did not start): `gone <why>`.
 const GONE: &str = "gone ";
 
-/// Reads `peer`'s published entry ("address host-key streams shm") of round `gen`.
+/// Reads `peer`'s published entry ("address host-key streams shm token", the token
+/// `-` or left out for none) of round `gen`.
 fn published(
     store: &mut StoreClient,
     scope: &str,
@@ -337,12 +363,17 @@ fn published(
         "1" => Some(true),
         _ => None,
     });
-    match (addr, host, streams, shm) {
-        (Some(addr), Some(host), Some(streams), Some(shm)) => Ok(Published {
+    let token = match f.next() {
+        Some("-") | None => Some(None),
+        Some(t) => cma::Token::decode(t).map(Some),
+    };
+    match (addr, host, streams, shm, token) {
+        (Some(addr), Some(host), Some(streams), Some(shm), Some(token)) => Ok(Published {
             addr: addr.to_string(),
             host: host.to_string(),
             streams,
             shm,
+            token,
         }),
         _ => Err(PerseusError::Protocol(format!(
             "rank {peer} published a malformed mesh entry {v:?}"

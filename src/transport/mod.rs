@@ -14,6 +14,7 @@
 //! rings with the host's futex doorbell, so a ring step sends right while it
 //! receives left without helper threads.
 
+pub mod cma;
 mod connect;
 mod progress;
 pub mod shm;
@@ -25,7 +26,7 @@ use crate::error::{PerseusError, Result};
 use shm::Segment;
 use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -178,6 +179,10 @@ pub struct Mesh {
     sent_intra: AtomicU64,
     sent_inter: AtomicU64,
     sent_extra: AtomicU64,
+    /// Each rank's published [`cma::Token`]: None where its memory cannot be read.
+    tokens: Vec<Option<cma::Token>>,
+    /// Per peer: a direct read between this rank and it failed once.
+    refused: Vec<AtomicBool>,
 }
 
 impl Mesh {
@@ -190,6 +195,7 @@ impl Mesh {
         timeout: Duration,
     ) -> Mesh {
         let host_ids = vec![0; links.len()];
+        let n = links.len();
         Mesh {
             rank,
             links,
@@ -203,6 +209,53 @@ impl Mesh {
             sent_intra: AtomicU64::new(0),
             sent_inter: AtomicU64::new(0),
             sent_extra: AtomicU64::new(0),
+            tokens: vec![None; n],
+            refused: (0..n).map(|_| AtomicBool::new(false)).collect(),
+        }
+    }
+
+    /// Records each rank's published [`cma::Token`] (None where it has none).
+    pub fn with_tokens(mut self, tokens: Vec<Option<cma::Token>>) -> Mesh {
+        assert_eq!(tokens.len(), self.links.len(), "one token per rank");
+        self.tokens = tokens;
+        self
+    }
+
+    /// True when `rank`'s memory can be read by the ranks sharing its host and
+    /// memory, and it can read theirs: it published a token, and this mesh uses
+    /// shared memory. Every rank gives the same answer.
+    pub fn readable(&self, rank: usize) -> bool {
+        self.shm_on && self.tokens.get(rank).is_some_and(Option::is_some)
+    }
+
+    /// Reads `buf.len()` bytes at `addr` of peer `from`, which shares this host's
+    /// memory; false when that failed or cannot be tried.
+    pub fn read_direct(&self, from: usize, addr: u64, buf: &mut [u8]) -> bool {
+        if !self.is_local(from) || self.direct_refused(from) || !self.readable(self.rank) {
+            return false;
+        }
+        self.tokens[from].is_some_and(|t| t.read(addr, buf))
+    }
+
+    /// True once a direct read between this rank and `peer` failed.
+    pub fn direct_refused(&self, peer: usize) -> bool {
+        self.refused
+            .get(peer)
+            .is_some_and(|f| f.load(Ordering::Relaxed))
+    }
+
+    /// Records that a direct read between this rank and `peer` failed: from now
+    /// on their broadcasts send the bytes. Logged once per peer.
+    pub fn refuse_direct(&self, peer: usize) {
+        if let Some(f) = self.refused.get(peer) {
+            if !f.swap(true, Ordering::Relaxed) {
+                crate::log!(
+                    crate::log::Level::Warning,
+                    "rank {}: a direct read of memory between it and rank {peer} failed; \
+                     their large broadcasts now send the bytes through shared memory",
+                    self.rank
+                );
+            }
         }
     }
 

@@ -1,5 +1,7 @@
 """hvd.counters(): operations, tensors, bytes by host, negotiation and cache hits."""
 
+import os
+
 import perseus.torch.horovod as hvd
 import torch
 from _helpers import done
@@ -13,6 +15,15 @@ def total(value):
     """Sum of one integer over all ranks."""
     return int(hvd.allreduce(torch.tensor([value], dtype=torch.int64), op=hvd.Sum,
                              name="counters.total")[0])
+
+
+def yama_allows():
+    """Whether Yama lets one process read an unrelated one's memory."""
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+            return f.read().strip() == "0"
+    except OSError:
+        return True
 
 
 def main():
@@ -39,6 +50,48 @@ def main():
     if n == 2:
         assert d["bytes_intra_host"] == nbytes, d
     assert total(d["bytes_intra_host"]) == 2 * (n - 1) * nbytes
+
+    # A 4 MiB broadcast from rank 1. Among three ranks or more, read straight from the
+    # root's memory (PERSEUS_SHM_DIRECT, where the kernel allows it): the root sends each
+    # rank a 16-byte offer and each answers with one byte. Otherwise (and between two
+    # ranks: collective/broadcast.rs) a chain: n-1 copies of the buffer.
+    direct = (os.environ.get("PERSEUS_SHM", "1") == "1"
+              and os.environ.get("PERSEUS_SHM_DIRECT", "1") == "1" and yama_allows())
+    bbytes = 4 << 20
+    for out_of_place in (False, True):
+        src = torch.arange(bbytes // 4, dtype=torch.float32) * (3 if r == 1 else 0)
+        before = hvd.counters()
+        if out_of_place:
+            got = hvd.broadcast(src, root_rank=1, name="bcast.new")
+            assert torch.equal(src, torch.arange(bbytes // 4, dtype=torch.float32)
+                               * (3 if r == 1 else 0)), "the input is left alone"
+        else:
+            got = src
+            hvd.broadcast_(got, root_rank=1, name="bcast.in_place")
+        d = delta(before, hvd.counters())
+        assert torch.equal(got, torch.arange(bbytes // 4, dtype=torch.float32) * 3), (r, got)
+        if direct and n >= 3:
+            assert d["bytes_intra_host"] == (16 * (n - 1) if r == 1 else 1), (r, d)
+        else:
+            assert total(d["bytes_intra_host"]) == (n - 1) * bbytes, (r, d)
+
+    # An allgather and an alltoall of 1 MiB blocks: read from each owner's memory where
+    # the broadcast was (a 16-byte offer to each rank and a 1-byte answer from each),
+    # else sent: by the ring, n-1 blocks from each rank; by the alltoall, one to each.
+    block = nbytes // 4
+    before = hvd.counters()
+    got = hvd.allgather(torch.full((block,), float(r)), name="gather.big")
+    want = torch.cat([torch.full((block,), float(p)) for p in range(n)])
+    assert torch.equal(got.reshape(-1), want), r
+    d = delta(before, hvd.counters())
+    assert d["bytes_intra_host"] == (17 * (n - 1) if direct else (n - 1) * nbytes), (r, d)
+    before = hvd.counters()
+    src = torch.cat([torch.full((block,), float(r * 10 + p)) for p in range(n)])
+    got = hvd.alltoall(src, name="alltoall.big")
+    want = torch.cat([torch.full((block,), float(p * 10 + r)) for p in range(n)])
+    assert torch.equal(got, want), r
+    d = delta(before, hvd.counters())
+    assert d["bytes_intra_host"] == (17 * (n - 1) if direct else (n - 1) * nbytes), (r, d)
 
     # Ten tensors in flight together: each is counted once, fused or not.
     before = hvd.counters()
