@@ -37,5 +37,6 @@ pub fn alltoallv(
             rest.push((p, mine));
         }
     }
-    offer::exchange(comm, &gives, &mut rest)
+    let result = recv.iter().map(|r| r.end).max().unwrap_or(0);
+    offer::exchange(comm, &gives, &mut rest, result)
 }

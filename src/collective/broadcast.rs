@@ -45,9 +45,10 @@ pub fn broadcast(comm: &dyn Comm, buf: &mut [u8], root: usize) -> Result<()> {
         return if r == root {
             let gives: Vec<(usize, &[u8])> =
                 (0..n).filter(|&p| p != root).map(|p| (p, &*buf)).collect();
-            offer::exchange(comm, &gives, &mut [])
+            offer::exchange(comm, &gives, &mut [], buf.len())
         } else {
-            offer::exchange(comm, &[], &mut [(root, buf)])
+            let len = buf.len();
+            offer::exchange(comm, &[], &mut [(root, buf)], len)
         };
     }
     let len = buf.len();

@@ -12,6 +12,7 @@ mod barrier;
 mod broadcast;
 mod hierarchical;
 pub mod offer;
+mod reading;
 mod ring;
 mod stripe;
 mod vote;
@@ -71,7 +72,8 @@ pub trait Comm: Sync {
         false
     }
     /// Copies `buf.len()` bytes at address `addr` of group rank `from` (on this
-    /// host) into `buf`; false, with `buf` in any state, when that failed.
+    /// host) into `buf`; false, with `buf` in any state, when that failed. An
+    /// empty `buf` only checks that `from`'s memory can be read.
     fn read_direct(&self, _from: usize, _addr: u64, _buf: &mut [u8]) -> bool {
         false
     }

@@ -7,11 +7,16 @@
 
 use super::Comm;
 use crate::error::{PerseusError, Result};
+use crate::kernels::{copy_streaming, STREAM_FROM};
 use crate::transport::{Recv, Send};
 
 /// Blocks smaller than this travel as bytes: an offer and its answer cost two
 /// trips, which a small block's copies through shared memory do not.
 pub const DIRECT_FROM: usize = 64 << 10;
+
+/// Bytes read at once into a bounce buffer that stays in cache, when a block
+/// lands in a result written past the cache ([`STREAM_FROM`]).
+const BOUNCE: usize = 512 << 10;
 
 /// An offer: the block's address, then its length.
 const OFFER: usize = 16;
@@ -35,11 +40,14 @@ pub fn direct(comm: &dyn Comm, peer: usize, len: usize) -> bool {
 /// Moves blocks between ranks: each `(peer, block)` of `gives` to that peer, each
 /// `(peer, block)` of `takes` from it (a peer appears at most once in each list,
 /// and the lengths agree pairwise). Pairs [`direct`] for the length are read
-/// from the giver's memory; the others are sent as bytes.
+/// from the giver's memory; the others are sent as bytes. `result`: the bytes of
+/// the result the taken blocks land in; from [`STREAM_FROM`] they are written past
+/// the cache, as the rings do.
 pub fn exchange(
     comm: &dyn Comm,
     gives: &[(usize, &[u8])],
     takes: &mut [(usize, &mut [u8])],
+    result: usize,
 ) -> Result<()> {
     let offers: Vec<[u8; OFFER]> = gives
         .iter()
@@ -101,7 +109,7 @@ pub fn exchange(
                 b.len()
             )));
         }
-        if comm.read_direct(*p, addr, b) {
+        if read(comm, *p, addr, b, result >= STREAM_FROM) {
             answers[i] = [READ];
         } else {
             comm.refuse_direct(*p);
@@ -153,4 +161,22 @@ pub fn exchange(
         return Ok(());
     }
     comm.transfer(&mut sends, &mut recvs)
+}
+
+/// Reads `dst.len()` bytes at `addr` of `from` into `dst`; `stream`: through a
+/// bounce buffer in cache, then written past the cache (the kernel's own copy
+/// would read every line of `dst` first).
+fn read(comm: &dyn Comm, from: usize, addr: u64, dst: &mut [u8], stream: bool) -> bool {
+    if !stream {
+        return comm.read_direct(from, addr, dst);
+    }
+    let mut bounce = vec![0u8; BOUNCE.min(dst.len())];
+    for (i, piece) in dst.chunks_mut(BOUNCE).enumerate() {
+        let b = &mut bounce[..piece.len()];
+        if !comm.read_direct(from, addr + (i * BOUNCE) as u64, b) {
+            return false;
+        }
+        copy_streaming(piece, b);
+    }
+    true
 }

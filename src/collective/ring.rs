@@ -7,7 +7,7 @@
 //! sends its whole buffer to every other and reduces in rank order, one
 //! round trip instead of `2(n-1)`.
 
-use super::{partition, split2, striped, Comm};
+use super::{partition, reading, split2, striped, Comm};
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::Result;
 use crate::kernels::{reduce_into, round_through_half, scale, to_half, AlignedBuf};
@@ -57,6 +57,10 @@ pub fn allreduce_from(
         return allreduce(comm, buf, dtype, op, factor, scratch);
     }
     let parts = byte_parts(buf.len(), dtype.size(), n);
+    if reading::applies(comm, &parts) {
+        reading::reduce_scatter(comm, Some(src), buf, &parts, dtype, op, factor, scratch)?;
+        return allgather_ranges(comm, buf, &parts);
+    }
     let (r, right, left) = (
         comm.rank(),
         (comm.rank() + 1) % n,
@@ -83,7 +87,7 @@ pub fn allreduce_from(
             )?;
         }
     }
-    allgather_ranges(comm, buf, &parts)
+    ring_allgather(comm, buf, &parts)
 }
 
 /// [`allreduce`] on one stream.
@@ -104,8 +108,12 @@ fn allreduce_one(
         return Ok(());
     }
     let parts = byte_parts(buf.len(), dtype.size(), n);
+    if reading::applies(comm, &parts) {
+        reading::reduce_scatter(comm, None, buf, &parts, dtype, op, factor, scratch)?;
+        return allgather_ranges(comm, buf, &parts);
+    }
     reduce_scatter_scaled(comm, buf, &parts, dtype, op, factor)?;
-    allgather_ranges(comm, buf, &parts)
+    ring_allgather(comm, buf, &parts)
 }
 
 /// Element ranges of `buf` (elements of `es` bytes) split into `n` chunks, as byte ranges.
@@ -309,11 +317,48 @@ fn reduce_scatter_scaled(
     Ok(())
 }
 
+/// The allgather of `parts` of `buf` (this rank's part in place): each rank reads
+/// the others' parts out of their memory when every rank shares this host and can
+/// ([`Comm::readable`]), the parts lie one after another over the whole buffer and
+/// one is large ([`super::offer`]); otherwise the ring.
 pub(super) fn allgather_ranges(
     comm: &dyn Comm,
     buf: &mut [u8],
     parts: &[Range<usize>],
 ) -> Result<()> {
+    let (n, r, len) = (comm.size(), comm.rank(), buf.len());
+    let host = comm.host(r);
+    let tiled = parts
+        .iter()
+        .try_fold(0, |at, p| (p.start == at).then_some(p.end))
+        == Some(buf.len());
+    let direct = n > 1
+        && tiled
+        && comm.shares_memory()
+        && (0..n).all(|p| comm.host(p) == host && comm.readable(p))
+        && parts.iter().any(|p| p.len() >= super::offer::DIRECT_FROM);
+    if !direct {
+        return ring_allgather(comm, buf, parts);
+    }
+    let mut blocks: Vec<&mut [u8]> = Vec::with_capacity(n);
+    let mut rest = buf;
+    for p in parts {
+        let (b, tail) = std::mem::take(&mut rest).split_at_mut(p.len());
+        blocks.push(b);
+        rest = tail;
+    }
+    let mine: &[u8] = std::mem::take::<&mut [u8]>(&mut blocks[r]);
+    let gives: Vec<(usize, &[u8])> = (0..n).filter(|&p| p != r).map(|p| (p, mine)).collect();
+    let mut takes: Vec<(usize, &mut [u8])> = blocks
+        .into_iter()
+        .enumerate()
+        .filter(|&(p, _)| p != r)
+        .collect();
+    super::offer::exchange(comm, &gives, &mut takes, len)
+}
+
+/// The ring allgather: in step `s`, rank `r` passes part `r-s` to its right.
+fn ring_allgather(comm: &dyn Comm, buf: &mut [u8], parts: &[Range<usize>]) -> Result<()> {
     let (n, r, len) = (comm.size(), comm.rank(), buf.len());
     let (right, left) = ((r + 1) % n, (r + n - 1) % n);
     for s in 0..n - 1 {
@@ -326,10 +371,8 @@ pub(super) fn allgather_ranges(
     Ok(())
 }
 
-/// Ring allgather of blocks of `sizes[i]` bytes from rank `i`, laid out in
-/// rank order in `buf`; this rank's block must already be in place. When
-/// every rank shares this host and can read the others' memory, and some
-/// block is large, each rank reads the others' blocks instead ([`super::offer`]).
+/// Allgather of blocks of `sizes[i]` bytes from rank `i`, laid out in rank order
+/// in `buf`; this rank's block must already be in place ([`allgather_ranges`]).
 pub fn allgatherv(comm: &dyn Comm, buf: &mut [u8], sizes: &[usize]) -> Result<()> {
     let parts = super::consecutive(sizes.iter().copied());
     assert_eq!(
@@ -337,31 +380,8 @@ pub fn allgatherv(comm: &dyn Comm, buf: &mut [u8], sizes: &[usize]) -> Result<()
         buf.len(),
         "allgatherv: sizes do not cover the buffer"
     );
-    let (n, r) = (comm.size(), comm.rank());
-    if n == 1 {
+    if comm.size() == 1 {
         return Ok(());
     }
-    let host = comm.host(r);
-    let all_direct = comm.shares_memory()
-        && (0..n).all(|p| comm.host(p) == host && comm.readable(p))
-        && sizes.iter().any(|&s| s >= super::offer::DIRECT_FROM);
-    if !all_direct {
-        return allgather_ranges(comm, buf, &parts);
-    }
-    // Every rank reads each other's block out of its memory (small blocks are sent).
-    let mut blocks: Vec<&mut [u8]> = Vec::with_capacity(n);
-    let mut rest = buf;
-    for p in &parts {
-        let (b, tail) = std::mem::take(&mut rest).split_at_mut(p.len());
-        blocks.push(b);
-        rest = tail;
-    }
-    let mine: &[u8] = std::mem::take::<&mut [u8]>(&mut blocks[r]);
-    let gives: Vec<(usize, &[u8])> = (0..n).filter(|&p| p != r).map(|p| (p, mine)).collect();
-    let mut takes: Vec<(usize, &mut [u8])> = blocks
-        .into_iter()
-        .enumerate()
-        .filter(|&(p, _)| p != r)
-        .collect();
-    super::offer::exchange(comm, &gives, &mut takes)
+    allgather_ranges(comm, buf, &parts)
 }

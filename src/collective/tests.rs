@@ -616,6 +616,81 @@ fn direct_allgather_and_alltoall_read_large_blocks_and_send_small_ones() {
 }
 
 #[test]
+fn a_large_allreduce_on_one_host_reads_the_chunks_it_reduces_and_gathers() {
+    if crate::transport::cma::Token::own().is_err() {
+        eprintln!("this host forbids process_vm_readv: the direct exchange is not tried");
+        return;
+    }
+    for n in [2, 3, 4] {
+        // Buffers of 2 MiB and more read; the smaller take the ring. Under `failing`,
+        // rank 1 cannot read rank 0.
+        for (count, failing) in [(300_001usize, false), (600_001, false), (600_001, true)] {
+            for from in [false, true] {
+                let fail = move |r: usize| {
+                    if failing && r == 1 {
+                        vec![0]
+                    } else {
+                        Vec::new()
+                    }
+                };
+                let out = run_direct(n, fail, move |c| {
+                    let v: Vec<f32> = (0..count)
+                        .map(|i| ((i * 7 + c.rank()) % 13) as f32 * 0.1)
+                        .collect();
+                    let mut b = AlignedBuf::from_slice(&f32s(&v));
+                    let mut scratch = AlignedBuf::default();
+                    if from {
+                        let src = b.as_slice().to_vec();
+                        let dst = b.as_mut_slice();
+                        allreduce_from(
+                            c,
+                            &src,
+                            dst,
+                            DataType::F32,
+                            ReduceOp::Sum,
+                            0.5,
+                            &mut scratch,
+                        )
+                        .unwrap();
+                    } else {
+                        let dst = b.as_mut_slice();
+                        allreduce(c, dst, DataType::F32, ReduceOp::Sum, 0.5, &mut scratch).unwrap();
+                    }
+                    (b.as_slice().to_vec(), c.sent.load(Ordering::Relaxed))
+                });
+                // The same bytes as the ring's.
+                let ring = run(n, move |c| {
+                    let v: Vec<f32> = (0..count)
+                        .map(|i| ((i * 7 + c.rank()) % 13) as f32 * 0.1)
+                        .collect();
+                    let mut b = AlignedBuf::from_slice(&f32s(&v));
+                    let mut scratch = AlignedBuf::default();
+                    let dst = b.as_mut_slice();
+                    allreduce(c, dst, DataType::F32, ReduceOp::Sum, 0.5, &mut scratch).unwrap();
+                    b.as_slice().to_vec()
+                });
+                let chunk = count * 4 / n;
+                for (r, (got, sent)) in out.iter().enumerate() {
+                    let what =
+                        format!("n={n} count={count} failing={failing} from={from} rank {r}");
+                    assert!(got == &ring[0], "{what}: bytes differ from the ring's");
+                    if count * 4 < super::reading::FROM {
+                        assert!(*sent >= chunk, "{what}: the ring sends chunks, sent {sent}");
+                    } else if !failing {
+                        // Offers of the reduction (17 bytes) and of the gather (16), and
+                        // the gather's answers.
+                        assert_eq!(*sent, 34 * (n - 1), "{what}: bytes sent");
+                    } else if r == 0 {
+                        // Rank 0 sends rank 1 its chunk and, after, its reduced chunk.
+                        assert!(*sent >= 2 * chunk, "{what}: sent {sent}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
 fn alltoallv_uneven_splits() {
     for n in [1, 2, 3, 4] {
         // Rank r sends (r + d + 1) bytes of value r*16+d to rank d.

@@ -125,10 +125,10 @@ pub const PARAMS: &[Param] = &[
         default: Default::Flag(true),
         scope: Scope::Core,
         note: "",
-        doc: "1: blocks of 64 KiB or more that an allgather, an alltoall or a broadcast \
-              to two or more others moves between ranks of one host are read straight \
-              from the sender's memory (process_vm_readv) where the kernel allows it; \
-              0: through the shared-memory rings",
+        doc: "1: ranks of one host read large blocks of an allgather, alltoall, broadcast \
+              (three ranks or more) or allreduce (2 MiB or more) straight from one another's \
+              memory (process_vm_readv) where the kernel allows it; 0: through the \
+              shared-memory rings",
     },
     Param {
         name: "PERSEUS_MASTER_PORT",

@@ -229,7 +229,8 @@ impl Mesh {
     }
 
     /// Reads `buf.len()` bytes at `addr` of peer `from`, which shares this host's
-    /// memory; false when that failed or cannot be tried.
+    /// memory; false when that failed or cannot be tried. An empty `buf` checks
+    /// only that `from` can be read (its canary).
     pub fn read_direct(&self, from: usize, addr: u64, buf: &mut [u8]) -> bool {
         if !self.is_local(from) || self.direct_refused(from) || !self.readable(self.rank) {
             return false;

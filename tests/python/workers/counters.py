@@ -51,12 +51,27 @@ def main():
         assert d["bytes_intra_host"] == nbytes, d
     assert total(d["bytes_intra_host"]) == 2 * (n - 1) * nbytes
 
-    # A 4 MiB broadcast from rank 1. Among three ranks or more, read straight from the
-    # root's memory (PERSEUS_SHM_DIRECT, where the kernel allows it): the root sends each
-    # rank a 16-byte offer and each answers with one byte. Otherwise (and between two
-    # ranks: collective/broadcast.rs) a chain: n-1 copies of the buffer.
+    # From 2 MiB (collective/reading.rs), each rank reads its chunk of the others'
+    # buffers, then their reduced chunks, out of their memory (PERSEUS_SHM_DIRECT, where
+    # the kernel allows it): it sends each other rank a 17-byte offer for the first, a
+    # 16-byte one for the second and a 1-byte answer. Otherwise the ring, as above.
     direct = (os.environ.get("PERSEUS_SHM", "1") == "1"
               and os.environ.get("PERSEUS_SHM_DIRECT", "1") == "1" and yama_allows())
+    abytes = 4 << 20
+    t = torch.arange(abytes // 4, dtype=torch.float32) * (r + 1)
+    before = hvd.counters()
+    hvd.allreduce_(t, op=hvd.Sum, name="bigger")
+    d = delta(before, hvd.counters())
+    assert torch.equal(t, torch.arange(abytes // 4, dtype=torch.float32) * (n * (n + 1) // 2))
+    if direct:
+        assert d["bytes_intra_host"] == 34 * (n - 1), (r, d)
+    else:
+        assert total(d["bytes_intra_host"]) == 2 * (n - 1) * abytes, (r, d)
+
+    # A 4 MiB broadcast from rank 1. Among three ranks or more, read straight from the
+    # root's memory: the root sends each rank a 16-byte offer and each answers with one
+    # byte. Otherwise (and between two ranks: collective/broadcast.rs) a chain: n-1
+    # copies of the buffer.
     bbytes = 4 << 20
     for out_of_place in (False, True):
         src = torch.arange(bbytes // 4, dtype=torch.float32) * (3 if r == 1 else 0)
