@@ -4,6 +4,7 @@
 the torch helpers."""
 
 import contextlib
+import os
 import sys
 
 OK_MARK = "WORKER OK"
@@ -43,6 +44,19 @@ def raises(exc_type, *fragments, what=""):
             assert f in msg, f"{what}: expected {f!r} in the error message, got: {msg}"
     else:
         raise AssertionError(f"{what}: expected {exc_type.__name__}, nothing was raised")
+
+
+def direct_reads():
+    """Whether this job's ranks of one host read large blocks from one another's memory
+    (PERSEUS_SHM and PERSEUS_SHM_DIRECT on, and Yama letting unrelated processes read)."""
+    if os.environ.get("PERSEUS_SHM", "1") != "1" or \
+            os.environ.get("PERSEUS_SHM_DIRECT", "1") != "1":
+        return False
+    try:
+        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
+            return f.read().strip() == "0"
+    except OSError:
+        return True
 
 
 def done(rank):

@@ -1,10 +1,8 @@
 """hvd.counters(): operations, tensors, bytes by host, negotiation and cache hits."""
 
-import os
-
 import perseus.torch.horovod as hvd
 import torch
-from _helpers import done
+from _helpers import direct_reads, done
 
 
 def delta(before, after):
@@ -15,15 +13,6 @@ def total(value):
     """Sum of one integer over all ranks."""
     return int(hvd.allreduce(torch.tensor([value], dtype=torch.int64), op=hvd.Sum,
                              name="counters.total")[0])
-
-
-def yama_allows():
-    """Whether Yama lets one process read an unrelated one's memory."""
-    try:
-        with open("/proc/sys/kernel/yama/ptrace_scope") as f:
-            return f.read().strip() == "0"
-    except OSError:
-        return True
 
 
 def main():
@@ -55,8 +44,7 @@ def main():
     # buffers, then their reduced chunks, out of their memory (PERSEUS_SHM_DIRECT, where
     # the kernel allows it): it sends each other rank a 17-byte offer for the first, a
     # 16-byte one for the second and a 1-byte answer. Otherwise the ring, as above.
-    direct = (os.environ.get("PERSEUS_SHM", "1") == "1"
-              and os.environ.get("PERSEUS_SHM_DIRECT", "1") == "1" and yama_allows())
+    direct = direct_reads()
     abytes = 4 << 20
     t = torch.arange(abytes // 4, dtype=torch.float32) * (r + 1)
     before = hvd.counters()
