@@ -84,6 +84,13 @@ pub trait Comm: Sync {
     }
     /// Records that a direct read between this rank and `peer` failed.
     fn refuse_direct(&self, _peer: usize) {}
+    /// The error for a read of `peer`'s memory that failed after one worked: its
+    /// process has most likely ended, which the transport confirms and names.
+    fn lost(&self, peer: usize) -> crate::error::PerseusError {
+        crate::error::PerseusError::Peer(format!(
+            "rank {peer}: its memory could not be read though it could before"
+        ))
+    }
 }
 
 /// A subgroup of a parent group: group rank `i` is parent rank `members[i]`.
@@ -184,6 +191,9 @@ impl Comm for SubComm<'_> {
     fn refuse_direct(&self, peer: usize) {
         self.parent().refuse_direct(self.members[peer])
     }
+    fn lost(&self, peer: usize) -> crate::error::PerseusError {
+        self.parent().lost(self.members[peer])
+    }
 }
 
 /// The whole mesh is the group of all ranks; process sets are [`SubComm`]s of it.
@@ -223,6 +233,9 @@ impl Comm for Mesh {
     }
     fn refuse_direct(&self, peer: usize) {
         Mesh::refuse_direct(self, peer)
+    }
+    fn lost(&self, peer: usize) -> crate::error::PerseusError {
+        Mesh::lost(self, peer)
     }
 }
 

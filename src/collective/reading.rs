@@ -181,10 +181,7 @@ pub fn reduce_scatter(
             };
             if sent[p].is_empty() {
                 if !comm.read_direct(p, addrs[p] + at as u64, dst) {
-                    return Err(PerseusError::Peer(format!(
-                        "rank {p}: its memory could not be read during an allreduce \
-                         (its process may have ended)"
-                    )));
+                    return Err(comm.lost(p));
                 }
             } else {
                 dst.copy_from_slice(&sent[p][at..at + len]);

@@ -238,6 +238,37 @@ impl Mesh {
         self.tokens[from].is_some_and(|t| t.read(addr, buf))
     }
 
+    /// The error for a read of `peer`'s memory that failed although `peer` could be
+    /// read before: waits (up to the timeout) for its connection to end, then names it
+    /// as any loss is named (its host, and every other rank gone too).
+    pub fn lost(&self, peer: usize) -> PerseusError {
+        let start = Instant::now();
+        let gone = loop {
+            if self.links.get(peer).is_some_and(Link::peer_gone) {
+                break true;
+            }
+            if start.elapsed() >= self.timeout {
+                break false;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        };
+        let msg = if gone {
+            let msg = format!(
+                "rank {peer} ended (its connection closed) while its memory was being read; \
+                 it probably exited or crashed (see its log)"
+            );
+            let ended = ended_besides(&self.links, &[peer], SETTLE);
+            with_ended(msg, &ended, |p| format!("rank {p} "))
+        } else {
+            format!(
+                "rank {peer} could not be read for {}s though it could before, and its \
+                 connection is open (GLOO_TIMEOUT_SECONDS)",
+                self.timeout.as_secs()
+            )
+        };
+        self.name_hosts(PerseusError::Peer(msg), &[peer])
+    }
+
     /// True once a direct read between this rank and `peer` failed.
     pub fn direct_refused(&self, peer: usize) -> bool {
         self.refused
