@@ -22,21 +22,11 @@ pub fn alltoallv(
         .filter(|&p| p != r)
         .map(|p| (p, &input[send[p].clone()]))
         .collect();
-    let mut rest: Vec<(usize, &mut [u8])> = Vec::new();
-    let mut tail = output;
-    let mut offset = 0;
-    let mut order: Vec<usize> = (0..comm.size()).collect();
-    order.sort_by_key(|&p| recv[p].start);
-    for p in order {
-        let range = recv[p].clone();
-        let (_, after) = std::mem::take(&mut tail).split_at_mut(range.start - offset);
-        let (mine, after) = after.split_at_mut(range.len());
-        offset = range.end;
-        tail = after;
-        if p != r {
-            rest.push((p, mine));
-        }
-    }
+    let mut rest: Vec<(usize, &mut [u8])> = super::split_mut(output, recv)
+        .into_iter()
+        .enumerate()
+        .filter(|&(p, _)| p != r)
+        .collect();
     let result = recv.iter().map(|r| r.end).max().unwrap_or(0);
     offer::exchange(comm, &gives, &mut rest, result)
 }

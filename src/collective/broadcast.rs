@@ -37,11 +37,7 @@ pub fn broadcast(comm: &dyn Comm, buf: &mut [u8], root: usize) -> Result<()> {
             comm.transfer(&mut [], &mut [Recv::new(root, buf)])
         };
     }
-    let root_host = comm.host(root);
-    let direct = n >= DIRECT_RANKS
-        && comm.shares_memory()
-        && (0..n).all(|p| comm.host(p) == root_host && comm.readable(p));
-    if direct {
+    if n >= DIRECT_RANKS && offer::all_readable(comm) {
         return if r == root {
             let gives: Vec<(usize, &[u8])> =
                 (0..n).filter(|&p| p != root).map(|p| (p, &*buf)).collect();

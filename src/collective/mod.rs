@@ -281,6 +281,26 @@ pub fn partition(count: usize, n: usize) -> Vec<Range<usize>> {
         .collect()
 }
 
+/// Borrows non-overlapping `ranges` of one buffer, each mutably, in the order of
+/// `ranges` (which may leave gaps and come in any order). Panics where two overlap
+/// or one runs past the buffer.
+pub(crate) fn split_mut<'a, T>(buf: &'a mut [T], ranges: &[Range<usize>]) -> Vec<&'a mut [T]> {
+    let mut order: Vec<usize> = (0..ranges.len()).collect();
+    order.sort_by_key(|&i| ranges[i].start);
+    let mut out: Vec<Option<&'a mut [T]>> = (0..ranges.len()).map(|_| None).collect();
+    let (mut rest, mut at) = (buf, 0);
+    for i in order {
+        let r = &ranges[i];
+        assert!(r.start >= at, "ranges overlap");
+        let (_, after) = std::mem::take(&mut rest).split_at_mut(r.start - at);
+        let (part, after) = after.split_at_mut(r.len());
+        (out[i], rest, at) = (Some(part), after, r.end);
+    }
+    out.into_iter()
+        .map(|p| p.expect("every range placed"))
+        .collect()
+}
+
 /// Borrows two non-overlapping ranges of one buffer, one shared, one mutable.
 pub(crate) fn split2(
     buf: &mut [u8],

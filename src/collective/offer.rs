@@ -37,6 +37,14 @@ pub fn direct(comm: &dyn Comm, peer: usize, len: usize) -> bool {
         && !comm.direct_refused(peer)
 }
 
+/// True when every rank of `comm` (two or more) shares this host's memory and
+/// can be read by the others ([`Comm::readable`]): where a collective may read
+/// its blocks instead of passing them on. The same answer on every rank.
+pub fn all_readable(comm: &dyn Comm) -> bool {
+    let (n, host) = (comm.size(), comm.host(comm.rank()));
+    n > 1 && comm.shares_memory() && (0..n).all(|p| comm.host(p) == host && comm.readable(p))
+}
+
 /// Moves blocks between ranks: each `(peer, block)` of `gives` to that peer, each
 /// `(peer, block)` of `takes` from it (a peer appears at most once in each list,
 /// and the lengths agree pairwise). Pairs [`direct`] for the length are read

@@ -14,7 +14,7 @@
 //! until its reader is done: the allgather that follows writes chunk `p` only
 //! after rank `p` has sent it, that is, after `p` has read everything it needed.
 
-use super::Comm;
+use super::{offer, Comm};
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::{PerseusError, Result};
 use crate::kernels::{reduce_into, scale, AlignedBuf};
@@ -44,13 +44,8 @@ pub const PAIR_UNTIL: usize = 32 << 20;
 /// buffer has [`FROM`] bytes or more (and, between two ranks, fewer than
 /// [`PAIR_UNTIL`]). The same answer on every rank.
 pub fn applies(comm: &dyn Comm, parts: &[Range<usize>]) -> bool {
-    let (n, host) = (comm.size(), comm.host(comm.rank()));
     let len = parts.last().map_or(0, |p| p.end);
-    n > 1
-        && len >= FROM
-        && (n > 2 || len < PAIR_UNTIL)
-        && comm.shares_memory()
-        && (0..n).all(|p| comm.host(p) == host && comm.readable(p))
+    len >= FROM && (comm.size() > 2 || len < PAIR_UNTIL) && offer::all_readable(comm)
 }
 
 /// Reduces chunk `r` (this rank's) of every rank's input into `buf[parts[r]]`,
@@ -73,13 +68,7 @@ pub fn reduce_scatter(
     let (n, r) = (comm.size(), comm.rank());
     let peers: Vec<usize> = (0..n).filter(|&p| p != r).collect();
     // This rank's chunk (written) and the others (offered), apart.
-    let mut blocks: Vec<&mut [u8]> = Vec::with_capacity(n);
-    let mut rest = buf;
-    for p in parts {
-        let (b, tail) = std::mem::take(&mut rest).split_at_mut(p.len());
-        blocks.push(b);
-        rest = tail;
-    }
+    let mut blocks = super::split_mut(buf, parts);
     let own: &mut [u8] = std::mem::take(&mut blocks[r]);
     let given: Vec<&[u8]> = match src {
         Some(s) => parts.iter().map(|p| &s[p.clone()]).collect(),

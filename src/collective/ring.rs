@@ -327,26 +327,17 @@ pub(super) fn allgather_ranges(
     parts: &[Range<usize>],
 ) -> Result<()> {
     let (n, r, len) = (comm.size(), comm.rank(), buf.len());
-    let host = comm.host(r);
     let tiled = parts
         .iter()
         .try_fold(0, |at, p| (p.start == at).then_some(p.end))
         == Some(buf.len());
-    let direct = n > 1
-        && tiled
-        && comm.shares_memory()
-        && (0..n).all(|p| comm.host(p) == host && comm.readable(p))
+    let direct = tiled
+        && super::offer::all_readable(comm)
         && parts.iter().any(|p| p.len() >= super::offer::DIRECT_FROM);
     if !direct {
         return ring_allgather(comm, buf, parts);
     }
-    let mut blocks: Vec<&mut [u8]> = Vec::with_capacity(n);
-    let mut rest = buf;
-    for p in parts {
-        let (b, tail) = std::mem::take(&mut rest).split_at_mut(p.len());
-        blocks.push(b);
-        rest = tail;
-    }
+    let mut blocks = super::split_mut(buf, parts);
     let mine: &[u8] = std::mem::take::<&mut [u8]>(&mut blocks[r]);
     let gives: Vec<(usize, &[u8])> = (0..n).filter(|&p| p != r).map(|p| (p, mine)).collect();
     let mut takes: Vec<(usize, &mut [u8])> = blocks

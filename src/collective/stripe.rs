@@ -6,9 +6,10 @@
 //! hosts, or any ranks when shared memory is off. Every rank reaches the
 //! same decision from the same inputs (size, streams, hosts).
 
-use super::{hosts_of, partition, Comm};
+use super::{hosts_of, partition, split_mut, Comm};
 use crate::error::{PerseusError, Result};
 use crate::kernels::AlignedBuf;
+use std::ops::Range;
 
 /// Smallest slice worth a stream of its own (bytes).
 pub const MIN_STRIPE: usize = 1 << 20;
@@ -44,14 +45,11 @@ where
     if k == 1 {
         return f(comm, buf, scratch);
     }
-    let mut slices = Vec::with_capacity(k);
-    let mut rest = buf;
-    for p in partition(rest.len() / elem, k) {
-        let (head, tail) = rest.split_at_mut(p.len() * elem);
-        slices.push(head);
-        rest = tail;
-    }
-    let mut slices = slices.into_iter();
+    let bytes: Vec<Range<usize>> = partition(buf.len() / elem, k)
+        .into_iter()
+        .map(|p| p.start * elem..p.end * elem)
+        .collect();
+    let mut slices = split_mut(buf, &bytes).into_iter();
     let first = slices.next().expect("one slice at least");
     let f = &f;
     std::thread::scope(|scope| {

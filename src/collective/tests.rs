@@ -736,6 +736,25 @@ fn partition_is_even_and_complete() {
     assert_eq!(partition(2, 4), vec![0..1, 1..2, 2..2, 2..2]);
 }
 
+#[test]
+fn split_mut_borrows_ranges_in_any_order_with_gaps() {
+    let mut buf: Vec<u8> = (0..10).collect();
+    let parts = split_mut(&mut buf, &[6..9, 0..2, 3..3, 3..5]);
+    let seen: Vec<Vec<u8>> = parts.iter().map(|p| p.to_vec()).collect();
+    assert_eq!(seen, vec![vec![6, 7, 8], vec![0, 1], vec![], vec![3, 4]]);
+    for p in parts {
+        p.fill(0);
+    }
+    assert_eq!(buf, vec![0, 0, 2, 0, 0, 5, 0, 0, 0, 9]);
+}
+
+#[test]
+#[should_panic(expected = "ranges overlap")]
+fn split_mut_refuses_overlapping_ranges() {
+    let mut buf = [0u8; 8];
+    split_mut(&mut buf, &[0..4, 3..6]);
+}
+
 /// Values that sum exactly in float32 and survive float16 (small integers
 /// times a power of two), so exact paths can be compared bit for bit.
 fn grad(count: usize, rank: usize) -> Vec<f32> {
