@@ -332,6 +332,13 @@ impl Config {
         self.topology.local_size > cores
     }
 
+    /// True when this host has two cores or more for each of its ranks: a core for
+    /// a rank's engine thread to stay awake on, beside the rank's own work.
+    pub fn spare_cores(&self) -> bool {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        cores >= 2 * self.topology.local_size
+    }
+
     /// Reads and validates the whole environment.
     pub fn from_env() -> Result<Config> {
         let topology = Topology::from_env()?;

@@ -24,6 +24,16 @@ use crate::transport::Mesh;
 /// answer that is due, before it sleeps in poll(2).
 const ANSWER_SPIN: Duration = Duration::from_micros(200);
 
+/// How long the engine stays awake (yielding the core) after its last event,
+/// before it sleeps in poll(2): in a loop of synchronous calls the caller's next
+/// operation comes within tens of microseconds and then finds it awake, where
+/// waking a thread asleep on an idle virtual CPU took 30-40 µs (a lone 4 KiB
+/// allreduce on one rank: 55 µs sleeping, 11 µs staying awake; benchmarks/NOTES.md).
+/// Only where the host has a spare core for each rank ([`Config::spare_cores`]):
+/// with one core a rank, a job that alternated compute and small allreduces lost
+/// about 5% to it.
+const IDLE_SPIN: Duration = Duration::from_micros(100);
+
 /// The engine thread's own state.
 pub(super) struct State {
     mesh: Mesh,
@@ -42,6 +52,9 @@ pub(super) struct State {
     /// How long to stay awake for an answer that is due (zero when the host's
     /// cores are oversubscribed: a yielding rank steals its neighbour's slice).
     spin: Duration,
+    /// How long to stay awake after the last event ([`IDLE_SPIN`]; zero without
+    /// a spare core for each rank).
+    idle_spin: Duration,
     exit: bool,
     /// The float16 overflow warning was given.
     warned_overflow: bool,
@@ -90,6 +103,11 @@ impl State {
                 Duration::ZERO
             } else {
                 ANSWER_SPIN
+            },
+            idle_spin: if config.spare_cores() {
+                IDLE_SPIN
+            } else {
+                Duration::ZERO
             },
             exit: false,
             warned_overflow: false,
@@ -186,10 +204,15 @@ impl State {
                 continue;
             }
             let since = *idle_since.get_or_insert_with(Instant::now);
-            if !self.entries.is_empty() && since.elapsed() < self.spin {
-                // An answer is due soon: stay awake for it rather than sleep,
-                // since a sleeping thread on an idle virtual CPU takes tens of
-                // microseconds to wake.
+            let awake_for = if self.entries.is_empty() {
+                self.idle_spin
+            } else {
+                self.spin.max(self.idle_spin)
+            };
+            if since.elapsed() < awake_for {
+                // An answer is due soon, or the caller's next operation may be:
+                // stay awake for it rather than sleep, since a sleeping thread on
+                // an idle virtual CPU takes tens of microseconds to wake.
                 std::thread::yield_now();
             } else {
                 let stalls = self.stall_watch().then_some(STALL_TICK);
