@@ -323,20 +323,23 @@ fn rendezvous(t: &Topology) -> Result<(Option<(String, u16)>, bool)> {
     }
 }
 
+/// The cores this process may use (at least 1).
+fn host_cores() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
 impl Config {
     /// True when this host runs more ranks than this process may use cores:
     /// then a rank that yields while it waits takes time from a neighbour, and
     /// waits should sleep at once instead.
     pub fn oversubscribed(&self) -> bool {
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        self.topology.local_size > cores
+        self.topology.local_size > host_cores()
     }
 
     /// True when this host has two cores or more for each of its ranks: a core for
     /// a rank's engine thread to stay awake on, beside the rank's own work.
     pub fn spare_cores(&self) -> bool {
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-        cores >= 2 * self.topology.local_size
+        host_cores() >= 2 * self.topology.local_size
     }
 
     /// Reads and validates the whole environment.
