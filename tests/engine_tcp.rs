@@ -39,6 +39,8 @@ fn config(rank: usize, size: usize, port: u16, shm: bool) -> Config {
         log_time: false,
         shm,
         shm_direct: true,
+        lane_bytes: 65_536,
+        lane_patience: Duration::from_micros(100),
         accumulate_n_steps: 1,
         allreduce_fusion: None,
         notes: vec![],

@@ -85,6 +85,11 @@ pub struct Config {
     pub shm: bool,
     /// PERSEUS_SHM_DIRECT: large broadcasts on one host read the root's memory directly.
     pub shm_direct: bool,
+    /// PERSEUS_LANE_BYTES: the largest blocking allreduce the callers of a one-host job
+    /// exchange themselves (`transport::lane`); 0: none.
+    pub lane_bytes: usize,
+    /// PERSEUS_LANE_PATIENCE_US: how long a rank waits in the lane for the others.
+    pub lane_patience: Duration,
     /// PERSEUS_ACCUMULATE_N_STEPS: local gradient accumulation steps (read by front-ends).
     pub accumulate_n_steps: u32,
     /// PERSEUS_ALLREDUCE_NANCHECK: check reduced gradients for NaN/Inf (front-ends).
@@ -374,6 +379,8 @@ impl Config {
             log_time: !params::flag("HOROVOD_LOG_HIDE_TIME")?,
             shm: params::flag("PERSEUS_SHM")?,
             shm_direct: params::flag("PERSEUS_SHM_DIRECT")?,
+            lane_bytes: params::int("PERSEUS_LANE_BYTES")? as usize,
+            lane_patience: Duration::from_micros(params::int("PERSEUS_LANE_PATIENCE_US")?),
             allreduce_fusion: params::int_opt("PERSEUS_ALLREDUCE_FUSION")?.map(|n| n as u32),
             notes: precedence_notes()
                 .into_iter()
@@ -435,6 +442,11 @@ impl Config {
         m.insert(
             "PERSEUS_SHM_DIRECT".into(),
             u8::from(self.shm_direct).to_string(),
+        );
+        m.insert("PERSEUS_LANE_BYTES".into(), self.lane_bytes.to_string());
+        m.insert(
+            "PERSEUS_LANE_PATIENCE_US".into(),
+            self.lane_patience.as_micros().to_string(),
         );
         m.insert(
             "PERSEUS_GLOO_NETWORK_INTERFACE".into(),

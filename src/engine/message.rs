@@ -142,6 +142,18 @@ impl Request {
         shape_bytes(&self.shape, self.dtype)
     }
 
+    /// Two 64-bit hashes of everything the request says (FNV-1a from two
+    /// starting points): equal on ranks that submitted the same operation.
+    pub fn fingerprint(&self) -> [u64; 2] {
+        let mut w = Writer::new();
+        self.encode(&mut w);
+        [0xcbf2_9ce4_8422_2325, 0x8422_2325_cbf2_9ce4].map(|start: u64| {
+            w.0.iter().fold(start, |h, &b| {
+                (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+            })
+        })
+    }
+
     fn encode(&self, w: &mut Writer) {
         w.u8(self.kind as u8)
             .str(&self.name)

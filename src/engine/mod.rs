@@ -22,6 +22,7 @@ pub mod direct;
 mod exec;
 mod handles;
 mod inbox;
+mod lane;
 pub mod message;
 mod naming;
 mod offline;
@@ -46,6 +47,7 @@ use control::Uplink;
 use coordinator::Coordinator;
 use handles::Handles;
 use inbox::Inbox;
+use lane::CallerLane;
 use naming::Unnamed;
 use std::collections::{BTreeMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -108,6 +110,7 @@ struct Counters {
     control_bytes_received: AtomicU64,
     vote_messages: AtomicU64,
     vote_bytes: AtomicU64,
+    lane_operations: AtomicU64,
 }
 
 /// A running engine.
@@ -120,6 +123,8 @@ pub struct Engine {
     wait_spin: Duration,
     shared: Arc<Shared>,
     thread: Mutex<Option<std::thread::JoinHandle<()>>>,
+    /// Small blocking allreduces run by their callers (one-host jobs).
+    lane: Option<CallerLane>,
 }
 
 impl Engine {
@@ -197,6 +202,7 @@ impl Engine {
             .with_offline(config.offline_neg)
             .with_autotune(tuner)
             .with_stall_limits(config.stall);
+        let lane = CallerLane::new(parts.mesh.lane(), &config, t.size);
         let uplink = Uplink::new(parts.control, coord, config.timeout)?;
         let state = State::new(parts.mesh, uplink, inbox.clone(), shared.clone(), &config);
         let (on_panic, inbox_of_thread) = (shared.clone(), inbox.clone());
@@ -219,6 +225,7 @@ impl Engine {
             wait_spin: spin(WAIT_SPIN),
             shared,
             thread: Mutex::new(Some(thread)),
+            lane,
         })
     }
 
@@ -249,7 +256,8 @@ impl Engine {
     /// `control_frames_sent`/`_received` and `control_bytes_sent`/`_received`
     /// (headers included) on the negotiation streams to and from rank 0, and
     /// `vote_messages` and `vote_bytes` this rank sent in the offline schedule's
-    /// votes (PERSEUS_OFFLINE_NEG).
+    /// votes (PERSEUS_OFFLINE_NEG), and `lane_operations`: allreduces its callers
+    /// ran among the ranks themselves (PERSEUS_LANE_BYTES; also in `operations`).
     pub fn counters(&self) -> BTreeMap<String, u64> {
         let c = &self.shared.counters;
         let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
@@ -274,6 +282,7 @@ impl Engine {
             ("control_bytes_received", get(&c.control_bytes_received)),
             ("vote_messages", get(&c.vote_messages)),
             ("vote_bytes", get(&c.vote_bytes)),
+            ("lane_operations", get(&c.lane_operations)),
         ]
         .into_iter()
         .map(|(k, v)| (k.to_string(), v))
@@ -315,7 +324,7 @@ impl Engine {
         input: Option<TensorView>,
         output: Option<TensorView>,
     ) -> Result<u64> {
-        self.submit(req, input, output, true)
+        self.submit(req, input, output, true, false)
     }
 
     /// Checks a request, names it if unnamed, and queues it; returns its handle. Its
@@ -327,7 +336,21 @@ impl Engine {
         input: Option<TensorView>,
         output: Option<TensorView>,
     ) -> Result<u64> {
-        self.submit(req, input, output, false)
+        self.submit(req, input, output, false, false)
+    }
+
+    /// [`Engine::enqueue`] for a caller that waits for the operation at once: a
+    /// small allreduce of a one-host job may then run among the callers before
+    /// this returns (PERSEUS_LANE_BYTES), its handle already complete. Waits up to
+    /// PERSEUS_LANE_PATIENCE_US for the other ranks; call it without holding locks
+    /// that other threads need meanwhile.
+    pub fn enqueue_blocking(
+        &self,
+        req: Request,
+        input: Option<TensorView>,
+        output: Option<TensorView>,
+    ) -> Result<u64> {
+        self.submit(req, input, output, false, true)
     }
 
     fn submit(
@@ -336,6 +359,7 @@ impl Engine {
         input: Option<TensorView>,
         output: Option<TensorView>,
         gradient: bool,
+        blocking: bool,
     ) -> Result<u64> {
         if req.kind == OpKind::Allreduce {
             req.plan = match gradient {
@@ -393,6 +417,16 @@ impl Engine {
         }
         let handle = self.shared.handles.create();
         self.shared.recorder.lock().unwrap().submitted(handle, &req);
+        if blocking && self.in_lane(&req, input.as_ref(), output.as_ref()) {
+            self.shared
+                .inflight
+                .lock()
+                .unwrap()
+                .remove(&(req.process_set, req.name));
+            self.shared.recorder.lock().unwrap().finished(handle, true);
+            self.shared.handles.complete(handle, Ok(Output::default()));
+            return Ok(handle);
+        }
         let entry = Entry {
             handle,
             input,
@@ -408,6 +442,32 @@ impl Engine {
             }));
         }
         Ok(handle)
+    }
+
+    /// Runs `req` in the lane where it goes there; true when it ran.
+    fn in_lane(
+        &self,
+        req: &Request,
+        input: Option<&TensorView>,
+        output: Option<&TensorView>,
+    ) -> bool {
+        let (Some(lane), Some(input)) = (&self.lane, input) else {
+            return false;
+        };
+        let output = output.unwrap_or(input);
+        if !lane.takes(req, input, output) {
+            return false;
+        }
+        // A timeline shows every operation's negotiation and phases, as Horovod's does:
+        // while one is recorded, the engine runs them all.
+        if self.shared.timeline.active() || !lane.allreduce(req, input, output) {
+            return false;
+        }
+        let c = &self.shared.counters;
+        for n in [&c.operations, &c.tensors, &c.lane_operations] {
+            n.fetch_add(1, Ordering::Relaxed);
+        }
+        true
     }
 
     /// Sets the largest fused buffer (bytes; 0 disables fusion). Only rank 0's

@@ -119,6 +119,27 @@ pub const PARAMS: &[Param] = &[
         doc: "1: ranks on one host exchange data through shared memory; 0: loopback TCP",
     },
     Param {
+        name: "PERSEUS_LANE_BYTES",
+        aliases: &[],
+        kind: Kind::Int { min: 0, max: 65_536 },
+        default: Default::Int(65_536),
+        scope: Scope::Core,
+        note: "(bytes; 0: off)",
+        doc: "largest allreduce of host tensors that the ranks of a one-host job, calling \
+              it blocking, exchange themselves through shared memory without the engine \
+              thread; 0: every operation through the engine",
+    },
+    Param {
+        name: "PERSEUS_LANE_PATIENCE_US",
+        aliases: &[],
+        kind: Kind::Int { min: 1, max: 10_000_000 },
+        default: Default::Int(100),
+        scope: Scope::Core,
+        note: "(microseconds)",
+        doc: "how long a rank waits in the lane (PERSEUS_LANE_BYTES) for the others to \
+              come with the same allreduce before every rank runs it on the engine",
+    },
+    Param {
         name: "PERSEUS_SHM_DIRECT",
         aliases: &[],
         kind: Kind::Flag,

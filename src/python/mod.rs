@@ -368,11 +368,15 @@ fn named(kind: OpKind, name: Option<String>, ps: u32) -> Request {
 
 /// Starts an allreduce of `inp` into `out` (may be the same capsule).
 /// `gradient`: a gradient reduction, which travels as the
-/// PERSEUS_ALLREDUCE_DTYPE plan says (others are exact).
+/// PERSEUS_ALLREDUCE_DTYPE plan says (others are exact). `blocking`: the caller
+/// waits for it at once, so a small one may run among the callers before this
+/// returns (PERSEUS_LANE_BYTES), without the GIL.
 #[pyfunction]
-#[pyo3(signature = (inp, out, name, op, prescale, postscale, process_set, gradient=false))]
+#[pyo3(signature = (inp, out, name, op, prescale, postscale, process_set, gradient=false,
+                    blocking=false))]
 #[allow(clippy::too_many_arguments)]
 fn allreduce(
+    py: Python<'_>,
     inp: &Bound<'_, PyAny>,
     out: &Bound<'_, PyAny>,
     name: Option<String>,
@@ -381,6 +385,7 @@ fn allreduce(
     postscale: f64,
     process_set: u32,
     gradient: bool,
+    blocking: bool,
 ) -> PyResult<u64> {
     let mut req = named(OpKind::Allreduce, name, process_set);
     req.op = op_of(op)?;
@@ -389,9 +394,10 @@ fn allreduce(
     let input = dlpack::view(inp).map_err(to_py)?;
     let output = dlpack::view(out).map_err(to_py)?;
     let e = engine()?;
-    match gradient {
-        true => e.enqueue_gradient(req, Some(input), Some(output)),
-        false => e.enqueue(req, Some(input), Some(output)),
+    match (gradient, blocking) {
+        (true, _) => e.enqueue_gradient(req, Some(input), Some(output)),
+        (false, true) => py.detach(|| e.enqueue_blocking(req, Some(input), Some(output))),
+        (false, false) => e.enqueue(req, Some(input), Some(output)),
     }
     .map_err(to_py)
 }

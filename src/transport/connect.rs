@@ -432,13 +432,13 @@ fn open_segment(
     let ready = format!("shm/{id:016x}/ready");
     if rank != leader {
         let path = String::from_utf8_lossy(&store.get(&ready, t)?).to_string();
-        let seg = Segment::open(&path, group.len(), SHM_RING_BYTES)?;
+        let seg = Segment::open(&path, super::lane::layout(group.len(), SHM_RING_BYTES))?;
         store.set(&format!("shm/{id:016x}/mapped/{rank}"), b"1")?;
         return Ok(seg);
     }
     remove_stale_segments();
     let path = format!("{SHM_DIR}/{SHM_PREFIX}{id:016x}-{}", std::process::id());
-    let seg = Segment::open(&path, group.len(), SHM_RING_BYTES)?;
+    let seg = Segment::open(&path, super::lane::layout(group.len(), SHM_RING_BYTES))?;
     let mapped = (|| {
         store.set(&ready, path.as_bytes())?;
         for p in &group[1..] {

@@ -16,6 +16,7 @@
 
 pub mod cma;
 mod connect;
+pub mod lane;
 mod progress;
 pub mod shm;
 
@@ -309,6 +310,12 @@ impl Mesh {
     /// pairs have one stream only).
     pub fn shares_memory(&self) -> bool {
         self.shm_on
+    }
+
+    /// This rank's end of its host's [`lane::Lane`], where its host's segment has one.
+    pub fn lane(&self) -> Option<lane::Lane> {
+        let (seg, me) = self.shm.as_ref()?;
+        lane::Lane::new(seg.clone(), *me)
     }
 
     /// Stream `s` of this mesh as a group of its own (`s < streams()`).

@@ -13,7 +13,8 @@ use std::io::ErrorKind;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
-const LINE: usize = 64;
+/// A cache line: shared words sit on lines of their own.
+pub(super) const LINE: usize = 64;
 const MAGIC: u64 = 0x5045_5253_4853_4d31; // "PERSHSM1"
 
 /// A mapped segment shared by the ranks of one host.
@@ -22,6 +23,18 @@ pub struct Segment {
     len: usize,
     members: usize,
     cap: usize,
+}
+
+/// The parts of a segment: `members` ranks, rings of `cap` bytes, and `extra` bytes
+/// after the rings for a layout of the caller's (the lane's).
+#[derive(Debug, Clone, Copy)]
+pub struct Layout {
+    /// Ranks sharing the segment.
+    pub members: usize,
+    /// Bytes of each ring.
+    pub cap: usize,
+    /// Bytes after the rings.
+    pub extra: usize,
 }
 
 // SAFETY: the mapping is shared memory accessed only through atomics and the
@@ -34,15 +47,38 @@ fn ring_bytes(cap: usize) -> usize {
 }
 
 impl Segment {
-    /// Bytes a segment for `members` ranks with rings of `cap` bytes needs.
-    pub fn size(members: usize, cap: usize) -> usize {
+    /// Bytes a segment of `layout` needs.
+    pub fn size(layout: Layout) -> usize {
+        Self::rings_end(layout.members, layout.cap) + layout.extra
+    }
+
+    /// Where the rings end and the extra bytes begin.
+    fn rings_end(members: usize, cap: usize) -> usize {
         LINE + members * LINE + members * members * ring_bytes(cap)
     }
 
+    /// Offset of the extra bytes after the rings.
+    pub(super) fn extra_offset(&self) -> usize {
+        Self::rings_end(self.members, self.cap)
+    }
+
+    /// Ranks sharing the segment.
+    pub(super) fn members(&self) -> usize {
+        self.members
+    }
+
+    /// The address of `len` bytes at `off`.
+    pub(super) fn at(&self, off: usize, len: usize) -> *mut u8 {
+        assert!(off + len <= self.len, "outside the segment");
+        // SAFETY: in bounds, checked above.
+        unsafe { self.base.add(off) }
+    }
+
     /// Opens (creating if needed) the segment file at `path` and maps it.
-    pub fn open(path: &str, members: usize, cap: usize) -> Result<Segment> {
+    pub fn open(path: &str, layout: Layout) -> Result<Segment> {
         use std::os::fd::AsRawFd;
-        let len = Self::size(members, cap);
+        let Layout { members, cap, .. } = layout;
+        let len = Self::size(layout);
         let file = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
@@ -79,7 +115,7 @@ impl Segment {
         Ok(seg)
     }
 
-    fn word64(&self, off: usize) -> &AtomicU64 {
+    pub(super) fn word64(&self, off: usize) -> &AtomicU64 {
         assert!(off + 8 <= self.len && off % 8 == 0);
         // SAFETY: in bounds and aligned; shared words are only used atomically.
         unsafe { &*(self.base.add(off) as *const AtomicU64) }
@@ -285,8 +321,13 @@ mod tests {
     /// `piece` bytes and returns what the reader got.
     fn through_ring(cap: usize, piece: usize, streaming: bool) -> Vec<u8> {
         let path = format!("/dev/shm/perseus-test-{}-{cap}-{piece}", std::process::id());
-        let a = Segment::open(&path, 2, cap).unwrap();
-        let b = Segment::open(&path, 2, cap).unwrap();
+        let layout = Layout {
+            members: 2,
+            cap,
+            extra: 0,
+        };
+        let a = Segment::open(&path, layout).unwrap();
+        let b = Segment::open(&path, layout).unwrap();
         let _ = std::fs::remove_file(&path);
         let msg: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
         let writer = std::thread::spawn(move || {

@@ -78,6 +78,9 @@ def test_dead_rank_fails_pending_ops_everywhere(victim, offline):
     t0 = time.time()
     steps = "10" if offline == "1" else "1"
     env = {"GLOO_TIMEOUT_SECONDS": "30", "PERSEUS_OFFLINE_NEG": offline}
+    if offline == "1":
+        # The steps must reach the engine's schedule: none in the callers' lane.
+        env["PERSEUS_LANE_BYTES"] = "0"
     srv, procs = spawn(n, WORKER, [str(victim), steps], env)
     outs = [p.communicate(timeout=90)[0] for p in procs]
     srv.stop()

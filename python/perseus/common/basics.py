@@ -150,8 +150,10 @@ def counters():
     ``stall_warnings`` (rank 0: stall warnings given), and the control plane:
     ``control_frames_sent``, ``control_bytes_sent``, ``control_frames_received`` and
     ``control_bytes_received`` (frame headers included) on the negotiation streams to
-    and from rank 0, and ``vote_messages`` and ``vote_bytes`` this rank sent in the
-    offline schedule's votes (PERSEUS_OFFLINE_NEG)."""
+    and from rank 0, ``vote_messages`` and ``vote_bytes`` this rank sent in the
+    offline schedule's votes (PERSEUS_OFFLINE_NEG), and ``lane_operations``
+    (allreduces the callers ran among the ranks themselves, PERSEUS_LANE_BYTES; also in
+    ``operations``)."""
     check_initialized()
     return dict(_core.counters())
 

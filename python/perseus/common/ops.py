@@ -240,15 +240,18 @@ def _prepare(name, process_set):
 
 
 def allreduce_async(inp, out, *, name=None, op=Average, prescale_factor=1.0,
-                    postscale_factor=1.0, process_set=None, keep=(), finish=None, gradient=False):
+                    postscale_factor=1.0, process_set=None, keep=(), finish=None, gradient=False,
+                    blocking=False):
     """Reduce capsule ``inp`` into ``out`` (may be the same capsule) across the set.
 
     ``gradient``: a gradient reduction, which travels as PERSEUS_ALLREDUCE_DTYPE says.
+    ``blocking``: the caller waits for the handle at once, so a small allreduce may
+    complete before this returns (PERSEUS_LANE_BYTES).
     """
     ps = _prepare(name, process_set)
     op = check_op(op)
     hid = _core.allreduce(inp, out, name, op, float(prescale_factor), float(postscale_factor), ps,
-                          gradient)
+                          gradient, blocking)
     return Handle(hid, (keep, inp, out), finish)
 
 

@@ -192,8 +192,9 @@ def _new_output(tensor):
 
 
 def _allreduce_into(tensor, output, name, op, prescale_factor, postscale_factor, process_set,
-                    gradient=False):
-    """Start reducing ``tensor`` into ``output`` (the same array: in place)."""
+                    gradient=False, blocking=False):
+    """Start reducing ``tensor`` into ``output`` (the same array: in place); ``blocking``:
+    the caller waits at once, so a small one may complete among the callers."""
     _check(tensor)
     if output is tensor:
         src, cap, done = _writable(tensor)
@@ -204,7 +205,7 @@ def _allreduce_into(tensor, output, name, op, prescale_factor, postscale_factor,
     return _ops.allreduce_async(inp, cap, name=name, op=op, prescale_factor=prescale_factor,
                                 postscale_factor=postscale_factor, process_set=process_set,
                                 keep=(tensor, output, src), finish=lambda _h: done(),
-                                gradient=gradient)
+                                gradient=gradient, blocking=blocking)
 
 
 def allreduce(tensor, average=None, name=None, priority=0, prescale_factor=1.0,
@@ -217,7 +218,7 @@ def allreduce(tensor, average=None, name=None, priority=0, prescale_factor=1.0,
     op = _ops.resolve_op(op, average)
     output = _new_output(_check(tensor))
     return _allreduce_into(tensor, output, name, op, prescale_factor, postscale_factor,
-                           process_set).wait()
+                           process_set, blocking=True).wait()
 
 
 def allreduce_(tensor, average=None, name=None, priority=0, prescale_factor=1.0,
@@ -225,7 +226,7 @@ def allreduce_(tensor, average=None, name=None, priority=0, prescale_factor=1.0,
     """Like :func:`allreduce`, writing the result into ``tensor``; returns it."""
     op = _ops.resolve_op(op, average)
     return _allreduce_into(tensor, tensor, name, op, prescale_factor, postscale_factor,
-                           process_set).wait()
+                           process_set, blocking=True).wait()
 
 
 def grouped_allreduce(tensors, average=None, name=None, priority=0, prescale_factor=1.0,

@@ -270,8 +270,11 @@ class _Collectives:
                     out = extra(out, row)
                 return [_written(given, out)]
             return self._work(handle, finish, _devices(tensor))
-        handle = mpi_ops.allreduce_async_(tensor, op=rop, prescale_factor=extra,
-                                          process_set=self._ps)
+        # Blocking: torch's caller waits for most all_reduces at once, so a small one
+        # may complete among the callers before this returns (PERSEUS_LANE_BYTES); an
+        # async_op=True caller waits at most PERSEUS_LANE_PATIENCE_US here.
+        handle = mpi_ops._allreduce_async(tensor, None, None, rop, extra, 1.0, self._ps,
+                                          blocking=True)
         return self._work(handle, lambda _r: [given], _devices(tensor))
 
     # ------------------------------------------------------------------ allreduce

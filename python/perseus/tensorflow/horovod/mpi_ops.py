@@ -87,11 +87,14 @@ def allreduce_now(tensors, names, op, prescale_factor, postscale_factor, process
     other closely and the coordinator can fuse them."""
     handles = []
     copies = [_bridge.fresh_copy(t) for t in tensors]
+    # A lone tensor is waited for at once: a small one may complete among the callers
+    # (PERSEUS_LANE_BYTES).
+    blocking = len(copies) == 1
     for (buf, cap), name in zip(copies, names):
         handles.append(_ops.allreduce_async(
             cap, cap, name=name, op=op, prescale_factor=prescale_factor,
             postscale_factor=postscale_factor, process_set=process_set, keep=buf,
-            finish=lambda _h, b=buf: b, gradient=gradient))
+            finish=lambda _h, b=buf: b, gradient=gradient, blocking=blocking))
     return _ops.GroupHandle(handles).wait()
 
 

@@ -152,7 +152,7 @@ def _output_on(like):
 # --------------------------------------------------------------------------- allreduce
 
 def _allreduce_async(tensor, output, name, op, prescale_factor, postscale_factor, process_set,
-                     gradient=False):
+                     gradient=False, blocking=False):
     _check_tensor(tensor)
     if output is None:
         buf, cap, finish = _in_place(tensor)
@@ -166,7 +166,8 @@ def _allreduce_async(tensor, output, name, op, prescale_factor, postscale_factor
             return output
     return _ops.allreduce_async(cap, out_cap, name=name, op=op, prescale_factor=prescale_factor,
                                 postscale_factor=postscale_factor, process_set=process_set,
-                                keep=keep, finish=finish, gradient=gradient)
+                                keep=keep, finish=finish, gradient=gradient,
+                                blocking=blocking)
 
 
 def gradient_allreduce_async_(tensor, name, op, prescale_factor, postscale_factor, process_set):
@@ -206,8 +207,10 @@ class _Allreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name, op, prescale_factor, postscale_factor, process_set):
         ctx.args = (op, prescale_factor, postscale_factor, process_set)
-        return synchronize(allreduce_async(tensor, None, name, op, prescale_factor,
-                                           postscale_factor, process_set))
+        _check_tensor(tensor)
+        return synchronize(_allreduce_async(tensor, _new_output(tensor), name, op,
+                                            prescale_factor, postscale_factor, process_set,
+                                            blocking=True))
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -235,8 +238,9 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                postscale_factor=1.0, process_set=global_process_set):
     """Average (or reduce with ``op``) ``tensor`` in place over all ranks; returns it."""
-    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor,
-                                        postscale_factor, process_set))
+    op = _ops.resolve_op(op, average)
+    return synchronize(_allreduce_async(tensor, None, name, op, prescale_factor,
+                                        postscale_factor, process_set, blocking=True))
 
 
 def _group_names(name, n):

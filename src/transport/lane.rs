@@ -1,0 +1,279 @@
+//! The lane: a small exchange among every rank of a host that the callers run
+//! themselves, through the host's shared segment, with no thread woken and no
+//! byte on a socket. It serves blocking small allreduces of one-host jobs (see
+//! `engine::lane`), where waking the engine thread costs more than the data.
+//!
+//! Each rank makes its attempts in the same order as the others (the decision
+//! to try is a function of the operation alone, the same on every rank), so a
+//! rank's attempt `j` meets the others' attempt `j`. Attempts alternate
+//! between two slots. For attempt `j` a rank waits until every member finished
+//! attempt `j - 2` (whose slot it reuses), writes its operation's identity and
+//! its bytes into its part of the slot, and sets its bit in the slot's word.
+//! The word holds the attempt's number, the members' bits and an abort bit,
+//! and every change to it is one compare-and-swap, so it settles each attempt
+//! one way for all: once every bit is in, the attempt is committed and no rank
+//! can abort it; once the abort bit is in, no rank can join it. A rank that
+//! waited its patience out sets the abort bit; a rank that finds it set, or
+//! finds that another member already finished this attempt without it, gives
+//! up at once. A committed attempt whose members' identities differ is given
+//! up by all (they all read the same identities). A rank that gives up runs
+//! the operation on the engine instead, and so does every other: the lane
+//! never loses an operation and never waits past its patience, so it cannot
+//! hang a job, whatever the ranks do. Ranks whose decisions differed once (a
+//! setting that differs, say) are out of step; the one behind catches up at its
+//! next attempt, skipping to the one ahead.
+
+use super::shm::{Layout, Segment, LINE};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+/// Bytes of each member's part of a slot: the largest exchange.
+pub const SLOT_BYTES: usize = 64 << 10;
+
+/// Most members a lane serves (one bit each in a slot's word).
+pub const MAX_MEMBERS: usize = 31;
+
+const ABORTED: u64 = 1 << 31;
+const BITS: u64 = (1 << 31) - 1;
+
+/// Bytes of the lane in a segment of `members` (none above [`MAX_MEMBERS`]):
+/// two slot words, one progress word per member, and per member two parts of
+/// [`SLOT_BYTES`], each after a line holding its identity.
+pub fn bytes(members: usize) -> usize {
+    if members > MAX_MEMBERS {
+        return 0;
+    }
+    (2 + members) * LINE + 2 * members * (LINE + SLOT_BYTES)
+}
+
+/// The layout of a segment for `members` ranks with rings of `cap` bytes and a lane.
+pub fn layout(members: usize, cap: usize) -> Layout {
+    Layout {
+        members,
+        cap,
+        extra: bytes(members),
+    }
+}
+
+/// What the ranks must agree on for their attempts to be one operation.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Identity {
+    /// Two hashes of whatever identifies the operation.
+    pub hashes: [u64; 2],
+    /// Bytes each rank contributes.
+    pub len: usize,
+}
+
+/// One rank's end of its host's lane.
+pub struct Lane {
+    seg: Arc<Segment>,
+    /// Offset of the lane in the segment.
+    base: usize,
+    me: usize,
+    members: usize,
+    /// The number of this rank's next attempt; its lock keeps a rank's attempts
+    /// one at a time, in one order.
+    next: Mutex<u64>,
+}
+
+impl Lane {
+    /// Member `me`'s end of the segment's lane; None where it has none.
+    pub fn new(seg: Arc<Segment>, me: usize) -> Option<Lane> {
+        let (base, members) = (seg.extra_offset(), seg.members());
+        (bytes(members) > 0 && me < members).then(|| Lane {
+            seg,
+            base,
+            me,
+            members,
+            next: Mutex::new(0),
+        })
+    }
+
+    /// Members of the lane.
+    pub fn members(&self) -> usize {
+        self.members
+    }
+
+    fn slot_word(&self, parity: usize) -> &AtomicU64 {
+        self.seg.word64(self.base + parity * LINE)
+    }
+
+    /// The number of attempts `member` has finished.
+    fn passed(&self, member: usize) -> &AtomicU64 {
+        self.seg.word64(self.base + (2 + member) * LINE)
+    }
+
+    fn part_offset(&self, member: usize, parity: usize) -> usize {
+        self.base + (2 + self.members) * LINE + (member * 2 + parity) * (LINE + SLOT_BYTES)
+    }
+
+    fn identity_words(&self, member: usize, parity: usize) -> [&AtomicU64; 3] {
+        let off = self.part_offset(member, parity);
+        [0, 8, 16].map(|d| self.seg.word64(off + d))
+    }
+
+    fn part(&self, member: usize, parity: usize) -> *mut u8 {
+        self.seg
+            .at(self.part_offset(member, parity) + LINE, SLOT_BYTES)
+    }
+
+    /// One attempt: writes this rank's `len` bytes with `fill`, waits up to
+    /// `patience` for every member's, and, when all came with the same
+    /// `identity`, returns what `then` makes of every member's bytes (in member
+    /// order). None: the attempt was given up, by every member alike.
+    /// `yielding`: give the core away while waiting (more ranks than cores).
+    pub fn exchange<R>(
+        &self,
+        identity: Identity,
+        fill: impl FnOnce(&mut [u8]),
+        patience: Duration,
+        yielding: bool,
+        then: impl FnOnce(&[&[u8]]) -> R,
+    ) -> Option<R> {
+        assert!(
+            identity.len <= SLOT_BYTES,
+            "a lane carries {SLOT_BYTES} bytes at most"
+        );
+        let mut next = self.next.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut j = *next;
+        // A member two attempts or more ahead made attempts this one did not (their
+        // decisions differed once): join it there, skipping the attempts between,
+        // rather than meet no one from now on. One ahead is only a member that gave
+        // up the last attempt first.
+        let ahead = (0..self.members)
+            .filter(|&m| m != self.me)
+            .map(|m| self.passed(m).load(Ordering::Acquire))
+            .max()
+            .unwrap_or(0);
+        if ahead >= j + 2 {
+            j = ahead;
+            self.passed(self.me).store(j, Ordering::Release);
+        }
+        *next = j + 1;
+        let deadline = Instant::now() + patience;
+        let out = self.attempt(j, identity, fill, deadline, yielding, then);
+        self.passed(self.me).store(j + 1, Ordering::Release);
+        out
+    }
+
+    /// True when another member finished attempt `j` (so it was given up).
+    fn passed_by_other(&self, j: u64) -> bool {
+        (0..self.members).any(|m| m != self.me && self.passed(m).load(Ordering::Acquire) > j)
+    }
+
+    fn attempt<R>(
+        &self,
+        j: u64,
+        identity: Identity,
+        fill: impl FnOnce(&mut [u8]),
+        deadline: Instant,
+        yielding: bool,
+        then: impl FnOnce(&[&[u8]]) -> R,
+    ) -> Option<R> {
+        if self.passed_by_other(j) {
+            return None;
+        }
+        let parity = (j % 2) as usize;
+        // The slot's previous attempt (j - 2) must be over on every member.
+        if j >= 2 {
+            let free =
+                || (0..self.members).all(|m| self.passed(m).load(Ordering::Acquire) + 1 >= j);
+            if !wait_until(free, deadline, yielding) {
+                return None;
+            }
+        }
+        let word = self.slot_word(parity);
+        let tag = u64::from(j as u32) << 32;
+        loop {
+            let cur = word.load(Ordering::Acquire);
+            if cur & !(ABORTED | BITS) == tag {
+                break;
+            }
+            // Another number is a finished attempt's: no member is in it any more.
+            let _ = word.compare_exchange(cur, tag, Ordering::AcqRel, Ordering::Acquire);
+        }
+        let [h0, h1, len] = self.identity_words(self.me, parity);
+        h0.store(identity.hashes[0], Ordering::Relaxed);
+        h1.store(identity.hashes[1], Ordering::Relaxed);
+        len.store(identity.len as u64, Ordering::Relaxed);
+        // SAFETY: this member's part of the slot, which no member reads before
+        // this member's bit is in the word.
+        fill(unsafe { std::slice::from_raw_parts_mut(self.part(self.me, parity), identity.len) });
+        let mine = 1u64 << self.me;
+        loop {
+            let cur = word.load(Ordering::Acquire);
+            if cur & ABORTED != 0 {
+                return None;
+            }
+            if word
+                .compare_exchange(cur, cur | mine, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+            {
+                break;
+            }
+        }
+        let all = (1u64 << self.members) - 1;
+        let mut turns = 0u32;
+        loop {
+            let cur = word.load(Ordering::Acquire);
+            if cur & BITS == all {
+                break;
+            }
+            if cur & ABORTED != 0 {
+                return None;
+            }
+            turns = turns.wrapping_add(1);
+            if turns % 64 == 0 && (Instant::now() >= deadline || self.passed_by_other(j)) {
+                if word
+                    .compare_exchange(cur, cur | ABORTED, Ordering::AcqRel, Ordering::Acquire)
+                    .is_ok()
+                {
+                    return None;
+                }
+                continue;
+            }
+            pause(yielding);
+        }
+        let same = (0..self.members).all(|m| {
+            let [h0, h1, len] = self.identity_words(m, parity);
+            [h0, h1, len].map(|w| w.load(Ordering::Relaxed))
+                == [identity.hashes[0], identity.hashes[1], identity.len as u64]
+        });
+        if !same {
+            return None;
+        }
+        let parts: Vec<&[u8]> = (0..self.members)
+            // SAFETY: every member wrote its part before its bit (seen above with
+            // Acquire); none writes it again before this member passes attempt j.
+            .map(|m| unsafe { std::slice::from_raw_parts(self.part(m, parity), identity.len) })
+            .collect();
+        Some(then(&parts))
+    }
+}
+
+fn pause(yielding: bool) {
+    if yielding {
+        std::thread::yield_now();
+    } else {
+        std::hint::spin_loop();
+    }
+}
+
+/// Spins until `ready` or `deadline`; true when ready.
+fn wait_until(ready: impl Fn() -> bool, deadline: Instant, yielding: bool) -> bool {
+    let mut turns = 0u32;
+    loop {
+        if ready() {
+            return true;
+        }
+        turns = turns.wrapping_add(1);
+        if turns % 64 == 0 && Instant::now() >= deadline {
+            return false;
+        }
+        pause(yielding);
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,173 @@
+use super::*;
+use std::thread;
+
+/// `members` mappings of one fresh segment.
+fn lanes(members: usize, tag: &str) -> Vec<Lane> {
+    let path = format!("/dev/shm/perseus-test-lane-{}-{tag}", std::process::id());
+    let segs: Vec<_> = (0..members)
+        .map(|_| Arc::new(Segment::open(&path, layout(members, 1024)).unwrap()))
+        .collect();
+    let _ = std::fs::remove_file(&path);
+    segs.into_iter()
+        .enumerate()
+        .map(|(m, s)| Lane::new(s, m).unwrap())
+        .collect()
+}
+
+fn ident(h: u64, len: usize) -> Identity {
+    Identity {
+        hashes: [h, !h],
+        len,
+    }
+}
+
+/// Member `m`'s attempt at an exchange of 8 bytes: its value, and the sum of all.
+fn sum(lane: &Lane, h: u64, value: u64, patience: Duration) -> Option<u64> {
+    lane.exchange(
+        ident(h, 8),
+        |b| b.copy_from_slice(&value.to_le_bytes()),
+        patience,
+        true,
+        |parts| {
+            parts
+                .iter()
+                .map(|p| u64::from_le_bytes(p[..8].try_into().unwrap()))
+                .sum()
+        },
+    )
+}
+
+#[test]
+fn every_member_gets_every_part_over_many_attempts() {
+    for members in [2, 3, 4] {
+        let all = lanes(members, &format!("many{members}"));
+        let got: Vec<Vec<Option<u64>>> = thread::scope(|s| {
+            let hs: Vec<_> = all
+                .iter()
+                .enumerate()
+                .map(|(m, lane)| {
+                    s.spawn(move || {
+                        (0..500u64)
+                            .map(|i| sum(lane, i, i * 10 + m as u64, Duration::from_secs(5)))
+                            .collect()
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let n = members as u64;
+        for (m, mine) in got.iter().enumerate() {
+            for (i, v) in mine.iter().enumerate() {
+                let want = n * i as u64 * 10 + n * (n - 1) / 2;
+                assert_eq!(*v, Some(want), "member {m} of {members}, attempt {i}");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_member_that_never_comes_is_given_up_within_the_patience() {
+    let all = lanes(2, "absent");
+    let start = Instant::now();
+    assert_eq!(sum(&all[0], 1, 1, Duration::from_millis(20)), None);
+    assert!(start.elapsed() < Duration::from_secs(2));
+    // The late member finds the attempt given up and does not wait at all.
+    let start = Instant::now();
+    assert_eq!(sum(&all[1], 1, 2, Duration::from_secs(30)), None);
+    assert!(start.elapsed() < Duration::from_secs(2));
+    // Both then meet at the next attempt.
+    let got = thread::scope(|s| {
+        let a = s.spawn(|| sum(&all[0], 2, 5, Duration::from_secs(5)));
+        let b = s.spawn(|| sum(&all[1], 2, 7, Duration::from_secs(5)));
+        (a.join().unwrap(), b.join().unwrap())
+    });
+    assert_eq!(got, (Some(12), Some(12)));
+}
+
+#[test]
+fn different_identities_are_given_up_by_all() {
+    let all = lanes(3, "differ");
+    let got: Vec<Option<u64>> = thread::scope(|s| {
+        let hs: Vec<_> = all
+            .iter()
+            .enumerate()
+            .map(|(m, lane)| {
+                // Member 2 means another operation.
+                s.spawn(move || sum(lane, if m == 2 { 9 } else { 4 }, 1, Duration::from_secs(5)))
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    assert_eq!(got, vec![None, None, None]);
+    // A length that differs is another operation too.
+    let got = thread::scope(|s| {
+        let a =
+            s.spawn(|| all[0].exchange(ident(5, 8), |_| {}, Duration::from_secs(5), true, |_| 1));
+        let b =
+            s.spawn(|| all[1].exchange(ident(5, 16), |_| {}, Duration::from_secs(5), true, |_| 1));
+        let c =
+            s.spawn(|| all[2].exchange(ident(5, 8), |_| {}, Duration::from_secs(5), true, |_| 1));
+        [a.join().unwrap(), b.join().unwrap(), c.join().unwrap()]
+    });
+    assert_eq!(got, [None, None, None]);
+}
+
+#[test]
+fn members_out_of_step_agree_on_every_attempt() {
+    // Member 1 comes to each attempt after a pause that sometimes outlasts
+    // member 0's patience: each attempt ends the same way on both, and never
+    // waits longer than the patience.
+    let all = lanes(2, "skew");
+    let (a, b): (Vec<_>, Vec<_>) = thread::scope(|s| {
+        let a = s.spawn(|| {
+            (0..200u64)
+                .map(|i| sum(&all[0], i, 1, Duration::from_micros(200)))
+                .collect::<Vec<_>>()
+        });
+        let b = s.spawn(|| {
+            (0..200u64)
+                .map(|i| {
+                    if i % 3 == 0 {
+                        thread::sleep(Duration::from_micros(400));
+                    }
+                    sum(&all[1], i, 2, Duration::from_micros(200))
+                })
+                .collect::<Vec<_>>()
+        });
+        (a.join().unwrap(), b.join().unwrap())
+    });
+    assert_eq!(a, b, "both members settle every attempt alike");
+    assert!(a.iter().all(|v| v.is_none() || *v == Some(3)));
+}
+
+#[test]
+fn no_lane_beyond_its_members() {
+    assert_eq!(bytes(MAX_MEMBERS + 1), 0);
+    let path = format!("/dev/shm/perseus-test-lane-{}-big", std::process::id());
+    let seg = Arc::new(Segment::open(&path, layout(MAX_MEMBERS + 1, 64)).unwrap());
+    let _ = std::fs::remove_file(&path);
+    assert!(Lane::new(seg, 0).is_none());
+}
+
+#[test]
+fn a_member_left_behind_catches_up() {
+    // Member 1 made three attempts member 0 never made (each given up after its
+    // patience): at its next attempt member 0 skips to member 1's, and they meet.
+    let all = lanes(2, "behind");
+    for i in 0..3 {
+        assert_eq!(sum(&all[1], 100 + i, 1, Duration::from_millis(1)), None);
+    }
+    let got = thread::scope(|s| {
+        let a = s.spawn(|| sum(&all[0], 7, 5, Duration::from_secs(5)));
+        let b = s.spawn(|| sum(&all[1], 7, 7, Duration::from_secs(5)));
+        (a.join().unwrap(), b.join().unwrap())
+    });
+    assert_eq!(got, (Some(12), Some(12)));
+    // And stay in step.
+    let got = thread::scope(|s| {
+        let a = s.spawn(|| sum(&all[0], 8, 1, Duration::from_secs(5)));
+        let b = s.spawn(|| sum(&all[1], 8, 2, Duration::from_secs(5)));
+        (a.join().unwrap(), b.join().unwrap())
+    });
+    assert_eq!(got, (Some(3), Some(3)));
+}

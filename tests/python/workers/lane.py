@@ -1,0 +1,145 @@
+"""Blocking small allreduces that the ranks of a one-host job run among themselves
+(PERSEUS_LANE_BYTES): values, counters, and what sends an operation to the engine."""
+
+import sys
+import time
+
+import perseus.torch.horovod as hvd
+import torch
+from _helpers import close, done, raises
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8,
+          torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool]
+OPS = [hvd.Sum, hvd.Average, hvd.Min, hvd.Max, hvd.Product]
+
+
+def delta(before):
+    after = hvd.counters()
+    return {k: after[k] - before[k] for k in after}
+
+
+def value(rank, dtype, numel=37):
+    """Rank ``rank``'s tensor: small values, exact in every dtype and under every op."""
+    base = (torch.arange(numel) % 3) + rank + 1
+    if dtype == torch.bool:
+        return (torch.arange(numel) + rank) % 2 == 0
+    return base.to(dtype)
+
+
+def expected(n, dtype, op, pre=1.0, post=1.0):
+    """The reduction of every rank's tensor, computed here from all of them."""
+    if dtype == torch.bool:
+        vals = torch.stack([value(q, dtype) for q in range(n)])
+        any_ = vals.any(0)
+        return any_ if op in (hvd.Sum, hvd.Average, hvd.Max) else vals.all(0)
+    vals = torch.stack([value(q, torch.float64) * pre for q in range(n)])
+    if not dtype.is_floating_point and pre != 1.0:
+        vals = vals.trunc()
+    got = {hvd.Sum: vals.sum(0), hvd.Average: vals.sum(0), hvd.Min: vals.min(0).values,
+           hvd.Max: vals.max(0).values, hvd.Product: vals.prod(0)}[op]
+    factor = post / n if op == hvd.Average else post
+    got = got * factor
+    if not dtype.is_floating_point:
+        got = got.trunc()
+    return got.to(dtype)
+
+
+def sweep(r, n):
+    """Every dtype and op, in place and not, with factors: the lane's results equal the
+    reference on every rank, and every one ran in the lane (no negotiation at all)."""
+    before = hvd.counters()
+    ran = 0
+    for dtype in DTYPES:
+        for op in OPS:
+            if dtype == torch.bool and op in (hvd.Product, hvd.Average):
+                continue
+            want = expected(n, dtype, op)
+            got = hvd.allreduce(value(r, dtype), op=op)
+            close(got, want, f"{dtype} {op} out of place")
+            t = value(r, dtype)
+            hvd.allreduce_(t, op=op, name=f"lane.{dtype}.{op}")
+            close(t, want, f"{dtype} {op} in place")
+            ran += 2
+        if dtype.is_floating_point:
+            want = expected(n, dtype, hvd.Sum, pre=0.5, post=3.0)
+            got = hvd.allreduce(value(r, dtype), op=hvd.Sum, prescale_factor=0.5,
+                                postscale_factor=3.0)
+            close(got, want, f"{dtype} with factors")
+            ran += 1
+    # The largest the lane carries, and a float sum that is not exact: every rank gets
+    # the same bytes, and the engine's ring agrees to rounding.
+    big = torch.rand(16384, generator=torch.Generator().manual_seed(r))
+    got = hvd.allreduce(big, op=hvd.Sum, name="lane.largest")
+    ran += 1
+    d = delta(before)
+    assert d["lane_operations"] == ran, (r, ran, d)
+    assert d["operations"] == ran and d["tensors"] == ran, (r, d)
+    assert d["negotiation_messages"] == 0 and d["control_frames_sent"] == 0, (r, d)
+    everyone = hvd.allgather(got.unsqueeze(0)).reshape(n, -1)  # through the engine
+    for q in range(n):
+        assert torch.equal(everyone[q], got), f"rank {q}'s sum differs from rank {r}'s"
+    ring = hvd.synchronize(hvd.allreduce_async(big, op=hvd.Sum, name="ring.largest"))
+    close(got, ring, "lane against ring")
+
+
+def through_engine(r, n):
+    """What the lane does not take, and what it gives up: each runs on the engine with
+    its results and errors as before."""
+    members = SUBSET.ranks
+    cases = {
+        "async": (n, lambda: hvd.synchronize(hvd.allreduce_async(torch.ones(4), op=hvd.Sum))),
+        "process set": (len(members), lambda: hvd.allreduce(torch.ones(4), op=hvd.Sum,
+                                                             process_set=SUBSET)),
+        "above the limit": (n, lambda: hvd.allreduce(torch.ones(16385), op=hvd.Sum)),
+        "Adasum": (n, lambda: hvd.allreduce(torch.ones(4), op=hvd.Adasum) * n),
+    }
+    for what, (k, run) in cases.items():
+        if what == "process set" and r not in members:
+            continue
+        before = hvd.counters()
+        got = run()
+        assert torch.allclose(got, torch.full_like(got, float(k))), (what, got)
+        d = delta(before)
+        assert d["lane_operations"] == 0 and d["operations"] == 1, (what, r, d)
+
+    # Mismatches: both ranks come, with different operations under one name; every rank
+    # gives it up at once (even with a long patience) and the engine names it.
+    for name, make in [("lane.mm.shape", lambda: torch.ones(r + 1)),
+                       ("lane.mm.dtype", lambda: torch.ones(2, dtype=torch.float32 if r == 0
+                                                          else torch.float64))]:
+        before = hvd.counters()
+        with raises(hvd.HorovodInternalError, name, what=name):
+            hvd.allreduce(make(), op=hvd.Sum, name=name)
+        assert delta(before)["lane_operations"] == 0, name
+    with raises(hvd.HorovodInternalError, "lane.mm.op", what="op mismatch"):
+        hvd.allreduce_(torch.ones(2), op=hvd.Sum if r == 0 else hvd.Max, name="lane.mm.op")
+
+    # A rank that comes long after the others' patience: they gave it up, it does not
+    # wait at all, and the engine runs it.
+    before = hvd.counters()
+    if r == n - 1:
+        time.sleep(0.5)
+    got = hvd.allreduce(torch.full((5,), float(r)), op=hvd.Sum, name="lane.late")
+    close(got, torch.full((5,), float(n * (n - 1) // 2)), "late rank")
+    assert delta(before)["lane_operations"] == 0, (r, delta(before))
+
+
+SUBSET = None
+
+
+def main():
+    global SUBSET
+    hvd.init()
+    r, n = hvd.rank(), hvd.size()
+    SUBSET = hvd.add_process_set(list(range(n - 1)) if n > 2 else [0, 1])
+    mode = sys.argv[1]
+    if mode == "sweep":
+        sweep(r, n)
+    else:
+        through_engine(r, n)
+    hvd.shutdown()
+    done(r)
+
+
+if __name__ == "__main__":
+    main()
