@@ -1,17 +1,19 @@
-//! Small blocking allreduces run by the callers themselves: in a job whose ranks
-//! all share one host, a caller about to wait for an allreduce of a few KiB first
-//! tries it through the host's lane ([`crate::transport::lane`]), reducing every
-//! rank's bytes in rank order (the same result on every rank). The engine thread
+//! Small blocking allreduces and allgathers run by the callers themselves: in a
+//! job whose ranks all share one host, a caller about to wait for one of a few KiB
+//! first tries it through the host's lane ([`crate::transport::lane`]), reducing
+//! every rank's bytes in rank order (the same result on every rank), or
+//! concatenating them. The engine thread
 //! is never woken and the coordinator never asked, which is most of a lone small
 //! operation's time. When the others do not come with the same operation within
 //! the patience (PERSEUS_LANE_PATIENCE_US), every rank hands it to the engine as
 //! usual, with its checks and errors (PERSEUS_LANE_BYTES).
 
+use super::handles::Output;
 use super::message::{OpKind, Request};
 use crate::config::Config;
-use crate::device::{Device, TensorView};
+use crate::device::{Device, OwnedTensor, TensorView};
 use crate::dtype::ReduceOp;
-use crate::kernels::{copy_scaled, reduce_into, scale};
+use crate::kernels::{copy_scaled, pool, reduce_into, scale};
 use crate::transport::lane::{Identity, Lane, SLOT_BYTES};
 use std::time::Duration;
 
@@ -39,28 +41,48 @@ impl CallerLane {
         })
     }
 
-    /// True when `req` is tried in the lane: an allreduce of the global set of
-    /// host tensors, within the limit, not Adasum. A function of the request and
-    /// the job's settings only, so every rank decides alike.
-    pub fn takes(&self, req: &Request, input: &TensorView, output: &TensorView) -> bool {
-        req.kind == OpKind::Allreduce
-            && req.process_set == 0
-            && req.op != ReduceOp::Adasum
-            && input.device == Device::Cpu
-            && output.device == Device::Cpu
-            && (1..=self.limit).contains(&input.nbytes)
-            && output.nbytes == input.nbytes
+    /// True when `req` is tried in the lane: an allreduce (not Adasum, its output
+    /// the input's size) or an allgather (rows of one byte or more) of the global set,
+    /// of host tensors, within the limit. A function of the request and the job's
+    /// settings only, so ranks decide alike (an allgather's rank whose rows pass the
+    /// limit is the exception: the others then give it up after their patience).
+    pub fn takes(&self, req: &Request, input: &TensorView, output: Option<&TensorView>) -> bool {
+        let host = input.device == Device::Cpu && output.map_or(true, |o| o.device == Device::Cpu);
+        let fits = input.nbytes <= self.limit;
+        let kind = match req.kind {
+            OpKind::Allreduce => {
+                req.op != ReduceOp::Adasum
+                    && input.nbytes > 0
+                    && output.is_some_and(|o| o.nbytes == input.nbytes)
+            }
+            OpKind::Allgather => !input.shape.is_empty() && row_bytes(input) > 0,
+            _ => false,
+        };
+        req.process_set == 0 && host && fits && kind
     }
 
-    /// Runs the allreduce in the lane; true when `output` holds the result, false
-    /// when every rank gave it up (nothing written).
-    pub fn allreduce(&self, req: &Request, input: &TensorView, output: &TensorView) -> bool {
+    /// Runs the operation in the lane; its result, or None when every rank gave it
+    /// up (nothing written).
+    pub fn run(
+        &self,
+        req: &Request,
+        input: &TensorView,
+        output: Option<&TensorView>,
+    ) -> Option<Output> {
+        match req.kind {
+            OpKind::Allreduce => self.allreduce(req, input, output?).then(Output::default),
+            _ => self.allgather(req, input, output),
+        }
+    }
+
+    fn allreduce(&self, req: &Request, input: &TensorView, output: &TensorView) -> bool {
         let n = self.lane.members();
         let (dtype, op) = (req.dtype, req.op);
         let post = match op {
             ReduceOp::Average => req.postscale / n as f64,
             _ => req.postscale,
         };
+        // The request's shape is in the hashes: every part has this length.
         let identity = Identity {
             hashes: req.fingerprint(),
             len: input.nbytes,
@@ -82,4 +104,59 @@ impl CallerLane {
             .exchange(identity, fill, self.patience, self.yielding, reduce)
             .is_some()
     }
+
+    /// Concatenates every rank's rows into `output` where it has the result's size,
+    /// else into a tensor of the core's own (as the engine's allgather does).
+    fn allgather(
+        &self,
+        req: &Request,
+        input: &TensorView,
+        output: Option<&TensorView>,
+    ) -> Option<Output> {
+        let row = row_bytes(input);
+        // Ranks may send different numbers of rows (unless the result stacks them).
+        let mut like = req.clone();
+        if !req.stack {
+            like.shape[0] = 0;
+        }
+        let identity = Identity {
+            hashes: like.fingerprint(),
+            len: input.nbytes,
+        };
+        // SAFETY: as in `allreduce`.
+        let fill = |part: &mut [u8]| part.copy_from_slice(unsafe { input.bytes() });
+        let gather = |parts: &[&[u8]]| {
+            let total: usize = parts.iter().map(|p| p.len()).sum();
+            let mut own = None;
+            let out = match output {
+                // SAFETY: as in `allreduce`.
+                Some(o) if o.nbytes == total => unsafe { o.bytes_mut() },
+                _ => own.insert(pool::take(total)).as_mut_slice(),
+            };
+            let mut at = 0;
+            for p in parts {
+                out[at..at + p.len()].copy_from_slice(p);
+                at += p.len();
+            }
+            let splits: Vec<i64> = parts.iter().map(|p| (p.len() / row) as i64).collect();
+            let mut shape = input.shape.clone();
+            shape[0] = splits.iter().sum();
+            Output {
+                tensor: own.map(|buf| OwnedTensor {
+                    buf,
+                    dtype: input.dtype,
+                    shape,
+                }),
+                splits,
+                value: 0,
+            }
+        };
+        self.lane
+            .exchange(identity, fill, self.patience, self.yielding, gather)
+    }
+}
+
+/// Bytes of one row (dimension 0) of `t`.
+fn row_bytes(t: &TensorView) -> usize {
+    t.shape[1..].iter().product::<i64>().max(0) as usize * t.dtype.size()
 }

@@ -340,8 +340,8 @@ impl Engine {
     }
 
     /// [`Engine::enqueue`] for a caller that waits for the operation at once: a
-    /// small allreduce of a one-host job may then run among the callers before
-    /// this returns (PERSEUS_LANE_BYTES), its handle already complete. Waits up to
+    /// small allreduce or allgather of a one-host job may then run among the callers
+    /// before this returns (PERSEUS_LANE_BYTES), its handle already complete. Waits up to
     /// PERSEUS_LANE_PATIENCE_US for the other ranks; call it without holding locks
     /// that other threads need meanwhile.
     pub fn enqueue_blocking(
@@ -417,14 +417,12 @@ impl Engine {
         }
         let handle = self.shared.handles.create();
         self.shared.recorder.lock().unwrap().submitted(handle, &req);
-        if blocking && self.in_lane(&req, input.as_ref(), output.as_ref()) {
-            self.shared
-                .inflight
-                .lock()
-                .unwrap()
-                .remove(&(req.process_set, req.name));
+        let ran = blocking.then(|| self.in_lane(&req, input.as_ref(), output.as_ref()));
+        if let Some(out) = ran.flatten() {
+            let key = (req.process_set, req.name);
+            self.shared.inflight.lock().unwrap().remove(&key);
             self.shared.recorder.lock().unwrap().finished(handle, true);
-            self.shared.handles.complete(handle, Ok(Output::default()));
+            self.shared.handles.complete(handle, Ok(out));
             return Ok(handle);
         }
         let entry = Entry {
@@ -444,30 +442,25 @@ impl Engine {
         Ok(handle)
     }
 
-    /// Runs `req` in the lane where it goes there; true when it ran.
+    /// Runs `req` in the lane where it goes there; its result when it ran.
     fn in_lane(
         &self,
         req: &Request,
         input: Option<&TensorView>,
         output: Option<&TensorView>,
-    ) -> bool {
-        let (Some(lane), Some(input)) = (&self.lane, input) else {
-            return false;
-        };
-        let output = output.unwrap_or(input);
-        if !lane.takes(req, input, output) {
-            return false;
-        }
+    ) -> Option<Output> {
+        let (lane, input) = (self.lane.as_ref()?, input?);
         // A timeline shows every operation's negotiation and phases, as Horovod's does:
         // while one is recorded, the engine runs them all.
-        if self.shared.timeline.active() || !lane.allreduce(req, input, output) {
-            return false;
+        if !lane.takes(req, input, output) || self.shared.timeline.active() {
+            return None;
         }
+        let out = lane.run(req, input, output)?;
         let c = &self.shared.counters;
         for n in [&c.operations, &c.tensors, &c.lane_operations] {
             n.fetch_add(1, Ordering::Relaxed);
         }
-        true
+        Some(out)
     }
 
     /// Sets the largest fused buffer (bytes; 0 disables fusion). Only rank 0's

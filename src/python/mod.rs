@@ -404,18 +404,28 @@ fn allreduce(
 
 /// Starts an allgather (concatenation along dim 0, or stacking); `out`: a host tensor
 /// of the result's size to write it into (else the result is the core's own).
+/// `blocking`: as for [`allreduce`].
 #[pyfunction]
-#[pyo3(signature = (inp, name, stack, process_set, out=None))]
+#[pyo3(signature = (inp, name, stack, process_set, out=None, blocking=false))]
 fn allgather(
+    py: Python<'_>,
     inp: &Bound<'_, PyAny>,
     name: Option<String>,
     stack: bool,
     process_set: u32,
     out: Option<&Bound<'_, PyAny>>,
+    blocking: bool,
 ) -> PyResult<u64> {
     let mut req = named(OpKind::Allgather, name, process_set);
     req.stack = stack;
-    submit(req, Some(inp), out)
+    if !blocking {
+        return submit(req, Some(inp), out);
+    }
+    let input = dlpack::view(inp).map_err(to_py)?;
+    let output = out.map(dlpack::view).transpose().map_err(to_py)?;
+    let e = engine()?;
+    py.detach(|| e.enqueue_blocking(req, Some(input), output))
+        .map_err(to_py)
 }
 
 /// Starts an in-place broadcast from set rank `root`.

@@ -21,7 +21,7 @@
 //! never loses an operation and never waits past its patience, so it cannot
 //! hang a job, whatever the ranks do. Ranks whose decisions differed once (a
 //! setting that differs, say) are out of step; the one behind catches up at its
-//! next attempt, skipping to the one ahead.
+//! next attempt, skipping to the one ahead ([`Lane::catch_up`]).
 
 use super::shm::{Layout, Segment, LINE};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -56,12 +56,13 @@ pub fn layout(members: usize, cap: usize) -> Layout {
     }
 }
 
-/// What the ranks must agree on for their attempts to be one operation.
+/// One member's side of an attempt.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Identity {
-    /// Two hashes of whatever identifies the operation.
+    /// Two hashes of whatever identifies the operation: equal on every member, or
+    /// the attempt is given up.
     pub hashes: [u64; 2],
-    /// Bytes each rank contributes.
+    /// Bytes this member contributes (members may differ, where the hashes allow).
     pub len: usize,
 }
 
@@ -119,9 +120,9 @@ impl Lane {
     }
 
     /// One attempt: writes this rank's `len` bytes with `fill`, waits up to
-    /// `patience` for every member's, and, when all came with the same
-    /// `identity`, returns what `then` makes of every member's bytes (in member
-    /// order). None: the attempt was given up, by every member alike.
+    /// `patience` for every member's, and, when all came with the same hashes,
+    /// returns what `then` makes of every member's bytes (in member order, each of
+    /// its own length). None: the attempt was given up, by every member alike.
     /// `yielding`: give the core away while waiting (more ranks than cores).
     pub fn exchange<R>(
         &self,
@@ -136,18 +137,8 @@ impl Lane {
             "a lane carries {SLOT_BYTES} bytes at most"
         );
         let mut next = self.next.lock().unwrap_or_else(PoisonError::into_inner);
-        let mut j = *next;
-        // A member two attempts or more ahead made attempts this one did not (their
-        // decisions differed once): join it there, skipping the attempts between,
-        // rather than meet no one from now on. One ahead is only a member that gave
-        // up the last attempt first.
-        let ahead = (0..self.members)
-            .filter(|&m| m != self.me)
-            .map(|m| self.passed(m).load(Ordering::Acquire))
-            .max()
-            .unwrap_or(0);
-        if ahead >= j + 2 {
-            j = ahead;
+        let j = self.catch_up(*next);
+        if j > *next {
             self.passed(self.me).store(j, Ordering::Release);
         }
         *next = j + 1;
@@ -155,6 +146,29 @@ impl Lane {
         let out = self.attempt(j, identity, fill, deadline, yielding, then);
         self.passed(self.me).store(j + 1, Ordering::Release);
         out
+    }
+
+    /// The attempt to make when this member's next is `next`: a member that made
+    /// attempts this one did not (their decisions differed once) is joined where it
+    /// is, the attempts between skipped, rather than met by no one from then on. It
+    /// is two attempts or more ahead, or one ahead and waiting in it while no one
+    /// waits in `next` (one ahead and not waiting is a member that gave up the last
+    /// attempt first, and now waits for this one on the engine).
+    fn catch_up(&self, next: u64) -> u64 {
+        let ahead = (0..self.members)
+            .filter(|&m| m != self.me)
+            .map(|m| self.passed(m).load(Ordering::Acquire))
+            .max()
+            .unwrap_or(0);
+        let waiting = |j: u64| {
+            let w = self.slot_word((j % 2) as usize).load(Ordering::Acquire);
+            w & !(ABORTED | BITS) == u64::from(j as u32) << 32 && w & BITS != 0 && w & ABORTED == 0
+        };
+        if ahead >= next + 2 || (ahead == next + 1 && waiting(next + 1) && !waiting(next)) {
+            ahead
+        } else {
+            next
+        }
     }
 
     /// True when another member finished attempt `j` (so it was given up).
@@ -235,18 +249,19 @@ impl Lane {
             }
             pause(yielding);
         }
-        let same = (0..self.members).all(|m| {
+        let mut lens = Vec::with_capacity(self.members);
+        for m in 0..self.members {
             let [h0, h1, len] = self.identity_words(m, parity);
-            [h0, h1, len].map(|w| w.load(Ordering::Relaxed))
-                == [identity.hashes[0], identity.hashes[1], identity.len as u64]
-        });
-        if !same {
-            return None;
+            if [h0, h1].map(|w| w.load(Ordering::Relaxed)) != identity.hashes {
+                return None;
+            }
+            lens.push((len.load(Ordering::Relaxed) as usize).min(SLOT_BYTES));
         }
         let parts: Vec<&[u8]> = (0..self.members)
+            .zip(lens)
             // SAFETY: every member wrote its part before its bit (seen above with
             // Acquire); none writes it again before this member passes attempt j.
-            .map(|m| unsafe { std::slice::from_raw_parts(self.part(m, parity), identity.len) })
+            .map(|(m, len)| unsafe { std::slice::from_raw_parts(self.part(m, parity), len) })
             .collect();
         Some(then(&parts))
     }

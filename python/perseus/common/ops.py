@@ -256,12 +256,14 @@ def allreduce_async(inp, out, *, name=None, op=Average, prescale_factor=1.0,
 
 
 def allgather_async(inp, *, name=None, stack=False, process_set=None, keep=(), finish=None,
-                    out=None):
+                    out=None, blocking=False):
     """Concatenate ``inp`` along dim 0 across the set (``stack``: equal shapes required).
     ``out``: a host buffer of the result's size that receives it (the handle's output
-    is then None); of another size, the result is the core's own as without it."""
+    is then None); of another size, the result is the core's own as without it.
+    ``blocking``: as for :func:`allreduce_async`."""
     ps = _prepare(name, process_set)
-    return Handle(_core.allgather(inp, name, bool(stack), ps, out), (keep, inp, out), finish)
+    return Handle(_core.allgather(inp, name, bool(stack), ps, out, blocking), (keep, inp, out),
+                  finish)
 
 
 def broadcast_async(buf, *, root_rank, name=None, process_set=None, keep=(), finish=None):

@@ -316,7 +316,8 @@ class _Collectives:
     def _gather_flat(self, tensor):
         """A handle whose result is every rank's ``tensor`` flattened, concatenated in
         rank order (sizes may differ between ranks)."""
-        return mpi_ops._allgather_concat_async(_plain(tensor).reshape(-1), None, self._ps)
+        return mpi_ops._allgather_concat_async(_plain(tensor).reshape(-1), None, self._ps,
+                                               blocking=True)
 
     def allgather(self, output_tensors, input_tensors, opts=None):
         """``all_gather``: ``output_tensors[0][i]`` gets rank i's tensor."""

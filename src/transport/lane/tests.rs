@@ -99,17 +99,34 @@ fn different_identities_are_given_up_by_all() {
         hs.into_iter().map(|h| h.join().unwrap()).collect()
     });
     assert_eq!(got, vec![None, None, None]);
-    // A length that differs is another operation too.
-    let got = thread::scope(|s| {
-        let a =
-            s.spawn(|| all[0].exchange(ident(5, 8), |_| {}, Duration::from_secs(5), true, |_| 1));
-        let b =
-            s.spawn(|| all[1].exchange(ident(5, 16), |_| {}, Duration::from_secs(5), true, |_| 1));
-        let c =
-            s.spawn(|| all[2].exchange(ident(5, 8), |_| {}, Duration::from_secs(5), true, |_| 1));
-        [a.join().unwrap(), b.join().unwrap(), c.join().unwrap()]
+    // Lengths may differ where the hashes agree: each part comes with its own.
+    let lens: Vec<Vec<usize>> = thread::scope(|s| {
+        let hs: Vec<_> = all
+            .iter()
+            .enumerate()
+            .map(|(m, lane)| {
+                s.spawn(move || {
+                    let fill = move |b: &mut [u8]| b.fill(m as u8 + 1);
+                    let then = |parts: &[&[u8]]| {
+                        for (q, p) in parts.iter().enumerate() {
+                            assert!(p.iter().all(|&x| x == q as u8 + 1));
+                        }
+                        parts.iter().map(|p| p.len()).collect()
+                    };
+                    lane.exchange(
+                        ident(5, 8 * (m + 1)),
+                        fill,
+                        Duration::from_secs(5),
+                        true,
+                        then,
+                    )
+                    .unwrap()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
     });
-    assert_eq!(got, [None, None, None]);
+    assert_eq!(lens, vec![vec![8, 16, 24]; 3]);
 }
 
 #[test]
@@ -170,4 +187,22 @@ fn a_member_left_behind_catches_up() {
         (a.join().unwrap(), b.join().unwrap())
     });
     assert_eq!(got, (Some(3), Some(3)));
+}
+
+#[test]
+fn a_member_one_attempt_behind_joins_the_one_waiting_ahead() {
+    // Member 1 made one attempt member 0 never made; it now waits in its next one.
+    // Member 0 comes later to its own next (one behind) and joins member 1 there.
+    let all = lanes(2, "one-behind");
+    assert_eq!(sum(&all[1], 100, 1, Duration::from_millis(1)), None);
+    let got = thread::scope(|s| {
+        let b = s.spawn(|| sum(&all[1], 7, 7, Duration::from_secs(5)));
+        // Until member 1 waits in attempt 1.
+        while all[1].slot_word(1).load(Ordering::Acquire) & BITS == 0 {
+            std::hint::spin_loop();
+        }
+        let a = s.spawn(|| sum(&all[0], 7, 5, Duration::from_secs(5)));
+        (a.join().unwrap(), b.join().unwrap())
+    });
+    assert_eq!(got, (Some(12), Some(12)));
 }

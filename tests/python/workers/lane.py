@@ -7,6 +7,7 @@ import time
 import perseus.torch.horovod as hvd
 import torch
 from _helpers import close, done, raises
+from perseus.torch.horovod import mpi_ops
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8,
           torch.uint8, torch.int16, torch.int32, torch.int64, torch.bool]
@@ -70,6 +71,19 @@ def sweep(r, n):
     # the same bytes, and the engine's ring agrees to rounding.
     big = torch.rand(16384, generator=torch.Generator().manual_seed(r))
     got = hvd.allreduce(big, op=hvd.Sum, name="lane.largest")
+    ran += 1
+    # Allgathers: stacked (one shape everywhere) and concatenated (rows differ by rank).
+    for dtype in (torch.float32, torch.int64, torch.bool, torch.float16):
+        gathered = hvd.allgather(value(r, dtype).reshape(-1, 1))
+        want = torch.stack([value(q, dtype).reshape(-1, 1) for q in range(n)])
+        close(gathered, want, f"stacked allgather of {dtype}")
+        ran += 1
+    ragged = torch.arange((r + 1) * 6, dtype=torch.float64).reshape(r + 1, 6) + 100 * r
+    gathered = hvd.synchronize(mpi_ops._allgather_concat_async(
+        ragged, "lane.ragged", hvd.global_process_set, blocking=True))
+    want = torch.cat([torch.arange((q + 1) * 6, dtype=torch.float64).reshape(q + 1, 6) + 100 * q
+                      for q in range(n)])
+    close(gathered, want, "allgather of ragged rows")
     ran += 1
     d = delta(before)
     assert d["lane_operations"] == ran, (r, ran, d)

@@ -324,13 +324,16 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
 
 # --------------------------------------------------------------------------- allgather
 
-def _allgather_concat_async(tensor, name, process_set):
-    """Horovod-style allgather (concatenate along dim 0) whatever the allgather mode."""
+def _allgather_concat_async(tensor, name, process_set, blocking=False):
+    """Horovod-style allgather (concatenate along dim 0) whatever the allgather mode.
+    ``blocking``: the caller waits at once, so a small one may complete among the
+    callers before this returns (PERSEUS_LANE_BYTES)."""
     _check_tensor(tensor)
     src = tensor.reshape(1) if tensor.dim() == 0 else tensor
     buf, cap = _export(src)
     return _ops.allgather_async(cap, name=name, stack=False, process_set=process_set,
-                                keep=(tensor, buf), finish=_output_on(tensor))
+                                keep=(tensor, buf), finish=_output_on(tensor),
+                                blocking=blocking)
 
 
 def allgather_async(tensor, name=None, process_set=global_process_set):
@@ -341,19 +344,28 @@ def allgather_async(tensor, name=None, process_set=global_process_set):
     the tensors are concatenated along dimension 0 as Horovod does, so their first
     dimensions may differ.
     """
+    return _allgather_async(tensor, name, process_set)
+
+
+def _allgather_async(tensor, name, process_set, blocking=False):
     _check_tensor(tensor)
     if not _basics.allgather_stacks():
-        return _allgather_concat_async(tensor, name, process_set)
-    return stacked_allgather_async(tensor, name, process_set)
+        return _allgather_concat_async(tensor, name, process_set, blocking)
+    return _stacked_allgather_async(tensor, name, process_set, blocking)
 
 
 def stacked_allgather_async(tensor, name=None, process_set=global_process_set):
     """Start gathering ``tensor``, of one shape on every rank (a rank whose shape differs
     fails the operation on every rank, naming it), into ``[size, *tensor.shape]``
     whatever ``PERSEUS_CHANGE_HVD_ALLGATHER`` says."""
+    return _stacked_allgather_async(tensor, name, process_set)
+
+
+def _stacked_allgather_async(tensor, name, process_set, blocking=False):
     buf, cap = _export(tensor.unsqueeze(0))
     return _ops.allgather_async(cap, name=name, stack=True, process_set=process_set,
-                                keep=(tensor, buf), finish=_output_on(tensor))
+                                keep=(tensor, buf), finish=_output_on(tensor),
+                                blocking=blocking)
 
 
 def _allgather_grads(grads, shapes, stack, process_set):
@@ -375,7 +387,7 @@ class _Allgather(torch.autograd.Function):
         ctx.shape = tensor.shape
         ctx.process_set = process_set
         ctx.stack = _basics.allgather_stacks()
-        return synchronize(allgather_async(tensor, name, process_set))
+        return synchronize(_allgather_async(tensor, name, process_set, blocking=True))
 
     @staticmethod
     def backward(ctx, grad_output):
