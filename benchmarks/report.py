@@ -108,6 +108,24 @@ def bound_target(sweep):
     return [goal, f"hvd {measured}", at_least(0.7, low) + f" (lowest at {harness.human(at)})"]
 
 
+def small_message_targets(small):
+    """Issue 45's: a lone 4 KiB allreduce and an allgather of 4-8 KiB a rank through the
+    hvd API within 2× Open MPI's time in the same run (2 ranks)."""
+    out = []
+    for key, goal in (("lone4k", "a lone 4 KiB allreduce"),
+                      (f"allgatherv.{small_ops.GATHER_BASES[0]}", "allgather of 4-8 KiB a rank")):
+        us = {}
+        for impl in ("hvd", "mpi"):
+            res = _job(small, impl)
+            us[impl] = None if res is None or key not in res else res[key]["median"] * 1e6
+        ratio = None if None in us.values() else us["hvd"] / us["mpi"]
+        out.append([f"{goal} through the hvd API ≤ 2× Open MPI's time (issue 45)",
+                    f"hvd {harness.fmt(us['hvd'], '.1f')} µs, Open MPI "
+                    f"{harness.fmt(us['mpi'], '.1f')} µs: {harness.fmt(ratio, '.2f')}×",
+                    at_most(2.0, ratio)])
+    return out
+
+
 def targets(data):
     """Issue 4's targets against this run: rows of [target, measured, status]."""
     sweep = data.get("sweep")
@@ -133,6 +151,7 @@ def targets(data):
     out.append(["4 ranks (oversubscribed) at 64 MiB ≥ 1.5× the best peer",
                 f"hvd {harness.fmt(r['hvd'], '.2f')}×, core {harness.fmt(r['core'], '.2f')}×",
                 at_least(1.5, r["hvd"])])
+    out += small_message_targets(data.get("small"))
     res = _job(data.get("small"), "hvd")
     ms = None if res is None else res["async100"]["median"] * 1e3
     out.append(["100 async 4 KiB allreduces ≤ 1 ms", f"{harness.fmt(ms, '.2f')} ms",

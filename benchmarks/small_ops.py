@@ -5,6 +5,8 @@ against torch gloo and Open MPI.
 
 One job per implementation (hvd: perseus.torch.horovod with PERSEUS_CHANGE_HVD_ALLGATHER=1,
 Horovod's concatenating allgather; gloo: torch.distributed; mpi: mpi4py), each measuring:
+  lone4k      one blocking 4 KiB float32 allreduce (hvd.allreduce_; all_reduce;
+              Allreduce(IN_PLACE))
   async100    100 asynchronous 4 KiB float32 allreduces, first submit to last completion
               (hvd.allreduce_async_ + synchronize; all_reduce(async_op=True) + wait;
               Iallreduce + Waitall)
@@ -42,6 +44,28 @@ def resnet50_shapes():
                 shapes += [(cout, cin, 1, 1), (cout,), (cout,)]
             cin = cout
     return shapes + [(1000, 2048), (1000,)]
+
+
+def bench_lone(comm, timing):
+    import torch
+
+    t = torch.full((1024,), 1.0)
+    if comm.impl == "hvd":
+        hvd = comm.hvd
+
+        def fn():
+            hvd.allreduce_(t, op=hvd.Sum, name="lone4k")
+    elif comm.impl == "gloo":
+        dist = comm.dist
+
+        def fn():
+            dist.all_reduce(t)
+    else:
+        world, mpi, buf = comm.world, comm.mpi, t.numpy()
+
+        def fn():
+            world.Allreduce(mpi.IN_PLACE, buf)
+    return harness.measure(comm, fn, **timing)
 
 
 def bench_async100(comm, timing):
@@ -144,7 +168,8 @@ def bench_allgatherv(comm, base, timing):
 
 def body(comm, opts):
     timing = opts["timing"]
-    res = {"async100": bench_async100(comm, timing),
+    res = {"lone4k": bench_lone(comm, timing),
+           "async100": bench_async100(comm, timing),
            "bcast_r50": bench_bcast(comm, {**timing, "max_iters": min(timing["max_iters"], 20)})}
     for base in GATHER_BASES:
         res[f"allgatherv.{base}"] = bench_allgatherv(comm, base, timing)
@@ -164,7 +189,8 @@ def run(ranks=(2,), quick=False, timeout=600, echo=True):
 
 
 def labels(n):
-    out = {"async100": "100 async 4 KiB allreduces",
+    out = {"lone4k": "a lone 4 KiB allreduce",
+           "async100": "100 async 4 KiB allreduces",
            "bcast_r50": "broadcast ResNet-50 parameters (161 tensors, 25.6 M floats)"}
     for base in GATHER_BASES:
         lo, hi = harness.human(4 * base), harness.human(4 * base * n)

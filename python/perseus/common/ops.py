@@ -255,6 +255,25 @@ def allreduce_async(inp, out, *, name=None, op=Average, prescale_factor=1.0,
     return Handle(hid, (keep, inp, out), finish)
 
 
+def allreduce_now(inp, out, *, name=None, op=Average, prescale_factor=1.0,
+                  postscale_factor=1.0, process_set=None, keep=()):
+    """:func:`allreduce_async` with ``blocking`` and the wait in one call, without a
+    :class:`Handle`: the path of a lone small allreduce, whose own time is a few
+    microseconds (PERSEUS_LANE_BYTES). Raises the operation's error as ``wait()`` does."""
+    ps = _prepare(name, process_set)
+    op = check_op(op)
+    hid = _core.allreduce(inp, out, name, op, float(prescale_factor), float(postscale_factor), ps,
+                          False, True)
+    try:
+        _core.wait(hid)
+    except (KeyboardInterrupt, TimeoutError):
+        Handle(hid, (keep, inp, out))  # still in flight: keep its tensors alive
+        raise
+    except _core.HorovodInternalError as e:
+        flight_recorder.on_failure(e)
+        raise
+
+
 def allgather_async(inp, *, name=None, stack=False, process_set=None, keep=(), finish=None,
                     out=None, blocking=False):
     """Concatenate ``inp`` along dim 0 across the set (``stack``: equal shapes required).

@@ -201,16 +201,31 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
                             process_set)
 
 
+def _allreduce_new(tensor, name, op, prescale_factor, postscale_factor, process_set):
+    """The reduction of ``tensor`` into a new tensor, waited for."""
+    _check_tensor(tensor)
+    output = _new_output(tensor)
+    buf, cap = _export(tensor)
+    _ops.allreduce_now(cap, _capsule(output), name=name, op=op,
+                       prescale_factor=prescale_factor, postscale_factor=postscale_factor,
+                       process_set=process_set, keep=(tensor, buf, output))
+    return output
+
+
+def _differentiable(tensor):
+    """True when a result must carry a gradient function (autograd's Function.apply
+    costs microseconds, the most of a small collective's time, and is skipped
+    otherwise: the result is the same tensor without one)."""
+    return tensor.requires_grad and torch.is_grad_enabled()
+
+
 class _Allreduce(torch.autograd.Function):
     """Allreduce with a gradient: the gradient is allreduced the same way."""
 
     @staticmethod
     def forward(ctx, tensor, name, op, prescale_factor, postscale_factor, process_set):
         ctx.args = (op, prescale_factor, postscale_factor, process_set)
-        _check_tensor(tensor)
-        return synchronize(_allreduce_async(tensor, _new_output(tensor), name, op,
-                                            prescale_factor, postscale_factor, process_set,
-                                            blocking=True))
+        return _allreduce_new(tensor, name, op, prescale_factor, postscale_factor, process_set)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -230,8 +245,11 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
     """
     op = _ops.resolve_op(op, average)
     compressed, ctx = compression.compress(tensor)
-    reduced = _Allreduce.apply(compressed, name, op, prescale_factor, postscale_factor,
-                               process_set)
+    args = (compressed, name, op, prescale_factor, postscale_factor, process_set)
+    if isinstance(compressed, torch.Tensor) and not _differentiable(compressed):
+        reduced = _allreduce_new(*args)
+    else:
+        reduced = _Allreduce.apply(*args)
     return compression.decompress(reduced, ctx)
 
 
@@ -239,8 +257,12 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                postscale_factor=1.0, process_set=global_process_set):
     """Average (or reduce with ``op``) ``tensor`` in place over all ranks; returns it."""
     op = _ops.resolve_op(op, average)
-    return synchronize(_allreduce_async(tensor, None, name, op, prescale_factor,
-                                        postscale_factor, process_set, blocking=True))
+    _check_tensor(tensor)
+    buf, cap, finish = _in_place(tensor)
+    _ops.allreduce_now(cap, cap, name=name, op=op, prescale_factor=prescale_factor,
+                       postscale_factor=postscale_factor, process_set=process_set,
+                       keep=(tensor, buf))
+    return finish(None)
 
 
 def _group_names(name, n):
@@ -401,6 +423,8 @@ def allgather(tensor, name=None, process_set=global_process_set):
     Differentiable: the gradient is the average of the result's gradients, sliced
     back to this rank's part.
     """
+    if isinstance(tensor, torch.Tensor) and not _differentiable(tensor):
+        return synchronize(_allgather_async(tensor, name, process_set, blocking=True))
     return _Allgather.apply(tensor, name, process_set)
 
 
