@@ -105,6 +105,14 @@ fn job_over<F>(n: usize, shm: bool, f: F)
 where
     F: Fn(usize, &Engine) + Send + Sync + 'static,
 {
+    job_with(n, shm, |_| {}, f)
+}
+
+/// [`job_over`] with each rank's configuration changed by `tweak`.
+fn job_with<F>(n: usize, shm: bool, tweak: fn(&mut Config), f: F)
+where
+    F: Fn(usize, &Engine) + Send + Sync + 'static,
+{
     let server = StoreServer::start("127.0.0.1:0", "t").unwrap();
     let port = server.port();
     let f = std::sync::Arc::new(f);
@@ -112,7 +120,9 @@ where
         .map(|r| {
             let f = f.clone();
             std::thread::spawn(move || {
-                let e = Engine::start(config(r, n, port, shm)).unwrap();
+                let mut cfg = config(r, n, port, shm);
+                tweak(&mut cfg);
+                let e = Engine::start(cfg).unwrap();
                 f(r, &e);
                 e.shutdown().unwrap();
             })
@@ -464,4 +474,45 @@ fn strangers_at_a_mesh_port_cannot_hold_up_init() {
     );
     drop(silent);
     trickle.join().unwrap();
+}
+
+/// Runs a blocking in-place allreduce of `v` (the lane's way in).
+fn allreduce_blocking(e: &Engine, name: &str, v: &mut [f32]) -> Result<(), PerseusError> {
+    let mut r = Request::new(OpKind::Allreduce, name, 0);
+    r.op = ReduceOp::Sum;
+    let h = e.enqueue_blocking(r, Some(view(v)), Some(view(v)))?;
+    e.wait(h, || None).map(|_| ())
+}
+
+#[test]
+fn blocking_small_allreduces_run_in_the_lane_and_the_rest_on_the_engine() {
+    for n in [2, 3] {
+        // A patience long enough that every rank meets every call, however loaded the host.
+        let patient = |c: &mut Config| c.lane_patience = Duration::from_secs(5);
+        job_with(n, true, patient, move |r, e| {
+            let lane = |e: &Engine| e.counters()["lane_operations"];
+            for i in 0..50 {
+                let mut v = vec![r as f32 + i as f32; 33];
+                allreduce_blocking(e, "small", &mut v).unwrap();
+                let want = (n * (n - 1) / 2) as f32 + (n * i) as f32;
+                assert!(v.iter().all(|x| *x == want), "rank {r} call {i}: {v:?}");
+            }
+            let before = lane(e);
+            assert_eq!(before, 50, "rank {r}: {:?}", e.counters());
+            // Larger than the lane carries: the engine, with the same result.
+            let mut big = vec![1.0f32; 20_000];
+            allreduce_blocking(e, "big", &mut big).unwrap();
+            assert!(big.iter().all(|x| *x == n as f32));
+            assert_eq!(lane(e), before, "80 KB went through the lane");
+            // Shapes that differ between ranks: given up by all, and the engine names it.
+            let mut odd = vec![1.0f32; 4 + r];
+            let err = allreduce_blocking(e, "odd", &mut odd).unwrap_err();
+            assert!(
+                matches!(err, PerseusError::Mismatch(_)),
+                "rank {r}: {err:?}"
+            );
+            assert!(err.to_string().contains("odd"), "{err}");
+            assert_eq!(lane(e), before);
+        });
+    }
 }
