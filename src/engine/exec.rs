@@ -612,7 +612,7 @@ fn allgather(
     let row = elems(&shape[1..]) * dtype.size();
     let block: Vec<usize> = dims.iter().map(|&d| d as usize * row).collect();
     let mut own = None;
-    let out = result_buffer(entries, block.iter().sum(), &mut own);
+    let out = result_buffer(given_output(entries), block.iter().sum(), &mut own);
     let off: usize = block[..comm.rank()].iter().sum();
     // SAFETY: the front-end keeps the input alive until completion.
     out[off..off + block[comm.rank()]].copy_from_slice(unsafe { input.bytes() });
@@ -634,16 +634,20 @@ fn allgather(
     })
 }
 
+/// The output tensor the caller gave for a one-tensor operation, if any.
+fn given_output(entries: &[Option<Entry>]) -> Option<&TensorView> {
+    entries[0].as_ref().and_then(|e| e.output.as_ref())
+}
+
 /// Where a gather, an exchange or a reduce-scatter writes its result of `nbytes`: the
-/// caller's output when it gave one of that size (host memory, written in place),
+/// caller's output (`given`) when it is of that size (host memory, written in place),
 /// else a buffer of the core's own from [`pool::take`] (every byte of it is written),
 /// left in `own` for the caller to receive.
-fn result_buffer<'a>(
-    entries: &'a [Option<Entry>],
+pub(super) fn result_buffer<'a>(
+    given: Option<&'a TensorView>,
     nbytes: usize,
     own: &'a mut Option<AlignedBuf>,
 ) -> &'a mut [u8] {
-    let given = entries[0].as_ref().and_then(|e| e.output.as_ref());
     match given {
         // SAFETY: the front-end keeps the output alive and untouched until completion.
         Some(out) if out.nbytes == nbytes => unsafe { out.bytes_mut() },
@@ -667,7 +671,11 @@ fn alltoall(
     let got: Vec<i64> = (0..n).map(|s| matrix[s * n + r]).collect();
     let recv = collective::consecutive(got.iter().map(|&g| g as usize * row));
     let mut own = None;
-    let out = result_buffer(entries, recv.last().map_or(0, |x| x.end), &mut own);
+    let out = result_buffer(
+        given_output(entries),
+        recv.last().map_or(0, |x| x.end),
+        &mut own,
+    );
     collective::alltoallv(comm, inp, &send, out, &recv)?;
     let mut oshape = shape.to_vec();
     oshape[0] = got.iter().sum();
@@ -718,7 +726,7 @@ fn reducescatter(
         }
     };
     let mut own = None;
-    let out = result_buffer(entries, mine.len(), &mut own);
+    let out = result_buffer(given_output(entries), mine.len(), &mut own);
     out.copy_from_slice(&work.as_slice()[mine]);
     bufs.fusion = work;
     scale(out, dtype, post);

@@ -8,12 +8,13 @@
 //! the patience (PERSEUS_LANE_PATIENCE_US), every rank hands it to the engine as
 //! usual, with its checks and errors (PERSEUS_LANE_BYTES).
 
+use super::exec::result_buffer;
 use super::handles::Output;
-use super::message::{OpKind, Request};
+use super::message::{shape_bytes, OpKind, Request};
 use crate::config::Config;
 use crate::device::{Device, OwnedTensor, TensorView};
 use crate::dtype::ReduceOp;
-use crate::kernels::{copy_scaled, pool, reduce_into, scale};
+use crate::kernels::{copy_scaled, reduce_into, scale};
 use crate::transport::lane::{Identity, Lane, SLOT_BYTES};
 use std::time::Duration;
 
@@ -128,11 +129,7 @@ impl CallerLane {
         let gather = |parts: &[&[u8]]| {
             let total: usize = parts.iter().map(|p| p.len()).sum();
             let mut own = None;
-            let out = match output {
-                // SAFETY: as in `allreduce`.
-                Some(o) if o.nbytes == total => unsafe { o.bytes_mut() },
-                _ => own.insert(pool::take(total)).as_mut_slice(),
-            };
+            let out = result_buffer(output, total, &mut own);
             let mut at = 0;
             for p in parts {
                 out[at..at + p.len()].copy_from_slice(p);
@@ -158,5 +155,5 @@ impl CallerLane {
 
 /// Bytes of one row (dimension 0) of `t`.
 fn row_bytes(t: &TensorView) -> usize {
-    t.shape[1..].iter().product::<i64>().max(0) as usize * t.dtype.size()
+    shape_bytes(&t.shape[1..], t.dtype)
 }

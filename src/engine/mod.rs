@@ -88,6 +88,19 @@ struct Shared {
     recorder: Mutex<recorder::Recorder>,
 }
 
+impl Shared {
+    /// Completes `handle`, the operation `name` of set `ps`: its name may be used
+    /// again, the flight recorder notes it, and its waiter wakes.
+    fn finish(&self, ps: u32, name: &str, handle: u64, r: Result<Output>) {
+        self.inflight
+            .lock()
+            .unwrap()
+            .remove(&(ps, name.to_string()));
+        self.recorder.lock().unwrap().finished(handle, r.is_ok());
+        self.handles.complete(handle, r);
+    }
+}
+
 /// What the engine has done so far on this rank (see [`Engine::counters`]).
 #[derive(Default)]
 struct Counters {
@@ -419,10 +432,8 @@ impl Engine {
         self.shared.recorder.lock().unwrap().submitted(handle, &req);
         let ran = blocking.then(|| self.in_lane(&req, input.as_ref(), output.as_ref()));
         if let Some(out) = ran.flatten() {
-            let key = (req.process_set, req.name);
-            self.shared.inflight.lock().unwrap().remove(&key);
-            self.shared.recorder.lock().unwrap().finished(handle, true);
-            self.shared.handles.complete(handle, Ok(out));
+            self.shared
+                .finish(req.process_set, &req.name, handle, Ok(out));
             return Ok(handle);
         }
         let entry = Entry {

@@ -151,6 +151,21 @@ fn submit(
     engine()?.enqueue(req, input, output).map_err(to_py)
 }
 
+/// [`submit`] for a caller that waits at once ([`Engine::enqueue_blocking`]), without
+/// the GIL.
+fn submit_blocking(
+    py: Python<'_>,
+    req: Request,
+    inp: Option<&Bound<'_, PyAny>>,
+    out: Option<&Bound<'_, PyAny>>,
+) -> PyResult<u64> {
+    let input = inp.map(dlpack::view).transpose().map_err(to_py)?;
+    let output = out.map(dlpack::view).transpose().map_err(to_py)?;
+    let e = engine()?;
+    py.detach(|| e.enqueue_blocking(req, input, output))
+        .map_err(to_py)
+}
+
 fn op_of(op: u8) -> PyResult<ReduceOp> {
     ReduceOp::from_code(op).map_err(to_py)
 }
@@ -391,15 +406,17 @@ fn allreduce(
     req.op = op_of(op)?;
     req.prescale = prescale;
     req.postscale = postscale;
-    let input = dlpack::view(inp).map_err(to_py)?;
-    let output = dlpack::view(out).map_err(to_py)?;
-    let e = engine()?;
     match (gradient, blocking) {
-        (true, _) => e.enqueue_gradient(req, Some(input), Some(output)),
-        (false, true) => py.detach(|| e.enqueue_blocking(req, Some(input), Some(output))),
-        (false, false) => e.enqueue(req, Some(input), Some(output)),
+        (true, _) => {
+            let input = dlpack::view(inp).map_err(to_py)?;
+            let output = dlpack::view(out).map_err(to_py)?;
+            engine()?
+                .enqueue_gradient(req, Some(input), Some(output))
+                .map_err(to_py)
+        }
+        (false, true) => submit_blocking(py, req, Some(inp), Some(out)),
+        (false, false) => submit(req, Some(inp), Some(out)),
     }
-    .map_err(to_py)
 }
 
 /// Starts an allgather (concatenation along dim 0, or stacking); `out`: a host tensor
@@ -418,14 +435,10 @@ fn allgather(
 ) -> PyResult<u64> {
     let mut req = named(OpKind::Allgather, name, process_set);
     req.stack = stack;
-    if !blocking {
-        return submit(req, Some(inp), out);
+    match blocking {
+        true => submit_blocking(py, req, Some(inp), out),
+        false => submit(req, Some(inp), out),
     }
-    let input = dlpack::view(inp).map_err(to_py)?;
-    let output = out.map(dlpack::view).transpose().map_err(to_py)?;
-    let e = engine()?;
-    py.detach(|| e.enqueue_blocking(req, Some(input), output))
-        .map_err(to_py)
 }
 
 /// Starts an in-place broadcast from set rank `root`.

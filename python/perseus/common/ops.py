@@ -248,11 +248,17 @@ def allreduce_async(inp, out, *, name=None, op=Average, prescale_factor=1.0,
     ``blocking``: the caller waits for the handle at once, so a small allreduce may
     complete before this returns (PERSEUS_LANE_BYTES).
     """
+    hid = _submit_allreduce(inp, out, name, op, prescale_factor, postscale_factor, process_set,
+                            gradient, blocking)
+    return Handle(hid, (keep, inp, out), finish)
+
+
+def _submit_allreduce(inp, out, name, op, prescale_factor, postscale_factor, process_set,
+                      gradient, blocking):
     ps = _prepare(name, process_set)
     op = check_op(op)
-    hid = _core.allreduce(inp, out, name, op, float(prescale_factor), float(postscale_factor), ps,
-                          gradient, blocking)
-    return Handle(hid, (keep, inp, out), finish)
+    return _core.allreduce(inp, out, name, op, float(prescale_factor), float(postscale_factor),
+                           ps, gradient, blocking)
 
 
 def allreduce_now(inp, out, *, name=None, op=Average, prescale_factor=1.0,
@@ -260,10 +266,8 @@ def allreduce_now(inp, out, *, name=None, op=Average, prescale_factor=1.0,
     """:func:`allreduce_async` with ``blocking`` and the wait in one call, without a
     :class:`Handle`: the path of a lone small allreduce, whose own time is a few
     microseconds (PERSEUS_LANE_BYTES). Raises the operation's error as ``wait()`` does."""
-    ps = _prepare(name, process_set)
-    op = check_op(op)
-    hid = _core.allreduce(inp, out, name, op, float(prescale_factor), float(postscale_factor), ps,
-                          False, True)
+    hid = _submit_allreduce(inp, out, name, op, prescale_factor, postscale_factor, process_set,
+                            False, True)
     try:
         _core.wait(hid)
     except (KeyboardInterrupt, TimeoutError):

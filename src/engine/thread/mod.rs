@@ -496,14 +496,7 @@ impl State {
     }
 
     fn finish(&self, ps: &u32, name: &str, handle: u64, r: Result<Output>) {
-        self.shared
-            .inflight
-            .lock()
-            .unwrap()
-            .remove(&(*ps, name.to_string()));
-        let ok = r.is_ok();
-        self.shared.recorder.lock().unwrap().finished(handle, ok);
-        self.shared.handles.complete(handle, r);
+        self.shared.finish(*ps, name, handle, r);
     }
 
     fn fail_all(&mut self, e: PerseusError) {
