@@ -467,6 +467,14 @@ impl Engine {
             return None;
         }
         let out = lane.run(req, input, output)?;
+        // The engine's line for every operation it runs, so that a trace shows them all.
+        crate::log!(
+            crate::log::Level::Trace,
+            "{:?} of 1 tensor(s) in process set {}, from '{}' (in the lane)",
+            req.kind,
+            req.process_set,
+            req.name
+        );
         let c = &self.shared.counters;
         for n in [&c.operations, &c.tensors, &c.lane_operations] {
             n.fetch_add(1, Ordering::Relaxed);

@@ -70,3 +70,12 @@ def test_front_end_lines_take_a_level_by_name():
     with pytest.raises(ValueError, match='log: no level "loud"; there are TRACE, DEBUG, '
                                          'INFO, WARNING, ERROR, FATAL'):
         _core.log("loud", "x")
+
+
+@pytest.mark.timeout(120)
+def test_trace_names_an_operation_run_in_the_lane():
+    """A blocking small allreduce run among the callers (PERSEUS_LANE_BYTES; a long
+    patience, so that both ranks always meet it there) has its trace line too."""
+    lines = run("--log-level", "TRACE", PERSEUS_LANE_PATIENCE_US="5000000")
+    assert sum("[perseus] trace: Allreduce of 1 tensor(s) in process set 0, from 'log.x' "
+               "(in the lane)" in line for line in lines) == 2, lines
