@@ -5,6 +5,7 @@
 pub mod dtype;
 pub mod env;
 pub mod error;
+pub mod hash;
 pub mod kernels;
 pub mod log;
 pub mod params;

@@ -3,6 +3,7 @@
 
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::{PerseusError, Result};
+use crate::hash;
 use crate::plan::Plan;
 use crate::wire::{Reader, Writer};
 
@@ -147,11 +148,7 @@ impl Request {
     pub fn fingerprint(&self) -> [u64; 2] {
         let mut w = Writer::new();
         self.encode(&mut w);
-        [0xcbf2_9ce4_8422_2325, 0x8422_2325_cbf2_9ce4].map(|start: u64| {
-            w.0.iter().fold(start, |h, &b| {
-                (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
-            })
-        })
+        [hash::OFFSET, hash::OFFSET.rotate_left(32)].map(|start| hash::fnv1a(start, &w.0))
     }
 
     fn encode(&self, w: &mut Writer) {

@@ -13,7 +13,7 @@
 
 mod table;
 
-pub use table::PARAMS;
+pub use table::{LANE_MAX_BYTES, PARAMS};
 
 use crate::error::{PerseusError, Result};
 

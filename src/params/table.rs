@@ -4,6 +4,10 @@
 
 use super::{Default, Kind, Param, Scope};
 
+/// The largest PERSEUS_LANE_BYTES, which is also the size of each rank's part of a
+/// lane slot in the host's shared segment (`transport::lane::SLOT_BYTES`).
+pub const LANE_MAX_BYTES: u64 = 64 << 10;
+
 /// Every setting Perseus reads.
 pub const PARAMS: &[Param] = &[
     Param {
@@ -121,8 +125,8 @@ pub const PARAMS: &[Param] = &[
     Param {
         name: "PERSEUS_LANE_BYTES",
         aliases: &[],
-        kind: Kind::Int { min: 0, max: 65_536 },
-        default: Default::Int(65_536),
+        kind: Kind::Int { min: 0, max: LANE_MAX_BYTES },
+        default: Default::Int(LANE_MAX_BYTES),
         scope: Scope::Core,
         note: "(bytes; 0: off)",
         doc: "largest allreduce of host tensors that the ranks of a one-host job, calling \

@@ -10,6 +10,7 @@ use crate::auth;
 use crate::config::Config;
 use crate::deadline::{Deadlined, Vetting, HANDSHAKE_TIME, MAX_UNPROVEN};
 use crate::error::{PerseusError, Result};
+use crate::hash;
 use crate::rendezvous::{StoreClient, INSTANCE_KEY};
 use crate::wire::{read_frame, write_frame, Reader, Writer};
 use std::collections::BTreeMap;
@@ -401,13 +402,6 @@ fn host_key(cfg: &Config) -> String {
     format!("{}@{}", name.replace(' ', "_"), boot.trim())
 }
 
-/// FNV-1a, to turn job and host into a short file name.
-fn fnv(s: &str) -> u64 {
-    s.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
-        (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
-    })
-}
-
 /// Creates (the lowest rank of the host) or opens (the others) the host's
 /// segment, and unlinks its file once every local rank has mapped it, so
 /// nothing is left behind even if the job crashes later. The file's name
@@ -422,10 +416,15 @@ fn open_segment(
     gen: u64,
 ) -> Result<Segment> {
     let (rdv_host, rdv_port) = cfg.rendezvous.clone().unwrap_or_default();
-    let id = fnv(&format!(
-        "{}|{rdv_host}|{rdv_port}|{}|{host}|{group:?}|{gen}",
-        cfg.secret, cfg.scope
-    ));
+    // A short file name from the job and the host.
+    let id = hash::fnv1a(
+        hash::OFFSET,
+        format!(
+            "{}|{rdv_host}|{rdv_port}|{}|{host}|{group:?}|{gen}",
+            cfg.secret, cfg.scope
+        )
+        .as_bytes(),
+    );
     let rank = cfg.topology.rank;
     let leader = group[0];
     let t = cfg.timeout;

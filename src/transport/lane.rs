@@ -28,8 +28,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-/// Bytes of each member's part of a slot: the largest exchange.
-pub const SLOT_BYTES: usize = 64 << 10;
+/// Bytes of each member's part of a slot: the largest exchange (the largest
+/// PERSEUS_LANE_BYTES).
+pub const SLOT_BYTES: usize = crate::params::LANE_MAX_BYTES as usize;
 
 /// Most members a lane serves (one bit each in a slot's word).
 pub const MAX_MEMBERS: usize = 31;

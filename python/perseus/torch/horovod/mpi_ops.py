@@ -151,23 +151,33 @@ def _output_on(like):
 
 # --------------------------------------------------------------------------- allreduce
 
-def _allreduce_async(tensor, output, name, op, prescale_factor, postscale_factor, process_set,
-                     gradient=False, blocking=False):
+def _allreduce_views(tensor, output):
+    """What the core needs to reduce ``tensor`` into ``output`` (``None``: into itself):
+    the input's and the output's capsules, what must live until the end, and the
+    callback giving the result."""
     _check_tensor(tensor)
     if output is None:
         buf, cap, finish = _in_place(tensor)
-        out_cap, keep = cap, (tensor, buf)
-    else:
-        buf, cap = _export(tensor)
-        out_cap = _capsule(output)
-        keep = (tensor, buf, output)
+        return cap, cap, (tensor, buf), finish
+    buf, cap = _export(tensor)
+    return cap, _capsule(output), (tensor, buf, output), lambda _h: output
 
-        def finish(_h):
-            return output
+
+def _allreduce_async(tensor, output, name, op, prescale_factor, postscale_factor, process_set,
+                     gradient=False, blocking=False):
+    cap, out_cap, keep, finish = _allreduce_views(tensor, output)
     return _ops.allreduce_async(cap, out_cap, name=name, op=op, prescale_factor=prescale_factor,
                                 postscale_factor=postscale_factor, process_set=process_set,
                                 keep=keep, finish=finish, gradient=gradient,
                                 blocking=blocking)
+
+
+def _allreduce_now(tensor, output, name, op, prescale_factor, postscale_factor, process_set):
+    """The reduction of ``tensor`` into ``output`` (``None``: into itself), waited for."""
+    cap, out_cap, keep, finish = _allreduce_views(tensor, output)
+    _ops.allreduce_now(cap, out_cap, name=name, op=op, prescale_factor=prescale_factor,
+                       postscale_factor=postscale_factor, process_set=process_set, keep=keep)
+    return finish(None)
 
 
 def gradient_allreduce_async_(tensor, name, op, prescale_factor, postscale_factor, process_set):
@@ -204,12 +214,8 @@ def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1
 def _allreduce_new(tensor, name, op, prescale_factor, postscale_factor, process_set):
     """The reduction of ``tensor`` into a new tensor, waited for."""
     _check_tensor(tensor)
-    output = _new_output(tensor)
-    buf, cap = _export(tensor)
-    _ops.allreduce_now(cap, _capsule(output), name=name, op=op,
-                       prescale_factor=prescale_factor, postscale_factor=postscale_factor,
-                       process_set=process_set, keep=(tensor, buf, output))
-    return output
+    return _allreduce_now(tensor, _new_output(tensor), name, op, prescale_factor,
+                          postscale_factor, process_set)
 
 
 def _differentiable(tensor):
@@ -257,12 +263,7 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                postscale_factor=1.0, process_set=global_process_set):
     """Average (or reduce with ``op``) ``tensor`` in place over all ranks; returns it."""
     op = _ops.resolve_op(op, average)
-    _check_tensor(tensor)
-    buf, cap, finish = _in_place(tensor)
-    _ops.allreduce_now(cap, cap, name=name, op=op, prescale_factor=prescale_factor,
-                       postscale_factor=postscale_factor, process_set=process_set,
-                       keep=(tensor, buf))
-    return finish(None)
+    return _allreduce_now(tensor, None, name, op, prescale_factor, postscale_factor, process_set)
 
 
 def _group_names(name, n):
