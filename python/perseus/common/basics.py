@@ -12,6 +12,7 @@ from perseus.common import rank_copy as _rank_copy
 _NOT_INITIALIZED = "Perseus has not been initialized; use hvd.init()."
 
 _config = None  # the effective configuration, cached by init()
+_stacks = None  # allgather_stacks(), cached by init(): it is on every allgather's path
 _generation = 0  # how many times init() started the engine in this process
 
 
@@ -28,7 +29,7 @@ def init(comm=None, process_sets=None):
     forkserver) ``init()`` joins nothing: the process answers for that rank, and its
     collectives raise ``ValueError`` saying why (``perseus.common.rank_copy``).
     """
-    global _config, _generation
+    global _config, _generation, _stacks
     if comm is not None:
         raise NotImplementedError(
             "Perseus does not use MPI: init(comm=...) is not supported; "
@@ -53,6 +54,7 @@ def init(comm=None, process_sets=None):
         else:
             _start_knowing_rank0(start)
         _config = dict(_core.config())
+        _stacks = not knobs.get("PERSEUS_CHANGE_HVD_ALLGATHER", _config)
         _generation += 1
         if _generation == 1:
             atexit.register(_close_timeline)
@@ -96,14 +98,14 @@ def _close_timeline():
 
 def shutdown():
     """Stop the engine and leave the job; pending operations fail. ``init()`` may follow."""
-    global _config
+    global _config, _stacks
     from perseus.common import ops
 
     if _core.is_initialized():
         ops._before_shutdown()
     _core.shutdown()
     _rank_copy.unmark()
-    _config = None
+    _config = _stacks = None
     ops._after_shutdown()
     _process_sets._after_shutdown()
 
@@ -169,7 +171,9 @@ def set_fusion_threshold(nbytes):
 
 def allgather_stacks():
     """True when allgather stacks equal shapes (``PERSEUS_CHANGE_HVD_ALLGATHER=0``)."""
-    return not knobs.get("PERSEUS_CHANGE_HVD_ALLGATHER", config())
+    if _stacks is None:  # not initialized (config() says so), or a rank's copy
+        return not knobs.get("PERSEUS_CHANGE_HVD_ALLGATHER", config())
+    return _stacks
 
 
 def size():

@@ -261,17 +261,24 @@ def _submit_allreduce(inp, out, name, op, prescale_factor, postscale_factor, pro
                            ps, gradient, blocking)
 
 
-def allreduce_now(inp, out, *, name=None, op=Average, prescale_factor=1.0,
-                  postscale_factor=1.0, process_set=None, keep=()):
+def allreduce_now(inp, out, name=None, op=Average, prescale_factor=1.0, postscale_factor=1.0,
+                  process_set=None, keep=()):
     """:func:`allreduce_async` with ``blocking`` and the wait in one call, without a
     :class:`Handle`: the path of a lone small allreduce, whose own time is a few
     microseconds (PERSEUS_LANE_BYTES). Raises the operation's error as ``wait()`` does."""
     hid = _submit_allreduce(inp, out, name, op, prescale_factor, postscale_factor, process_set,
                             False, True)
+    _wait_now(hid, (keep, inp, out))
+
+
+def _wait_now(hid, keep):
+    """The core's ``(output, splits, value)`` for ``hid``, waited for by a ``*_now``
+    call (which made no :class:`Handle`): raises as ``wait()`` does, and an operation
+    left in flight by an interrupt keeps ``keep`` alive in a handle of its own."""
     try:
-        _core.wait(hid)
+        return _core.wait(hid)
     except (KeyboardInterrupt, TimeoutError):
-        Handle(hid, (keep, inp, out))  # still in flight: keep its tensors alive
+        Handle(hid, keep)
         raise
     except _core.HorovodInternalError as e:
         flight_recorder.on_failure(e)
@@ -287,6 +294,15 @@ def allgather_async(inp, *, name=None, stack=False, process_set=None, keep=(), f
     ps = _prepare(name, process_set)
     return Handle(_core.allgather(inp, name, bool(stack), ps, out, blocking), (keep, inp, out),
                   finish)
+
+
+def allgather_now(inp, name=None, stack=False, process_set=None, keep=()):
+    """:func:`allgather_async` with ``blocking`` and the wait in one call, without a
+    :class:`Handle`: the capsule of the result (the core's own). Raises the operation's
+    error as ``wait()`` does."""
+    ps = _prepare(name, process_set)
+    hid = _core.allgather(inp, name, bool(stack), ps, None, True)
+    return _wait_now(hid, (keep, inp))[0]
 
 
 def broadcast_async(buf, *, root_rank, name=None, process_set=None, keep=(), finish=None):

@@ -59,6 +59,7 @@ _SUPPORTED_DTYPES = tuple(
                 torch.int32, torch.int64, torch.float16, torch.bfloat16, torch.float32,
                 torch.float64, torch.bool)
     if d is not None)
+_SUPPORTED = frozenset(_SUPPORTED_DTYPES)  # for the per-call check: a hash, not a scan
 
 
 # --------------------------------------------------------------------------- tensor adaptation
@@ -68,19 +69,21 @@ _SUPPORTED_DTYPES = tuple(
 def _check_tensor(tensor):
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.dtype not in _SUPPORTED_DTYPES:
+    if tensor.dtype not in _SUPPORTED:
         names = ", ".join(str(d).replace("torch.", "") for d in _SUPPORTED_DTYPES)
         raise TypeError(f"Perseus does not support tensors of dtype {tensor.dtype}; "
                         f"supported dtypes: {names}")
-    if tensor.is_cuda:
+    if tensor.is_cpu:
+        pass
+    elif tensor.is_cuda:
         if not _gpu.built():
             raise _gpu.GpuUnavailableError(
                 f"a tensor on {tensor.device} reached a build of Perseus without GPU support "
                 "(the cuda feature); move it to the CPU")
-    elif not tensor.is_cpu:
+    else:
         raise ValueError(f"tensors on {tensor.device} are not supported: Perseus handles CPU "
                          "and CUDA tensors")
-    if tensor.layout != torch.strided:
+    if tensor.layout is not torch.strided:
         raise ValueError(f"{tensor.layout} tensors are not supported here; sparse gradients go "
                          "through sparse_allreduce_async or DistributedOptimizer")
 
@@ -96,7 +99,7 @@ def _capsule(t):
 
 def _export(tensor):
     """A contiguous detached tensor with ``tensor``'s values, and its DLPack capsule."""
-    t = tensor.detach()
+    t = tensor.detach() if tensor.requires_grad else tensor
     if not t.is_contiguous():
         t = t.contiguous()
     return t, _capsule(t)
@@ -113,10 +116,16 @@ def _new_output(tensor):
     return torch.empty_like(tensor, memory_format=torch.contiguous_format)
 
 
+def _writable(tensor):
+    """Contiguous ``tensor`` as the buffer an operation writes its result into: itself,
+    without its autograd history (detach costs ~0.3 us, so only when it has one)."""
+    return tensor.detach() if tensor.requires_grad else tensor
+
+
 def _in_place(tensor):
     """Buffer, capsule and finish callback for an operation writing into ``tensor``."""
     if tensor.is_contiguous():
-        buf = tensor.detach() if tensor.requires_grad else tensor  # detach costs ~0.5 us
+        buf = _writable(tensor)
         return buf, _capsule(buf), lambda _h: tensor
 
     buf = tensor.detach().contiguous()
@@ -134,12 +143,16 @@ def _copy_plain(out, src):
         out.copy_(src)
 
 
-def _output(handle):
-    """The tensor the core allocated for ``handle`` (in host memory)."""
-    capsule = handle.output()
+def _tensor_of(capsule):
+    """The tensor the core allocated for an output (in host memory)."""
     if capsule is None:
         raise HorovodInternalError("the core returned no output tensor")
     return torch.from_dlpack(capsule)
+
+
+def _output(handle):
+    """The tensor the core allocated for ``handle`` (in host memory)."""
+    return _tensor_of(handle.output())
 
 
 def _output_on(like):
@@ -152,10 +165,9 @@ def _output_on(like):
 # --------------------------------------------------------------------------- allreduce
 
 def _allreduce_views(tensor, output):
-    """What the core needs to reduce ``tensor`` into ``output`` (``None``: into itself):
-    the input's and the output's capsules, what must live until the end, and the
-    callback giving the result."""
-    _check_tensor(tensor)
+    """What the core needs to reduce checked ``tensor`` into ``output`` (``None``: into
+    itself): the input's and the output's capsules, what must live until the end, and
+    the callback giving the result."""
     if output is None:
         buf, cap, finish = _in_place(tensor)
         return cap, cap, (tensor, buf), finish
@@ -165,6 +177,7 @@ def _allreduce_views(tensor, output):
 
 def _allreduce_async(tensor, output, name, op, prescale_factor, postscale_factor, process_set,
                      gradient=False, blocking=False):
+    _check_tensor(tensor)
     cap, out_cap, keep, finish = _allreduce_views(tensor, output)
     return _ops.allreduce_async(cap, out_cap, name=name, op=op, prescale_factor=prescale_factor,
                                 postscale_factor=postscale_factor, process_set=process_set,
@@ -173,10 +186,18 @@ def _allreduce_async(tensor, output, name, op, prescale_factor, postscale_factor
 
 
 def _allreduce_now(tensor, output, name, op, prescale_factor, postscale_factor, process_set):
-    """The reduction of ``tensor`` into ``output`` (``None``: into itself), waited for."""
+    """The reduction of checked ``tensor`` into ``output`` (``None``: into itself), waited
+    for. A contiguous tensor reduced into itself, the usual lone small allreduce, takes
+    the shortest way: the Python calls around it are a large part of its time."""
+    if output is None and tensor.is_contiguous():
+        buf = _writable(tensor)
+        cap = _capsule(buf)
+        _ops.allreduce_now(cap, cap, name, op, prescale_factor, postscale_factor, process_set,
+                           (tensor, buf))
+        return tensor
     cap, out_cap, keep, finish = _allreduce_views(tensor, output)
-    _ops.allreduce_now(cap, out_cap, name=name, op=op, prescale_factor=prescale_factor,
-                       postscale_factor=postscale_factor, process_set=process_set, keep=keep)
+    _ops.allreduce_now(cap, out_cap, name, op, prescale_factor, postscale_factor, process_set,
+                       keep)
     return finish(None)
 
 
@@ -263,6 +284,7 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                postscale_factor=1.0, process_set=global_process_set):
     """Average (or reduce with ``op``) ``tensor`` in place over all ranks; returns it."""
     op = _ops.resolve_op(op, average)
+    _check_tensor(tensor)
     return _allreduce_now(tensor, None, name, op, prescale_factor, postscale_factor, process_set)
 
 
@@ -347,13 +369,20 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
 
 # --------------------------------------------------------------------------- allgather
 
+def _allgather_source(tensor, stack):
+    """What an allgather of ``tensor`` sends: with a leading dimension of 1 when the
+    result stacks, a scalar as one row when it concatenates."""
+    if stack:
+        return tensor.unsqueeze(0)
+    return tensor.reshape(1) if tensor.dim() == 0 else tensor
+
+
 def _allgather_concat_async(tensor, name, process_set, blocking=False):
     """Horovod-style allgather (concatenate along dim 0) whatever the allgather mode.
     ``blocking``: the caller waits at once, so a small one may complete among the
     callers before this returns (PERSEUS_LANE_BYTES)."""
     _check_tensor(tensor)
-    src = tensor.reshape(1) if tensor.dim() == 0 else tensor
-    buf, cap = _export(src)
+    buf, cap = _export(_allgather_source(tensor, False))
     return _ops.allgather_async(cap, name=name, stack=False, process_set=process_set,
                                 keep=(tensor, buf), finish=_output_on(tensor),
                                 blocking=blocking)
@@ -370,11 +399,11 @@ def allgather_async(tensor, name=None, process_set=global_process_set):
     return _allgather_async(tensor, name, process_set)
 
 
-def _allgather_async(tensor, name, process_set, blocking=False):
+def _allgather_async(tensor, name, process_set):
     _check_tensor(tensor)
     if not _basics.allgather_stacks():
-        return _allgather_concat_async(tensor, name, process_set, blocking)
-    return _stacked_allgather_async(tensor, name, process_set, blocking)
+        return _allgather_concat_async(tensor, name, process_set)
+    return _stacked_allgather_async(tensor, name, process_set)
 
 
 def stacked_allgather_async(tensor, name=None, process_set=global_process_set):
@@ -384,11 +413,10 @@ def stacked_allgather_async(tensor, name=None, process_set=global_process_set):
     return _stacked_allgather_async(tensor, name, process_set)
 
 
-def _stacked_allgather_async(tensor, name, process_set, blocking=False):
-    buf, cap = _export(tensor.unsqueeze(0))
+def _stacked_allgather_async(tensor, name, process_set):
+    buf, cap = _export(_allgather_source(tensor, True))
     return _ops.allgather_async(cap, name=name, stack=True, process_set=process_set,
-                                keep=(tensor, buf), finish=_output_on(tensor),
-                                blocking=blocking)
+                                keep=(tensor, buf), finish=_output_on(tensor))
 
 
 def _allgather_grads(grads, shapes, stack, process_set):
@@ -404,13 +432,23 @@ def _allgather_grads(grads, shapes, stack, process_set):
     return [g.narrow(0, o, n).reshape(s) for g, o, n, s in zip(reduced, offsets, rows, shapes)]
 
 
+def _allgather_now(tensor, name, process_set):
+    """:func:`allgather`'s result, waited for in one call: no handle, so a small one in
+    the lane (PERSEUS_LANE_BYTES) costs little more than the exchange."""
+    _check_tensor(tensor)
+    stack = _basics.allgather_stacks()
+    buf, cap = _export(_allgather_source(tensor, stack))
+    out = _tensor_of(_ops.allgather_now(cap, name, stack, process_set, (tensor, buf)))
+    return out if tensor.is_cpu else out.to(tensor.device)
+
+
 class _Allgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name, process_set):
         ctx.shape = tensor.shape
         ctx.process_set = process_set
         ctx.stack = _basics.allgather_stacks()
-        return synchronize(_allgather_async(tensor, name, process_set, blocking=True))
+        return _allgather_now(tensor, name, process_set)
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -425,7 +463,7 @@ def allgather(tensor, name=None, process_set=global_process_set):
     back to this rank's part.
     """
     if isinstance(tensor, torch.Tensor) and not _differentiable(tensor):
-        return synchronize(_allgather_async(tensor, name, process_set, blocking=True))
+        return _allgather_now(tensor, name, process_set)
     return _Allgather.apply(tensor, name, process_set)
 
 
