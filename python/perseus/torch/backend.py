@@ -357,9 +357,10 @@ class _Collectives:
                              f"{input.numel()} need {input.numel() * self.size()}")
         src, cap = mpi_ops._export(_plain(input).reshape(-1))
         dst, out_cap = _landing(output)
+        # Blocking, as all_reduce's: a small one may complete among the callers.
         handle = _ops.allgather_async(cap, stack=False, process_set=self._ps,
                                       keep=(input, src, dst), finish=_core_result,
-                                      out=out_cap)
+                                      out=out_cap, blocking=True)
         return self._work(handle, lambda flat: [_landed(output, flat)], _devices(input))
 
     def _allgather_base(self, output, input, opts=None):
