@@ -484,6 +484,14 @@ fn allreduce_blocking(e: &Engine, name: &str, v: &mut [f32]) -> Result<(), Perse
     e.wait(h, || None).map(|_| ())
 }
 
+/// Runs a blocking broadcast of `v` from `root` (the lane's way in).
+fn broadcast_blocking(e: &Engine, name: &str, root: i64, v: &mut [f32]) {
+    let mut r = Request::new(OpKind::Broadcast, name, 0);
+    r.root = root;
+    let h = e.enqueue_blocking(r, None, Some(view(v))).unwrap();
+    e.wait(h, || None).unwrap();
+}
+
 #[test]
 fn blocking_small_allreduces_run_in_the_lane_and_the_rest_on_the_engine() {
     for n in [2, 3] {
@@ -497,8 +505,13 @@ fn blocking_small_allreduces_run_in_the_lane_and_the_rest_on_the_engine() {
                 let want = (n * (n - 1) / 2) as f32 + (n * i) as f32;
                 assert!(v.iter().all(|x| *x == want), "rank {r} call {i}: {v:?}");
             }
+            for root in 0..n {
+                let mut v = vec![r as f32; 9];
+                broadcast_blocking(e, "bcast", root as i64, &mut v);
+                assert!(v.iter().all(|x| *x == root as f32), "rank {r}: {v:?}");
+            }
             let before = lane(e);
-            assert_eq!(before, 50, "rank {r}: {:?}", e.counters());
+            assert_eq!(before, 50 + n as u64, "rank {r}: {:?}", e.counters());
             // Larger than the lane carries: the engine, with the same result.
             let mut big = vec![1.0f32; 20_000];
             allreduce_blocking(e, "big", &mut big).unwrap();

@@ -76,7 +76,9 @@ def allreduce(
 def allgather(
     inp: Any, name: str | None, stack: bool, process_set: int, out: Any | None = None
 ) -> int: ...
-def broadcast(buf: Any, name: str | None, root: int, process_set: int) -> int: ...
+def broadcast(
+    buf: Any, name: str | None, root: int, process_set: int, blocking: bool = False
+) -> int: ...
 def alltoall(
     inp: Any,
     splits: list[int] | None,

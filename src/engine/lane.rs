@@ -1,8 +1,8 @@
-//! Small blocking allreduces and allgathers run by the callers themselves: in a
-//! job whose ranks all share one host, a caller about to wait for one of a few KiB
-//! first tries it through the host's lane ([`crate::transport::lane`]), reducing
-//! every rank's bytes in rank order (the same result on every rank), or
-//! concatenating them. The engine thread
+//! Small blocking allreduces, allgathers and broadcasts run by the callers
+//! themselves: in a job whose ranks all share one host, a caller about to wait for
+//! one of a few KiB first tries it through the host's lane
+//! ([`crate::transport::lane`]), reducing every rank's bytes in rank order (the same
+//! result on every rank), concatenating them, or copying the root's. The engine thread
 //! is never woken and the coordinator never asked, which is most of a lone small
 //! operation's time. When the others do not come with the same operation within
 //! the patience (PERSEUS_LANE_PATIENCE_US), every rank hands it to the engine as
@@ -43,20 +43,34 @@ impl CallerLane {
     }
 
     /// True when `req` is tried in the lane: an allreduce (not Adasum, its output
-    /// the input's size) or an allgather (rows of one byte or more) of the global set,
-    /// of host tensors, within the limit. A function of the request and the job's
-    /// settings only, so ranks decide alike (an allgather's rank whose rows pass the
-    /// limit is the exception: the others then give it up after their patience).
-    pub fn takes(&self, req: &Request, input: &TensorView, output: Option<&TensorView>) -> bool {
-        let host = input.device == Device::Cpu && output.map_or(true, |o| o.device == Device::Cpu);
-        let fits = input.nbytes <= self.limit;
-        let kind = match req.kind {
-            OpKind::Allreduce => {
+    /// the input's size), an allgather (rows of one byte or more) or a broadcast (of
+    /// one byte or more) of the global set, of host tensors, within the limit. A
+    /// function of the request and the job's settings only, so ranks decide alike (an
+    /// allgather's rank whose rows pass the limit is the exception: the others then
+    /// give it up after their patience).
+    pub fn takes(
+        &self,
+        req: &Request,
+        input: Option<&TensorView>,
+        output: Option<&TensorView>,
+    ) -> bool {
+        // A broadcast has its buffer only, as output; the others an input.
+        let Some(data) = input.or(output) else {
+            return false;
+        };
+        let host = [input, output]
+            .into_iter()
+            .flatten()
+            .all(|t| t.device == Device::Cpu);
+        let fits = data.nbytes <= self.limit;
+        let kind = match (req.kind, input) {
+            (OpKind::Allreduce, Some(input)) => {
                 req.op != ReduceOp::Adasum
                     && input.nbytes > 0
                     && output.is_some_and(|o| o.nbytes == input.nbytes)
             }
-            OpKind::Allgather => !input.shape.is_empty() && row_bytes(input) > 0,
+            (OpKind::Allgather, Some(input)) => !input.shape.is_empty() && row_bytes(input) > 0,
+            (OpKind::Broadcast, None) => data.nbytes > 0,
             _ => false,
         };
         req.process_set == 0 && host && fits && kind
@@ -67,12 +81,13 @@ impl CallerLane {
     pub fn run(
         &self,
         req: &Request,
-        input: &TensorView,
+        input: Option<&TensorView>,
         output: Option<&TensorView>,
     ) -> Option<Output> {
         match req.kind {
-            OpKind::Allreduce => self.allreduce(req, input, output?).then(Output::default),
-            _ => self.allgather(req, input, output),
+            OpKind::Allreduce => self.allreduce(req, input?, output?).then(Output::default),
+            OpKind::Broadcast => self.broadcast(req, output?).then(Output::default),
+            _ => self.allgather(req, input?, output),
         }
     }
 
@@ -103,6 +118,33 @@ impl CallerLane {
         };
         self.lane
             .exchange(identity, fill, self.patience, self.yielding, reduce)
+            .is_some()
+    }
+
+    /// Overwrites `buf` with the root's bytes on every other rank; the root's own is
+    /// only read (it may be the caller's input, as the engine's broadcast allows).
+    fn broadcast(&self, req: &Request, buf: &TensorView) -> bool {
+        // The global set: the root's place in the lane is its rank.
+        let root = usize::try_from(req.root).unwrap_or(usize::MAX);
+        let mine = self.lane.me() == root;
+        // The shape and the root are in the hashes; only the root sends bytes.
+        let identity = Identity {
+            hashes: req.fingerprint(),
+            len: if mine { buf.nbytes } else { 0 },
+        };
+        // SAFETY (both): as in `allreduce`; no rank writes the root's buffer.
+        let fill = |part: &mut [u8]| {
+            if mine {
+                part.copy_from_slice(unsafe { buf.bytes() });
+            }
+        };
+        let copy = |parts: &[&[u8]]| {
+            if !mine {
+                unsafe { buf.bytes_mut() }.copy_from_slice(parts[root]);
+            }
+        };
+        self.lane
+            .exchange(identity, fill, self.patience, self.yielding, copy)
             .is_some()
     }
 

@@ -269,7 +269,7 @@ impl Engine {
     /// `control_frames_sent`/`_received` and `control_bytes_sent`/`_received`
     /// (headers included) on the negotiation streams to and from rank 0, and
     /// `vote_messages` and `vote_bytes` this rank sent in the offline schedule's
-    /// votes (PERSEUS_OFFLINE_NEG), and `lane_operations`: allreduces its callers
+    /// votes (PERSEUS_OFFLINE_NEG), and `lane_operations`: operations its callers
     /// ran among the ranks themselves (PERSEUS_LANE_BYTES; also in `operations`).
     pub fn counters(&self) -> BTreeMap<String, u64> {
         let c = &self.shared.counters;
@@ -353,7 +353,7 @@ impl Engine {
     }
 
     /// [`Engine::enqueue`] for a caller that waits for the operation at once: a
-    /// small allreduce or allgather of a one-host job may then run among the callers
+    /// small allreduce, allgather or broadcast of a one-host job may then run among the callers
     /// before this returns (PERSEUS_LANE_BYTES), its handle already complete. Waits up to
     /// PERSEUS_LANE_PATIENCE_US for the other ranks; call it without holding locks
     /// that other threads need meanwhile.
@@ -460,7 +460,7 @@ impl Engine {
         input: Option<&TensorView>,
         output: Option<&TensorView>,
     ) -> Option<Output> {
-        let (lane, input) = (self.lane.as_ref()?, input?);
+        let lane = self.lane.as_ref()?;
         // A timeline shows every operation's negotiation and phases, as Horovod's does:
         // while one is recorded, the engine runs them all.
         if !lane.takes(req, input, output) || self.shared.timeline.active() {

@@ -129,9 +129,10 @@ pub const PARAMS: &[Param] = &[
         default: Default::Int(LANE_MAX_BYTES),
         scope: Scope::Core,
         note: "(bytes; 0: off)",
-        doc: "largest allreduce of host tensors that the ranks of a one-host job, calling \
-              it blocking, exchange themselves through shared memory without the engine \
-              thread; 0: every operation through the engine",
+        doc: "largest allreduce, allgather (a rank's part) or broadcast of host tensors \
+              that the ranks of a one-host job, calling it blocking, exchange themselves \
+              through shared memory without the engine thread; 0: every operation \
+              through the engine",
     },
     Param {
         name: "PERSEUS_LANE_PATIENCE_US",
@@ -141,7 +142,7 @@ pub const PARAMS: &[Param] = &[
         scope: Scope::Core,
         note: "(microseconds)",
         doc: "how long a rank waits in the lane (PERSEUS_LANE_BYTES) for the others to \
-              come with the same allreduce before every rank runs it on the engine",
+              come with the same operation before every rank runs it on the engine",
     },
     Param {
         name: "PERSEUS_SHM_DIRECT",

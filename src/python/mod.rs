@@ -441,18 +441,24 @@ fn allgather(
     }
 }
 
-/// Starts an in-place broadcast from set rank `root`.
+/// Starts an in-place broadcast from set rank `root`. `blocking`: as for
+/// [`allreduce`].
 #[pyfunction]
-#[pyo3(signature = (buf, name, root, process_set))]
+#[pyo3(signature = (buf, name, root, process_set, blocking=false))]
 fn broadcast(
+    py: Python<'_>,
     buf: &Bound<'_, PyAny>,
     name: Option<String>,
     root: i64,
     process_set: u32,
+    blocking: bool,
 ) -> PyResult<u64> {
     let mut req = named(OpKind::Broadcast, name, process_set);
     req.root = root;
-    submit(req, None, Some(buf))
+    match blocking {
+        true => submit_blocking(py, req, None, Some(buf)),
+        false => submit(req, None, Some(buf)),
+    }
 }
 
 /// Starts an alltoall; `splits` = rows for each rank (None: equal parts); `out` as

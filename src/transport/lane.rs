@@ -97,6 +97,11 @@ impl Lane {
         self.members
     }
 
+    /// This rank's place among the members.
+    pub fn me(&self) -> usize {
+        self.me
+    }
+
     fn slot_word(&self, parity: usize) -> &AtomicU64 {
         self.seg.word64(self.base + parity * LINE)
     }

@@ -21,6 +21,12 @@ def test_collectives_values_and_gradients(run_framework, n):
     run_framework(n, "collectives.py")
 
 
+def test_lone_tensors_in_the_lane(run_framework):
+    """A lone small allreduce, allgather and broadcast run among the callers through shared
+    memory (PERSEUS_LANE_BYTES); the patience is long, so that the ranks always meet."""
+    run_framework(2, "collectives.py", "lane", env={"PERSEUS_LANE_PATIENCE_US": "5000000"})
+
+
 def test_collectives_between_hosts(run_framework):
     """The same over TCP between two loopback "hosts"."""
     run_framework(2, "collectives.py", hosts="127.0.0.1:1,127.0.0.2:1")

@@ -154,7 +154,7 @@ def counters():
     ``control_bytes_received`` (frame headers included) on the negotiation streams to
     and from rank 0, ``vote_messages`` and ``vote_bytes`` this rank sent in the
     offline schedule's votes (PERSEUS_OFFLINE_NEG), and ``lane_operations``
-    (allreduces the callers ran among the ranks themselves, PERSEUS_LANE_BYTES; also in
+    (operations the callers ran among the ranks themselves, PERSEUS_LANE_BYTES; also in
     ``operations``)."""
     check_initialized()
     return dict(_core.counters())

@@ -305,12 +305,14 @@ def allgather_now(inp, name=None, stack=False, process_set=None, keep=()):
     return _wait_now(hid, (keep, inp))[0]
 
 
-def broadcast_async(buf, *, root_rank, name=None, process_set=None, keep=(), finish=None):
+def broadcast_async(buf, *, root_rank, name=None, process_set=None, keep=(), finish=None,
+                    blocking=False):
     """Overwrite ``buf`` with the root's: ``root_rank`` is a rank of the job, which must
-    belong to the set (the core counts it within the set)."""
+    belong to the set (the core counts it within the set). ``blocking``: as for
+    :func:`allreduce_async`."""
     ps = _prepare(name, process_set)
     root = root_in_set(process_set, root_rank)
-    return Handle(_core.broadcast(buf, name, root, ps), (keep, buf), finish)
+    return Handle(_core.broadcast(buf, name, root, ps, blocking), (keep, buf), finish)
 
 
 def alltoall_async(inp, *, splits=None, name=None, process_set=None, keep=(), finish=None,

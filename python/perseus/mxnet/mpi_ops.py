@@ -286,9 +286,12 @@ def grouped_allgather(tensors, name=None, priority=0, process_set=global_process
 # --------------------------------------------------------------------------- broadcast
 
 def _broadcast_into(buf, root_rank, name, process_set, keep):
+    """A broadcast into ``buf`` that its caller waits for at once (``blocking``: a small
+    one may complete among the callers, PERSEUS_LANE_BYTES)."""
     target, cap, done = _writable(buf)
     return _ops.broadcast_async(cap, root_rank=root_rank, name=name, process_set=process_set,
-                                keep=(keep, buf, target), finish=lambda _h: done())
+                                keep=(keep, buf, target), finish=lambda _h: done(),
+                                blocking=True)
 
 
 def broadcast(tensor, root_rank, name=None, priority=0, process_set=global_process_set):
@@ -303,7 +306,7 @@ def broadcast(tensor, root_rank, name=None, priority=0, process_set=global_proce
         src, cap = _readable(tensor)
         handle = _ops.broadcast_async(cap, root_rank=root_rank, name=name,
                                       process_set=process_set, keep=(tensor, src, out),
-                                      finish=lambda _h: out)
+                                      finish=lambda _h: out, blocking=True)
         try:
             _ops.copy_result(out.context.device_type == "cpu",
                              out.size * np.dtype(out.dtype).itemsize,

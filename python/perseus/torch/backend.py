@@ -400,7 +400,8 @@ class _Collectives:
         """``broadcast`` from ``opts.rootRank`` (a rank of the group)."""
         tensor = _one(tensors, "broadcast")
         root = self._global(opts.rootRank, "broadcast's root")
-        handle = mpi_ops.broadcast_async_(_plain(tensor), root, process_set=self._ps)
+        # Blocking, as all_reduce's: a small one may complete among the callers.
+        handle = mpi_ops._broadcast_async_(_plain(tensor), root, None, self._ps, True)
         return self._work(handle, lambda _r: [tensor], _devices(tensor))
 
     def scatter(self, output_tensors, input_tensors, opts):

@@ -1,5 +1,6 @@
-"""Blocking small allreduces that the ranks of a one-host job run among themselves
-(PERSEUS_LANE_BYTES): values, counters, and what sends an operation to the engine."""
+"""Blocking small allreduces, allgathers and broadcasts that the ranks of a one-host job
+run among themselves (PERSEUS_LANE_BYTES): values, counters, and what sends an operation
+to the engine."""
 
 import sys
 import time
@@ -85,6 +86,25 @@ def sweep(r, n):
                       for q in range(n)])
     close(gathered, want, "allgather of ragged rows")
     ran += 1
+    # Broadcasts from every root, in place and not: exactly the root's bytes (a float's
+    # NaN payload and negative zero included), the input of the new-tensor form untouched.
+    for dtype in DTYPES:
+        for root in range(n):
+            mine = value(r, dtype)
+            theirs = hvd.broadcast(mine, root_rank=root)
+            close(theirs, value(root, dtype), f"broadcast of {dtype} from {root}")
+            close(mine, value(r, dtype), f"broadcast's input of {dtype} on {r}")
+            t = value(r, dtype)
+            assert hvd.broadcast_(t, root, name=f"lane.bcast.{dtype}.{root}") is t
+            close(t, value(root, dtype), f"in-place broadcast of {dtype} from {root}")
+            ran += 2
+    odd = torch.tensor([float("nan"), -0.0, float("-inf"), 1e-45]) * (r + 1)
+    odd[0] = torch.tensor(0x7FC00000 + r, dtype=torch.int32).view(torch.float32)
+    hvd.broadcast_(odd, n - 1)
+    want = torch.tensor([float("nan"), -0.0, float("-inf"), 1e-45]) * n
+    want[0] = torch.tensor(0x7FC00000 + n - 1, dtype=torch.int32).view(torch.float32)
+    assert torch.equal(odd.view(torch.int32), want.view(torch.int32)), (r, odd, want)
+    ran += 1
     d = delta(before)
     assert d["lane_operations"] == ran, (r, ran, d)
     assert d["operations"] == ran and d["tensors"] == ran, (r, d)
@@ -106,9 +126,16 @@ def through_engine(r, n):
                                                              process_set=SUBSET)),
         "above the limit": (n, lambda: hvd.allreduce(torch.ones(16385), op=hvd.Sum)),
         "Adasum": (n, lambda: hvd.allreduce(torch.ones(4), op=hvd.Adasum) * n),
+        "async broadcast": (n, lambda: hvd.synchronize(hvd.broadcast_async(
+            torch.full((4,), float(n if r == 0 else -1)), root_rank=0))),
+        "broadcast to a process set": (len(members), lambda: hvd.broadcast(
+            torch.full((4,), float(len(members) + r)), root_rank=members[0],
+            process_set=SUBSET)),
+        "broadcast above the limit": (n, lambda: hvd.broadcast_(
+            torch.full((16385,), float(n + r)), root_rank=0)),
     }
     for what, (k, run) in cases.items():
-        if what == "process set" and r not in members:
+        if "process set" in what and r not in members:
             continue
         before = hvd.counters()
         got = run()
@@ -127,6 +154,12 @@ def through_engine(r, n):
         assert delta(before)["lane_operations"] == 0, name
     with raises(hvd.HorovodInternalError, "lane.mm.op", what="op mismatch"):
         hvd.allreduce_(torch.ones(2), op=hvd.Sum if r == 0 else hvd.Max, name="lane.mm.op")
+    for name, root, t in [("lane.mm.root", min(r, 1), torch.ones(3)),
+                          ("lane.mm.bshape", 0, torch.ones(3 + r))]:
+        before = hvd.counters()
+        with raises(hvd.HorovodInternalError, name, what=name):
+            hvd.broadcast_(t, root, name=name)
+        assert delta(before)["lane_operations"] == 0, name
 
     # A rank that comes long after the others' patience: they gave it up, it does not
     # wait at all, and the engine runs it.

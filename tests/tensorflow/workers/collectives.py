@@ -3,6 +3,7 @@ then, after a re-init with PERSEUS_CHANGE_HVD_ALLGATHER=1, Horovod's concatenati
 allgather."""
 
 import os
+import sys
 import warnings
 
 import _tfhelpers  # noqa: F401 - quiets TensorFlow's logging first
@@ -241,9 +242,34 @@ def concatenating_allgather(r, n):
               .astype(np.float32), f"allgather concat gradient {mode}")
 
 
+def lone_tensors_in_the_lane(r, n):
+    """A lone small tensor's allreduce, allgather and broadcast, eager and in a graph, run
+    among the callers (PERSEUS_LANE_BYTES) with the engine's values; a pair of tensors
+    goes to the engine, where the coordinator may fuse them."""
+    before = hvd.counters()["lane_operations"]
+    x = tf.constant(BASE * (r + 1), tf.float32)
+    # One operation a function: a graph may run independent operations in any order.
+    cases = [("allreduce", lambda v: hvd.allreduce(v, op=hvd.Sum), BASE * n * (n + 1) / 2),
+             ("allgather", hvd.allgather, np.stack([BASE * (i + 1) for i in range(n)])),
+             ("broadcast", lambda v: hvd.broadcast(v, n - 1), BASE * n)]
+    for what, op, want in cases:
+        for mode, f in modes(op):
+            close(f(x), want, f"lane {what} {mode}")
+    ran = hvd.counters()["lane_operations"] - before
+    assert ran == 6, f"rank {r}: {ran} of 6 lone operations ran in the lane"
+    pair = hvd.grouped_allreduce([x, x], op=hvd.Sum)
+    close(pair[1], BASE * n * (n + 1) / 2, "grouped allreduce")
+    assert hvd.counters()["lane_operations"] - before == 6
+
+
 def main():
     hvd.init()
     r, n = hvd.rank(), hvd.size()
+    if sys.argv[1:] == ["lane"]:
+        lone_tensors_in_the_lane(r, n)
+        hvd.shutdown()
+        done(r)
+        return
     allreduce_values(r, n)
     grouped_and_sparse(r, n)
     gather_broadcast(r, n)

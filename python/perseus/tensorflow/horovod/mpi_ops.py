@@ -100,13 +100,14 @@ def allreduce_now(tensors, names, op, prescale_factor, postscale_factor, process
 
 def _allgather_now(tensors, names, stack, process_set):
     handles = []
+    blocking = len(tensors) == 1  # as in allreduce_now
     for t, name in zip(tensors, names):
         src = tf.reshape(t, [1]) if not stack and t.shape.rank == 0 else t
         if stack:
             src = tf.expand_dims(src, 0)
         handles.append(_ops.allgather_async(
             _bridge.export(src), name=name, stack=stack, process_set=process_set, keep=src,
-            finish=lambda h: _bridge.imported(h.output())))
+            finish=lambda h: _bridge.imported(h.output()), blocking=blocking))
     return _ops.GroupHandle(handles).wait()
 
 
@@ -295,11 +296,12 @@ def _broadcast_now(tensors, root_rank, names, process_set):
     # immutable). The others receive into new buffers, no copy of their input first.
     root = rank() == root_rank
     handles = []
+    blocking = len(tensors) == 1  # as in allreduce_now
     for t, name in zip(tensors, names):
         buf, cap = (t, _bridge.export(t)) if root else _bridge.empty_like(t)
         handles.append(_ops.broadcast_async(cap, root_rank=root_rank, name=name,
                                             process_set=process_set, keep=buf,
-                                            finish=lambda _h, b=buf: b))
+                                            finish=lambda _h, b=buf: b, blocking=blocking))
     return _ops.GroupHandle(handles).wait()
 
 

@@ -508,18 +508,24 @@ def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set
     ``root_rank`` is a rank of the job (as in Horovod), one of ``process_set``'s. Every
     rank must submit the same dtype and shape under one name.
     """
+    return _broadcast_async(tensor, root_rank, name, process_set, False)
+
+
+def _broadcast_async(tensor, root_rank, name, process_set, blocking):
+    """:func:`broadcast_async`; ``blocking``: the caller waits at once, so a small one
+    may complete among the callers before this returns (PERSEUS_LANE_BYTES)."""
     _check_tensor(tensor)
     out = _new_output(tensor)
     if _basics.rank() != root_rank:  # the broadcast overwrites all of it
         return _ops.broadcast_async(_capsule(out), root_rank=root_rank, name=name,
                                     process_set=process_set, keep=(tensor, out),
-                                    finish=lambda _h: out)
+                                    finish=lambda _h: out, blocking=blocking)
     # The root sends its input as it lies and copies it into the output meanwhile, both
     # only reading it, rather than copying first and sending the copy.
     src, cap = _export(tensor)
     handle = _ops.broadcast_async(cap, root_rank=root_rank, name=name,
                                   process_set=process_set, keep=(tensor, src, out),
-                                  finish=lambda _h: out)
+                                  finish=lambda _h: out, blocking=blocking)
     try:
         _ops.copy_result(out.is_cpu, out.numel() * out.element_size(),
                          lambda: (_to_dlpack(out), _to_dlpack(src)),
@@ -532,17 +538,22 @@ def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set
 
 def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set):
     """Start broadcasting ``tensor`` from ``root_rank`` in place; returns a handle."""
+    return _broadcast_async_(tensor, root_rank, name, process_set, False)
+
+
+def _broadcast_async_(tensor, root_rank, name, process_set, blocking):
+    """:func:`broadcast_async_`; ``blocking`` as for :func:`_broadcast_async`."""
     _check_tensor(tensor)
     buf, cap, finish = _in_place(tensor)
     return _ops.broadcast_async(cap, root_rank=root_rank, name=name, process_set=process_set,
-                                keep=(tensor, buf), finish=finish)
+                                keep=(tensor, buf), finish=finish, blocking=blocking)
 
 
 class _Broadcast(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, root_rank, name, process_set):
         ctx.root_rank, ctx.process_set = root_rank, process_set
-        return synchronize(broadcast_async(tensor, root_rank, name, process_set))
+        return synchronize(_broadcast_async(tensor, root_rank, name, process_set, True))
 
     @staticmethod
     def backward(ctx, grad_output):
@@ -559,7 +570,7 @@ def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
 
 def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
     """Overwrite ``tensor`` with ``root_rank``'s value; returns it."""
-    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))
+    return synchronize(_broadcast_async_(tensor, root_rank, name, process_set, True))
 
 
 # --------------------------------------------------------------------------- alltoall
