@@ -492,6 +492,16 @@ fn broadcast_blocking(e: &Engine, name: &str, root: i64, v: &mut [f32]) {
     e.wait(h, || None).unwrap();
 }
 
+/// Runs a blocking reduce-scatter (Sum) of `v` into `out` (this rank's block).
+fn reducescatter_blocking(e: &Engine, name: &str, v: &mut [f32], out: &mut [f32]) {
+    let mut r = Request::new(OpKind::Reducescatter, name, 0);
+    r.op = ReduceOp::Sum;
+    let h = e
+        .enqueue_blocking(r, Some(view(v)), Some(view(out)))
+        .unwrap();
+    e.wait(h, || None).unwrap();
+}
+
 #[test]
 fn blocking_small_allreduces_run_in_the_lane_and_the_rest_on_the_engine() {
     for n in [2, 3] {
@@ -510,8 +520,14 @@ fn blocking_small_allreduces_run_in_the_lane_and_the_rest_on_the_engine() {
                 broadcast_blocking(e, "bcast", root as i64, &mut v);
                 assert!(v.iter().all(|x| *x == root as f32), "rank {r}: {v:?}");
             }
+            // Rows 2r and 2r + 1 of the sum are this rank's.
+            let mut rows: Vec<f32> = (0..2 * n).map(|i| (i * 10 + r) as f32).collect();
+            let mut block = [0.0f32; 2];
+            reducescatter_blocking(e, "scatter", &mut rows, &mut block);
+            let sum = |i: usize| (n * i * 10 + n * (n - 1) / 2) as f32;
+            assert_eq!(block, [sum(2 * r), sum(2 * r + 1)], "rank {r}");
             let before = lane(e);
-            assert_eq!(before, 50 + n as u64, "rank {r}: {:?}", e.counters());
+            assert_eq!(before, 51 + n as u64, "rank {r}: {:?}", e.counters());
             // Larger than the lane carries: the engine, with the same result.
             let mut big = vec![1.0f32; 20_000];
             allreduce_blocking(e, "big", &mut big).unwrap();

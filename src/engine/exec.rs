@@ -145,11 +145,7 @@ pub fn run_op(
         unreachable!("run_op takes Op responses");
     };
     let n = comm.size();
-    let post = if *op == ReduceOp::Average {
-        postscale / n as f64
-    } else {
-        *postscale
-    };
+    let post = post_factor(*op, *postscale, n);
     let one = |r: Result<Output>| Outcome {
         results: vec![r],
         resent: None,
@@ -690,6 +686,52 @@ fn alltoall(
     })
 }
 
+/// The factor a reduction's result is scaled by last, on a set of `n`: Average's
+/// division by the set's size is folded into the postscale factor.
+pub(super) fn post_factor(op: ReduceOp, postscale: f64, n: usize) -> f64 {
+    match op {
+        ReduceOp::Average => postscale / n as f64,
+        _ => postscale,
+    }
+}
+
+/// A reduce-scatter of `shape` on a set of `n`: the rows of dimension 0 each member
+/// gets (Horovod's split: the first `d0 % n` members one more), and the elements of
+/// one row.
+pub(super) fn scatter_rows(shape: &[i64], n: usize) -> (Vec<usize>, usize) {
+    let d0 = shape.first().copied().unwrap_or(1).max(0) as usize;
+    let rows = collective::partition(d0, n)
+        .iter()
+        .map(|p| p.len())
+        .collect();
+    (rows, elems(shape.get(1..).unwrap_or(&[])))
+}
+
+/// The output of a reduce-scatter of `shape` whose member got `rows` rows: the core's
+/// own tensor where `own` holds it (else the caller's output was written).
+pub(super) fn scattered(
+    own: Option<AlignedBuf>,
+    dtype: DataType,
+    shape: &[i64],
+    rows: usize,
+) -> Output {
+    let mut oshape = if shape.is_empty() {
+        vec![1]
+    } else {
+        shape.to_vec()
+    };
+    oshape[0] = rows as i64;
+    Output {
+        tensor: own.map(|buf| OwnedTensor {
+            buf,
+            dtype,
+            shape: oshape,
+        }),
+        splits: vec![],
+        value: 0,
+    }
+}
+
 fn reducescatter(
     comm: &dyn Comm,
     shape: &[i64],
@@ -700,13 +742,7 @@ fn reducescatter(
     bufs: &mut Buffers,
 ) -> Result<Output> {
     let input = input_of(entries)?;
-    let n = comm.size();
-    let d0 = shape.first().copied().unwrap_or(1).max(0) as usize;
-    let row_elems = elems(shape.get(1..).unwrap_or(&[]));
-    let rows: Vec<usize> = collective::partition(d0, n)
-        .iter()
-        .map(|p| p.len())
-        .collect();
+    let (rows, row_elems) = scatter_rows(shape, comm.size());
     let counts: Vec<usize> = rows.iter().map(|r| r * row_elems).collect();
     // The input stays as it is: the reduction runs on a copy in the fusion buffer, which
     // the engine keeps (a fresh one each call faults every page in again, which costs
@@ -730,21 +766,7 @@ fn reducescatter(
     out.copy_from_slice(&work.as_slice()[mine]);
     bufs.fusion = work;
     scale(out, dtype, post);
-    let mut oshape = if shape.is_empty() {
-        vec![1]
-    } else {
-        shape.to_vec()
-    };
-    oshape[0] = rows[comm.rank()] as i64;
-    Ok(Output {
-        tensor: own.map(|buf| OwnedTensor {
-            buf,
-            dtype,
-            shape: oshape,
-        }),
-        splits: vec![],
-        value: 0,
-    })
+    Ok(scattered(own, dtype, shape, rows[comm.rank()]))
 }
 
 #[cfg(test)]

@@ -1,14 +1,15 @@
-//! Small blocking allreduces, allgathers and broadcasts run by the callers
-//! themselves: in a job whose ranks all share one host, a caller about to wait for
-//! one of a few KiB first tries it through the host's lane
+//! Small blocking allreduces, allgathers, broadcasts and reduce-scatters run by the
+//! callers themselves: in a job whose ranks all share one host, a caller about to
+//! wait for one of a few KiB first tries it through the host's lane
 //! ([`crate::transport::lane`]), reducing every rank's bytes in rank order (the same
-//! result on every rank), concatenating them, or copying the root's. The engine thread
+//! result on every rank, or each rank's block of it), concatenating them, or copying
+//! the root's. The engine thread
 //! is never woken and the coordinator never asked, which is most of a lone small
 //! operation's time. When the others do not come with the same operation within
 //! the patience (PERSEUS_LANE_PATIENCE_US), every rank hands it to the engine as
 //! usual, with its checks and errors (PERSEUS_LANE_BYTES).
 
-use super::exec::result_buffer;
+use super::exec::{post_factor, result_buffer, scatter_rows, scattered};
 use super::handles::Output;
 use super::message::{shape_bytes, OpKind, Request};
 use crate::config::Config;
@@ -43,8 +44,8 @@ impl CallerLane {
     }
 
     /// True when `req` is tried in the lane: an allreduce (not Adasum, its output
-    /// the input's size), an allgather (rows of one byte or more) or a broadcast (of
-    /// one byte or more) of the global set, of host tensors, within the limit. A
+    /// the input's size), an allgather (rows of one byte or more), a broadcast (of
+    /// one byte or more) or a reduce-scatter (not Adasum, not of a scalar) of the global set, of host tensors, within the limit. A
     /// function of the request and the job's settings only, so ranks decide alike (an
     /// allgather's rank whose rows pass the limit is the exception: the others then
     /// give it up after their patience).
@@ -71,6 +72,9 @@ impl CallerLane {
             }
             (OpKind::Allgather, Some(input)) => !input.shape.is_empty() && row_bytes(input) > 0,
             (OpKind::Broadcast, None) => data.nbytes > 0,
+            (OpKind::Reducescatter, Some(input)) => {
+                req.op != ReduceOp::Adasum && !input.shape.is_empty() && input.nbytes > 0
+            }
             _ => false,
         };
         req.process_set == 0 && host && fits && kind
@@ -87,38 +91,42 @@ impl CallerLane {
         match req.kind {
             OpKind::Allreduce => self.allreduce(req, input?, output?).then(Output::default),
             OpKind::Broadcast => self.broadcast(req, output?).then(Output::default),
+            OpKind::Reducescatter => self.reducescatter(req, input?, output),
             _ => self.allgather(req, input?, output),
         }
     }
 
     fn allreduce(&self, req: &Request, input: &TensorView, output: &TensorView) -> bool {
-        let n = self.lane.members();
-        let (dtype, op) = (req.dtype, req.op);
-        let post = match op {
-            ReduceOp::Average => req.postscale / n as f64,
-            _ => req.postscale,
+        let post = post_factor(req.op, req.postscale, self.lane.members());
+        // SAFETY: the caller holds the output alive and unused until the operation
+        // completes (Horovod's contract); the input, which may be the same memory, was
+        // read into this rank's part before.
+        let reduce = |parts: &[&[u8]]| {
+            let out = unsafe { output.bytes_mut() };
+            reduce_in_order(out, parts.iter().copied(), req, post);
         };
+        self.exchange_scaled(req, input, reduce).is_some()
+    }
+
+    /// Exchanges every rank's whole input, times the prescale factor: what a
+    /// reduction's `then` reduces.
+    fn exchange_scaled<R>(
+        &self,
+        req: &Request,
+        input: &TensorView,
+        then: impl FnOnce(&[&[u8]]) -> R,
+    ) -> Option<R> {
         // The request's shape is in the hashes: every part has this length.
         let identity = Identity {
             hashes: req.fingerprint(),
             len: input.nbytes,
         };
-        // SAFETY (both): the caller holds the tensors alive and unused until the
-        // operation completes (Horovod's contract); the input is read before the
-        // output, which may be the same memory, is written.
+        // SAFETY: the caller holds the input alive and unchanged until the operation
+        // completes (Horovod's contract).
         let fill =
-            |part: &mut [u8]| copy_scaled(part, unsafe { input.bytes() }, dtype, req.prescale);
-        let reduce = |parts: &[&[u8]]| {
-            let out = unsafe { output.bytes_mut() };
-            out.copy_from_slice(parts[0]);
-            for p in &parts[1..] {
-                reduce_into(out, p, dtype, op);
-            }
-            scale(out, dtype, post);
-        };
+            |part: &mut [u8]| copy_scaled(part, unsafe { input.bytes() }, req.dtype, req.prescale);
         self.lane
-            .exchange(identity, fill, self.patience, self.yielding, reduce)
-            .is_some()
+            .exchange(identity, fill, self.patience, self.yielding, then)
     }
 
     /// Overwrites `buf` with the root's bytes on every other rank; the root's own is
@@ -146,6 +154,29 @@ impl CallerLane {
         self.lane
             .exchange(identity, fill, self.patience, self.yielding, copy)
             .is_some()
+    }
+
+    /// Reduces this rank's block of rows of every rank's input, in rank order, into
+    /// `output` where it has the block's size, else into a tensor of the core's own.
+    fn reducescatter(
+        &self,
+        req: &Request,
+        input: &TensorView,
+        output: Option<&TensorView>,
+    ) -> Option<Output> {
+        let (n, me) = (self.lane.members(), self.lane.me());
+        let post = post_factor(req.op, req.postscale, n);
+        let (rows, row_elems) = scatter_rows(&input.shape, n);
+        let row = row_elems * req.dtype.size();
+        let start = rows[..me].iter().sum::<usize>() * row;
+        let mine = start..start + rows[me] * row;
+        let reduce = |parts: &[&[u8]]| {
+            let mut own = None;
+            let out = result_buffer(output, mine.len(), &mut own);
+            reduce_in_order(out, parts.iter().map(|p| &p[mine.clone()]), req, post);
+            scattered(own, req.dtype, &input.shape, rows[me])
+        };
+        self.exchange_scaled(req, input, reduce)
     }
 
     /// Concatenates every rank's rows into `output` where it has the result's size,
@@ -193,6 +224,21 @@ impl CallerLane {
         self.lane
             .exchange(identity, fill, self.patience, self.yielding, gather)
     }
+}
+
+/// Writes into `out` the first of `parts` reduced with the others by `req`'s op, in
+/// their order, then scaled by `post`: the same bytes on every rank given the same parts.
+fn reduce_in_order<'a>(
+    out: &mut [u8],
+    mut parts: impl Iterator<Item = &'a [u8]>,
+    req: &Request,
+    post: f64,
+) {
+    out.copy_from_slice(parts.next().expect("a lane has members"));
+    for p in parts {
+        reduce_into(out, p, req.dtype, req.op);
+    }
+    scale(out, req.dtype, post);
 }
 
 /// Bytes of one row (dimension 0) of `t`.

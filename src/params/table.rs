@@ -129,7 +129,8 @@ pub const PARAMS: &[Param] = &[
         default: Default::Int(LANE_MAX_BYTES),
         scope: Scope::Core,
         note: "(bytes; 0: off)",
-        doc: "largest allreduce, allgather (a rank's part) or broadcast of host tensors \
+        doc: "largest allreduce, allgather (a rank's part), broadcast or reduce-scatter \
+              (a rank's input) of host tensors \
               that the ranks of a one-host job, calling it blocking, exchange themselves \
               through shared memory without the engine thread; 0: every operation \
               through the engine",

@@ -478,11 +478,14 @@ fn alltoall(
     submit(req, Some(inp), out)
 }
 
-/// Starts a reducescatter along dim 0; `out` as for [`allgather`].
+/// Starts a reducescatter along dim 0; `out` as for [`allgather`]; `blocking`: as for
+/// [`allreduce`].
 #[pyfunction]
-#[pyo3(signature = (inp, name, op, prescale, postscale, process_set, out=None))]
+#[pyo3(signature = (inp, name, op, prescale, postscale, process_set, out=None,
+                    blocking=false))]
 #[allow(clippy::too_many_arguments)]
 fn reducescatter(
+    py: Python<'_>,
     inp: &Bound<'_, PyAny>,
     name: Option<String>,
     op: u8,
@@ -490,12 +493,16 @@ fn reducescatter(
     postscale: f64,
     process_set: u32,
     out: Option<&Bound<'_, PyAny>>,
+    blocking: bool,
 ) -> PyResult<u64> {
     let mut req = named(OpKind::Reducescatter, name, process_set);
     req.op = op_of(op)?;
     req.prescale = prescale;
     req.postscale = postscale;
-    submit(req, Some(inp), out)
+    match blocking {
+        true => submit_blocking(py, req, Some(inp), out),
+        false => submit(req, Some(inp), out),
+    }
 }
 
 /// Starts a barrier.

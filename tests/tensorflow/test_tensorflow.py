@@ -22,8 +22,9 @@ def test_collectives_values_and_gradients(run_framework, n):
 
 
 def test_lone_tensors_in_the_lane(run_framework):
-    """A lone small allreduce, allgather and broadcast run among the callers through shared
-    memory (PERSEUS_LANE_BYTES); the patience is long, so that the ranks always meet."""
+    """A lone small allreduce, allgather, broadcast and reducescatter run among the callers
+    through shared memory (PERSEUS_LANE_BYTES); the patience is long, so that the ranks
+    always meet."""
     run_framework(2, "collectives.py", "lane", env={"PERSEUS_LANE_PATIENCE_US": "5000000"})
 
 

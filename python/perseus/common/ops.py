@@ -328,13 +328,14 @@ def alltoall_async(inp, *, splits=None, name=None, process_set=None, keep=(), fi
 
 
 def reducescatter_async(inp, *, name=None, op=Average, prescale_factor=1.0, postscale_factor=1.0,
-                        process_set=None, keep=(), finish=None, out=None):
+                        process_set=None, keep=(), finish=None, out=None, blocking=False):
     """Reduce ``inp`` across the set; each rank receives its block of dim-0 rows
-    (``out``: as for :func:`allgather_async`)."""
+    (``out``: as for :func:`allgather_async`; ``blocking``: as for
+    :func:`allreduce_async`)."""
     ps = _prepare(name, process_set)
     op = check_op(op)
     hid = _core.reducescatter(inp, name, op, float(prescale_factor), float(postscale_factor), ps,
-                              out)
+                              out, blocking)
     return Handle(hid, (keep, inp, out), finish)
 
 

@@ -397,12 +397,15 @@ def _check_reducescatter(tensor, what="reducescatter"):
     return tensor
 
 
-def _reducescatter(tensor, op, name, process_set, prescale_factor, postscale_factor):
+def _reducescatter(tensor, op, name, process_set, prescale_factor, postscale_factor,
+                   blocking=False):
+    """``blocking``: the caller waits for this one at once (a small one may complete
+    among the callers, PERSEUS_LANE_BYTES)."""
     src, cap = _readable(tensor)
     return _ops.reducescatter_async(
         cap, name=name, op=op, prescale_factor=prescale_factor,
         postscale_factor=postscale_factor, process_set=process_set, keep=(tensor, src),
-        finish=lambda h: _imported(h, tensor.context))
+        finish=lambda h: _imported(h, tensor.context), blocking=blocking)
 
 
 def reducescatter(tensor, op=Average, name=None, priority=0, process_set=global_process_set,
@@ -410,7 +413,7 @@ def reducescatter(tensor, op=Average, name=None, priority=0, process_set=global_
     """Reduce ``tensor`` over the set; returns this rank's block of dim-0 rows (the first
     ``d0 % size`` ranks get one more). A scalar raises ``ValueError``, as in Horovod."""
     return _reducescatter(_check_reducescatter(tensor), op, name, process_set, prescale_factor,
-                          postscale_factor).wait()
+                          postscale_factor, blocking=True).wait()
 
 
 def grouped_reducescatter(tensors, op=Average, name=None, priority=0,

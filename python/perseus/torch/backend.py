@@ -438,9 +438,10 @@ class _Collectives:
                 output, inner.result()[0][start:start + output.numel()])])
         src, cap = mpi_ops._export(flat.reshape(self.size(), -1))
         dst, out_cap = _landing(output)
+        # Blocking, as all_reduce's: a small one may complete among the callers.
         handle = _ops.reducescatter_async(cap, op=rop, prescale_factor=extra,
                                           process_set=self._ps, keep=(flat, src, dst),
-                                          finish=_core_result, out=out_cap)
+                                          finish=_core_result, out=out_cap, blocking=True)
         return self._work(handle, lambda block: [_landed(output, block)], _devices(output))
 
     def reduce_scatter(self, output_tensors, input_tensors, opts):

@@ -1,5 +1,5 @@
-"""Blocking small allreduces, allgathers and broadcasts that the ranks of a one-host job
-run among themselves (PERSEUS_LANE_BYTES): values, counters, and what sends an operation
+"""Blocking small allreduces, allgathers, broadcasts and reduce-scatters that the ranks of
+a one-host job run among themselves (PERSEUS_LANE_BYTES): values, counters, and what sends an operation
 to the engine."""
 
 import sys
@@ -28,13 +28,13 @@ def value(rank, dtype, numel=37):
     return base.to(dtype)
 
 
-def expected(n, dtype, op, pre=1.0, post=1.0):
+def expected(n, dtype, op, pre=1.0, post=1.0, numel=37):
     """The reduction of every rank's tensor, computed here from all of them."""
     if dtype == torch.bool:
-        vals = torch.stack([value(q, dtype) for q in range(n)])
+        vals = torch.stack([value(q, dtype, numel) for q in range(n)])
         any_ = vals.any(0)
         return any_ if op in (hvd.Sum, hvd.Average, hvd.Max) else vals.all(0)
-    vals = torch.stack([value(q, torch.float64) * pre for q in range(n)])
+    vals = torch.stack([value(q, torch.float64, numel) * pre for q in range(n)])
     if not dtype.is_floating_point and pre != 1.0:
         vals = vals.trunc()
     got = {hvd.Sum: vals.sum(0), hvd.Average: vals.sum(0), hvd.Min: vals.min(0).values,
@@ -98,6 +98,22 @@ def sweep(r, n):
             assert hvd.broadcast_(t, root, name=f"lane.bcast.{dtype}.{root}") is t
             close(t, value(root, dtype), f"in-place broadcast of {dtype} from {root}")
             ran += 2
+    # Reduce-scatters of 2n+1 rows: this rank's block (the first rank one row more).
+    rows = [3 if q == 0 else 2 for q in range(n)]
+    start = sum(rows[:r])
+    for dtype in DTYPES:
+        for op in OPS:
+            if dtype == torch.bool:
+                continue
+            want = expected(n, dtype, op, numel=(2 * n + 1) * 3).reshape(-1, 3)
+            got_rs = hvd.reducescatter(value(r, dtype, (2 * n + 1) * 3).reshape(-1, 3), op=op)
+            close(got_rs, want[start:start + rows[r]], f"reducescatter of {dtype} {op}")
+            ran += 1
+    want = expected(n, torch.float32, hvd.Average, pre=0.5, post=3.0, numel=(2 * n + 1) * 3)
+    got_rs = hvd.reducescatter(value(r, torch.float32, (2 * n + 1) * 3).reshape(-1, 3),
+                               op=hvd.Average, prescale_factor=0.5, postscale_factor=3.0)
+    close(got_rs, want.reshape(-1, 3)[start:start + rows[r]], "reducescatter with factors")
+    ran += 1
     odd = torch.tensor([float("nan"), -0.0, float("-inf"), 1e-45]) * (r + 1)
     odd[0] = torch.tensor(0x7FC00000 + r, dtype=torch.int32).view(torch.float32)
     hvd.broadcast_(odd, n - 1)
@@ -154,6 +170,10 @@ def through_engine(r, n):
         assert delta(before)["lane_operations"] == 0, name
     with raises(hvd.HorovodInternalError, "lane.mm.op", what="op mismatch"):
         hvd.allreduce_(torch.ones(2), op=hvd.Sum if r == 0 else hvd.Max, name="lane.mm.op")
+    before = hvd.counters()
+    with raises(hvd.HorovodInternalError, "lane.mm.rs", what="reducescatter mismatch"):
+        hvd.reducescatter(torch.ones(n + r, 2), op=hvd.Sum, name="lane.mm.rs")
+    assert delta(before)["lane_operations"] == 0
     for name, root, t in [("lane.mm.root", min(r, 1), torch.ones(3)),
                           ("lane.mm.bshape", 0, torch.ones(3 + r))]:
         before = hvd.counters()

@@ -243,23 +243,26 @@ def concatenating_allgather(r, n):
 
 
 def lone_tensors_in_the_lane(r, n):
-    """A lone small tensor's allreduce, allgather and broadcast, eager and in a graph, run
-    among the callers (PERSEUS_LANE_BYTES) with the engine's values; a pair of tensors
-    goes to the engine, where the coordinator may fuse them."""
+    """A lone small tensor's allreduce, allgather, broadcast and reducescatter, eager and
+    in a graph, run among the callers (PERSEUS_LANE_BYTES) with the engine's values; a
+    pair of tensors goes to the engine, where the coordinator may fuse them. On 2 ranks
+    (BASE's two rows: one each for the reducescatter)."""
     before = hvd.counters()["lane_operations"]
     x = tf.constant(BASE * (r + 1), tf.float32)
     # One operation a function: a graph may run independent operations in any order.
     cases = [("allreduce", lambda v: hvd.allreduce(v, op=hvd.Sum), BASE * n * (n + 1) / 2),
              ("allgather", hvd.allgather, np.stack([BASE * (i + 1) for i in range(n)])),
-             ("broadcast", lambda v: hvd.broadcast(v, n - 1), BASE * n)]
+             ("broadcast", lambda v: hvd.broadcast(v, n - 1), BASE * n),
+             ("reducescatter", lambda v: hvd.reducescatter(v, op=hvd.Sum),
+              (BASE * n * (n + 1) / 2)[r:r + 1])]
     for what, op, want in cases:
         for mode, f in modes(op):
             close(f(x), want, f"lane {what} {mode}")
     ran = hvd.counters()["lane_operations"] - before
-    assert ran == 6, f"rank {r}: {ran} of 6 lone operations ran in the lane"
+    assert ran == 8, f"rank {r}: {ran} of 8 lone operations ran in the lane"
     pair = hvd.grouped_allreduce([x, x], op=hvd.Sum)
     close(pair[1], BASE * n * (n + 1) / 2, "grouped allreduce")
-    assert hvd.counters()["lane_operations"] - before == 6
+    assert hvd.counters()["lane_operations"] - before == 8
 
 
 def main():

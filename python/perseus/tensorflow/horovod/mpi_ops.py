@@ -416,10 +416,12 @@ def _grouped_reducescatter(tensors, names, op, prescale_factor, postscale_factor
     @tf.custom_gradient
     def scatter(*xs):
         def body(*e):
+            blocking = len(e) == 1  # as in allreduce_now
             return _ops.GroupHandle([_ops.reducescatter_async(
                 _bridge.export(x), name=n, op=op, prescale_factor=prescale_factor,
                 postscale_factor=postscale_factor, process_set=process_set, keep=x,
-                finish=lambda h: _bridge.imported(h.output())) for x, n in zip(e, names)]).wait()
+                finish=lambda h: _bridge.imported(h.output()), blocking=blocking)
+                for x, n in zip(e, names)]).wait()
         outs = _bridge.run(body, xs, [x.dtype for x in xs], "PerseusReducescatter")
         for out, x in zip(outs, xs):
             out.set_shape(_rows_shape(x.shape))

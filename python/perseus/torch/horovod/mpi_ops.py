@@ -640,11 +640,19 @@ def reducescatter_async(tensor, name=None, op=Average, process_set=global_proces
     Dim 0 is split as evenly as possible, the first ``d0 % size`` ranks getting one
     more row. ``synchronize`` returns this rank's block.
     """
+    return _reducescatter_async(tensor, name, op, process_set, prescale_factor,
+                                postscale_factor, False)
+
+
+def _reducescatter_async(tensor, name, op, process_set, prescale_factor, postscale_factor,
+                         blocking):
+    """:func:`reducescatter_async`; ``blocking`` as for :func:`_broadcast_async`."""
     _check_reducescatter(tensor)
     buf, cap = _export(tensor)
     return _ops.reducescatter_async(cap, name=name, op=op, prescale_factor=prescale_factor,
                                     postscale_factor=postscale_factor, process_set=process_set,
-                                    keep=(tensor, buf), finish=_output_on(tensor))
+                                    keep=(tensor, buf), finish=_output_on(tensor),
+                                    blocking=blocking)
 
 
 def _reducescatter_grads(grads, op, process_set, scale):
@@ -666,8 +674,8 @@ class _Reducescatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name, op, process_set, prescale_factor, postscale_factor):
         ctx.args = (op, process_set, prescale_factor * postscale_factor)
-        return synchronize(reducescatter_async(tensor, name, op, process_set, prescale_factor,
-                                               postscale_factor))
+        return synchronize(_reducescatter_async(tensor, name, op, process_set, prescale_factor,
+                                                postscale_factor, True))
 
     @staticmethod
     def backward(ctx, grad_output):
