@@ -85,6 +85,7 @@ def alltoall(
     name: str | None,
     process_set: int,
     out: Any | None = None,
+    blocking: bool = False,
 ) -> int: ...
 def reducescatter(
     inp: Any,

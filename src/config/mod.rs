@@ -86,7 +86,7 @@ pub struct Config {
     /// PERSEUS_SHM_DIRECT: large broadcasts on one host read the root's memory directly.
     pub shm_direct: bool,
     /// PERSEUS_LANE_BYTES: the largest blocking allreduce, allgather (a rank's part),
-    /// broadcast or reduce-scatter (a rank's input) the callers of a one-host job exchange themselves (`transport::lane`);
+    /// broadcast, reduce-scatter or alltoall (a rank's input) the callers of a one-host job exchange themselves (`transport::lane`);
     /// 0: none.
     pub lane_bytes: usize,
     /// PERSEUS_LANE_PATIENCE_US: how long a rank waits in the lane for the others.

@@ -1,9 +1,9 @@
-//! Small blocking allreduces, allgathers, broadcasts and reduce-scatters run by the
-//! callers themselves: in a job whose ranks all share one host, a caller about to
-//! wait for one of a few KiB first tries it through the host's lane
+//! Small blocking collectives run by the callers themselves: in a job whose ranks all
+//! share one host, a caller about to wait for an allreduce, allgather, broadcast,
+//! reduce-scatter or alltoall of a few KiB first tries it through the host's lane
 //! ([`crate::transport::lane`]), reducing every rank's bytes in rank order (the same
-//! result on every rank, or each rank's block of it), concatenating them, or copying
-//! the root's. The engine thread
+//! result on every rank, or each rank's block of it), concatenating them (or each
+//! rank's block for this one), or copying the root's. The engine thread
 //! is never woken and the coordinator never asked, which is most of a lone small
 //! operation's time. When the others do not come with the same operation within
 //! the patience (PERSEUS_LANE_PATIENCE_US), every rank hands it to the engine as
@@ -44,11 +44,12 @@ impl CallerLane {
     }
 
     /// True when `req` is tried in the lane: an allreduce (not Adasum, its output
-    /// the input's size), an allgather (rows of one byte or more), a broadcast (of
-    /// one byte or more) or a reduce-scatter (not Adasum, not of a scalar) of the global set, of host tensors, within the limit. A
+    /// the input's size), an allgather or alltoall (rows of one byte or more), a
+    /// broadcast (of one byte or more) or a reduce-scatter (not Adasum, not of a
+    /// scalar) of the global set, of host tensors, within the limit. A
     /// function of the request and the job's settings only, so ranks decide alike (an
-    /// allgather's rank whose rows pass the limit is the exception: the others then
-    /// give it up after their patience).
+    /// allgather's or alltoall's rank whose rows pass the limit is the exception: the
+    /// others then give it up after their patience).
     pub fn takes(
         &self,
         req: &Request,
@@ -75,6 +76,12 @@ impl CallerLane {
             (OpKind::Reducescatter, Some(input)) => {
                 req.op != ReduceOp::Adasum && !input.shape.is_empty() && input.nbytes > 0
             }
+            // Its part carries its row counts first.
+            (OpKind::Alltoall, Some(input)) => {
+                !input.shape.is_empty()
+                    && row_bytes(input) > 0
+                    && input.nbytes + counts_bytes(self.lane.members()) <= self.limit
+            }
             _ => false,
         };
         req.process_set == 0 && host && fits && kind
@@ -92,6 +99,7 @@ impl CallerLane {
             OpKind::Allreduce => self.allreduce(req, input?, output?).then(Output::default),
             OpKind::Broadcast => self.broadcast(req, output?).then(Output::default),
             OpKind::Reducescatter => self.reducescatter(req, input?, output),
+            OpKind::Alltoall => self.alltoall(req, input?, output),
             _ => self.allgather(req, input?, output),
         }
     }
@@ -179,6 +187,55 @@ impl CallerLane {
         self.exchange_scaled(req, input, reduce)
     }
 
+    /// Sends `req.ints[d]` rows of `input` to each rank `d`: every rank's part is its
+    /// row counts (one u64 for each rank) and its whole input; each takes its block of
+    /// each part, in rank order, into `output` where it has the result's size, else into
+    /// a tensor of the core's own (as the engine's alltoall does).
+    fn alltoall(
+        &self,
+        req: &Request,
+        input: &TensorView,
+        output: Option<&TensorView>,
+    ) -> Option<Output> {
+        let (n, me) = (self.lane.members(), self.lane.me());
+        let (row, head) = (row_bytes(input), counts_bytes(n));
+        // Ranks send different numbers of rows, split differently.
+        let mut like = req.clone();
+        like.shape[0] = 0;
+        like.ints.clear();
+        let identity = Identity {
+            hashes: like.fingerprint(),
+            len: head + input.nbytes,
+        };
+        // SAFETY: as in `exchange_scaled`.
+        let fill = |part: &mut [u8]| {
+            for (slot, &rows) in part[..head].chunks_exact_mut(8).zip(&req.ints) {
+                slot.copy_from_slice(&(rows as u64).to_le_bytes());
+            }
+            part[head..].copy_from_slice(unsafe { input.bytes() });
+        };
+        let gather = |parts: &[&[u8]]| {
+            // Each sender's counts were checked on its own rank (they sum to its rows).
+            let counts = |p: &[u8]| -> Vec<usize> {
+                p[..head]
+                    .chunks_exact(8)
+                    .map(|c| u64::from_le_bytes(c.try_into().expect("8 bytes")) as usize)
+                    .collect()
+            };
+            let blocks: Vec<&[u8]> = parts
+                .iter()
+                .map(|p| {
+                    let c = counts(p);
+                    let start = head + c[..me].iter().sum::<usize>() * row;
+                    &p[start..start + c[me] * row]
+                })
+                .collect();
+            concatenated(&blocks, input, output)
+        };
+        self.lane
+            .exchange(identity, fill, self.patience, self.yielding, gather)
+    }
+
     /// Concatenates every rank's rows into `output` where it has the result's size,
     /// else into a tensor of the core's own (as the engine's allgather does).
     fn allgather(
@@ -187,7 +244,6 @@ impl CallerLane {
         input: &TensorView,
         output: Option<&TensorView>,
     ) -> Option<Output> {
-        let row = row_bytes(input);
         // Ranks may send different numbers of rows (unless the result stacks them).
         let mut like = req.clone();
         if !req.stack {
@@ -197,30 +253,9 @@ impl CallerLane {
             hashes: like.fingerprint(),
             len: input.nbytes,
         };
-        // SAFETY: as in `allreduce`.
+        // SAFETY: as in `exchange_scaled`.
         let fill = |part: &mut [u8]| part.copy_from_slice(unsafe { input.bytes() });
-        let gather = |parts: &[&[u8]]| {
-            let total: usize = parts.iter().map(|p| p.len()).sum();
-            let mut own = None;
-            let out = result_buffer(output, total, &mut own);
-            let mut at = 0;
-            for p in parts {
-                out[at..at + p.len()].copy_from_slice(p);
-                at += p.len();
-            }
-            let splits: Vec<i64> = parts.iter().map(|p| (p.len() / row) as i64).collect();
-            let mut shape = input.shape.clone();
-            shape[0] = splits.iter().sum();
-            Output {
-                tensor: own.map(|buf| OwnedTensor {
-                    buf,
-                    dtype: input.dtype,
-                    shape,
-                }),
-                splits,
-                value: 0,
-            }
-        };
+        let gather = |parts: &[&[u8]]| concatenated(parts, input, output);
         self.lane
             .exchange(identity, fill, self.patience, self.yielding, gather)
     }
@@ -239,6 +274,37 @@ fn reduce_in_order<'a>(
         reduce_into(out, p, req.dtype, req.op);
     }
     scale(out, req.dtype, post);
+}
+
+/// `blocks` (whole rows of `input`'s shape) one after the other in `output` where it has
+/// their size, else in a tensor of the core's own; the splits are each block's rows.
+fn concatenated(blocks: &[&[u8]], input: &TensorView, output: Option<&TensorView>) -> Output {
+    let row = row_bytes(input);
+    let total = blocks.iter().map(|b| b.len()).sum();
+    let mut own = None;
+    let out = result_buffer(output, total, &mut own);
+    let mut at = 0;
+    for b in blocks {
+        out[at..at + b.len()].copy_from_slice(b);
+        at += b.len();
+    }
+    let splits: Vec<i64> = blocks.iter().map(|b| (b.len() / row) as i64).collect();
+    let mut shape = input.shape.clone();
+    shape[0] = splits.iter().sum();
+    Output {
+        tensor: own.map(|buf| OwnedTensor {
+            buf,
+            dtype: input.dtype,
+            shape,
+        }),
+        splits,
+        value: 0,
+    }
+}
+
+/// Bytes of an alltoall's row counts in its part of the lane, for `n` ranks.
+fn counts_bytes(n: usize) -> usize {
+    n * 8
 }
 
 /// Bytes of one row (dimension 0) of `t`.

@@ -129,8 +129,8 @@ pub const PARAMS: &[Param] = &[
         default: Default::Int(LANE_MAX_BYTES),
         scope: Scope::Core,
         note: "(bytes; 0: off)",
-        doc: "largest allreduce, allgather (a rank's part), broadcast or reduce-scatter \
-              (a rank's input) of host tensors \
+        doc: "largest allreduce, allgather (a rank's part), broadcast, reduce-scatter \
+              or alltoall (a rank's input) of host tensors \
               that the ranks of a one-host job, calling it blocking, exchange themselves \
               through shared memory without the engine thread; 0: every operation \
               through the engine",

@@ -462,20 +462,25 @@ fn broadcast(
 }
 
 /// Starts an alltoall; `splits` = rows for each rank (None: equal parts); `out` as
-/// for [`allgather`].
+/// for [`allgather`]; `blocking`: as for [`allreduce`].
 #[pyfunction]
-#[pyo3(signature = (inp, splits, name, process_set, out=None))]
+#[pyo3(signature = (inp, splits, name, process_set, out=None, blocking=false))]
 fn alltoall(
+    py: Python<'_>,
     inp: &Bound<'_, PyAny>,
     splits: Option<Vec<i64>>,
     name: Option<String>,
     process_set: u32,
     out: Option<&Bound<'_, PyAny>>,
+    blocking: bool,
 ) -> PyResult<u64> {
     let mut req = named(OpKind::Alltoall, name, process_set);
     // None: equal parts, the engine's rule.
     req.ints = splits.unwrap_or_default();
-    submit(req, Some(inp), out)
+    match blocking {
+        true => submit_blocking(py, req, Some(inp), out),
+        false => submit(req, Some(inp), out),
+    }
 }
 
 /// Starts a reducescatter along dim 0; `out` as for [`allgather`]; `blocking`: as for

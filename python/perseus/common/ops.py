@@ -316,15 +316,16 @@ def broadcast_async(buf, *, root_rank, name=None, process_set=None, keep=(), fin
 
 
 def alltoall_async(inp, *, splits=None, name=None, process_set=None, keep=(), finish=None,
-                   out=None):
+                   out=None, blocking=False):
     """Send ``splits[i]`` rows of ``inp`` to set rank i; receive the others' rows
-    (``out``: as for :func:`allgather_async`)."""
+    (``out``: as for :func:`allgather_async`; ``blocking``: as for
+    :func:`allreduce_async`)."""
     ps = _prepare(name, process_set)
     if splits is not None:
         splits = [int(s) for s in splits]
         if any(s < 0 for s in splits):
             raise ValueError(f"alltoall splits must be non-negative, got {splits}")
-    return Handle(_core.alltoall(inp, splits, name, ps, out), (keep, inp, out), finish)
+    return Handle(_core.alltoall(inp, splits, name, ps, out, blocking), (keep, inp, out), finish)
 
 
 def reducescatter_async(inp, *, name=None, op=Average, prescale_factor=1.0, postscale_factor=1.0,

@@ -388,7 +388,7 @@ def alltoall(tensor, splits=None, name=None, priority=0, process_set=global_proc
 
     src, cap = _readable(tensor)
     return _ops.alltoall_async(cap, splits=splits, name=name, process_set=process_set,
-                               keep=(tensor, src), finish=finish).wait()
+                               keep=(tensor, src), finish=finish, blocking=True).wait()
 
 
 def _check_reducescatter(tensor, what="reducescatter"):

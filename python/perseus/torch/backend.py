@@ -306,8 +306,9 @@ class _Collectives:
             inner = self._allreduce_work(tensor.clone(), opts.reduceOp)
             return self._work(None, lambda _r: [_written(tensor, inner.result()[0]) if mine
                                           else tensor])
-        handle = mpi_ops.allreduce_async(tensor, op=rop, prescale_factor=extra,
-                                         process_set=self._ps)
+        # Blocking, as all_reduce's: a small one may complete among the callers.
+        handle = mpi_ops._allreduce_async(tensor, mpi_ops._new_output(tensor), None, rop, extra,
+                                          1.0, self._ps, blocking=True)
         return self._work(handle, lambda out: [_written(tensor, out) if mine else tensor],
                     _devices(tensor))
 
@@ -418,7 +419,7 @@ class _Collectives:
         else:
             flat = _plain(out).new_empty(0)
             splits = [0] * size
-        handle = mpi_ops.alltoall_async(flat, splits=splits, process_set=self._ps)
+        handle = mpi_ops._alltoall_async(flat, splits, None, self._ps, True)
         return self._work(handle, lambda result: [_written(out, result[0])], _devices(out))
 
     # ------------------------------------------------------------------ reduce-scatter
@@ -489,7 +490,7 @@ class _Collectives:
         handle = _ops.alltoall_async(cap, splits=[int(k) for k in input_splits],
                                      process_set=self._ps, keep=(input, src, dst),
                                      finish=lambda h: (_core_result(h), h.recv_splits()),
-                                     out=out_cap)
+                                     out=out_cap, blocking=True)
 
         def finish(result):
             out, received = result
@@ -514,8 +515,8 @@ class _Collectives:
         self._check_count(input_tensors, "all_to_all's input list")
         self._check_count(output_tensors, "all_to_all's output list")
         flat = torch.cat([_plain(t).reshape(-1) for t in input_tensors])
-        handle = mpi_ops.alltoall_async(flat, splits=[t.numel() for t in input_tensors],
-                                        process_set=self._ps)
+        handle = mpi_ops._alltoall_async(flat, [t.numel() for t in input_tensors], None,
+                                         self._ps, True)
 
         def finish(result):
             self._scatter_into(result[0], output_tensors, "all_to_all")

@@ -1,5 +1,5 @@
-"""Blocking small allreduces, allgathers, broadcasts and reduce-scatters that the ranks of
-a one-host job run among themselves (PERSEUS_LANE_BYTES): values, counters, and what sends an operation
+"""Blocking small allreduces, allgathers, broadcasts, reduce-scatters and alltoalls that
+the ranks of a one-host job run among themselves (PERSEUS_LANE_BYTES): values, counters, and what sends an operation
 to the engine."""
 
 import sys
@@ -114,6 +114,22 @@ def sweep(r, n):
                                op=hvd.Average, prescale_factor=0.5, postscale_factor=3.0)
     close(got_rs, want.reshape(-1, 3)[start:start + rows[r]], "reducescatter with factors")
     ran += 1
+    # Alltoalls: rank s sends d + s + 1 rows to rank d (every value names its sender,
+    # receiver and row), then equal parts without splits.
+    def rows_from(s, d, dtype):
+        k = d + s + 1
+        return (torch.arange(k * 2).reshape(k, 2) + 100 * s + 10 * d).to(dtype)
+    for dtype in (torch.float32, torch.int64, torch.float16, torch.uint8):
+        mine = torch.cat([rows_from(r, d, dtype) for d in range(n)])
+        got_a, recv = hvd.alltoall(mine, splits=[d + r + 1 for d in range(n)])
+        close(got_a, torch.cat([rows_from(s, r, dtype) for s in range(n)]),
+              f"alltoall of {dtype}")
+        assert recv.tolist() == [r + s + 1 for s in range(n)], (r, recv)
+        ran += 1
+    equal = hvd.alltoall(torch.arange(n * 4, dtype=torch.float64) + 100 * r)
+    close(equal, torch.cat([torch.arange(4 * r, 4 * r + 4, dtype=torch.float64) + 100 * s
+                            for s in range(n)]), "alltoall in equal parts")
+    ran += 1
     odd = torch.tensor([float("nan"), -0.0, float("-inf"), 1e-45]) * (r + 1)
     odd[0] = torch.tensor(0x7FC00000 + r, dtype=torch.int32).view(torch.float32)
     hvd.broadcast_(odd, n - 1)
@@ -170,6 +186,10 @@ def through_engine(r, n):
         assert delta(before)["lane_operations"] == 0, name
     with raises(hvd.HorovodInternalError, "lane.mm.op", what="op mismatch"):
         hvd.allreduce_(torch.ones(2), op=hvd.Sum if r == 0 else hvd.Max, name="lane.mm.op")
+    before = hvd.counters()
+    with raises(hvd.HorovodInternalError, "lane.mm.a2a", what="alltoall mismatch"):
+        hvd.alltoall(torch.ones(n, 2 + r), name="lane.mm.a2a")
+    assert delta(before)["lane_operations"] == 0
     before = hvd.counters()
     with raises(hvd.HorovodInternalError, "lane.mm.rs", what="reducescatter mismatch"):
         hvd.reducescatter(torch.ones(n + r, 2), op=hvd.Sum, name="lane.mm.rs")

@@ -369,7 +369,8 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False,
         h = _ops.alltoall_async(_bridge.export(e), splits=sp, name=name,
                                 process_set=process_set, keep=e,
                                 finish=lambda h: (_bridge.imported(h.output()),
-                                                  tf.constant(h.recv_splits(), tf.int32)))
+                                                  tf.constant(h.recv_splits(), tf.int32)),
+                                blocking=True)
         return h.wait()
 
     @tf.custom_gradient

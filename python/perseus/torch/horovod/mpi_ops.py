@@ -582,6 +582,11 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
     without ``splits`` dim 0 is split equally. ``received_splits[i]`` is the number
     of rows that came from rank i.
     """
+    return _alltoall_async(tensor, splits, name, process_set, False)
+
+
+def _alltoall_async(tensor, splits, name, process_set, blocking):
+    """:func:`alltoall_async`; ``blocking`` as for :func:`_broadcast_async`."""
     _check_tensor(tensor)
     splits_dtype = torch.int32
     if isinstance(splits, torch.Tensor):
@@ -596,13 +601,13 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
         return out, torch.tensor(h.recv_splits(), dtype=splits_dtype)
 
     return _ops.alltoall_async(cap, splits=splits, name=name, process_set=process_set,
-                               keep=(tensor, buf), finish=finish)
+                               keep=(tensor, buf), finish=finish, blocking=blocking)
 
 
 class _Alltoall(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, splits, name, process_set):
-        output, received = synchronize(alltoall_async(tensor, splits, name, process_set))
+        output, received = synchronize(_alltoall_async(tensor, splits, name, process_set, True))
         ctx.process_set, ctx.received = process_set, received
         if splits is None:
             return output
@@ -611,7 +616,8 @@ class _Alltoall(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output, *_):
-        grad, _ = synchronize(alltoall_async(grad_output, ctx.received, None, ctx.process_set))
+        grad, _ = synchronize(_alltoall_async(grad_output, ctx.received, None, ctx.process_set,
+                                              True))
         return grad, None, None, None
 
 
