@@ -16,7 +16,7 @@ use crate::config::Config;
 use crate::device::{Device, OwnedTensor, TensorView};
 use crate::dtype::ReduceOp;
 use crate::kernels::{copy_scaled, reduce_into, scale};
-use crate::transport::lane::{Identity, Lane, SLOT_BYTES};
+use crate::transport::lane::{Identity, Lane, DATA_BYTES, HEAD_BYTES};
 use std::time::Duration;
 
 /// This rank's use of its host's lane.
@@ -37,7 +37,7 @@ impl CallerLane {
         let lane = lane.filter(|l| l.members() == size && size > 1)?;
         (config.lane_bytes > 0).then(|| CallerLane {
             lane,
-            limit: config.lane_bytes.min(SLOT_BYTES),
+            limit: config.lane_bytes.min(DATA_BYTES),
             patience: config.lane_patience,
             yielding: config.oversubscribed(),
         })
@@ -76,12 +76,7 @@ impl CallerLane {
             (OpKind::Reducescatter, Some(input)) => {
                 req.op != ReduceOp::Adasum && !input.shape.is_empty() && input.nbytes > 0
             }
-            // Its part carries its row counts first.
-            (OpKind::Alltoall, Some(input)) => {
-                !input.shape.is_empty()
-                    && row_bytes(input) > 0
-                    && input.nbytes + counts_bytes(self.lane.members()) <= self.limit
-            }
+            (OpKind::Alltoall, Some(input)) => !input.shape.is_empty() && row_bytes(input) > 0,
             _ => false,
         };
         req.process_set == 0 && host && fits && kind
@@ -302,8 +297,10 @@ fn concatenated(blocks: &[&[u8]], input: &TensorView, output: Option<&TensorView
     }
 }
 
-/// Bytes of an alltoall's row counts in its part of the lane, for `n` ranks.
+/// Bytes of an alltoall's row counts in its part of the lane, for `n` ranks (within
+/// the part's header).
 fn counts_bytes(n: usize) -> usize {
+    debug_assert!(n * 8 <= HEAD_BYTES);
     n * 8
 }
 

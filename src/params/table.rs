@@ -4,8 +4,8 @@
 
 use super::{Default, Kind, Param, Scope};
 
-/// The largest PERSEUS_LANE_BYTES, which is also the size of each rank's part of a
-/// lane slot in the host's shared segment (`transport::lane::SLOT_BYTES`).
+/// The largest PERSEUS_LANE_BYTES, which also sizes each rank's part of a lane slot in
+/// the host's shared segment (`transport::lane::DATA_BYTES`).
 pub const LANE_MAX_BYTES: u64 = 64 << 10;
 
 /// Every setting Perseus reads.

@@ -28,12 +28,19 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-/// Bytes of each member's part of a slot: the largest exchange (the largest
+/// Bytes of data in each member's part of a slot: the largest exchange (the largest
 /// PERSEUS_LANE_BYTES).
-pub const SLOT_BYTES: usize = crate::params::LANE_MAX_BYTES as usize;
+pub const DATA_BYTES: usize = crate::params::LANE_MAX_BYTES as usize;
 
 /// Most members a lane serves (one bit each in a slot's word).
 pub const MAX_MEMBERS: usize = 31;
+
+/// Bytes before the data in each member's part, for a header of up to one u64 a
+/// member (an alltoall's row counts), rounded to whole cache lines.
+pub const HEAD_BYTES: usize = (MAX_MEMBERS * 8).div_ceil(LINE) * LINE;
+
+/// Bytes of each member's part of a slot: the most one exchange carries.
+pub const SLOT_BYTES: usize = HEAD_BYTES + DATA_BYTES;
 
 const ABORTED: u64 = 1 << 31;
 const BITS: u64 = (1 << 31) - 1;

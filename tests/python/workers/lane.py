@@ -129,7 +129,12 @@ def sweep(r, n):
     equal = hvd.alltoall(torch.arange(n * 4, dtype=torch.float64) + 100 * r)
     close(equal, torch.cat([torch.arange(4 * r, 4 * r + 4, dtype=torch.float64) + 100 * s
                             for s in range(n)]), "alltoall in equal parts")
-    ran += 1
+    # As large as the lane carries (its row counts travel apart from the data).
+    k = 16384 // n
+    full = hvd.alltoall(torch.arange(k * n, dtype=torch.float32) + 1e5 * r)
+    close(full, torch.cat([torch.arange(k * r, k * r + k, dtype=torch.float32) + 1e5 * s
+                           for s in range(n)]), "the largest alltoall")
+    ran += 2
     odd = torch.tensor([float("nan"), -0.0, float("-inf"), 1e-45]) * (r + 1)
     odd[0] = torch.tensor(0x7FC00000 + r, dtype=torch.int32).view(torch.float32)
     hvd.broadcast_(odd, n - 1)
