@@ -17,6 +17,12 @@ use std::ops::Range;
 /// Buffers up to this size use the direct exchange instead of the ring.
 const DIRECT_MAX: usize = 64 << 10;
 
+/// The fewest ranks whose allgather ([`allgatherv`]) reads the others' blocks. Between
+/// two, the ring, where one core writes into the segment while the other reads,
+/// took 0.55-0.75 times the read's time from 256 KiB to 64 MiB a rank (measured:
+/// benchmarks/NOTES.md); among three or more, reading led.
+pub(super) const GATHER_READ_RANKS: usize = 3;
+
 /// Reduces `buf` across the group in place, then multiplies every element
 /// by `factor` (1: none; an Average's division, a postscale). Every rank
 /// ends with identical bytes. The ring folds the multiplication into its
@@ -363,7 +369,8 @@ fn ring_allgather(comm: &dyn Comm, buf: &mut [u8], parts: &[Range<usize>]) -> Re
 }
 
 /// Allgather of blocks of `sizes[i]` bytes from rank `i`, laid out in rank order
-/// in `buf`; this rank's block must already be in place ([`allgather_ranges`]).
+/// in `buf`; this rank's block must already be in place. Among
+/// [`GATHER_READ_RANKS`] or more, as [`allgather_ranges`]; between two, the ring.
 pub fn allgatherv(comm: &dyn Comm, buf: &mut [u8], sizes: &[usize]) -> Result<()> {
     let parts = super::consecutive(sizes.iter().copied());
     assert_eq!(
@@ -371,8 +378,9 @@ pub fn allgatherv(comm: &dyn Comm, buf: &mut [u8], sizes: &[usize]) -> Result<()
         buf.len(),
         "allgatherv: sizes do not cover the buffer"
     );
-    if comm.size() == 1 {
-        return Ok(());
+    match comm.size() {
+        1 => Ok(()),
+        n if n < GATHER_READ_RANKS => ring_allgather(comm, buf, &parts),
+        _ => allgather_ranges(comm, buf, &parts),
     }
-    allgather_ranges(comm, buf, &parts)
 }
