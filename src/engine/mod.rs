@@ -78,7 +78,8 @@ struct Shared {
     timeline: Timeline,
     cache_hits: AtomicU64,
     counters: Counters,
-    /// Running an offline schedule: callers report their waits.
+    /// Holding requests for an offline schedule (offered or running): callers
+    /// report their waits.
     offline: AtomicBool,
     /// The last handle a caller reported waiting on.
     last_waited: AtomicU64,
@@ -514,15 +515,18 @@ impl Engine {
     pub fn wait(
         &self,
         handle: u64,
-        interrupted: impl FnMut() -> Option<PerseusError>,
+        mut interrupted: impl FnMut() -> Option<PerseusError>,
     ) -> Result<Output> {
         self.report_wait(handle, false);
-        self.shared.handles.wait(
-            handle,
-            Duration::from_millis(100),
-            self.wait_spin,
-            interrupted,
-        )
+        self.shared
+            .handles
+            .wait(handle, Duration::from_millis(100), self.wait_spin, || {
+                // Asked every 100 ms while the operation is pending: the engine may
+                // have begun holding requests for a schedule since this wait began,
+                // and a wait it does not know of would leave every rank idle.
+                self.report_wait(handle, true);
+                interrupted()
+            })
     }
 
     /// Makes the engine thread panic with `what`, to test that a panic there

@@ -17,6 +17,15 @@ def test_offline_negotiation(run_workers, n, shm):
     run_workers(n, "offline.py", env={"PERSEUS_OFFLINE_NEG": "1", "PERSEUS_SHM": shm})
 
 
+@pytest.mark.timeout(180)
+def test_a_wait_begun_before_the_offer_does_not_hang(run_workers):
+    """A caller that began waiting before its engine held requests for the schedule is
+    counted as waiting once it does: the incomplete step that follows is given up on every
+    rank. Before the fix this job hung, every rank idle, in 1 to 2 of every 5 runs (the
+    race needs the offer to arrive while the caller waits); since, never in 10."""
+    run_workers(2, "offline.py", "offers", env={"PERSEUS_OFFLINE_NEG": "1"}, timeout=120)
+
+
 _COUNTERS = re.compile(r"rank (\d+): (\d+) steps checked; events .*; counters (\{.*\})")
 
 # (ranks, hosts, environment, steps, what the counters must show). Rank 0 sends no

@@ -250,6 +250,8 @@ impl State {
             Response::Offline { groups } => {
                 if matches!(self.mode, Mode::Negotiated) {
                     self.mode = Mode::Offered(groups.clone());
+                    // From here requests are held: a caller waiting on one must say so.
+                    self.shared.offline.store(true, Ordering::Relaxed);
                     let ack = Request::new(OpKind::OfflineAck, "offline", 0);
                     self.transmit(vec![ack]);
                 }
