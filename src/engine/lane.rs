@@ -12,6 +12,7 @@
 use super::exec::{post_factor, result_buffer, scatter_rows, scattered};
 use super::handles::Output;
 use super::message::{shape_bytes, OpKind, Request};
+use crate::collective::consecutive;
 use crate::config::Config;
 use crate::device::{Device, OwnedTensor, TensorView};
 use crate::dtype::ReduceOp;
@@ -143,7 +144,7 @@ impl CallerLane {
             hashes: req.fingerprint(),
             len: if mine { buf.nbytes } else { 0 },
         };
-        // SAFETY (both): as in `allreduce`; no rank writes the root's buffer.
+        // SAFETY (both): as in `exchange_scaled`; no rank writes the root's buffer.
         let fill = |part: &mut [u8]| {
             if mine {
                 part.copy_from_slice(unsafe { buf.bytes() });
@@ -171,8 +172,7 @@ impl CallerLane {
         let post = post_factor(req.op, req.postscale, n);
         let (rows, row_elems) = scatter_rows(&input.shape, n);
         let row = row_elems * req.dtype.size();
-        let start = rows[..me].iter().sum::<usize>() * row;
-        let mine = start..start + rows[me] * row;
+        let mine = consecutive(rows.iter().map(|r| r * row))[me].clone();
         let reduce = |parts: &[&[u8]]| {
             let mut own = None;
             let out = result_buffer(output, mine.len(), &mut own);
@@ -220,9 +220,8 @@ impl CallerLane {
             let blocks: Vec<&[u8]> = parts
                 .iter()
                 .map(|p| {
-                    let c = counts(p);
-                    let start = head + c[..me].iter().sum::<usize>() * row;
-                    &p[start..start + c[me] * row]
+                    let block = consecutive(counts(p).into_iter().map(|k| k * row))[me].clone();
+                    &p[head + block.start..head + block.end]
                 })
                 .collect();
             concatenated(&blocks, input, output)

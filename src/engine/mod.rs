@@ -354,10 +354,10 @@ impl Engine {
     }
 
     /// [`Engine::enqueue`] for a caller that waits for the operation at once: a
-    /// small allreduce, allgather or broadcast of a one-host job may then run among the callers
-    /// before this returns (PERSEUS_LANE_BYTES), its handle already complete. Waits up to
-    /// PERSEUS_LANE_PATIENCE_US for the other ranks; call it without holding locks
-    /// that other threads need meanwhile.
+    /// small allreduce, allgather, broadcast, reduce-scatter or alltoall of a one-host
+    /// job may then run among the callers before this returns (PERSEUS_LANE_BYTES), its
+    /// handle already complete. Waits up to PERSEUS_LANE_PATIENCE_US for the other ranks;
+    /// call it without holding locks that other threads need meanwhile.
     pub fn enqueue_blocking(
         &self,
         req: Request,
