@@ -38,7 +38,7 @@ fn config(rank: usize, size: usize, port: u16, shm: bool) -> Config {
         log_level: perseus::log::default_level(),
         log_time: false,
         shm,
-        shm_direct: true,
+        shm_direct: perseus::config::Reading::Always,
         lane_bytes: 65_536,
         lane_patience: Duration::from_micros(100),
         accumulate_n_steps: 1,

@@ -18,11 +18,12 @@ use super::{offer, Comm};
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::{PerseusError, Result};
 use crate::kernels::{reduce_into, scale, AlignedBuf};
+// Bytes of a chunk read and reduced at once (two such pieces of scratch stay in
+// cache): the pieces the pace check at init reads too.
+use crate::transport::cma::PIECE;
 use crate::transport::{Recv, Send};
 use std::ops::Range;
 
-/// Bytes of a chunk reduced at once (two such pieces of scratch stay in cache).
-const PIECE: usize = 128 << 10;
 /// An offer: the chunk's address and length, then whether its sender will read.
 const OFFER: usize = 17;
 /// In an offer: its sender will read the receiver's chunk itself.

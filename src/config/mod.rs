@@ -41,6 +41,18 @@ pub enum NcclUse {
     Required,
 }
 
+/// Whether ranks of one host read one another's memory (PERSEUS_SHM_DIRECT).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reading {
+    /// Where the kernel allows it and the pace check at init says it beats the
+    /// rings on this host (unset).
+    Paced,
+    /// Never: always through the shared-memory rings (0).
+    Off,
+    /// Wherever the kernel allows it (1).
+    Always,
+}
+
 /// The parsed configuration of one rank.
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -83,8 +95,9 @@ pub struct Config {
     pub log_time: bool,
     /// Ranks on one host use shared memory.
     pub shm: bool,
-    /// PERSEUS_SHM_DIRECT: large broadcasts on one host read the root's memory directly.
-    pub shm_direct: bool,
+    /// PERSEUS_SHM_DIRECT: whether large blocks between ranks of one host are read
+    /// straight from the other's memory.
+    pub shm_direct: Reading,
     /// PERSEUS_LANE_BYTES: the largest blocking allreduce, allgather (a rank's part),
     /// broadcast, reduce-scatter or alltoall (a rank's input) the callers of a one-host job exchange themselves (`transport::lane`);
     /// 0: none.
@@ -379,7 +392,11 @@ impl Config {
             log_level: log_level()?,
             log_time: !params::flag("HOROVOD_LOG_HIDE_TIME")?,
             shm: params::flag("PERSEUS_SHM")?,
-            shm_direct: params::flag("PERSEUS_SHM_DIRECT")?,
+            shm_direct: match params::flag_opt("PERSEUS_SHM_DIRECT")? {
+                None => Reading::Paced,
+                Some(false) => Reading::Off,
+                Some(true) => Reading::Always,
+            },
             lane_bytes: params::int("PERSEUS_LANE_BYTES")? as usize,
             lane_patience: Duration::from_micros(params::int("PERSEUS_LANE_PATIENCE_US")?),
             allreduce_fusion: params::int_opt("PERSEUS_ALLREDUCE_FUSION")?.map(|n| n as u32),
@@ -442,7 +459,12 @@ impl Config {
         m.insert("PERSEUS_SHM".into(), u8::from(self.shm).to_string());
         m.insert(
             "PERSEUS_SHM_DIRECT".into(),
-            u8::from(self.shm_direct).to_string(),
+            match self.shm_direct {
+                Reading::Paced => "",
+                Reading::Off => "0",
+                Reading::Always => "1",
+            }
+            .into(),
         );
         m.insert("PERSEUS_LANE_BYTES".into(), self.lane_bytes.to_string());
         m.insert(

@@ -149,13 +149,14 @@ pub const PARAMS: &[Param] = &[
         name: "PERSEUS_SHM_DIRECT",
         aliases: &[],
         kind: Kind::Flag,
-        default: Default::Flag(true),
+        default: Default::Unset,
         scope: Scope::Core,
-        note: "",
-        doc: "1: ranks of one host read large blocks of an allgather, alltoall, broadcast \
+        note: "or unset (automatic)",
+        doc: "ranks of one host read large blocks of an allgather, alltoall, broadcast \
               (three ranks or more) or allreduce (2 MiB or more) straight from one another's \
-              memory (process_vm_readv) where the kernel allows it; 0: through the \
-              shared-memory rings",
+              memory (process_vm_readv) where the kernel allows it and a check at init finds \
+              it faster than the shared-memory rings' two copies; 1: wherever the kernel \
+              allows it; 0: always through the rings",
     },
     Param {
         name: "PERSEUS_MASTER_PORT",

@@ -11,8 +11,14 @@
 //! and the address and value of a random canary: a read checks the canary,
 //! so a peer whose process id means another process here (another pid
 //! namespace) is never read from by mistake.
+//!
+//! Where the kernel allows it, reading can still lose: each call pins the other
+//! process's pages, and on some hosts (an AMD EPYC VM: 10 GB/s in 128 KiB pieces,
+//! where `memcpy` moves 54-72 GB/s) that costs more than the two copies of the
+//! rings. [`worth_reading`] times it once at init.
 
 use std::sync::OnceLock;
+use std::time::{Duration, Instant};
 
 /// Bytes of the canary.
 const CANARY: usize = 16;
@@ -115,6 +121,95 @@ impl Token {
     }
 }
 
+/// Bytes read at once by a rank that reduces what it reads (`collective::reading`),
+/// and by [`Pace::measure`].
+pub const PIECE: usize = 128 << 10;
+/// Bytes [`Pace::measure`] reads and copies in each round.
+const PACE_BYTES: usize = 8 * PIECE;
+/// Rounds of [`Pace::measure`]; the fastest of each kind counts.
+const PACE_ROUNDS: usize = 5;
+/// Reading pays where it takes less than this many copies of the same bytes: the
+/// rings copy every byte twice (into a ring, then out of it), one core each.
+const COPIES_PER_READ: f64 = 2.0;
+
+/// How long reading [`PACE_BYTES`] of a process's memory, [`PIECE`] at a time,
+/// took on this host, against copying them within the process.
+#[derive(Clone, Copy, Debug)]
+pub struct Pace {
+    /// The fastest round of reads.
+    pub read: Duration,
+    /// The fastest round of copies.
+    pub copy: Duration,
+}
+
+impl Pace {
+    /// Times reading this process's own memory through `token` against copying
+    /// it; `None` when a read fails.
+    pub fn measure(token: &Token) -> Option<Pace> {
+        let src: Vec<u8> = (0..PACE_BYTES).map(|i| i as u8).collect();
+        let mut dst = vec![0u8; PACE_BYTES];
+        let mut pace = Pace {
+            read: Duration::MAX,
+            copy: Duration::MAX,
+        };
+        for _ in 0..PACE_ROUNDS {
+            let t = Instant::now();
+            for (d, s) in dst.chunks_mut(PIECE).zip(src.chunks(PIECE)) {
+                if !token.read(s.as_ptr() as u64, d) {
+                    return None;
+                }
+            }
+            pace.read = pace.read.min(t.elapsed());
+            let t = Instant::now();
+            for (d, s) in dst.chunks_mut(PIECE).zip(src.chunks(PIECE)) {
+                d.copy_from_slice(s);
+            }
+            std::hint::black_box(&mut dst);
+            pace.copy = pace.copy.min(t.elapsed());
+        }
+        Some(pace)
+    }
+
+    /// How many copies one read costs.
+    pub fn copies_per_read(&self) -> f64 {
+        self.read.as_secs_f64() / self.copy.as_secs_f64().max(1e-9)
+    }
+
+    /// True when reading costs less than the rings' two copies.
+    pub fn reading_pays(&self) -> bool {
+        self.copies_per_read() < COPIES_PER_READ
+    }
+}
+
+/// This process's token where peers should read its memory: [`Token::own`], and
+/// when `paced`, a [`Pace`] that says reading pays on this host. Otherwise why not.
+pub fn worth_reading(paced: bool) -> std::result::Result<Token, String> {
+    let token = Token::own().map_err(str::to_string)?;
+    if !paced {
+        return Ok(token);
+    }
+    let Some(pace) = Pace::measure(&token) else {
+        return Err("process_vm_readv(2) failed reading this process".into());
+    };
+    crate::log!(
+        crate::log::Level::Debug,
+        "reading {} KiB of this process's memory through process_vm_readv(2): {:?}; \
+         copying them: {:?}",
+        PACE_BYTES >> 10,
+        pace.read,
+        pace.copy
+    );
+    match pace.reading_pays() {
+        true => Ok(token),
+        false => Err(format!(
+            "reading another process's memory takes as long as {:.1} copies of the same \
+             bytes here, more than the rings' {COPIES_PER_READ}; PERSEUS_SHM_DIRECT=1 reads \
+             anyway",
+            pace.copies_per_read()
+        )),
+    }
+}
+
 /// The vectors `(address, length)` after their first `skip` bytes, and how many
 /// of them are left.
 fn after(v: &[(usize, usize); 2], mut skip: usize) -> ([libc::iovec; 2], usize) {
@@ -149,7 +244,8 @@ fn yama_allows() -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::{after, Token};
+    use super::{after, worth_reading, Pace, Token};
+    use std::time::Duration;
 
     #[test]
     fn a_token_reads_this_process_and_checks_its_canary() {
@@ -174,6 +270,36 @@ mod tests {
         assert!(!gone.read(src.as_ptr() as u64, &mut dst));
         // An address not mapped in the process.
         assert!(!me.read(8, &mut dst));
+    }
+
+    #[test]
+    fn the_pace_check_reads_and_copies_and_decides_by_two_copies() {
+        let Ok(me) = Token::own() else {
+            assert!(worth_reading(false).is_err() && worth_reading(true).is_err());
+            return;
+        };
+        let pace = Pace::measure(&me).expect("reading this process");
+        assert!(
+            pace.read > Duration::ZERO && pace.copy > Duration::ZERO,
+            "{pace:?}"
+        );
+        // Unpaced, the token is this process's; paced, it follows the measure (which
+        // may differ between two measures, so only its form is checked here).
+        assert_eq!(worth_reading(false).unwrap(), me);
+        match worth_reading(true) {
+            Ok(t) => assert_eq!(t, me),
+            Err(why) => assert!(why.contains("PERSEUS_SHM_DIRECT=1 reads anyway"), "{why}"),
+        }
+        let ms = Duration::from_millis;
+        let at = |read, copy| Pace {
+            read: ms(read),
+            copy: ms(copy),
+        };
+        assert!(at(3, 2).reading_pays());
+        assert!(at(39, 20).reading_pays());
+        assert!(!at(4, 2).reading_pays());
+        assert!(!at(58, 10).reading_pays());
+        assert_eq!(at(6, 2).copies_per_read(), 3.0);
     }
 
     #[test]

@@ -7,7 +7,7 @@
 use super::shm::Segment;
 use super::{cma, Link, Mesh};
 use crate::auth;
-use crate::config::Config;
+use crate::config::{Config, Reading};
 use crate::deadline::{Deadlined, Vetting, HANDSHAKE_TIME, MAX_UNPROVEN};
 use crate::error::{PerseusError, Result};
 use crate::hash;
@@ -83,13 +83,19 @@ pub fn connect_mesh(cfg: &Config) -> Result<MeshParts> {
     let listener = TcpListener::bind((ip, 0))?;
     let addr = listener.local_addr()?;
     let host = host_key(cfg);
-    let (token, unreadable) = match cfg.shm && cfg.shm_direct {
-        true => match cma::Token::own() {
+    let (token, unreadable) = match (cfg.shm, cfg.shm_direct) {
+        (false, _) | (_, Reading::Off) => (None, None),
+        (true, how) => match cma::worth_reading(how == Reading::Paced) {
             Ok(t) => (Some(t), None),
             Err(why) => (None, Some(why)),
         },
-        false => (None, None),
     };
+    if let Some(why) = &unreadable {
+        crate::log!(
+            crate::log::Level::Debug,
+            "rank {rank}: no rank reads this rank's memory ({why})"
+        );
+    }
     let token_text = token.map_or_else(|| "-".to_string(), |t| t.encode());
     let entry = format!(
         "{addr} {host} {} {} {token_text}",
@@ -246,7 +252,7 @@ pub fn connect_mesh(cfg: &Config) -> Result<MeshParts> {
     if let (Some(why), true) = (unreadable, group.len() > 1 && group[0] == rank) {
         crate::log!(
             crate::log::Level::Info,
-            "rank {rank}: ranks of host {} cannot read one another's memory ({why}): \
+            "rank {rank}: ranks of host {} do not read one another's memory ({why}): \
              large blocks between them go through the shared-memory rings",
             host.split('@').next().unwrap_or_default()
         );

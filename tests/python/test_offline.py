@@ -26,6 +26,21 @@ def test_a_wait_begun_before_the_offer_does_not_hang(run_workers):
     run_workers(2, "offline.py", "offers", env={"PERSEUS_OFFLINE_NEG": "1"}, timeout=120)
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["warn", "fail"])
+def test_a_rank_that_stops_submitting_offline_is_named(run_workers, how):
+    """Running the schedule, no rank asks rank 0 anything, so its stall check saw
+    nothing: a rank 3 s late left the others waiting in a vote without a word. Now a rank
+    that has not voted for the stall check's time leaves the schedule, and negotiation
+    names the late rank: a warning, or with the shutdown time an error on every rank."""
+    env = {"PERSEUS_OFFLINE_NEG": "1", "PERSEUS_STALL_CHECK_TIME_SECONDS": "1"}
+    if how == "fail":
+        env["PERSEUS_STALL_SHUTDOWN_TIME_SECONDS"] = "2"
+    out = run_workers(2, "offline.py", "stall", how, env=env, timeout=100)
+    if how == "warn":
+        assert re.search(r"stall: allreduce '(w|b|c)' has waited \d+ s for ranks \[1\]", out), out
+
+
 _COUNTERS = re.compile(r"rank (\d+): (\d+) steps checked; events .*; counters (\{.*\})")
 
 # (ranks, hosts, environment, steps, what the counters must show). Rank 0 sends no

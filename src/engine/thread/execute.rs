@@ -260,6 +260,7 @@ impl State {
                 match std::mem::replace(&mut self.mode, Mode::Negotiated) {
                     Mode::Offered(groups) if *go => {
                         self.mode = Mode::Running(Schedule::new(groups, skip.clone()));
+                        self.voted_at = Instant::now();
                         self.shared.offline.store(true, Ordering::Relaxed);
                     }
                     _ => self.fall_back(),

@@ -68,6 +68,13 @@ pub(super) struct State {
     waited: HashSet<u64>,
     /// Rank 0: when the stall check last ran.
     stall_checked: Instant,
+    /// Running offline, a rank that has not voted for this long votes to leave the
+    /// schedule, so that a rank that stopped submitting is named by the stall check,
+    /// which only the coordinator runs (the shorter of the stall limits; none
+    /// without them).
+    offline_patience: Option<Duration>,
+    /// When this rank last voted in the offline schedule, or began running it.
+    voted_at: Instant,
     /// Each process set's NCCL group, or why its CUDA tensors are staged.
     groups: direct::Groups,
 }
@@ -116,6 +123,11 @@ impl State {
             parked: Vec::new(),
             waited: HashSet::new(),
             stall_checked: Instant::now(),
+            offline_patience: [config.stall.warn, config.stall.fail]
+                .into_iter()
+                .flatten()
+                .min(),
+            voted_at: Instant::now(),
             groups: direct::Groups::new(
                 config.nccl,
                 config.nccl_channels,
@@ -216,11 +228,12 @@ impl State {
                 std::thread::yield_now();
             } else {
                 let stalls = self.stall_watch().then_some(STALL_TICK);
-                // Wake to write the timeline's last events, if any wait.
-                let tick = match (stalls, self.shared.timeline.due()) {
-                    (Some(a), Some(b)) => Some(a.min(b)),
-                    (a, b) => a.or(b),
-                };
+                // Wake to write the timeline's last events, if any wait, and to
+                // leave a quiet offline schedule.
+                let tick = [stalls, self.shared.timeline.due(), self.offline_quiet_in()]
+                    .into_iter()
+                    .flatten()
+                    .min();
                 self.uplink.sleep(Some(&self.inbox), tick);
                 idle_since = None;
             }
@@ -382,11 +395,22 @@ impl State {
                 })
             };
             drop(held);
-            if ready == 0 && !off && !self.caller_blocked() {
+            let quiet = self.offline_quiet_in() == Some(Duration::ZERO);
+            if ready == 0 && !off && !self.caller_blocked() && !quiet {
                 break;
+            }
+            if ready == 0 && quiet {
+                crate::log!(
+                    crate::log::Level::Debug,
+                    "rank {}: no offline vote for {:?}: leaving the schedule, so that \
+                     negotiation names whatever ranks stopped submitting",
+                    self.mesh.rank(),
+                    self.voted_at.elapsed()
+                );
             }
             did = true;
             let voted = offline_vote(&self.mesh, &mut self.uplink, &mut self.local, ready);
+            self.voted_at = Instant::now();
             let voted = voted.map(|(k, sent)| {
                 let c = &self.shared.counters;
                 c.vote_messages.fetch_add(sent as u64, Ordering::Relaxed);
@@ -429,6 +453,17 @@ impl State {
             .store(received.frames, Ordering::Relaxed);
         c.control_bytes_received
             .store(received.bytes, Ordering::Relaxed);
+    }
+
+    /// Running offline with the stall check on: how long until this rank, without a
+    /// vote, leaves the schedule (zero: now).
+    fn offline_quiet_in(&self) -> Option<Duration> {
+        match self.mode {
+            Mode::Running(_) => self
+                .offline_patience
+                .map(|p| p.saturating_sub(self.voted_at.elapsed())),
+            _ => None,
+        }
     }
 
     /// True when a caller waits on a held tensor: its group cannot complete

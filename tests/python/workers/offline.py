@@ -11,7 +11,7 @@ import time
 import perseus.torch.horovod as hvd
 import torch
 import torch.nn.functional as F
-from _helpers import close, done, timeline_rows
+from _helpers import close, done, raises, timeline_rows
 from perseus.common.timeline import timeline_file
 from torch import nn
 
@@ -113,11 +113,41 @@ def incomplete_after_offers(rounds=40):
     assert hvd.counters()["negotiations_skipped"] > 0, hvd.counters()
 
 
+def stalled_offline(fail):
+    """Once the steps run offline, the last rank stops submitting: 3 s late (with
+    PERSEUS_STALL_CHECK_TIME_SECONDS=1 the ranks leave the schedule and rank 0 warns,
+    naming it), or never (with PERSEUS_STALL_SHUTDOWN_TIME_SECONDS=2 every rank fails,
+    naming it)."""
+    r, n = hvd.rank(), hvd.size()
+    i = settled(0, "before the stall")
+    late = r == n - 1
+    if not fail:
+        if late:
+            time.sleep(3)
+        step(i)
+        assert (hvd.counters()["stall_warnings"] > 0) == (r == 0), hvd.counters()
+        return
+    missing = f"ranks [{n - 1}]"
+    if late:
+        time.sleep(6)
+        with raises(hvd.HorovodInternalError, "stalled", missing, what="a later step"):
+            step(i)
+    else:
+        with raises(hvd.HorovodInternalError, "stalled", missing,
+                    "PERSEUS_STALL_SHUTDOWN_TIME_SECONDS=2", what="the stalled step"):
+            step(i)
+
+
 def main():
     hvd.init()
     r = hvd.rank()
     if sys.argv[1:] == ["offers"]:
         incomplete_after_offers()
+        hvd.shutdown()
+        done(r)
+        return
+    if sys.argv[1:2] == ["stall"]:
+        stalled_offline(sys.argv[2] == "fail")
         hvd.shutdown()
         done(r)
         return
