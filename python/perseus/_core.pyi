@@ -72,7 +72,9 @@ def allreduce(
     postscale: float,
     process_set: int,
     gradient: bool = False,
-) -> int: ...
+    blocking: bool = False,
+    now: bool = False,
+) -> int | None: ...
 def allgather(
     inp: Any, name: str | None, stack: bool, process_set: int, out: Any | None = None
 ) -> int: ...

@@ -68,6 +68,19 @@ impl Handles {
         id
     }
 
+    /// A new id with no slot: for an operation done before anyone could wait on it,
+    /// which [`Handles::insert_done`] may give a slot.
+    pub fn reserve(&self) -> u64 {
+        let mut g = self.table();
+        g.last += 1;
+        g.last
+    }
+
+    /// Gives reserved `id` a slot that is already done.
+    pub fn insert_done(&self, id: u64, result: Result<Output>) {
+        self.table().slots.insert(id, Slot::Done(result));
+    }
+
     /// Marks `id` finished and wakes waiters.
     pub fn complete(&self, id: u64, result: Result<Output>) {
         let mut g = self.table();

@@ -102,6 +102,23 @@ impl Shared {
     }
 }
 
+/// What [`Engine::submit`] did with a request.
+enum Submitted {
+    /// Queued for the engine thread: wait on this handle.
+    Queued(u64),
+    /// Ran in the lane: done, with this id (no slot in the handle table) and output.
+    Ran(u64, Output),
+}
+
+impl Submitted {
+    /// The handle of a request that cannot have run in the lane (not blocking).
+    fn handle(self) -> u64 {
+        match self {
+            Submitted::Queued(h) | Submitted::Ran(h, _) => h,
+        }
+    }
+}
+
 /// What the engine has done so far on this rank (see [`Engine::counters`]).
 #[derive(Default)]
 struct Counters {
@@ -339,6 +356,7 @@ impl Engine {
         output: Option<TensorView>,
     ) -> Result<u64> {
         self.submit(req, input, output, true, false)
+            .map(Submitted::handle)
     }
 
     /// Checks a request, names it if unnamed, and queues it; returns its handle. Its
@@ -351,6 +369,7 @@ impl Engine {
         output: Option<TensorView>,
     ) -> Result<u64> {
         self.submit(req, input, output, false, false)
+            .map(Submitted::handle)
     }
 
     /// [`Engine::enqueue`] for a caller that waits for the operation at once: a
@@ -364,7 +383,28 @@ impl Engine {
         input: Option<TensorView>,
         output: Option<TensorView>,
     ) -> Result<u64> {
-        self.submit(req, input, output, false, true)
+        match self.submit(req, input, output, false, true)? {
+            Submitted::Queued(handle) => Ok(handle),
+            Submitted::Ran(handle, out) => {
+                self.shared.handles.insert_done(handle, Ok(out));
+                Ok(handle)
+            }
+        }
+    }
+
+    /// [`Engine::enqueue_blocking`] for a caller that needs nothing back but the
+    /// outcome (an allreduce into a given output): `None` when the operation ran in
+    /// the lane and is done, without a handle to wait on; else its handle.
+    pub fn run_blocking(
+        &self,
+        req: Request,
+        input: Option<TensorView>,
+        output: Option<TensorView>,
+    ) -> Result<Option<u64>> {
+        Ok(match self.submit(req, input, output, false, true)? {
+            Submitted::Queued(handle) => Some(handle),
+            Submitted::Ran(..) => None,
+        })
     }
 
     fn submit(
@@ -374,7 +414,7 @@ impl Engine {
         output: Option<TensorView>,
         gradient: bool,
         blocking: bool,
-    ) -> Result<u64> {
+    ) -> Result<Submitted> {
         if req.kind == OpKind::Allreduce {
             req.plan = match gradient {
                 true => self.config.plan,
@@ -429,14 +469,22 @@ impl Engine {
                 req.name
             )));
         }
-        let handle = self.shared.handles.create();
-        self.shared.recorder.lock().unwrap().submitted(handle, &req);
         let ran = blocking.then(|| self.in_lane(&req, input.as_ref(), output.as_ref()));
         if let Some(out) = ran.flatten() {
-            self.shared
-                .finish(req.process_set, &req.name, handle, Ok(out));
-            return Ok(handle);
+            // Done already: recorded as submitted and finished at once, under an id
+            // that has no slot in the table (yet).
+            let handle = self.shared.handles.reserve();
+            {
+                let mut recorder = self.shared.recorder.lock().unwrap();
+                recorder.submitted(handle, &req);
+                recorder.finished(handle, true);
+            }
+            let key = (req.process_set, req.name);
+            self.shared.inflight.lock().unwrap().remove(&key);
+            return Ok(Submitted::Ran(handle, out));
         }
+        let handle = self.shared.handles.create();
+        self.shared.recorder.lock().unwrap().submitted(handle, &req);
         let entry = Entry {
             handle,
             input,
@@ -451,7 +499,7 @@ impl Engine {
                 PerseusError::Aborted("the Perseus engine has stopped".into())
             }));
         }
-        Ok(handle)
+        Ok(Submitted::Queued(handle))
     }
 
     /// Runs `req` in the lane where it goes there; its result when it ran.

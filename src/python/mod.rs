@@ -385,10 +385,12 @@ fn named(kind: OpKind, name: Option<String>, ps: u32) -> Request {
 /// `gradient`: a gradient reduction, which travels as the
 /// PERSEUS_ALLREDUCE_DTYPE plan says (others are exact). `blocking`: the caller
 /// waits for it at once, so a small one may run among the callers before this
-/// returns (PERSEUS_LANE_BYTES), without the GIL.
+/// returns (PERSEUS_LANE_BYTES), without the GIL. `now` (with `blocking`): the caller
+/// needs nothing back but the outcome, so an allreduce that ran among the callers
+/// returns `None` instead of a handle already done.
 #[pyfunction]
 #[pyo3(signature = (inp, out, name, op, prescale, postscale, process_set, gradient=false,
-                    blocking=false))]
+                    blocking=false, now=false))]
 #[allow(clippy::too_many_arguments)]
 fn allreduce(
     py: Python<'_>,
@@ -401,7 +403,8 @@ fn allreduce(
     process_set: u32,
     gradient: bool,
     blocking: bool,
-) -> PyResult<u64> {
+    now: bool,
+) -> PyResult<Option<u64>> {
     let mut req = named(OpKind::Allreduce, name, process_set);
     req.op = op_of(op)?;
     req.prescale = prescale;
@@ -412,10 +415,18 @@ fn allreduce(
             let output = dlpack::view(out).map_err(to_py)?;
             engine()?
                 .enqueue_gradient(req, Some(input), Some(output))
+                .map(Some)
                 .map_err(to_py)
         }
-        (false, true) => submit_blocking(py, req, Some(inp), Some(out)),
-        (false, false) => submit(req, Some(inp), Some(out)),
+        (false, true) if now => {
+            let input = dlpack::view(inp).map_err(to_py)?;
+            let output = dlpack::view(out).map_err(to_py)?;
+            let e = engine()?;
+            py.detach(|| e.run_blocking(req, Some(input), Some(output)))
+                .map_err(to_py)
+        }
+        (false, true) => submit_blocking(py, req, Some(inp), Some(out)).map(Some),
+        (false, false) => submit(req, Some(inp), Some(out)).map(Some),
     }
 }
 

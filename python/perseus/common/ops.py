@@ -261,14 +261,23 @@ def _submit_allreduce(inp, out, name, op, prescale_factor, postscale_factor, pro
                            ps, gradient, blocking)
 
 
+def submit_allreduce(inp, out, name, op, prescale_factor, postscale_factor, process_set):
+    """The core's handle of an exact allreduce of capsule ``inp`` into ``out``: the bare
+    :func:`allreduce_async`, for a front-end that makes its own :class:`Handle`."""
+    return _core.allreduce(inp, out, name, check_op(op), float(prescale_factor),
+                           float(postscale_factor), _prepare(name, process_set))
+
+
 def allreduce_now(inp, out, name=None, op=Average, prescale_factor=1.0, postscale_factor=1.0,
                   process_set=None, keep=()):
     """:func:`allreduce_async` with ``blocking`` and the wait in one call, without a
     :class:`Handle`: the path of a lone small allreduce, whose own time is a few
     microseconds (PERSEUS_LANE_BYTES). Raises the operation's error as ``wait()`` does."""
-    hid = _submit_allreduce(inp, out, name, op, prescale_factor, postscale_factor, process_set,
-                            False, True)
-    _wait_now(hid, (keep, inp, out))
+    ps = _prepare(name, process_set)
+    hid = _core.allreduce(inp, out, name, check_op(op), float(prescale_factor),
+                          float(postscale_factor), ps, False, True, True)
+    if hid is not None:  # else it ran among the callers and is done
+        _wait_now(hid, (keep, inp, out))
 
 
 def _wait_now(hid, keep):
