@@ -248,24 +248,19 @@ def allreduce_async(inp, out, *, name=None, op=Average, prescale_factor=1.0,
     ``blocking``: the caller waits for the handle at once, so a small allreduce may
     complete before this returns (PERSEUS_LANE_BYTES).
     """
-    hid = _submit_allreduce(inp, out, name, op, prescale_factor, postscale_factor, process_set,
-                            gradient, blocking)
+    hid = submit_allreduce(inp, out, name, op, prescale_factor, postscale_factor, process_set,
+                           gradient, blocking)
     return Handle(hid, (keep, inp, out), finish)
 
 
-def _submit_allreduce(inp, out, name, op, prescale_factor, postscale_factor, process_set,
-                      gradient, blocking):
+def submit_allreduce(inp, out, name, op, prescale_factor, postscale_factor, process_set,
+                     gradient=False, blocking=False, now=False):
+    """The core's handle of an allreduce of capsule ``inp`` into ``out``: the bare
+    :func:`allreduce_async`, for a front-end that makes its own :class:`Handle`. ``now``
+    (with ``blocking``): None when it ran among the callers and is done."""
     ps = _prepare(name, process_set)
-    op = check_op(op)
-    return _core.allreduce(inp, out, name, op, float(prescale_factor), float(postscale_factor),
-                           ps, gradient, blocking)
-
-
-def submit_allreduce(inp, out, name, op, prescale_factor, postscale_factor, process_set):
-    """The core's handle of an exact allreduce of capsule ``inp`` into ``out``: the bare
-    :func:`allreduce_async`, for a front-end that makes its own :class:`Handle`."""
     return _core.allreduce(inp, out, name, check_op(op), float(prescale_factor),
-                           float(postscale_factor), _prepare(name, process_set))
+                           float(postscale_factor), ps, gradient, blocking, now)
 
 
 def allreduce_now(inp, out, name=None, op=Average, prescale_factor=1.0, postscale_factor=1.0,
@@ -273,9 +268,8 @@ def allreduce_now(inp, out, name=None, op=Average, prescale_factor=1.0, postscal
     """:func:`allreduce_async` with ``blocking`` and the wait in one call, without a
     :class:`Handle`: the path of a lone small allreduce, whose own time is a few
     microseconds (PERSEUS_LANE_BYTES). Raises the operation's error as ``wait()`` does."""
-    ps = _prepare(name, process_set)
-    hid = _core.allreduce(inp, out, name, check_op(op), float(prescale_factor),
-                          float(postscale_factor), ps, False, True, True)
+    hid = submit_allreduce(inp, out, name, op, prescale_factor, postscale_factor, process_set,
+                           blocking=True, now=True)
     if hid is not None:  # else it ran among the callers and is done
         _wait_now(hid, (keep, inp, out))
 
