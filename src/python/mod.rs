@@ -13,7 +13,7 @@ mod rendezvous;
 
 use crate::config::{Config, Topology};
 use crate::dtype::ReduceOp;
-use crate::engine::{Engine, OpKind, Output, Request};
+use crate::engine::{Engine, OpKind, Output, Request, TensorView};
 use crate::error::PerseusError;
 use errors::{
     to_py, GpuUnavailableError, HorovodInternalError, MismatchError, NameInFlightError,
@@ -141,13 +141,21 @@ fn wait_for(py: Python<'_>, e: &Engine, handle: u64, timeout: Option<f64>) -> Py
     r.map_err(to_py)
 }
 
+/// The core's views of a call's input and output tensors.
+type Views = (Option<TensorView>, Option<TensorView>);
+
+fn views(inp: Option<&Bound<'_, PyAny>>, out: Option<&Bound<'_, PyAny>>) -> PyResult<Views> {
+    let input = inp.map(dlpack::view).transpose().map_err(to_py)?;
+    let output = out.map(dlpack::view).transpose().map_err(to_py)?;
+    Ok((input, output))
+}
+
 fn submit(
     req: Request,
     inp: Option<&Bound<'_, PyAny>>,
     out: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<u64> {
-    let input = inp.map(dlpack::view).transpose().map_err(to_py)?;
-    let output = out.map(dlpack::view).transpose().map_err(to_py)?;
+    let (input, output) = views(inp, out)?;
     engine()?.enqueue(req, input, output).map_err(to_py)
 }
 
@@ -159,8 +167,7 @@ fn submit_blocking(
     inp: Option<&Bound<'_, PyAny>>,
     out: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<u64> {
-    let input = inp.map(dlpack::view).transpose().map_err(to_py)?;
-    let output = out.map(dlpack::view).transpose().map_err(to_py)?;
+    let (input, output) = views(inp, out)?;
     let e = engine()?;
     py.detach(|| e.enqueue_blocking(req, input, output))
         .map_err(to_py)
@@ -411,18 +418,16 @@ fn allreduce(
     req.postscale = postscale;
     match (gradient, blocking) {
         (true, _) => {
-            let input = dlpack::view(inp).map_err(to_py)?;
-            let output = dlpack::view(out).map_err(to_py)?;
+            let (input, output) = views(Some(inp), Some(out))?;
             engine()?
-                .enqueue_gradient(req, Some(input), Some(output))
+                .enqueue_gradient(req, input, output)
                 .map(Some)
                 .map_err(to_py)
         }
         (false, true) if now => {
-            let input = dlpack::view(inp).map_err(to_py)?;
-            let output = dlpack::view(out).map_err(to_py)?;
+            let (input, output) = views(Some(inp), Some(out))?;
             let e = engine()?;
-            py.detach(|| e.run_blocking(req, Some(input), Some(output)))
+            py.detach(|| e.run_blocking(req, input, output))
                 .map_err(to_py)
         }
         (false, true) => submit_blocking(py, req, Some(inp), Some(out)).map(Some),
