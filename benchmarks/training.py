@@ -4,7 +4,8 @@ DDP on a ``perseus`` process group (its own reducer, each bucket through the bac
 all_reduce, PERSEUS_DDP=0), against DistributedDataParallel on gloo. ``--fsdp``: FSDP2
 (``fully_shard`` on each layer and the model, on the CPU) on perseus against gloo.
 Each run also times one rank alone, with no communication, and reports each job's
-scaling efficiency: samples/s on N ranks ÷ (N × that rank's samples/s).
+scaling efficiency: samples/s on N ranks ÷ (N × that rank's samples/s); and N ranks at
+once, each computing alone, as the machine's own bound on that efficiency.
 
     python benchmarks/training.py [--ranks 2] [--steps 40] [--batch 16] [--fsdp]
                                   [--json PATH] [--quick]
@@ -132,6 +133,14 @@ def run(ranks=(2,), steps=40, batch=16, timeout=600, echo=True, fsdp=False):
                                         timeout=timeout)[0]
     except harness.JobFailed as e:
         result["solo"] = {"error": str(e)}
+    # The machine's own bound: N ranks at once, each computing alone (nothing exchanged).
+    result["apart"] = {}
+    for n in ranks:
+        try:
+            result["apart"][str(n)] = harness.launch(__file__, "gloo", n, dict(opts, solo=True),
+                                                     timeout=timeout)[0]
+        except harness.JobFailed as e:
+            result["apart"][str(n)] = {"error": str(e)}
     return harness.run_into(result, __file__, impls, ranks, opts, sections, timeout=timeout,
                             echo=echo)
 
@@ -142,6 +151,15 @@ def efficiency(result, runs, impl, n):
     if not solo or "error" in solo or res is None or harness.failed(res):
         return None
     return res[0]["samples_per_s"] / (int(n) * solo["samples_per_s"])
+
+
+def machine_bound(result, n):
+    """The scaling efficiency of ``n`` ranks computing at once with nothing exchanged (the
+    cores and memory they share), or None."""
+    apart = result.get("apart", {}).get(str(n))
+    if not apart or "error" in apart:
+        return None
+    return efficiency(result, {"apart": [apart]}, "apart", n)
 
 
 def speedup(runs, impl="hvd", base="gloo"):
@@ -191,6 +209,9 @@ def sections(result, only=None):
                                for impl, label in labels)
             notes.append(f"scaling efficiency, samples/s ÷ ({n} × one rank alone with no "
                          f"communication, {solo['samples_per_s']:.1f} samples/s): {shares}")
+            notes.append(f"the machine's own bound: {n} ranks at once, each computing alone "
+                         "with nothing exchanged, "
+                         f"{harness.fmt(machine_bound(result, n), '.0%')}")
         elif solo:
             notes.append(f"one rank alone: failed: {solo['error']}")
         what = "FSDP2 training" if fsdp else "training"
