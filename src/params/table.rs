@@ -155,7 +155,7 @@ pub const PARAMS: &[Param] = &[
         doc: "ranks of one host read large blocks of an allgather, alltoall, broadcast \
               (three ranks or more) or allreduce (2 MiB or more) straight from one another's \
               memory (process_vm_readv) where the kernel allows it and a check at init finds \
-              it faster than the shared-memory rings' two copies; 1: wherever the kernel \
+              it cheaper than the shared-memory rings' copies; 1: wherever the kernel \
               allows it; 0: always through the rings",
     },
     Param {

@@ -1,5 +1,6 @@
 """PERSEUS_SHM_DIRECT unset: each rank times reading its own memory at init and is read
-only where reading beats the rings' two copies; the collectives follow that choice."""
+only where a read costs less than three copies (the rings copy twice, across cores); the
+collectives follow that choice."""
 
 import re
 
