@@ -16,6 +16,7 @@ import harness
 import memory
 import negotiation
 import out_of_place
+import resnet_scaling
 import small_ops
 import switches
 import training
@@ -173,6 +174,22 @@ def efficiency_target(training_result):
                    f"2 ranks computing apart: {harness.fmt(bound, '.0%')})"), at_least(0.9, e)]
 
 
+def resnet_target(data):
+    """Issue 45's scaling efficiency on the examples' synthetic ResNet, 2 ranks, judged on
+    DistributedOptimizer as the MLP's row is."""
+    goal = ("scaling efficiency of the examples' synthetic ResNet on 2 ranks ≥ 90%, "
+            "hvd.DistributedOptimizer (issue 45)")
+    if not (data or {}).get("runs", {}).get("2"):
+        return [goal, "-", "not measured"]
+    eff = {job: resnet_scaling.efficiency(data, 2, job)
+           for job in ("hvd", "ddp_perseus", "ddp_gloo", "apart")}
+    return [goal, (f"hvd {harness.fmt(eff['hvd'], '.0%')}, DDP after `import perseus` "
+                   f"{harness.fmt(eff['ddp_perseus'], '.0%')}, DDP on gloo "
+                   f"{harness.fmt(eff['ddp_gloo'], '.0%')} (the machine's own bound, 2 "
+                   f"processes apart: {harness.fmt(eff['apart'], '.0%')})"),
+            at_least(0.9, eff["hvd"])]
+
+
 def negotiation_target(section):
     """Issue 45's: at 32 ranks, cached or offline negotiation sends at most 1/100 of the
     plain mode's bytes a step, judged on the better of the two."""
@@ -239,6 +256,7 @@ def targets(data):
                 f"{harness.fmt(g, '+.2f')}% (largest over the ranks)",
                 "not measured" if g is None else "met" if g <= 10 else "missed"])
     out.append(efficiency_target(data.get("training")))
+    out.append(resnet_target(data.get("resnet")))
     out.append(out_of_place_target(data.get("outofplace")))
     out.append(negotiation_target(data.get("negotiation")))
     return out
@@ -310,7 +328,9 @@ def render(data, png=PNG, pages_dir=None):
                                 out_of_place),
                                ("negotiation", "Negotiation at scale, by counts (issue 45)",
                                 negotiation),
-                               ("switches", "The PERSEUS_* switches (issue 5)", switches)):
+                               ("switches", "The PERSEUS_* switches (issue 5)", switches),
+                               ("resnet", "Scaling efficiency of the examples' ResNet (issue 45)",
+                                resnet_scaling)):
         if data.get(key):
             lines += [f"## {title}", "", describe(module),
                       harness.md_sections(module.sections(data[key]))]
