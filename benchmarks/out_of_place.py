@@ -20,6 +20,9 @@ IMPLS = ("hvd",)
 RSS_BYTES = 4 << 20
 
 
+# Issue 45's goal: an out-of-place call within this factor of its in-place form.
+GOAL = 1.3
+
 def body(comm, opts):
     import torch
 
@@ -83,9 +86,9 @@ def sections(result, only=None):
                 bc = row["broadcast"] / row["broadcast_"]
                 rows.append([harness.human(row["bytes"]),
                              f"{row['allreduce_'] * 1e3:.2f}", f"{row['allreduce'] * 1e3:.2f}",
-                             f"{ar:.2f}x", "met" if ar <= 1.3 else "missed",
+                             f"{ar:.2f}x", "met" if ar <= GOAL else "missed",
                              f"{row['broadcast_'] * 1e3:.2f}", f"{row['broadcast'] * 1e3:.2f}",
-                             f"{bc:.2f}x", "met" if bc <= 1.3 else "missed"])
+                             f"{bc:.2f}x", "met" if bc <= GOAL else "missed"])
             growth = max(r["rss_last_mib"] - r["rss_first_mib"] for r in res)
             notes.append(f"RSS after {r0['first']:,} and after {r0['count']:,} out-of-place "
                          f"{harness.human(RSS_BYTES)} allreduces: "

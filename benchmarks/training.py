@@ -145,21 +145,25 @@ def run(ranks=(2,), steps=40, batch=16, timeout=600, echo=True, fsdp=False):
                             echo=echo)
 
 
+def _share(result, rank0, n):
+    """``rank0``'s samples/s (a job's rank-0 result) ÷ (n × one rank's alone), or None
+    when either is missing or failed."""
+    solo = result.get("solo")
+    if not solo or "error" in solo or not rank0 or "error" in rank0:
+        return None
+    return rank0["samples_per_s"] / (int(n) * solo["samples_per_s"])
+
+
 def efficiency(result, runs, impl, n):
     """``impl``'s samples/s on ``n`` ranks ÷ (n × one rank's alone), or None."""
-    solo, res = result.get("solo"), runs.get(impl)
-    if not solo or "error" in solo or res is None or harness.failed(res):
-        return None
-    return res[0]["samples_per_s"] / (int(n) * solo["samples_per_s"])
+    res = runs.get(impl)
+    return None if res is None or harness.failed(res) else _share(result, res[0], n)
 
 
 def machine_bound(result, n):
     """The scaling efficiency of ``n`` ranks computing at once with nothing exchanged (the
     cores and memory they share), or None."""
-    apart = result.get("apart", {}).get(str(n))
-    if not apart or "error" in apart:
-        return None
-    return efficiency(result, {"apart": [apart]}, "apart", n)
+    return _share(result, result.get("apart", {}).get(str(n)), n)
 
 
 def speedup(runs, impl="hvd", base="gloo"):
