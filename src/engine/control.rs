@@ -23,6 +23,19 @@ use std::time::{Duration, Instant};
 pub const FRAME_REQUESTS: u16 = 0x300;
 /// Frame kind of a batch of responses (rank 0 to a worker).
 pub const FRAME_RESPONSES: u16 = 0x301;
+/// Frame kind of "are you there?", sent on a control stream that has been quiet for
+/// [`QUIET_BEFORE_PING`] while this end waits for its peer; the peer's engine answers
+/// [`FRAME_PONG`] as it reads it. Neither carries a payload.
+const FRAME_PING: u16 = 0x302;
+/// Frame kind of the answer to [`FRAME_PING`].
+const FRAME_PONG: u16 = 0x303;
+/// How long a control stream may be quiet, while this end waits for its peer, before
+/// it asks whether the peer is there. A peer that then answers nothing (no frame at
+/// all) within the stream's timeout (GLOO_TIMEOUT_SECONDS) counts as gone: its
+/// process is stopped or frozen, or its host cannot be reached. A peer that is only
+/// busy (computing, in another collective of its own, in Python) answers at once,
+/// since its engine thread reads the stream.
+const QUIET_BEFORE_PING: Duration = Duration::from_secs(2);
 /// Set in the kind of every frame of a batch but its last: the receiver acts on
 /// none of a batch until all of it arrived, as if it had come as one frame (a
 /// worker that ran the first part's collectives would stop reading the rest,
@@ -79,8 +92,13 @@ pub struct Stream {
     written: usize,
     /// When the queue last moved (or filled).
     moved: Instant,
-    /// How long the queue may stand still before the peer counts as gone.
+    /// How long the queue may stand still, or a ping go unanswered, before the peer
+    /// counts as gone.
     timeout: Duration,
+    /// When a frame last arrived (or the stream began).
+    heard: Instant,
+    /// When a ping went out that no frame has followed yet.
+    pinged: Option<Instant>,
     /// What this end queued to send, and what it received, so far.
     sent: Traffic,
     received: Traffic,
@@ -99,6 +117,8 @@ impl Stream {
             written: 0,
             moved: Instant::now(),
             timeout,
+            heard: Instant::now(),
+            pinged: None,
             sent: Traffic::default(),
             received: Traffic::default(),
         })
@@ -131,8 +151,21 @@ impl Stream {
                 Err(e) => self.broke = Some(e),
             },
         }
+        if !frames.is_empty() {
+            self.heard = Instant::now();
+            self.pinged = None;
+        }
         let mut whole = Vec::new();
+        let mut asked = false;
         for (k, p) in frames {
+            // Pings and their answers are not negotiation: they count in no Traffic.
+            if k == FRAME_PING {
+                asked = true;
+                continue;
+            }
+            if k == FRAME_PONG {
+                continue; // its arrival is its message (`heard`, above)
+            }
             self.received.frame(p.len());
             if k == kind | MORE {
                 self.partial.push(p);
@@ -145,16 +178,70 @@ impl Stream {
                 )));
             }
         }
+        if asked && self.broke.is_none() {
+            self.queue_frame(FRAME_PONG);
+            if let Err(e) = self.flush(false) {
+                self.broke = Some(e.into());
+            }
+        }
         Ok(whole)
     }
 
-    /// Queues `items` encoded by `encode`, as frames of about [`FRAME_BYTES`].
-    fn queue<T>(&mut self, kind: u16, items: &[T], encode: fn(&[T]) -> Vec<u8>) {
+    /// Before queueing: a queue written out starts anew (and moves from now).
+    fn drained(&mut self) {
         if !self.unwritten() {
             self.out.clear();
             self.written = 0;
             self.moved = Instant::now();
         }
+    }
+
+    /// Queues one frame of `kind` without a payload (a ping or its answer, which
+    /// count in no Traffic).
+    fn queue_frame(&mut self, kind: u16) {
+        self.drained();
+        self.out.extend_from_slice(&framed(kind, &[]));
+    }
+
+    /// While this end waits for the peer (`waiting`), at `now`: asks the peer whether
+    /// it is there once the stream has been quiet for [`QUIET_BEFORE_PING`], and
+    /// returns why it counts as gone once a ping went unanswered for the timeout.
+    /// Also returns how long until the next look is due (None: not waiting).
+    fn watch(&mut self, waiting: bool, now: Instant) -> (Option<String>, Option<Duration>) {
+        if !waiting || self.broke.is_some() {
+            return (None, None);
+        }
+        if let Some(at) = self.pinged {
+            let silent = now.saturating_duration_since(at);
+            if silent >= self.timeout {
+                let quiet = now.saturating_duration_since(self.heard);
+                return (
+                    Some(format!(
+                        "it has answered nothing for {:.0} s: its process is stopped or \
+                         frozen, or its host cannot be reached (GLOO_TIMEOUT_SECONDS)",
+                        quiet.as_secs_f64()
+                    )),
+                    None,
+                );
+            }
+            return (None, Some(self.timeout - silent));
+        }
+        let quiet = now.saturating_duration_since(self.heard);
+        if quiet < QUIET_BEFORE_PING {
+            return (None, Some(QUIET_BEFORE_PING - quiet));
+        }
+        self.queue_frame(FRAME_PING);
+        if let Err(e) = self.flush(false) {
+            self.broke = Some(e.into());
+            return (None, Some(Duration::ZERO));
+        }
+        self.pinged = Some(now);
+        (None, Some(self.timeout))
+    }
+
+    /// Queues `items` encoded by `encode`, as frames of about [`FRAME_BYTES`].
+    fn queue<T>(&mut self, kind: u16, items: &[T], encode: fn(&[T]) -> Vec<u8>) {
+        self.drained();
         let parts = in_parts(items, FRAME_BYTES, encode);
         let last = parts.len() - 1;
         for (i, part) in parts.iter().enumerate() {
@@ -219,7 +306,13 @@ impl Stream {
         unsafe { libc::poll(&mut fd, 1, ms) };
         if reading && fd.revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0 {
             match self.reader.read_from(&mut self.sock) {
-                Ok(frames) => self.early.extend(frames),
+                Ok(frames) => {
+                    if !frames.is_empty() {
+                        self.heard = Instant::now();
+                        self.pinged = None;
+                    }
+                    self.early.extend(frames)
+                }
                 Err(e) => self.broke = Some(e),
             }
         }
@@ -324,6 +417,38 @@ impl Uplink {
         got
     }
 
+    /// Whether the peers this rank waits for are there: a worker waits for rank 0 while
+    /// it has operations pending (`waiting`); rank 0 for every worker that has not
+    /// announced its shutdown while it has operations pending or its coordinator has
+    /// names some ranks have not asked for. A stream quiet for [`QUIET_BEFORE_PING`]
+    /// gets a ping; one that then stays silent for its timeout is reported lost (and
+    /// closed, so that the peer, should it wake, fails too). Also returns how long
+    /// until the next look is due (None: nothing waits).
+    pub fn watch(&mut self, waiting: bool) -> (Vec<Incoming>, Option<Duration>) {
+        let now = Instant::now();
+        let mut lost = Vec::new();
+        let mut next: Option<Duration> = None;
+        let mut look = |rank: usize, slot: &mut Option<Stream>, waiting: bool| {
+            let Some(s) = slot else { return };
+            let (gone, due) = s.watch(waiting, now);
+            if let Some(why) = gone {
+                *slot = None;
+                lost.push(Incoming::Lost(rank, why));
+            }
+            next = [next, due].into_iter().flatten().min();
+        };
+        match self {
+            Uplink::Coordinator { coord, workers } => {
+                let waiting = waiting || coord.waiting();
+                for (rank, slot) in workers.iter_mut().enumerate() {
+                    look(rank, slot, waiting && !coord.has_shut(rank));
+                }
+            }
+            Uplink::Worker(slot) => look(0, slot, waiting),
+        }
+        (lost, next)
+    }
+
     /// Sends the coordinator's answers: to each worker's stream, and rank 0's
     /// own into `local`. A failed write shows up as a lost stream on the next
     /// [`Uplink::receive`].
@@ -395,5 +520,84 @@ impl Uplink {
         if let Some(i) = inbox {
             i.unpark();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::TcpListener;
+
+    /// Two ends of one loopback connection as control streams.
+    fn pair(timeout: Duration) -> (Stream, Stream) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (b, _) = l.accept().unwrap();
+        (
+            Stream::new(a, timeout).unwrap(),
+            Stream::new(b, timeout).unwrap(),
+        )
+    }
+
+    /// Receives on `s` until a frame came (loopback delivery is quick, not instant).
+    fn receive_some(s: &mut Stream) {
+        let before = s.heard;
+        for _ in 0..500 {
+            s.receive(FRAME_REQUESTS).unwrap();
+            if s.heard > before {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        panic!("no frame arrived");
+    }
+
+    #[test]
+    fn a_quiet_peer_is_pinged_and_one_that_answers_is_there() {
+        let timeout = Duration::from_millis(300);
+        let (mut a, mut b) = pair(timeout);
+        let t = a.heard;
+        // Not waiting: nothing to look at, whatever the time.
+        assert_eq!(a.watch(false, t + Duration::from_secs(99)), (None, None));
+        // Waiting, quiet for less than QUIET_BEFORE_PING: no ping yet.
+        let (gone, due) = a.watch(true, t + Duration::from_millis(500));
+        assert!(gone.is_none() && due == Some(QUIET_BEFORE_PING - Duration::from_millis(500)));
+        assert_eq!(a.written, 0);
+        // Quiet for longer: a ping, and the next look at the timeout.
+        let later = t + QUIET_BEFORE_PING + Duration::from_millis(100);
+        assert_eq!(a.watch(true, later), (None, Some(timeout)));
+        assert_eq!(a.written, HEADER, "one frame without a payload");
+        // The peer's engine reads it and answers; the answer clears the ping.
+        receive_some(&mut b);
+        assert_eq!(b.written, HEADER, "b answered the ping");
+        receive_some(&mut a);
+        assert!(a.pinged.is_none());
+        // Neither counts as negotiation traffic.
+        for s in [&a, &b] {
+            assert_eq!(
+                (s.sent, s.received),
+                (Traffic::default(), Traffic::default())
+            );
+        }
+        let (gone, _) = a.watch(true, later + timeout * 2);
+        assert!(gone.is_none(), "{gone:?}");
+    }
+
+    #[test]
+    fn a_ping_unanswered_for_the_timeout_names_the_peer_gone() {
+        let timeout = Duration::from_millis(300);
+        let (mut a, _b) = pair(timeout); // b is frozen: it never reads
+        let t = a.heard + QUIET_BEFORE_PING;
+        assert_eq!(a.watch(true, t), (None, Some(timeout)));
+        assert!(a.receive(FRAME_REQUESTS).unwrap().is_empty());
+        let (gone, due) = a.watch(true, t + Duration::from_millis(100));
+        assert!(gone.is_none() && due == Some(Duration::from_millis(200)));
+        let (gone, _) = a.watch(true, t + timeout);
+        let why = gone.expect("the peer counts as gone");
+        assert!(
+            why.contains("stopped or frozen") && why.contains("GLOO_TIMEOUT_SECONDS"),
+            "{why}"
+        );
+        assert_eq!(a.written, HEADER, "one ping, not one a look");
     }
 }

@@ -85,8 +85,17 @@ impl Coordinator {
     /// True when a stall check may find something: it is on and some name
     /// waits for ranks.
     pub fn stall_watch(&self) -> bool {
-        (self.stall.warn.is_some() || self.stall.fail.is_some())
-            && (self.sets.values().any(|s| !s.pending.is_empty()) || !self.forming.is_empty())
+        (self.stall.warn.is_some() || self.stall.fail.is_some()) && self.waiting()
+    }
+
+    /// True while some name (or a process set being formed) waits for ranks.
+    pub fn waiting(&self) -> bool {
+        self.sets.values().any(|s| !s.pending.is_empty()) || !self.forming.is_empty()
+    }
+
+    /// True when `rank` announced its shutdown (it is not waited for any more).
+    pub fn has_shut(&self, rank: usize) -> bool {
+        self.shut.get(rank).copied().unwrap_or(false)
     }
 
     /// Names some ranks asked for and others have not, waiting longer than

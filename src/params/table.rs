@@ -17,8 +17,8 @@ pub const PARAMS: &[Param] = &[
         default: Default::Int(60),
         scope: Scope::Core,
         note: "(seconds)",
-        doc: "seconds to wait for a peer (connect, rendezvous, each transfer) before failing \
-              (HOROVOD_GLOO_TIMEOUT_SECONDS is an alias)",
+        doc: "seconds to wait for a peer (connect, rendezvous, each transfer, an answer to \
+              a ping) before failing (HOROVOD_GLOO_TIMEOUT_SECONDS is an alias)",
     },
     Param {
         name: "HOROVOD_FUSION_THRESHOLD",

@@ -28,6 +28,21 @@ def test_names_each_rank_that_has_not_submitted_what_others_wait_in():
         "its main thread is in /job/train.py:118 evaluate()")]
 
 
+def test_a_rank_that_sent_no_record_is_named_beside_the_ranks_that_wait():
+    # Rank 1 is stopped (SIGSTOP, a frozen host): it answers no request for its record,
+    # and the two others wait in the same allreduce. Before, nobody was missing from it
+    # and the diagnosis said "no collective pending".
+    records = {r: record(r, [op("g1", "submitted", 90.0)]) for r in (0, 2)}
+    assert fr.diagnose(records, now=105.0, silent=[1]) == [
+        ("rank 1 sent no record while ranks 0, 2 wait in allreduce 'g1' for 15 s: its "
+         "process may be stopped or frozen, or stuck where Python cannot run")]
+    # A rank whose record came is judged by it, whatever else is said of it.
+    records[1] = record(1, [], function="evaluate", line=7)
+    assert fr.diagnose(records, now=105.0, silent=[1]) == [
+        ("rank 1 has not submitted allreduce 'g1' for 15 s (ranks 0, 2 wait for it); its "
+         "main thread is in /job/train.py:7 evaluate()")]
+
+
 def test_the_callers_line_is_named_not_perseus_own_frames():
     inside = {"file": fr._PACKAGE + "/common/ops.py", "line": 80, "function": "wait"}
     records = {0: record(0, [op("x", "submitted", 0.0, kind="broadcast", ps=3)]),

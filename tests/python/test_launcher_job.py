@@ -541,6 +541,36 @@ def test_a_failed_rank_is_followed_by_a_diagnosis_before_the_others_are_stopped(
         job.stop()
 
 
+@pytest.mark.timeout(120)
+def test_a_frozen_rank_is_named_by_the_diagnosis_then_fails_the_job_and_is_stopped(tmp_path):
+    # Rank 1 stops itself (SIGSTOP) in evaluate() while rank 0 waits in allreduce
+    # 'grad.layer4'. SIGUSR1 to perseusrun: rank 1 cannot answer, and the diagnosis says
+    # so. Then rank 0's engine, its pings unanswered for GLOO_TIMEOUT_SECONDS, fails the
+    # allreduce naming rank 1, and perseusrun ends the job, the stopped rank included.
+    records = tmp_path / "records"
+    job = FlightJob(dict(ENV, PERSEUS_FLIGHT_RECORDER_DIR=str(records),
+                         GLOO_TIMEOUT_SECONDS="15"), "stop")
+    try:
+        ready = job.wait_for("READY rank 1", in_errors=False)
+        frozen = int(ready.split("pid ")[1])
+        time.sleep(1.0)
+        os.kill(job.p.pid, signal.SIGUSR1)
+        said = job.wait_for("flight recorder: rank 1 sent no record")
+        assert "while rank 0 waits in allreduce 'grad.layer4' for " in said, said
+        assert "its process may be stopped or frozen" in said, said
+        assert "records of 1 of 2 ranks (none from rank 1)" in "".join(job.errors)
+        job.p.wait(timeout=60)
+        for t in job.readers:
+            t.join(5)
+        out = "".join(job.lines + job.errors)
+        assert job.p.returncode != 0, out
+        assert "rank 1 is gone (it has answered nothing for " in out, out
+        assert "its process is stopped or frozen" in out, out
+        assert not os.path.exists(f"/proc/{frozen}"), out
+    finally:
+        job.stop()
+
+
 OMP_WORKER = textwrap.dedent("""
     import os
     print(os.environ["PERSEUS_HOSTNAME"], os.environ.get("OMP_NUM_THREADS"), flush=True)

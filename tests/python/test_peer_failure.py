@@ -1,5 +1,6 @@
-"""A rank that dies mid-job: every other rank's pending collective fails with
-HorovodInternalError naming the dead rank, within the timeout, without a hang.
+"""A rank that dies or freezes mid-job: every other rank's pending collective fails
+with HorovodInternalError naming that rank, within the timeout, without a hang; a rank
+that is only busy is not taken for a frozen one.
 
 Ranks are started directly (not through perseusrun, which would stop the
 survivors as soon as one rank dies) so that the survivors' own errors can be
@@ -17,18 +18,21 @@ from perseus import _core
 
 WORKER = textwrap.dedent(
     """
-    import os, sys, time
+    import os, signal, sys, time
     import torch
     import perseus.torch.horovod as hvd
     hvd.init()
-    victim, steps = int(sys.argv[1]), int(sys.argv[2])
+    victim, steps, how = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     for _ in range(steps):
         x = hvd.allreduce(torch.ones(4), name="warmup", op=hvd.Sum)
         assert x.tolist() == [hvd.size()] * 4
     if steps > 1:
         assert hvd.counters()["negotiations_skipped"] > 0, hvd.counters()
     if hvd.rank() == victim:
-        os._exit(17)
+        if how == "exit":
+            os._exit(17)
+        print("stopping", flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)  # frozen: alive, connected, silent
     t0 = time.time()
     try:
         # After many equal steps (PERSEUS_OFFLINE_NEG=1) this one runs offline:
@@ -81,7 +85,7 @@ def test_dead_rank_fails_pending_ops_everywhere(victim, offline):
     if offline == "1":
         # The steps must reach the engine's schedule: none in the callers' lane.
         env["PERSEUS_LANE_BYTES"] = "0"
-    srv, procs = spawn(n, WORKER, [str(victim), steps], env)
+    srv, procs = spawn(n, WORKER, [str(victim), steps, "exit"], env)
     outs = [p.communicate(timeout=90)[0] for p in procs]
     srv.stop()
     assert time.time() - t0 < 60
@@ -147,3 +151,66 @@ def test_rank_killed_mid_allreduce(shm):
         # At once, from the closed connection, not after the 20 s timeout.
         seconds = float(outs[r].split("error after ")[1].split("s:")[0])
         assert seconds < 10, outs[r]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("victim", [0, 2])
+@pytest.mark.parametrize("offline", ["0", "1"])
+def test_a_frozen_rank_fails_the_others_naming_it(victim, offline):
+    """A rank that stops (SIGSTOP: a frozen process, a paused VM, a host that cannot be
+    reached) between collectives keeps its connections open, so no end of file tells the
+    others. Each survivor's engine asks the rank it waits for whether it is there once the
+    control stream has been quiet for 2 s; unanswered for GLOO_TIMEOUT_SECONDS, the rank
+    counts as gone and every survivor's collective fails naming it."""
+    n = 3
+    steps = "10" if offline == "1" else "1"
+    env = {"GLOO_TIMEOUT_SECONDS": "3", "PERSEUS_OFFLINE_NEG": offline}
+    if offline == "1":
+        env["PERSEUS_LANE_BYTES"] = "0"
+    srv, procs = spawn(n, WORKER, [str(victim), steps, "stop"], env)
+    try:
+        outs = {r: p.communicate(timeout=60)[0] for r, p in enumerate(procs) if r != victim}
+    finally:
+        procs[victim].kill()
+        victim_out = procs[victim].communicate(timeout=30)[0]
+        srv.stop()
+    assert "stopping" in victim_out, victim_out
+    host = socket.gethostname()
+    for r, out in outs.items():
+        assert procs[r].returncode == 0, outs
+        assert f"rank {victim}" in out and "stopped or frozen" in out, outs
+        assert f"host {host}" in out, outs
+        # About 2 s of quiet and the 3 s timeout: well before anything else would end it.
+        seconds = float(out.split("error after ")[1].split("s:")[0])
+        assert seconds < 30, out
+
+
+BUSY = textwrap.dedent(
+    """
+    import sys, time
+    import torch
+    import perseus.torch.horovod as hvd
+    hvd.init()
+    sleeper = int(sys.argv[1])
+    hvd.allreduce(torch.ones(4), name="warmup")
+    if hvd.rank() == sleeper:
+        time.sleep(9)  # busy in Python: three times the timeout, the engine idle
+    out = hvd.allreduce(torch.full((4,), float(hvd.rank())), name="late", op=hvd.Sum)
+    assert out.tolist() == [float(sum(range(hvd.size())))] * 4, out
+    print("ok", flush=True)
+    """
+)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("sleeper", [0, 2])
+def test_a_busy_rank_is_not_taken_for_a_frozen_one(sleeper):
+    """A rank that computes (here: sleeps) for longer than GLOO_TIMEOUT_SECONDS between
+    collectives is not gone: its engine answers the others' pings, and the collective
+    they wait in completes with the right values once it comes."""
+    env = {"GLOO_TIMEOUT_SECONDS": "3"}
+    srv, procs = spawn(3, BUSY, [str(sleeper)], env)
+    outs = [p.communicate(timeout=90)[0] for p in procs]
+    srv.stop()
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0 and "ok" in out, outs

@@ -246,14 +246,16 @@ def ranks_text(ranks):
     return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
 
-def diagnose(records, now=None, gone=None):
+def diagnose(records, now=None, gone=None, silent=()):
     """Lines that say why the job does not move, from the ranks' records (by rank):
     each operation some ranks wait in (or failed in, shortly before they were asked) and
     others have not submitted, naming those ranks and where their main threads are;
     else where each rank is. ``gone``: ``{rank: what became of it}`` of ranks without a
-    record ("ended with exit code 3", "wrote no record")."""
+    record ("ended with exit code 3", "wrote no record"); ``silent``: ranks still
+    running that sent no record when asked."""
     now = time.time() if now is None else now
     gone = gone or {}
+    silent = set(silent) - set(records) - set(gone)
     waiting = {}  # (process set, name) -> {rank: op}
     for rank, rec in records.items():
         asked = rec.get("time", now)
@@ -262,7 +264,7 @@ def diagnose(records, now=None, gone=None):
                       and asked - op["finished"] <= RECENT_FAILURE)
             if op["stage"] in PENDING or recent:
                 waiting.setdefault((op["process_set"], op["name"]), {})[rank] = op
-    everyone = set(records) | set(gone)
+    everyone = set(records) | set(gone) | silent
     lines = []
     for (ps, name), by_rank in sorted(waiting.items(),
                                       key=lambda kv: min(o["submitted"]
@@ -283,6 +285,11 @@ def diagnose(records, now=None, gone=None):
             if r in gone:
                 lines.append(f"rank {r} {gone[r]} while {ranks} waited in {what}"
                              + ("; it failed there" if failed else ""))
+            elif r in silent:
+                wait = "waited" if failed else f"wait{'' if len(by_rank) > 1 else 's'}"
+                lines.append(f"rank {r} sent no record while {ranks} {wait} in {what} "
+                             f"for {now - first:.0f} s: its process may be stopped or "
+                             "frozen, or stuck where Python cannot run")
             else:
                 wait = "waited" if failed else f"wait{'' if len(by_rank) > 1 else 's'}"
                 lines.append(f"rank {r} has not submitted {what} for {now - first:.0f} s "

@@ -24,6 +24,9 @@ import time
 from perseus.common import flight_recorder
 
 GRACE_SECONDS = 5.0
+#: How long the launcher waits, after SIGKILL, for a rank's group to empty before it
+#: exits: a killed process with much memory (or a stopped one) takes a moment to go.
+KILL_WAIT_SECONDS = 5.0
 HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # The launcher's exit status when ranks did not check in within the start timeout.
 START_TIMEOUT_STATUS = 1
@@ -428,7 +431,8 @@ class FlightWatch:
         self.say(f"flight recorder ({reason}): records of {len(records)} of {len(expect)} "
                  f"ranks{none_from}; each rank's whole record is in {self.directory} on its "
                  "host")
-        for line in flight_recorder.diagnose(records, gone=gone) if records else []:
+        lines = flight_recorder.diagnose(records, gone=gone, silent=late) if records else []
+        for line in lines:
             self.say(f"flight recorder: {line}")
 
 
@@ -553,7 +557,8 @@ class Job(Launcher):
 
 
 def teardown(ranks, grace):
-    """SIGTERM every rank's process group, SIGKILL what is left after ``grace`` seconds.
+    """SIGTERM every rank's process group, SIGKILL what is left after ``grace`` seconds
+    and wait (at most :data:`KILL_WAIT_SECONDS`) until it is gone.
     A remote rank's stdin is closed first: its script on the host then stops the rank's
     group there (remote_script), which the signals to the local rsh's group may not
     reach."""
@@ -568,6 +573,14 @@ def teardown(ranks, grace):
         alive = [r for r in alive if r.signal_group(0)]
     for r in alive:
         r.signal_group(signal.SIGKILL)
+    # Nothing of the job may outlive the launcher: wait until the groups are empty.
+    deadline = time.monotonic() + KILL_WAIT_SECONDS
+    while alive and time.monotonic() < deadline:
+        for r in alive:
+            r.proc.poll()
+        alive = [r for r in alive if r.signal_group(0)]
+        if alive:
+            time.sleep(0.02)
     for r in ranks:
         if r.proc is not None:
             r.proc.wait()

@@ -188,6 +188,7 @@ impl State {
                 self.parked.append(&mut held);
             }
             let answered = self.receive(&mut held);
+            let watch_in = self.watch_peers();
             self.note_traffic();
             self.check_stalls();
             if self.exit {
@@ -230,10 +231,15 @@ impl State {
                 let stalls = self.stall_watch().then_some(STALL_TICK);
                 // Wake to write the timeline's last events, if any wait, and to
                 // leave a quiet offline schedule.
-                let tick = [stalls, self.shared.timeline.due(), self.offline_quiet_in()]
-                    .into_iter()
-                    .flatten()
-                    .min();
+                let tick = [
+                    stalls,
+                    self.shared.timeline.due(),
+                    self.offline_quiet_in(),
+                    watch_in,
+                ]
+                .into_iter()
+                .flatten()
+                .min();
                 self.uplink.sleep(Some(&self.inbox), tick);
                 idle_since = None;
             }
@@ -294,20 +300,7 @@ impl State {
                     self.send_up(std::mem::take(held));
                     rs.into_iter().for_each(|r| self.execute(r));
                 }
-                Incoming::Lost(rank, why) => {
-                    if self.shared.stopping.load(Ordering::SeqCst) {
-                        continue;
-                    }
-                    let why = self
-                        .mesh
-                        .also_ended(on_host(&self.mesh, rank, &why), Some(rank));
-                    if let Uplink::Coordinator { coord, .. } = &mut self.uplink {
-                        let out = coord.disconnect(rank, &why);
-                        self.uplink.dispatch(out, &mut self.local);
-                    } else {
-                        self.fail_all(lost_coordinator(&why));
-                    }
-                }
+                Incoming::Lost(rank, why) => self.lost(rank, &why),
             }
             if self.exit {
                 return answered;
@@ -315,6 +308,38 @@ impl State {
             answered |= self.run_local(held);
         }
         answered
+    }
+
+    /// The control stream of rank `rank` broke, or it stopped answering (`why`): rank 0
+    /// tells every rank the job cannot continue; a worker fails what it has pending.
+    fn lost(&mut self, rank: usize, why: &str) {
+        if self.shared.stopping.load(Ordering::SeqCst) {
+            return;
+        }
+        let why = self
+            .mesh
+            .also_ended(on_host(&self.mesh, rank, why), Some(rank));
+        if let Uplink::Coordinator { coord, .. } = &mut self.uplink {
+            let out = coord.disconnect(rank, &why);
+            self.uplink.dispatch(out, &mut self.local);
+        } else {
+            self.fail_all(lost_coordinator(&why));
+        }
+    }
+
+    /// Whether the ranks this one waits for are there ([`Uplink::watch`]): a worker
+    /// waits while it has operations pending. Returns how long until the next look.
+    fn watch_peers(&mut self) -> Option<Duration> {
+        let (lost, next) = self.uplink.watch(!self.entries.is_empty());
+        for inc in lost {
+            if let Incoming::Lost(rank, why) = inc {
+                self.lost(rank, &why);
+            }
+        }
+        if !self.local.is_empty() {
+            self.run_local(&mut Vec::new());
+        }
+        next
     }
 
     /// Rank 0: runs its own share of what the coordinator answered, right after
@@ -580,7 +605,9 @@ fn offline_vote(
     ready: usize,
 ) -> Result<(usize, usize)> {
     let mut alive = || -> Result<()> {
-        for inc in uplink.receive() {
+        // Every rank waits in a vote: peers that answer nothing count as gone.
+        let (lost, _) = uplink.watch(true);
+        for inc in uplink.receive().into_iter().chain(lost) {
             match inc {
                 Incoming::Requests(rank, reqs) => {
                     // A rank that already left the schedule negotiates again.
