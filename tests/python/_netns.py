@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 PY = sys.executable
 IP = shutil.which("ip") or "ip"
@@ -100,6 +101,27 @@ class NamespaceHosts:
                                capture_output=True, text=True, timeout=20, check=False)
             if r.returncode != 0:
                 raise Unavailable(f"tc cannot shape {veth}: {r.stderr.strip()}")
+
+    def cut(self, i):
+        """Takes host ``i``'s link to the bridge down: its packets are dropped, and no
+        connection to it ends (a host that drops off the network)."""
+        ip("link", "set", self.veths[i], "down")
+
+    def restore(self, i, within=30.0):
+        """Brings host ``i``'s link back, forgets the addresses that failed to resolve
+        meanwhile, and waits until every host reaches the bridge again."""
+        ip("link", "set", self.veths[i], "up")
+        deadline = time.monotonic() + within
+        while True:
+            ip("neigh", "flush", "dev", self.bridge, check=False)
+            ip("-n", self.hosts[i], "neigh", "flush", "dev", "eth0", check=False)
+            try:
+                self.check_reachable()
+                return
+            except AssertionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
 
     def pids(self):
         """Processes still running in the namespaces."""

@@ -35,7 +35,7 @@ def test_a_rank_that_sent_no_record_is_named_beside_the_ranks_that_wait():
     records = {r: record(r, [op("g1", "submitted", 90.0)]) for r in (0, 2)}
     assert fr.diagnose(records, now=105.0, silent=[1]) == [
         ("rank 1 sent no record while ranks 0, 2 wait in allreduce 'g1' for 15 s: its "
-         "process may be stopped or frozen, or stuck where Python cannot run")]
+         "process may be stopped or frozen, its host unreachable, or its Python stuck")]
     # A rank whose record came is judged by it, whatever else is said of it.
     records[1] = record(1, [], function="evaluate", line=7)
     assert fr.diagnose(records, now=105.0, silent=[1]) == [

@@ -11,6 +11,7 @@ with the reason, only where namespaces cannot be made.
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -133,4 +134,66 @@ def test_perseus_run_reaches_ranks_on_remote_hosts(netns):
     root_ns = os.stat("/proc/self/ns/net").st_ino
     assert [(g["rank"], g["sum"]) for g in got] == [(0, 3.0), (1, 3.0)], out
     assert len({g["netns"] for g in got} | {root_ns}) == 3, got
+    assert_no_process_left(netns)
+
+
+PARTITION_WORKER = textwrap.dedent("""
+    import time
+    import torch
+    import perseus.torch.horovod as hvd
+    hvd.init()
+    hvd.allreduce(torch.ones(4), name="warm.up")
+    print(f"READY {hvd.rank()}", flush=True)
+    time.sleep(3)  # the test cuts the second host off meanwhile
+    t0 = time.time()
+    try:
+        hvd.allreduce(torch.ones(4), name="after.cut")
+    except hvd.HorovodInternalError as e:
+        print(f"rank {hvd.rank()} error after {time.time() - t0:.0f} s: {e}", flush=True)
+        raise SystemExit(3)
+    print(f"rank {hvd.rank()}: no error", flush=True)
+""")
+
+
+@pytest.mark.timeout(90)
+def test_a_host_cut_off_the_network_fails_the_job_on_both_sides(netns):
+    # Two ranks on each host; after the warm-up the second host's link to the bridge goes
+    # down: no end of file reaches anyone (the packets are dropped), and no transfer has
+    # started. Each side's engine pings the ranks it waits for, gets no answer for
+    # GLOO_TIMEOUT_SECONDS, and fails naming them; perseusrun then stops the job.
+    a, b = netns.hosts
+    cmd = [PY, "-m", "perseus.runner.launch", "--rsh", f"{IP} netns exec {{host}}",
+           "-np", "4", "-H", f"{a}:2,{b}:2", PY, "-c", PARTITION_WORKER]
+    proc = subprocess.Popen(cmd, env=clean_env(GLOO_TIMEOUT_SECONDS=5),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if sum("READY" in x for x in lines) == 4:
+                break
+        netns.cut(1)
+        start = time.monotonic()
+        lines.extend(proc.stdout)
+        proc.wait(timeout=60)
+        took = time.monotonic() - start
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        netns.restore(1)  # for the tests after this one
+    out = "".join(lines)
+    assert proc.returncode != 0, out
+    assert "no error" not in out, out
+    # The ranks of the first host name a rank of the second, unreachable (those of the
+    # second name rank 0 the same way, unless perseusrun stopped them first).
+    for r in (0, 1):
+        said = next(x for x in lines if x.startswith(f"[{r}]<stdout>:rank {r} error after"))
+        assert "is gone (it has answered nothing for " in said, out
+        assert f"its host cannot be reached (GLOO_TIMEOUT_SECONDS); it ran on host {b}" in said
+    # perseusrun's diagnosis: the second host's ranks sent no record (whichever rank of
+    # the first host failed first, the other waited).
+    assert re.search(r"rank [23] sent no record while rank [01] waited in allreduce "
+                     r"'after\.cut'", out), out
+    assert took < 40, out
     assert_no_process_left(netns)

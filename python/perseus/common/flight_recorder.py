@@ -289,7 +289,7 @@ def diagnose(records, now=None, gone=None, silent=()):
                 wait = "waited" if failed else f"wait{'' if len(by_rank) > 1 else 's'}"
                 lines.append(f"rank {r} sent no record while {ranks} {wait} in {what} "
                              f"for {now - first:.0f} s: its process may be stopped or "
-                             "frozen, or stuck where Python cannot run")
+                             "frozen, its host unreachable, or its Python stuck")
             else:
                 wait = "waited" if failed else f"wait{'' if len(by_rank) > 1 else 's'}"
                 lines.append(f"rank {r} has not submitted {what} for {now - first:.0f} s "
