@@ -327,6 +327,9 @@ pub enum Incoming {
     Responses(Vec<Response>),
     /// The stream from rank `.0` failed or closed; `.1` says how.
     Lost(usize, String),
+    /// Rank `.0` answered nothing for the timeout while this rank waited for it
+    /// (`.1` says so); its stream is closed, and it counts as gone.
+    Silent(usize, String),
 }
 
 /// How this rank's engine reaches the coordinator.
@@ -421,8 +424,8 @@ impl Uplink {
     /// it has operations pending (`waiting`); rank 0 for every worker that has not
     /// announced its shutdown while it has operations pending or its coordinator has
     /// names some ranks have not asked for. A stream quiet for [`QUIET_BEFORE_PING`]
-    /// gets a ping; one that then stays silent for its timeout is reported lost (and
-    /// closed, so that the peer, should it wake, fails too). Also returns how long
+    /// gets a ping; one that then stays silent for its timeout is reported
+    /// ([`Incoming::Silent`]) and closed, so that the peer, should it wake, fails too. Also returns how long
     /// until the next look is due (None: nothing waits).
     pub fn watch(&mut self, waiting: bool) -> (Vec<Incoming>, Option<Duration>) {
         let now = Instant::now();
@@ -433,7 +436,7 @@ impl Uplink {
             let (gone, due) = s.watch(waiting, now);
             if let Some(why) = gone {
                 *slot = None;
-                lost.push(Incoming::Lost(rank, why));
+                lost.push(Incoming::Silent(rank, why));
             }
             next = [next, due].into_iter().flatten().min();
         };

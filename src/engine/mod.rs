@@ -49,7 +49,7 @@ use handles::Handles;
 use inbox::Inbox;
 use lane::CallerLane;
 use naming::Unnamed;
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -87,6 +87,9 @@ struct Shared {
     names: Mutex<Unnamed>,
     /// This rank's last operations.
     recorder: Mutex<recorder::Recorder>,
+    /// Ranks this one found silent: they answered nothing for the timeout while it
+    /// waited for them (see [`Engine::silent_ranks`]).
+    silent: Mutex<BTreeSet<usize>>,
 }
 
 impl Shared {
@@ -205,6 +208,7 @@ impl Engine {
             last_waited: AtomicU64::new(0),
             names: Mutex::new(Unnamed::default()),
             recorder: Mutex::default(),
+            silent: Mutex::default(),
         });
         if let Some(path) = &config.timeline {
             shared.timeline.start(path, config.timeline_mark_cycles)?;
@@ -263,6 +267,14 @@ impl Engine {
     /// The configuration it runs with.
     pub fn config(&self) -> &Config {
         &self.config
+    }
+
+    /// The ranks this one found silent, in order: while it waited for them, they
+    /// answered nothing for the timeout (stopped or frozen, or their host cannot be
+    /// reached), and they counted as gone. An elastic worker tells the launcher, which
+    /// stops them.
+    pub fn silent_ranks(&self) -> Vec<usize> {
+        self.shared.silent.lock().unwrap().iter().copied().collect()
     }
 
     /// This rank's last operations, oldest first (the flight recorder).

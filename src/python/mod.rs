@@ -28,6 +28,9 @@ use std::time::{Duration, Instant};
 
 static ENGINE: Mutex<Option<Arc<Engine>>> = Mutex::new(None);
 
+/// The ranks the last engine found silent, kept by `shutdown` (see `silent_ranks`).
+static LAST_SILENT: Mutex<Vec<usize>> = Mutex::new(Vec::new());
+
 /// Set in a child forked after `init()` (a DataLoader worker): it has no
 /// engine thread and must not use the parent's sockets. A flag set by a
 /// pthread_atfork(3) handler, because comparing process ids would cost
@@ -208,9 +211,22 @@ fn shutdown(py: Python<'_>) -> PyResult<()> {
     }
     let e = ENGINE.lock().unwrap().take();
     if let Some(e) = e {
+        *LAST_SILENT.lock().unwrap() = e.silent_ranks();
         py.detach(|| e.shutdown()).map_err(to_py)?;
     }
     Ok(())
+}
+
+/// The ranks this process's engine found silent (they answered nothing for the timeout
+/// while it waited for them: stopped or frozen, or their host unreachable), in order;
+/// after `shutdown()`, those of the engine that ran last. An elastic worker tells the
+/// launcher, which stops them.
+#[pyfunction]
+fn silent_ranks() -> Vec<usize> {
+    match ENGINE.lock().unwrap().as_ref() {
+        Some(e) if in_owner() => e.silent_ranks(),
+        _ => LAST_SILENT.lock().unwrap().clone(),
+    }
 }
 
 /// True between `init()` and `shutdown()`, in the process that called `init()`.
@@ -621,6 +637,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
         m.py().get_type::<GpuUnavailableError>(),
     )?;
     m.add_function(wrap_pyfunction!(flight_record, m)?)?;
+    m.add_function(wrap_pyfunction!(silent_ranks, m)?)?;
     m.add_function(wrap_pyfunction!(copy_into, m)?)?;
     m.add_function(wrap_pyfunction!(gpu::gpu_libraries, m)?)?;
     m.add_function(wrap_pyfunction!(gpu::gpu_compile_kernels, m)?)?;

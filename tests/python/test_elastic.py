@@ -56,6 +56,26 @@ def test_a_failed_worker_is_left_behind_and_the_others_go_on_from_their_last_com
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("frozen", ["127.0.0.1[0]", "127.0.0.2[0]"])
+def test_a_frozen_worker_is_killed_and_left_behind_and_the_others_go_on(frozen):
+    # The worker stops itself (SIGSTOP) at step 5: alive and connected, it would never
+    # leave round 0. The others' engines find it silent within GLOO_TIMEOUT_SECONDS and
+    # say so as they leave the round; the launcher kills it and blacklists its host.
+    flags = ["-np", "3", "--min-np", "2", "-H", "127.0.0.1:1,127.0.0.2:1,127.0.0.3:1"]
+    rank = 0 if frozen == "127.0.0.1[0]" else 1
+    rc, out = perseusrun(flags, "fail", FAIL_ID=frozen, FAIL_AT=5, FAIL_HOW="stop",
+                         GLOO_TIMEOUT_SECONDS=5)
+    assert rc == 0 and out.count(OK_MARK) == 2, f"exit {rc}\n{out}"
+    assert re.search(rf"stopping worker {re.escape(frozen)}: worker {re.escape(frozen)} "
+                     rf"\(rank {rank}\) answered nothing for GLOO_TIMEOUT_SECONDS, said worker "
+                     r"127\.0\.0\.\d\[0\]: it is stopped or frozen", out), out
+    host = frozen.split("[")[0]
+    assert f"worker {frozen} answers nothing; host {host} is blacklisted" in out, out
+    # five steps on 3 ranks, then the rest on 2; both survivors agree (the worker asserts)
+    assert sizes(out) == {(3,) * 5 + (2,) * 7}, out
+
+
+@pytest.mark.timeout(180)
 def test_a_discovered_host_joins_at_the_next_commit_with_rank_0s_state(tmp_path):
     hosts = tmp_path / "hosts"
     hosts.write_text("127.0.0.1:1\n127.0.0.2:1\n")
@@ -205,6 +225,17 @@ def test_check_ins_are_read_under_their_rounds_scope():
     assert mesh_rank("elastic/3/mesh/2/1", "elastic/3/") == 2  # a later generation
     assert mesh_rank("elastic/13/mesh/2", "elastic/3/") is None
     assert mesh_rank("elastic/3/mesh/x", "elastic/3/") is None
+
+
+def test_a_worker_leaving_a_round_names_the_ranks_it_found_silent():
+    from perseus import _core
+    from perseus.common.elastic import ready_text, silent_in
+
+    assert ready_text([]) == b"1" and silent_in(b"1") == []
+    assert ready_text([0, 3]) == b"silent 0 3" and silent_in(b"silent 0 3") == [0, 3]
+    assert silent_in(b"silent x 2") == [2] and silent_in(b"") == []
+    # Without an engine, and before any ran: none.
+    assert _core.silent_ranks() == []
 
 
 def test_round_places_count_local_and_cross_ranks_as_horovod_does():

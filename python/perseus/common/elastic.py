@@ -10,7 +10,9 @@ A worker leaves a round by resetting (``shutdown()`` then ``init()``, which
 :func:`run` does after an error or a host change) and says so at the store
 (``elastic/ready/<k>/<id>``). The launcher publishes the next round once every live
 worker of the current one has said so or ended, so a round never waits for a worker
-that is gone, and no worker joins a round that still holds a dead one.
+that is gone, and no worker joins a round that still holds a dead one. A worker that
+found ranks of the round silent (stopped or frozen, or their host unreachable) names
+them there, and the launcher stops them, since they would never say so themselves.
 
 State (:class:`State`, :class:`ObjectState`, the front-ends' subclasses) is what the
 training keeps across resets: ``commit()`` saves it and checks for host changes,
@@ -92,6 +94,26 @@ def parse_table(text):
     return places, version
 
 
+#: What a worker leaving a round says at ``elastic/ready/<k>/<id>``: this, or
+#: ``silent R ...`` naming the ranks its engine found silent in the round (their pings
+#: unanswered for GLOO_TIMEOUT_SECONDS), which the launcher then stops.
+READY = b"1"
+SILENT = "silent"
+
+
+def ready_text(silent):
+    """The value of a worker's ``elastic/ready`` key, given the ranks it found silent."""
+    return f"{SILENT} {' '.join(map(str, silent))}".encode() if silent else READY
+
+
+def silent_in(text):
+    """The ranks a worker's ``elastic/ready`` value names silent (none for ``1``)."""
+    words = text.decode(errors="replace").split()
+    if words[:1] != [SILENT]:
+        return []
+    return [int(w) for w in words[1:] if w.isdigit()]
+
+
 def join():
     """Take this worker's place in the next round that holds it (``init()`` calls it in
     an elastic worker before the core starts): its ranks become the topology
@@ -101,7 +123,7 @@ def join():
     if _round is None:
         k = int(knobs.text("PERSEUS_ELASTIC_ROUND") or 0)
     else:
-        store.set(f"elastic/ready/{_round}/{me}", b"1")
+        store.set(f"elastic/ready/{_round}/{me}", ready_text(_core.silent_ranks()))
         k = max(_round + 1, int(store.get("elastic/latest", _timeout())))
     deadline = time.monotonic() + _timeout()
     while True:

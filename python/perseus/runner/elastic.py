@@ -28,7 +28,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from perseus.common.elastic import FATAL_KEY
+from perseus.common.elastic import FATAL_KEY, silent_in
 from perseus.runner import hosts as _hosts
 from perseus.runner import job as _job
 
@@ -176,6 +176,7 @@ class ElasticJob(_job.Launcher):
         self.finished = None  # the first worker that ended with success
         self.status = 0
         self.stopped_because = None  # why the launcher stopped the job, if it did
+        self.heard = set()  # the elastic/ready keys already read for silent members
 
     # ------------------------------------------------------------------ hosts
 
@@ -229,12 +230,12 @@ class ElasticJob(_job.Launcher):
 
     # ------------------------------------------------------------------ workers
 
-    def _stop(self, wid, why):
+    def _stop(self, wid, why, sig=signal.SIGTERM):
         rank = self.workers.get(wid)
         if rank is not None and wid not in self.stopping:
             self._say(f"stopping worker {wid}: {why}")
             self.stopping.add(wid)
-            rank.signal_group(signal.SIGTERM)
+            rank.signal_group(sig)
 
     def _start(self, host, index):
         local_size = self.tables[self.round][f"{host}[{index}]"][3]
@@ -313,6 +314,30 @@ class ElasticJob(_job.Launcher):
         if key not in published:
             self.server.set(key, f"gone {why}".encode())
 
+    def _silenced(self):
+        """Members of the current round that a worker leaving it found silent (its
+        engine's pings unanswered for GLOO_TIMEOUT_SECONDS: stopped or frozen, or their
+        host unreachable). Such a member never leaves the round itself, which would
+        then never end: each is killed (a stopped process takes no SIGTERM) and its slot
+        or host blacklisted, as for a failure."""
+        prefix = f"elastic/ready/{self.round}/"
+        published = self.server.keys()  # the store's sorted keys (not a dict)
+        new = [k for k in published if k.startswith(prefix) and k not in self.heard]
+        place_of = {place[0]: wid for wid, place in self.tables.get(self.round, {}).items()}
+        for key in new:
+            self.heard.add(key)
+            for r in silent_in(self.server.get(key) or b""):
+                wid = place_of.get(r)
+                if wid is None or wid not in self.workers or wid in self.stopping:
+                    continue
+                why = (f"worker {wid} (rank {r}) answered nothing for GLOO_TIMEOUT_SECONDS, "
+                       f"said worker {key[len(prefix):]}: it is stopped or frozen, or its "
+                       "host cannot be reached")
+                host = self.workers[wid].slot.hostname
+                self._stop(wid, why, signal.SIGKILL)
+                self._blacklist(host, f"worker {wid} answers nothing",
+                                slot=wid if self.hosts.get(host, 1) > 1 else None)
+
     # ------------------------------------------------------------------ rounds
 
     def _ready(self):
@@ -388,6 +413,8 @@ class ElasticJob(_job.Launcher):
                     if not self.workers:
                         return self.status
                     continue
+                if self.round >= 0:
+                    self._silenced()
                 if self.round < 0 or self._round_over():
                     target = self.num_proc if self.round < 0 else self.max_np
                     if self._next_round(target):

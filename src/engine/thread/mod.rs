@@ -5,9 +5,9 @@
 
 mod execute;
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::control::{Incoming, Uplink, FRAME_REQUESTS};
@@ -301,6 +301,10 @@ impl State {
                     rs.into_iter().for_each(|r| self.execute(r));
                 }
                 Incoming::Lost(rank, why) => self.lost(rank, &why),
+                Incoming::Silent(rank, why) => {
+                    self.shared.silent.lock().unwrap().insert(rank);
+                    self.lost(rank, &why);
+                }
             }
             if self.exit {
                 return answered;
@@ -330,9 +334,10 @@ impl State {
     /// Whether the ranks this one waits for are there ([`Uplink::watch`]): a worker
     /// waits while it has operations pending. Returns how long until the next look.
     fn watch_peers(&mut self) -> Option<Duration> {
-        let (lost, next) = self.uplink.watch(!self.entries.is_empty());
-        for inc in lost {
-            if let Incoming::Lost(rank, why) = inc {
+        let (silent, next) = self.uplink.watch(!self.entries.is_empty());
+        for inc in silent {
+            if let Incoming::Silent(rank, why) = inc {
+                self.shared.silent.lock().unwrap().insert(rank);
                 self.lost(rank, &why);
             }
         }
@@ -434,7 +439,13 @@ impl State {
                 );
             }
             did = true;
-            let voted = offline_vote(&self.mesh, &mut self.uplink, &mut self.local, ready);
+            let voted = offline_vote(
+                &self.mesh,
+                &mut self.uplink,
+                &mut self.local,
+                &self.shared.silent,
+                ready,
+            );
             self.voted_at = Instant::now();
             let voted = voted.map(|(k, sent)| {
                 let c = &self.shared.counters;
@@ -597,17 +608,24 @@ const VOTE_LEAVE: u8 = u8::MAX;
 /// largest of one byte each, [`VOTE_LEAVE`] less the offer; also returned: the
 /// messages this rank sent for it. Peers may be busy
 /// computing for a long time, so it waits patiently, reading the control streams
-/// meanwhile: a lost rank or an abort ends it with that error.
+/// meanwhile: a lost rank or an abort ends it with that error. Ranks that answer
+/// nothing for the timeout count as lost, and go into `silent`.
 fn offline_vote(
     mesh: &Mesh,
     uplink: &mut Uplink,
     local: &mut Vec<Response>,
+    silent: &Mutex<BTreeSet<usize>>,
     ready: usize,
 ) -> Result<(usize, usize)> {
     let mut alive = || -> Result<()> {
-        // Every rank waits in a vote: peers that answer nothing count as gone.
-        let (lost, _) = uplink.watch(true);
-        for inc in uplink.receive().into_iter().chain(lost) {
+        // Every rank waits in a vote: peers that answer nothing count as gone. What
+        // arrived is read first: an answer that waits there is an answer.
+        let arrived = uplink.receive();
+        let (quiet, _) = uplink.watch(true);
+        for inc in arrived.into_iter().chain(quiet) {
+            if let Incoming::Silent(rank, _) = &inc {
+                silent.lock().unwrap().insert(*rank);
+            }
             match inc {
                 Incoming::Requests(rank, reqs) => {
                     // A rank that already left the schedule negotiates again.
@@ -624,7 +642,7 @@ fn offline_vote(
                         local.push(resp);
                     }
                 }
-                Incoming::Lost(rank, why) => {
+                Incoming::Lost(rank, why) | Incoming::Silent(rank, why) => {
                     let why = mesh.also_ended(on_host(mesh, rank, &why), Some(rank));
                     if let Uplink::Coordinator { coord, .. } = uplink {
                         let out = coord.disconnect(rank, &why);

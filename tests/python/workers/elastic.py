@@ -3,7 +3,8 @@ commit per step, while workers fail or join; every rank must end with the model 
 STEPS steps give, whatever the number of ranks on the way.
 
 ``elastic.py fail``: the worker with elastic id FAIL_ID (from the environment) exits
-with status 3 before step FAIL_AT of its first round; the others re-form and go on.
+with status 3 before step FAIL_AT of its first round (with FAIL_HOW=stop it stops
+itself there instead, SIGSTOP: a frozen worker); the others re-form and go on.
 ``elastic.py grow HOSTS_FILE``: rank 0 appends a host to the discovery script's file
 after step GROW_AT (GROW_HOST, or 127.0.0.3:1); the job takes in the new worker at a
 commit after the launcher discovers it (each step sleeps STEP_SLEEP seconds, to give it
@@ -15,6 +16,7 @@ job at once). Each rank prints ``sizes <list>``: the number of ranks at each ste
 """
 
 import os
+import signal
 import sys
 import time
 
@@ -57,6 +59,8 @@ def main():
             if (mode == "fail" and first_round[0] and me == os.environ["FAIL_ID"]
                     and state.step == int(os.environ["FAIL_AT"])):
                 print(f"worker {me} fails at step {state.step}", flush=True)
+                if os.environ.get("FAIL_HOW") == "stop":  # frozen: alive, connected, silent
+                    os.kill(os.getpid(), signal.SIGSTOP)
                 os._exit(3)
             opt.zero_grad()
             # every rank's gradient is 1 (d/dw of w * 1), and so is their average
