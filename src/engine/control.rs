@@ -151,10 +151,7 @@ impl Stream {
                 Err(e) => self.broke = Some(e),
             },
         }
-        if !frames.is_empty() {
-            self.heard = Instant::now();
-            self.pinged = None;
-        }
+        self.heard_from(&frames);
         let mut whole = Vec::new();
         let mut asked = false;
         for (k, p) in frames {
@@ -185,6 +182,14 @@ impl Stream {
             }
         }
         Ok(whole)
+    }
+
+    /// Frames arrived (if any): the peer is there, and any ping is answered.
+    fn heard_from(&mut self, frames: &[(u16, Vec<u8>)]) {
+        if !frames.is_empty() {
+            self.heard = Instant::now();
+            self.pinged = None;
+        }
     }
 
     /// Before queueing: a queue written out starts anew (and moves from now).
@@ -307,10 +312,7 @@ impl Stream {
         if reading && fd.revents & (libc::POLLIN | libc::POLLHUP | libc::POLLERR) != 0 {
             match self.reader.read_from(&mut self.sock) {
                 Ok(frames) => {
-                    if !frames.is_empty() {
-                        self.heard = Instant::now();
-                        self.pinged = None;
-                    }
+                    self.heard_from(&frames);
                     self.early.extend(frames)
                 }
                 Err(e) => self.broke = Some(e),
