@@ -427,8 +427,8 @@ impl Uplink {
     /// announced its shutdown while it has operations pending or its coordinator has
     /// names some ranks have not asked for. A stream quiet for [`QUIET_BEFORE_PING`]
     /// gets a ping; one that then stays silent for its timeout is reported
-    /// ([`Incoming::Silent`]) and closed, so that the peer, should it wake, fails too. Also returns how long
-    /// until the next look is due (None: nothing waits).
+    /// ([`Incoming::Silent`]) and closed, so that the peer, should it wake, fails too.
+    /// Also returns how long until the next look is due (None: nothing waits).
     pub fn watch(&mut self, waiting: bool) -> (Vec<Incoming>, Option<Duration>) {
         let now = Instant::now();
         let mut lost = Vec::new();

@@ -301,10 +301,7 @@ impl State {
                     rs.into_iter().for_each(|r| self.execute(r));
                 }
                 Incoming::Lost(rank, why) => self.lost(rank, &why),
-                Incoming::Silent(rank, why) => {
-                    self.shared.silent.lock().unwrap().insert(rank);
-                    self.lost(rank, &why);
-                }
+                Incoming::Silent(rank, why) => self.silenced(rank, &why),
             }
             if self.exit {
                 return answered;
@@ -331,14 +328,20 @@ impl State {
         }
     }
 
+    /// Rank `rank` answered nothing for the timeout (`why`): it goes into the silent
+    /// ranks ([`super::Engine::silent_ranks`]) and counts as lost.
+    fn silenced(&mut self, rank: usize, why: &str) {
+        self.shared.silent.lock().unwrap().insert(rank);
+        self.lost(rank, why);
+    }
+
     /// Whether the ranks this one waits for are there ([`Uplink::watch`]): a worker
     /// waits while it has operations pending. Returns how long until the next look.
     fn watch_peers(&mut self) -> Option<Duration> {
         let (silent, next) = self.uplink.watch(!self.entries.is_empty());
         for inc in silent {
             if let Incoming::Silent(rank, why) = inc {
-                self.shared.silent.lock().unwrap().insert(rank);
-                self.lost(rank, &why);
+                self.silenced(rank, &why);
             }
         }
         if !self.local.is_empty() {
