@@ -275,6 +275,7 @@ def diagnose(records, now=None, gone=None, silent=()):
         what = f"{kind} '{name}'" + (f" of process set {ps}" if ps else "")
         ranks = ranks_text(sorted(by_rank))
         failed = all(o["stage"] == "failed" for o in by_rank.values())
+        wait = "waited" if failed else f"wait{'' if len(by_rank) > 1 else 's'}"
         if not missing:
             if all(o["stage"] == "running" for o in by_rank.values()):
                 lines.append(f"{what} has run for {now - first:.0f} s on every rank")
@@ -286,12 +287,10 @@ def diagnose(records, now=None, gone=None, silent=()):
                 lines.append(f"rank {r} {gone[r]} while {ranks} waited in {what}"
                              + ("; it failed there" if failed else ""))
             elif r in silent:
-                wait = "waited" if failed else f"wait{'' if len(by_rank) > 1 else 's'}"
                 lines.append(f"rank {r} sent no record while {ranks} {wait} in {what} "
                              f"for {now - first:.0f} s: its process may be stopped or "
                              "frozen, its host unreachable, or its Python stuck")
             else:
-                wait = "waited" if failed else f"wait{'' if len(by_rank) > 1 else 's'}"
                 lines.append(f"rank {r} has not submitted {what} for {now - first:.0f} s "
                              f"({ranks} {wait} for it); its main thread is in "
                              f"{where(records[r])}")
