@@ -334,6 +334,20 @@ pub enum Incoming {
     Silent(usize, String),
 }
 
+/// Why a control stream broke, as every rank is told: a connection that closed or was
+/// reset says that the peer's process ended without `shutdown()` (its script finished
+/// while others still ran collectives, it crashed, or it was killed), or that its host
+/// dropped off; a frame the protocol does not allow says only that.
+fn broken(e: &PerseusError) -> String {
+    match e {
+        PerseusError::Io(_) => format!(
+            "{e}: its process ended without shutting Perseus down (its script finished, \
+             crashed or was killed) or its host dropped off"
+        ),
+        _ => e.to_string(),
+    }
+}
+
 /// How this rank's engine reaches the coordinator.
 pub enum Uplink {
     /// Rank 0: the coordinator and a stream from every worker.
@@ -398,7 +412,7 @@ impl Uplink {
                         ),
                         Err(e) => {
                             *slot = None;
-                            got.push(Incoming::Lost(rank, e.to_string()));
+                            got.push(Incoming::Lost(rank, broken(&e)));
                         }
                     }
                 }
@@ -414,7 +428,7 @@ impl Uplink {
                     Ok(batches) => got.extend(batches.into_iter().map(Incoming::Responses)),
                     Err(e) => {
                         *slot = None;
-                        got.push(Incoming::Lost(0, e.to_string()));
+                        got.push(Incoming::Lost(0, broken(&e)));
                     }
                 }
             }

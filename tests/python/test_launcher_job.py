@@ -542,6 +542,32 @@ def test_a_failed_rank_is_followed_by_a_diagnosis_before_the_others_are_stopped(
 
 
 @pytest.mark.timeout(120)
+def test_a_rank_whose_script_finished_first_is_named_where_the_others_wait(tmp_path):
+    # Rank 1's script ends without error in evaluate() (its data ran out first) while
+    # rank 0 waits in allreduce 'grad.layer4'. Rank 0's allreduce fails saying that rank 1's
+    # process ended without shutting Perseus down, its script exits with code 1, and
+    # perseusrun's diagnosis, from the record rank 0 published as it failed, names rank 1.
+    records = tmp_path / "records"
+    job = FlightJob(dict(ENV, PERSEUS_FLIGHT_RECORDER_DIR=str(records)), "finish")
+    try:
+        job.wait_for("READY", in_errors=False, count=2)
+        job.p.wait(timeout=60)
+        for t in job.readers:
+            t.join(5)
+        err = "".join(job.errors)
+        assert job.p.returncode == 1, err
+        assert "rank 1 is gone (I/O error: " in err, err
+        assert ("its process ended without shutting Perseus down (its script finished, "
+                "crashed or was killed) or its host dropped off") in err, err
+        failed = err.index("perseusrun: rank 0 (host ")
+        said = err.index("flight recorder: rank 1 finished its script (exit code 0) while "
+                         "rank 0 waited in allreduce 'grad.layer4'; it failed there")
+        assert failed < said, err
+    finally:
+        job.stop()
+
+
+@pytest.mark.timeout(120)
 def test_a_frozen_rank_is_named_by_the_diagnosis_then_fails_the_job_and_is_stopped(tmp_path):
     # Rank 1 stops itself (SIGSTOP) in evaluate() while rank 0 waits in allreduce
     # 'grad.layer4'. SIGUSR1 to perseusrun: rank 1 cannot answer, and the diagnosis says

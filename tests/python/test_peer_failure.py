@@ -95,6 +95,9 @@ def test_dead_rank_fails_pending_ops_everywhere(victim, offline):
             continue
         assert procs[r].returncode == 0, outs[r]
         assert f"rank {victim}" in outs[r], outs[r]
+        # Why: its process ended (from the control stream, or the data plane's words).
+        assert ("its process ended without shutting Perseus down" in outs[r]
+                or "it probably exited or crashed" in outs[r]), outs[r]
         # Detected from the closed connection, not by waiting for the timeout.
         seconds = float(outs[r].split("error after ")[1].split("s:")[0])
         assert seconds < 20, outs[r]

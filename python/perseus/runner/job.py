@@ -375,20 +375,29 @@ class FlightWatch:
         self.pending = (k, reason, expect, gone or {},
                         time.monotonic() + (self.WAIT if wait is None else wait), time.time())
 
-    def after_failure(self, rank, how, alive):
+    def after_failure(self, rank, how, alive, finished=()):
         """Rank ``rank`` failed (``how``): ask the ranks not seen to end (``alive``) for
         their records and print the diagnosis, waiting at most
         :attr:`WAIT_AFTER_FAILURE` seconds. A rank whose collective failed published its
-        record then, so that one counts even if it ended meanwhile."""
+        record then, so that one counts even if it ended meanwhile. ``finished``: ranks
+        that had ended without error before; the diagnosis names them where the others
+        wait (a script that finished while the others still ran collectives: uneven data,
+        say)."""
         prefix = flight_recorder.WATCHING
         published = self.server.keys()  # the store's sorted keys (not a dict)
         watching = {int(k[len(prefix):]) for k in published
                     if k.startswith(prefix) and k[len(prefix):].isdigit()}
         alive = sorted(set(alive) & watching)  # a rank not yet in init() cannot answer
-        if not alive:
+        gone = {r: "finished its script (exit code 0)" for r in finished}
+        if alive:
+            gone[rank] = f"ended with {how}"
+        elif gone and f"{flight_recorder.FAILED}{rank}" in published:
+            # No rank is left to ask, but the failed one published what it waited in as
+            # its collective failed: the diagnosis then names the ranks that had finished.
+            alive = [rank]
+        else:
             return
-        self.request(f"rank {rank} failed with {how}", expect=alive,
-                     gone={rank: f"ended with {how}"},
+        self.request(f"rank {rank} failed with {how}", expect=alive, gone=gone,
                      wait=self.WAIT_AFTER_FAILURE)
         while self.pending is not None:
             self.tick()
@@ -522,7 +531,7 @@ class Job(Launcher):
         if self.checked_in is not None and self.start_timeout:
             watch = StartWatch([r.slot for r in self.ranks], self.checked_in,
                                self.start_timeout)
-        running, finished = len(self.ranks), set()
+        running, finished, succeeded = len(self.ranks), set(), []
         while running:
             if self._signal is not None:
                 self._say(f"received {signal.Signals(self._signal).name}; stopping all ranks")
@@ -538,14 +547,17 @@ class Job(Launcher):
                 continue
             running -= 1
             finished.add(rank.slot.rank)
-            if code != 0:
+            if code == 0:
+                succeeded.append(rank.slot.rank)
+            else:
                 self.failed = (rank.slot.rank, describe_status(code))
                 self._say(f"rank {rank.slot.rank} (host {rank.slot.hostname}) failed with "
                           f"{describe_status(code)}; stopping the other ranks")
                 if self.flight is not None:
                     self.flight.after_failure(
                         rank.slot.rank, describe_status(code),
-                        [r.slot.rank for r in self.ranks if r.slot.rank not in finished])
+                        [r.slot.rank for r in self.ranks if r.slot.rank not in finished],
+                        succeeded)
                 return exit_status(code)
         return 0
 

@@ -1,8 +1,9 @@
 """Rank 0 calls allreduce 'grad.layer4'; rank 1 evaluates instead (sleeps in
 ``evaluate()``), so the job stops moving. Each rank prints READY first; the test then
 sends SIGUSR1 to perseusrun and reads its diagnosis. With the argument ``exit``, rank 1
-ends with exit code 3 after a second in ``evaluate()`` instead; with ``stop`` it stops
-itself there (SIGSTOP: a frozen process).
+ends with exit code 3 after a second in ``evaluate()`` instead; with ``finish`` its script
+ends there without error (as a rank whose data ran out before the others' does); with
+``stop`` it stops itself there (SIGSTOP: a frozen process).
 """
 
 import os
@@ -18,6 +19,9 @@ def evaluate():
     if sys.argv[1:] == ["exit"]:
         time.sleep(1.0)
         sys.exit(3)
+    if sys.argv[1:] == ["finish"]:
+        time.sleep(1.0)
+        sys.exit(0)
     if sys.argv[1:] == ["stop"]:
         os.kill(os.getpid(), signal.SIGSTOP)
     time.sleep(120)  # the line the diagnosis names
