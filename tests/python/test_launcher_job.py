@@ -441,6 +441,14 @@ class FlightJob:
         assert said.rstrip().endswith(" evaluate()"), said
         return said
 
+    def ended(self):
+        """Once both ranks are READY, waits for perseusrun to exit; its stderr."""
+        self.wait_for("READY", in_errors=False, count=2)
+        self.p.wait(timeout=60)
+        for t in self.readers:
+            t.join(5)
+        return "".join(self.errors)
+
     def stop(self):
         if self.p.poll() is None:
             self.p.send_signal(signal.SIGTERM)
@@ -524,11 +532,7 @@ def test_a_failed_rank_is_followed_by_a_diagnosis_before_the_others_are_stopped(
     records = tmp_path / "records"
     job = FlightJob(dict(ENV, PERSEUS_FLIGHT_RECORDER_DIR=str(records)), "exit")
     try:
-        job.wait_for("READY", in_errors=False, count=2)
-        job.p.wait(timeout=60)
-        for t in job.readers:
-            t.join(5)
-        err = "".join(job.errors)
+        err = job.ended()
         assert job.p.returncode == 3, err
         failed = err.index("rank 1 (host ")
         asked = err.index("flight recorder (rank 1 failed with exit code 3): records of 1 "
@@ -550,11 +554,7 @@ def test_a_rank_whose_script_finished_first_is_named_where_the_others_wait(tmp_p
     records = tmp_path / "records"
     job = FlightJob(dict(ENV, PERSEUS_FLIGHT_RECORDER_DIR=str(records)), "finish")
     try:
-        job.wait_for("READY", in_errors=False, count=2)
-        job.p.wait(timeout=60)
-        for t in job.readers:
-            t.join(5)
-        err = "".join(job.errors)
+        err = job.ended()
         assert job.p.returncode == 1, err
         assert "rank 1 is gone (I/O error: " in err, err
         assert ("its process ended without shutting Perseus down (its script finished, "
