@@ -568,6 +568,20 @@ class Job(Launcher):
         teardown(self.ranks, self.grace)
 
 
+def still_running(ranks, seconds):
+    """The ranks whose process groups are not empty yet, after waiting at most
+    ``seconds`` for them to empty."""
+    deadline = time.monotonic() + seconds
+    while ranks:
+        for r in ranks:
+            r.proc.poll()  # reap the leader so an empty group reads as gone
+        ranks = [r for r in ranks if r.signal_group(0)]
+        if not ranks or time.monotonic() >= deadline:
+            break
+        time.sleep(0.02)
+    return ranks
+
+
 def teardown(ranks, grace):
     """SIGTERM every rank's process group, SIGKILL what is left after ``grace`` seconds
     and wait (at most :data:`KILL_WAIT_SECONDS`) until it is gone.
@@ -577,22 +591,11 @@ def teardown(ranks, grace):
     for r in ranks:
         r.hang_up()
     alive = [r for r in ranks if r.signal_group(signal.SIGTERM)]
-    deadline = time.monotonic() + grace
-    while alive and time.monotonic() < deadline:
-        time.sleep(0.05)
-        for r in alive:
-            r.proc.poll()  # reap the leader so an empty group reads as gone
-        alive = [r for r in alive if r.signal_group(0)]
+    alive = still_running(alive, grace)
     for r in alive:
         r.signal_group(signal.SIGKILL)
     # Nothing of the job may outlive the launcher: wait until the groups are empty.
-    deadline = time.monotonic() + KILL_WAIT_SECONDS
-    while alive and time.monotonic() < deadline:
-        for r in alive:
-            r.proc.poll()
-        alive = [r for r in alive if r.signal_group(0)]
-        if alive:
-            time.sleep(0.02)
+    still_running(alive, KILL_WAIT_SECONDS)
     for r in ranks:
         if r.proc is not None:
             r.proc.wait()
