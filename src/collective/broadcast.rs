@@ -1,5 +1,5 @@
 //! Broadcast from any root. Small buffers go straight from the root to every
-//! rank. Larger ones, when every rank shares the root's host and memory and
+//! rank of a small group, down a binomial tree in a larger one. Larger ones, when every rank shares the root's host and memory and
 //! can read its peers' ([`Comm::readable`]), are read by each rank straight
 //! out of the root's buffer ([`offer`]; among [`DIRECT_RANKS`] or more);
 //! otherwise they flow down a chain (root, root+1,
@@ -25,6 +25,9 @@ pub fn broadcast(comm: &dyn Comm, buf: &mut [u8], root: usize) -> Result<()> {
     let (n, r) = (comm.size(), comm.rank());
     if n == 1 {
         return Ok(());
+    }
+    if buf.len() <= STAR_MAX && n > super::doubling::ONE_ROUND_MAX {
+        return super::doubling::broadcast_tree(comm, buf, root);
     }
     if buf.len() <= STAR_MAX {
         return if r == root {

@@ -10,6 +10,7 @@
 mod alltoall;
 mod barrier;
 mod broadcast;
+mod doubling;
 mod hierarchical;
 pub mod offer;
 mod reading;
@@ -23,6 +24,7 @@ pub(crate) mod tests;
 pub use alltoall::alltoallv;
 pub use barrier::barrier;
 pub use broadcast::broadcast;
+pub use doubling::{latency_bound, ONE_ROUND_MAX};
 pub use hierarchical::{
     allgatherv_hierarchical, allreduce_hierarchical, fits, host_and_peers, hosts_of,
 };

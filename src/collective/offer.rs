@@ -8,6 +8,7 @@
 use super::Comm;
 use crate::error::{PerseusError, Result};
 use crate::kernels::{copy_streaming, STREAM_FROM};
+use crate::transport::cma::READ_MAX_RANKS;
 use crate::transport::{Recv, Send};
 
 /// Blocks smaller than this travel as bytes: an offer and its answer cost two
@@ -37,12 +38,14 @@ pub fn direct(comm: &dyn Comm, peer: usize, len: usize) -> bool {
         && !comm.direct_refused(peer)
 }
 
-/// True when every rank of `comm` (two or more) shares this host's memory and
-/// can be read by the others ([`Comm::readable`]): where a collective may read
-/// its blocks instead of passing them on. The same answer on every rank.
+/// True when every rank of `comm` (two to [`READ_MAX_RANKS`]) shares this host's
+/// memory and can be read by the others ([`Comm::readable`]): where a collective may
+/// read its blocks instead of passing them on. The same answer on every rank.
 pub fn all_readable(comm: &dyn Comm) -> bool {
     let (n, host) = (comm.size(), comm.host(comm.rank()));
-    n > 1 && comm.shares_memory() && (0..n).all(|p| comm.host(p) == host && comm.readable(p))
+    (2..=READ_MAX_RANKS).contains(&n)
+        && comm.shares_memory()
+        && (0..n).all(|p| comm.host(p) == host && comm.readable(p))
 }
 
 /// Moves blocks between ranks: each `(peer, block)` of `gives` to that peer, each

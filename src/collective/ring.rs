@@ -3,19 +3,18 @@
 //! `r-s-1` to its right neighbour and receives chunk `r-s-2` from its left,
 //! reducing it segment by segment as it arrives; after `n-1` steps rank `r`
 //! owns the fully reduced chunk `r`. The allgather then circulates the owned
-//! chunks for another `n-1` steps. Small buffers skip the ring: every rank
-//! sends its whole buffer to every other and reduces in rank order, one
-//! round trip instead of `2(n-1)`.
+//! chunks for another `n-1` steps. Small buffers, and medium ones in large groups,
+//! skip the ring ([`doubling::allreduce_steps`]): among few ranks every rank sends
+//! its whole buffer to every other and reduces in rank order, one round trip
+//! instead of `2(n-1)`; among more, the steps of [`doubling`].
 
+use super::doubling::{self, Steps};
 use super::{partition, reading, split2, striped, Comm};
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::Result;
 use crate::kernels::{reduce_into, round_through_half, scale, to_half, AlignedBuf};
 use crate::transport::{Recv, Send};
 use std::ops::Range;
-
-/// Buffers up to this size use the direct exchange instead of the ring.
-const DIRECT_MAX: usize = 64 << 10;
 
 /// The fewest ranks whose allgather ([`allgatherv`]) reads the others' blocks. Between
 /// two, the ring, where one core writes into the segment while the other reads,
@@ -58,7 +57,10 @@ pub fn allreduce_from(
 ) -> Result<()> {
     assert_eq!(src.len(), buf.len(), "allreduce_from: lengths differ");
     let n = comm.size();
-    if n == 1 || buf.len() <= DIRECT_MAX || super::stripe::stripes(comm, buf.len()) > 1 {
+    if n == 1
+        || doubling::allreduce_steps(n, buf.len(), dtype.size()) != Steps::Ring
+        || super::stripe::stripes(comm, buf.len()) > 1
+    {
         buf.copy_from_slice(src);
         return allreduce(comm, buf, dtype, op, factor, scratch);
     }
@@ -106,12 +108,25 @@ fn allreduce_one(
     scratch: &mut AlignedBuf,
 ) -> Result<()> {
     let n = comm.size();
-    if n == 1 || buf.len() <= DIRECT_MAX {
-        if n > 1 && !buf.is_empty() {
-            allreduce_direct(comm, buf, dtype, op, scratch)?;
-        }
+    if n == 1 || buf.is_empty() {
         scale(buf, dtype, factor);
         return Ok(());
+    }
+    match doubling::allreduce_steps(n, buf.len(), dtype.size()) {
+        Steps::OneRound => {
+            allreduce_direct(comm, buf, dtype, op, scratch)?;
+            scale(buf, dtype, factor);
+            return Ok(());
+        }
+        Steps::Doubling => {
+            doubling::allreduce_doubling(comm, buf, dtype, op, scratch)?;
+            scale(buf, dtype, factor);
+            return Ok(());
+        }
+        Steps::Halving => {
+            return doubling::allreduce_halving(comm, buf, dtype, op, factor, scratch);
+        }
+        Steps::Ring => {}
     }
     let parts = byte_parts(buf.len(), dtype.size(), n);
     if reading::applies(comm, &parts) {
@@ -380,6 +395,9 @@ pub fn allgatherv(comm: &dyn Comm, buf: &mut [u8], sizes: &[usize]) -> Result<()
     );
     match comm.size() {
         1 => Ok(()),
+        n if n > doubling::ONE_ROUND_MAX && buf.len() <= doubling::BRUCK_MAX => {
+            doubling::allgatherv_bruck(comm, buf, sizes)
+        }
         n if n < GATHER_READ_RANKS => ring_allgather(comm, buf, &parts),
         _ => allgather_ranges(comm, buf, &parts),
     }

@@ -232,7 +232,14 @@ impl Allreduce<'_> {
             return self.adasum(bufs).map(|_| None);
         }
         let hosts = collective::hosts_of(self.comm);
-        let hier = plan.mode != Mode::Flat && collective::fits(&hosts);
+        // An automatic mode takes the hierarchy only where the buffer is large enough
+        // for the ring within each host to pay; smaller ones take the log-n steps.
+        let len: usize = self.sizes.iter().sum();
+        let hier = match plan.mode {
+            Mode::Flat => false,
+            Mode::Auto if collective::latency_bound(self.comm.size(), len) => false,
+            _ => collective::fits(&hosts),
+        };
         let wire = compress::wire(
             self.dtype,
             self.op,

@@ -23,6 +23,11 @@ use std::time::{Duration, Instant};
 /// Bytes of the canary.
 const CANARY: usize = 16;
 
+/// The most ranks whose collectives read one another's memory: each such collective
+/// has every rank offer to and answer every other, a message (and a link) a peer. A
+/// host with more ranks than this publishes no token at all.
+pub const READ_MAX_RANKS: usize = 16;
+
 /// This process's canary: random, fixed for the process's life, at a fixed address.
 fn canary() -> &'static [u8; CANARY] {
     static VALUE: OnceLock<[u8; CANARY]> = OnceLock::new();
