@@ -16,6 +16,10 @@ use std::time::{Duration, Instant};
 struct Pending {
     seq: u64,
     reqs: Vec<Option<Request>>,
+    /// Members it still waits for: no request from them, and neither joined nor shut
+    /// down. Kept as requests, joins and shutdowns come, so that finding the ready
+    /// names costs a look at each, not at each member of each.
+    waiting: usize,
     /// When the first rank asked for it.
     since: Instant,
     /// A stall warning about it was given.
@@ -33,8 +37,12 @@ pub struct Stalls {
 
 struct SetState {
     members: Vec<usize>,
+    /// Each member's index in `members`, by rank.
+    index: HashMap<usize, usize>,
     pending: HashMap<String, Pending>,
     joined: Vec<bool>,
+    /// How many members have joined.
+    joins: usize,
     last_joined: usize,
 }
 
@@ -42,11 +50,38 @@ impl SetState {
     fn new(members: Vec<usize>) -> SetState {
         let n = members.len();
         SetState {
+            index: members.iter().enumerate().map(|(i, &m)| (m, i)).collect(),
             members,
             pending: HashMap::new(),
             joined: vec![false; n],
+            joins: 0,
             last_joined: 0,
         }
+    }
+
+    /// Member `i` no longer counts as waited for (it joined or shut down): every name
+    /// that lacked its request waits for one member less.
+    fn excuse(&mut self, i: usize) {
+        for p in self.pending.values_mut() {
+            if p.reqs[i].is_none() {
+                p.waiting -= 1;
+            }
+        }
+    }
+
+    /// Every member that joined counts as waited for again (`shut`: by rank).
+    fn unjoin_all(&mut self, shut: &[bool]) {
+        for i in 0..self.members.len() {
+            if self.joined[i] && !shut[self.members[i]] {
+                for p in self.pending.values_mut() {
+                    if p.reqs[i].is_none() {
+                        p.waiting += 1;
+                    }
+                }
+            }
+        }
+        self.joined.iter_mut().for_each(|j| *j = false);
+        self.joins = 0;
     }
 }
 
@@ -124,9 +159,11 @@ impl Coordinator {
                     format!(" in process set {id}")
                 };
                 let what = format!(
-                    "{kind} '{name}'{set_txt} has waited {:.0} s for ranks {missing:?} \
-                     (ranks {waiting:?} submitted it)",
-                    waited.as_secs_f64()
+                    "{kind} '{name}'{set_txt} has waited {:.0} s for ranks {} \
+                     (ranks {} submitted it)",
+                    waited.as_secs_f64(),
+                    ranks_text(&missing),
+                    ranks_text(&waiting)
                 );
                 self.stall
                     .judge(waited, what, &mut p.warned, &mut found, &mut worst);
@@ -143,11 +180,11 @@ impl Coordinator {
                     .collect()
             };
             let what = format!(
-                "form_process_set of ranks {ranks:?} has waited {:.0} s for ranks {:?} \
-                 (ranks {:?} asked for it)",
+                "form_process_set of ranks {ranks:?} has waited {:.0} s for ranks {} \
+                 (ranks {} asked for it)",
                 waited.as_secs_f64(),
-                who(false),
-                who(true)
+                ranks_text(&who(false)),
+                ranks_text(&who(true))
             );
             self.stall
                 .judge(waited, what, &mut f.warned, &mut found, &mut worst);
@@ -248,31 +285,52 @@ impl Coordinator {
                 ));
                 continue;
             };
-            let Some(idx) = set.members.iter().position(|&m| m == rank) else {
+            let Some(&idx) = set.index.get(&rank) else {
                 let msg = format!("rank {rank} is not in process set {}", req.process_set);
                 out.push((vec![rank], error(&req, msg)));
                 continue;
             };
             if req.kind == OpKind::Join {
-                set.joined[idx] = true;
+                if !set.joined[idx] {
+                    set.joined[idx] = true;
+                    set.joins += 1;
+                    if !self.shut[rank] {
+                        set.excuse(idx);
+                    }
+                }
                 set.last_joined = rank;
                 continue;
             }
-            if req.kind == OpKind::Shutdown {
+            if req.kind == OpKind::Shutdown && !self.shut[rank] {
                 self.shut[rank] = true;
+                for s in self.sets.values_mut() {
+                    if let Some(&i) = s.index.get(&rank) {
+                        if !s.joined[i] {
+                            s.excuse(i);
+                        }
+                    }
+                }
             }
+            let Some(set) = self.sets.get_mut(&req.process_set) else {
+                continue;
+            };
             let n = set.members.len();
             self.seq += 1;
             let seq = self.seq;
+            let (joined, members, shut) = (&set.joined, &set.members, &self.shut);
             let p = set
                 .pending
                 .entry(req.name.clone())
                 .or_insert_with(|| Pending {
                     seq,
                     reqs: vec![None; n],
+                    waiting: (0..n).filter(|&i| !joined[i] && !shut[members[i]]).count(),
                     since: Instant::now(),
                     warned: false,
                 });
+            if p.reqs[idx].is_none() && !set.joined[idx] && !self.shut[rank] {
+                p.waiting -= 1;
+            }
             p.reqs[idx] = Some(req);
         }
         self.flush(&mut out);
@@ -293,7 +351,7 @@ impl Coordinator {
             self.autotune = None;
         }
         if let Some(d) = &mut self.offline {
-            let joined = self.sets.values().any(|s| s.joined.contains(&true));
+            let joined = self.sets.values().any(|s| s.joins > 0);
             d.watch(&mut out, !joined);
             let quiet = !joined
                 && self.forming.is_empty()
@@ -323,12 +381,7 @@ impl Coordinator {
             let mut ready: Vec<(u64, String)> = set
                 .pending
                 .iter()
-                .filter(|(_, p)| {
-                    p.reqs
-                        .iter()
-                        .enumerate()
-                        .all(|(i, r)| r.is_some() || set.joined[i] || self.shut[set.members[i]])
-                })
+                .filter(|(_, p)| p.waiting == 0)
                 .map(|(n, p)| (p.seq, n.clone()))
                 .collect();
             ready.sort();
@@ -396,9 +449,9 @@ impl Coordinator {
             for a in fuse(answers, self.fusion_threshold) {
                 out.push((set.members.clone(), a));
             }
-            if set.joined.iter().all(|&j| j) {
+            if set.joins == set.members.len() {
                 let last = set.last_joined as i64;
-                set.joined.iter_mut().for_each(|j| *j = false);
+                set.unjoin_all(&self.shut);
                 let done = Response::Done {
                     kind: OpKind::Join,
                     process_set: ps,
@@ -511,6 +564,26 @@ impl StallLimits {
             *worst = Some((waited, what));
         }
     }
+}
+
+/// Ascending ranks as a list whose runs of three or more are ranges: `[2]`,
+/// `[0, 1]`, `[0-122, 124-999]`, so that a message about a thousand ranks stays short.
+pub fn ranks_text(ranks: &[usize]) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    let mut i = 0;
+    while i < ranks.len() {
+        let mut j = i;
+        while j + 1 < ranks.len() && ranks[j + 1] == ranks[j] + 1 {
+            j += 1;
+        }
+        if j - i >= 2 {
+            parts.push(format!("{}-{}", ranks[i], ranks[j]));
+        } else {
+            parts.extend(ranks[i..=j].iter().map(usize::to_string));
+        }
+        i = j + 1;
+    }
+    format!("[{}]", parts.join(", "))
 }
 
 /// Validates the member list of a new process set.

@@ -105,6 +105,8 @@ const STABLE_STEPS: usize = 3;
 /// An offer waiting for every rank's acknowledgement.
 struct Offer {
     acked: Vec<bool>,
+    /// How many ranks acknowledged.
+    acks: usize,
     /// Names of the offered step's last group.
     last: HashSet<String>,
     /// Names answered since the offer (the step in progress).
@@ -213,6 +215,7 @@ impl Detector {
         // first pass starts from the schedule's beginning.
         self.offer = Some(Offer {
             acked: vec![false; self.size],
+            acks: 0,
             last: Sig::of_group(resp)
                 .unwrap_or_default()
                 .into_iter()
@@ -226,15 +229,18 @@ impl Detector {
 
     /// Rank `rank` acknowledged the offer (ignored when none is open).
     pub fn ack(&mut self, rank: usize) {
-        if let Some(a) = self.offer.as_mut().and_then(|o| o.acked.get_mut(rank)) {
-            *a = true;
+        if let Some(o) = self.offer.as_mut() {
+            if o.acked.get(rank) == Some(&false) {
+                o.acked[rank] = true;
+                o.acks += 1;
+            }
         }
     }
 
     /// Once every rank acknowledged: the switch to send to everyone. `quiet`:
     /// nothing is half negotiated and no rank has joined.
     pub fn settle(&mut self, quiet: bool) -> Option<(Vec<usize>, Response)> {
-        if !self.offer.as_ref()?.acked.iter().all(|&a| a) {
+        if self.offer.as_ref()?.acks < self.size {
             return None;
         }
         let offer = self.offer.take()?;

@@ -547,3 +547,69 @@ fn fusion_bounds_the_names_of_one_response_and_batches_go_in_bounded_frames() {
         .collect();
     assert_eq!(back, out);
 }
+
+#[test]
+fn ranks_text_turns_runs_into_ranges() {
+    use super::ranks_text;
+    assert_eq!(ranks_text(&[]), "[]");
+    assert_eq!(ranks_text(&[2]), "[2]");
+    assert_eq!(ranks_text(&[0, 1]), "[0, 1]");
+    assert_eq!(ranks_text(&[0, 1, 2, 5, 7, 8, 9, 10]), "[0-2, 5, 7-10]");
+}
+
+#[test]
+fn a_mismatch_among_a_thousand_ranks_is_named_on_every_rank() {
+    let n = 1000;
+    let mut c = Coordinator::new(n, 1 << 20).with_cache(64);
+    for r in 0..n {
+        let shape: &[i64] = if r == 777 { &[5] } else { &[4] };
+        let out = c.submit(r, vec![ar("w", shape)]);
+        if r < n - 1 {
+            assert!(out.is_empty(), "answered before rank {} asked", n - 1);
+            continue;
+        }
+        assert_eq!(out.len(), 1, "{out:?}");
+        let (to, resp) = &out[0];
+        assert_eq!(to, &(0..n).collect::<Vec<_>>(), "every rank hears of it");
+        let Response::Error { message, .. } = resp else {
+            panic!("{resp:?}")
+        };
+        assert!(
+            message.contains("rank 0 sent [4]") && message.contains("rank 777 sent [5]"),
+            "{message}"
+        );
+    }
+    // The job goes on: the next name is answered once the last rank asks.
+    for r in 0..n {
+        let out = c.submit(r, vec![ar("next", &[4])]);
+        assert_eq!(out.is_empty(), r < n - 1, "rank {r}");
+    }
+}
+
+#[test]
+fn a_silent_rank_among_a_thousand_is_named_by_the_stall_check() {
+    let n = 1000;
+    let mut c = watched(n);
+    let t0 = Instant::now();
+    for r in (0..n).filter(|&r| r != 123) {
+        assert!(c.submit(r, vec![ar("grad", &[8])]).is_empty());
+    }
+    let late = c.check_stalls(t0 + Duration::from_secs(61));
+    assert_eq!(late.warnings.len(), 1, "{:?}", late.warnings);
+    let w = &late.warnings[0];
+    assert!(
+        w.contains("'grad' has waited") && w.contains("for ranks [123]"),
+        "{w}"
+    );
+    assert!(w.contains("(ranks [0-122, 124-999] submitted it)"), "{w}");
+    // Joined and shut-down ranks are not waited for; the silent one still is.
+    let mut j = Request::new(OpKind::Join, "join", 0);
+    j.shape = vec![];
+    c.submit(5, vec![j]);
+    assert!(c.stall_watch());
+    assert_eq!(
+        c.submit(123, vec![ar("grad", &[8])]).len(),
+        1,
+        "answered at last"
+    );
+}
