@@ -179,31 +179,76 @@ fn unread(what: &str, e: &PerseusError) -> String {
     }
 }
 
-/// The acceptor's side: reads a hello, challenges, checks the proof.
-/// Returns the dialer's fields and the session, or why it was refused (the
+/// The acceptor's side, one message at a time, for a listener that vets many
+/// connections on one thread ([`crate::gate`]): [`challenge`] answers a hello, then
+/// [`Challenged::check`] judges the proof.
+pub struct Challenged {
+    a: Vec<u8>,
+    b: [u8; NONCE],
+    fields: Vec<u8>,
+}
+
+/// Answers the first frame of a dialer (`k`, `hello`): the challenge to send back,
+/// and what [`Challenged::check`] needs to judge the proof. Err: why it is no
+/// Perseus hello.
+pub fn challenge(
+    secret: &str,
+    k: u16,
+    hello: &[u8],
+) -> std::result::Result<(Vec<u8>, Challenged), String> {
+    if k != kind::HELLO || hello.len() < NONCE {
+        return Err(format!(
+            "not a Perseus hello (frame kind {k:#x}, {} bytes)",
+            hello.len()
+        ));
+    }
+    let (a, fields) = hello.split_at(NONCE);
+    let b = nonce();
+    let mut payload = b.to_vec();
+    payload.extend_from_slice(&tag(secret.as_bytes(), &[ACCEPTOR, a, &b, fields]));
+    let pending = Challenged {
+        a: a.to_vec(),
+        b,
+        fields: fields.to_vec(),
+    };
+    Ok((payload, pending))
+}
+
+impl Challenged {
+    /// Judges the dialer's second frame (`k`, `proof`): its fields and the session,
+    /// or why it is refused (then tell the dialer so with [`kind::REFUSED`]).
+    pub fn check(
+        self,
+        secret: &str,
+        k: u16,
+        proof: &[u8],
+    ) -> std::result::Result<(Vec<u8>, Session), String> {
+        let Challenged { a, b, fields } = self;
+        if k != kind::PROOF || !verify(secret.as_bytes(), &[DIALER, &a, &b, &fields], proof) {
+            return Err(WRONG_SECRET.into());
+        }
+        let session = Session::new(secret, &a, &b);
+        Ok((fields, session))
+    }
+}
+
+/// Why a proof was refused, as the dialer is told.
+pub const WRONG_SECRET: &str = "wrong job secret";
+
+/// The acceptor's side on a blocking stream: reads a hello, challenges, checks the
+/// proof. Returns the dialer's fields and the session, or why it was refused (the
 /// dialer has been told; the caller logs and drops the connection).
 pub fn accept(
     conn: &mut (impl Read + Write),
     secret: &str,
 ) -> std::result::Result<(Vec<u8>, Session), String> {
     let (k, p) = read_frame_max(conn, MAX_HANDSHAKE).map_err(|e| unread("hello", &e))?;
-    if k != kind::HELLO || p.len() < NONCE {
-        return Err(format!(
-            "not a Perseus hello (frame kind {k:#x}, {} bytes)",
-            p.len()
-        ));
-    }
-    let (a, fields) = p.split_at(NONCE);
-    let b = nonce();
-    let mut challenge = b.to_vec();
-    challenge.extend_from_slice(&tag(secret.as_bytes(), &[ACCEPTOR, a, &b, fields]));
-    write_frame(conn, kind::CHALLENGE, &challenge).map_err(|e| format!("hung up: {e}"))?;
+    let (payload, pending) = challenge(secret, k, &p)?;
+    write_frame(conn, kind::CHALLENGE, &payload).map_err(|e| format!("hung up: {e}"))?;
     let (k, proof) = read_frame_max(conn, MAX_HANDSHAKE).map_err(|e| format!("no proof: {e}"))?;
-    if k != kind::PROOF || !verify(secret.as_bytes(), &[DIALER, a, &b, fields], &proof) {
-        let _ = write_frame(conn, kind::REFUSED, b"wrong job secret");
-        return Err("wrong job secret".into());
-    }
-    Ok((fields.to_vec(), Session::new(secret, a, &b)))
+    pending.check(secret, k, &proof).inspect_err(|why| {
+        let _ = write_frame(conn, kind::REFUSED, why.as_bytes());
+    })
 }
 
 #[cfg(test)]

@@ -64,6 +64,35 @@ impl Write for Deadlined<'_> {
     }
 }
 
+/// Connects to `addr` (of `what`, for messages: "rank 3", "the rendezvous"), trying
+/// again every `pause` until `timeout` passes (its listener may not be up yet). A
+/// failure for want of file descriptors ends at once, naming the open-file limit.
+pub fn connect_within(
+    addr: &str,
+    what: &str,
+    timeout: Duration,
+    pause: Duration,
+) -> crate::error::Result<TcpStream> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        match TcpStream::connect(addr) {
+            Ok(s) => return Ok(s),
+            Err(e) if crate::limits::out_of_files(&e) => {
+                return Err(crate::error::PerseusError::Peer(format!(
+                    "could not connect to {what} at {addr}: {e}: {}",
+                    crate::limits::open_files_text()
+                )))
+            }
+            Err(e) if Instant::now() >= deadline => {
+                return Err(crate::error::PerseusError::Peer(format!(
+                    "could not connect to {what} at {addr} within {timeout:?}: {e}"
+                )))
+            }
+            Err(_) => std::thread::sleep(pause),
+        }
+    }
+}
+
 /// Whether `e` is a read or write that ran out of time: a [`Deadlined`] past
 /// its deadline, or a socket timeout (which Linux reports as `EAGAIN`). The core's
 /// I/O errors keep only the text, so this is the one place that reads it.

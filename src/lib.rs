@@ -21,8 +21,10 @@ pub mod device;
 pub mod engine;
 #[doc(hidden)]
 pub mod fuzzing;
+pub mod gate;
 #[cfg(feature = "cuda")]
 pub mod gpu;
+pub mod limits;
 pub mod optim;
 pub mod plan;
 #[cfg(feature = "python")]

@@ -99,6 +99,11 @@ pub struct FrameReader {
 }
 
 impl FrameReader {
+    /// True while part of a frame has arrived and the rest has not.
+    pub fn partial(&self) -> bool {
+        !self.buf.is_empty()
+    }
+
     /// Reads everything `r` has now; returns the whole frames (kind, payload).
     /// End of stream is an `UnexpectedEof` I/O error, a bad header a
     /// [`PerseusError::Protocol`]. Frames that arrived whole before either are

@@ -370,12 +370,10 @@ fn rank_of_two(port: u16, r: usize) -> std::thread::JoinHandle<()> {
     })
 }
 
-/// Rank 0's mesh address once it listens: it accepts once it has read every peer's
-/// entry, so rank 1's is published for it now (the real rank 1 publishes the same
-/// stream count and PERSEUS_SHM later; without shared memory the host key does not
-/// matter). Rank 0's entry is `mesh/0`, or `mesh/0/<round>` where an earlier test of
-/// this process had a rendezvous at the same port (its rounds are counted per address):
-/// rank 1's goes under the same round.
+/// Rank 0's mesh address once it listens (and vets: from the moment it publishes its
+/// entry, while it waits for rank 1's). Rank 0's entry is `mesh/0`, or
+/// `mesh/0/<round>` where an earlier test of this process had a rendezvous at the same
+/// port (its rounds are counted per address).
 fn mesh_address_of_rank_0(server: &StoreServer) -> String {
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
     let key = loop {
@@ -391,8 +389,6 @@ fn mesh_address_of_rank_0(server: &StoreServer) -> String {
             None => panic!("rank 0 published no mesh entry within 20 s"),
         }
     };
-    let round = &key["mesh/0".len()..];
-    server.set(&format!("mesh/1{round}"), b"127.0.0.1:1 elsewhere 1 0");
     let entry = String::from_utf8(server.get(&key).unwrap()).unwrap();
     entry.split(' ').next().unwrap().to_string()
 }
@@ -419,14 +415,19 @@ fn strangers_at_a_mesh_port_are_dropped_and_the_job_connects() {
     s.write_all(&perseus::wire::header(0x300, 1 << 30)).unwrap();
     hung_up(s);
     let mut s = TcpStream::connect(&addr).unwrap();
-    let err = perseus::auth::dial(&mut s, "not the secret", &[1, 0, 0, 0, 0, 0])
-        .err()
-        .expect("a wrong secret must be caught");
+    // A hello's fields: rank u32, channel u8, stream u8, ring slot u32 (none: all ones).
+    let err = perseus::auth::dial(
+        &mut s,
+        "not the secret",
+        &[1, 0, 0, 0, 0, 0, 255, 255, 255, 255],
+    )
+    .err()
+    .expect("a wrong secret must be caught");
     assert!(err.to_string().contains("secret"), "{err}");
     drop(s);
     // The right secret, but a rank that does not exist: refused by the acceptor.
     let mut s = TcpStream::connect(&addr).unwrap();
-    perseus::auth::dial(&mut s, "t", &[9, 0, 0, 0, 0, 0]).unwrap();
+    perseus::auth::dial(&mut s, "t", &[9, 0, 0, 0, 0, 0, 255, 255, 255, 255]).unwrap();
     let (k, why) = perseus::wire::read_frame(&mut s).unwrap();
     assert_eq!(k, 0x202, "refused");
     assert!(String::from_utf8_lossy(&why).contains("rank 9"), "{why:?}");
@@ -444,8 +445,8 @@ fn strangers_at_a_mesh_port_cannot_hold_up_init() {
     let port = server.port();
     let r0 = rank_of_two(port, 0);
     let addr = mesh_address_of_rank_0(&server);
-    // Twenty silent strangers (5 s each, vetted one after another, were 100 s), and one
-    // that trickles a hello a byte a second (never timed out by a per-read timeout).
+    // Twenty silent strangers (5 s each, vetted one after another, would be 100 s), and
+    // one that trickles a hello a byte a second (never timed out by a per-read timeout).
     let silent: Vec<TcpStream> = (0..20)
         .map(|_| TcpStream::connect(&addr).unwrap())
         .collect();

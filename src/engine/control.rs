@@ -7,13 +7,14 @@
 use super::coordinator::Coordinator;
 use super::inbox::Inbox;
 use super::message::{
-    decode_requests, decode_responses, encode_responses, in_parts, Response, WireRequest,
+    decode_requests, decode_responses, encode_requests, encode_responses, in_parts, Response,
+    WireRequest,
 };
 use super::outgoing::Outgoing;
 use crate::error::{PerseusError, Result};
 use crate::transport::Control;
-use crate::wire::{framed, FrameReader, HEADER};
-use std::collections::BTreeMap;
+use crate::wire::{framed, FrameReader, Reader, Writer, HEADER};
+use std::collections::{BTreeMap, HashMap};
 use std::io::Write;
 use std::net::TcpStream;
 use std::os::fd::AsRawFd;
@@ -134,8 +135,9 @@ impl Stream {
         self.written < self.out.len()
     }
 
-    /// Payloads of the whole batches of `kind` that arrived, a payload a frame.
-    fn receive(&mut self, kind: u16) -> Result<Vec<Vec<u8>>> {
+    /// The whole batches of the kinds in `kinds` that arrived: (kind, payload), a
+    /// payload a frame, the parts of a batch together once its last has come.
+    fn receive(&mut self, kinds: &[u16]) -> Result<Vec<(u16, Vec<u8>)>> {
         if self.broke.is_none() {
             if let Err(e) = self.flush(false) {
                 self.broke = Some(e.into());
@@ -164,15 +166,17 @@ impl Stream {
                 continue; // its arrival is its message (`heard`, above)
             }
             self.received.frame(p.len());
-            if k == kind | MORE {
-                self.partial.push(p);
-            } else if k == kind {
-                whole.append(&mut self.partial);
-                whole.push(p);
-            } else {
+            let base = k & !MORE;
+            if !kinds.contains(&base) {
                 return Err(PerseusError::Protocol(format!(
                     "unexpected control frame kind {k:#x}"
                 )));
+            }
+            if k & MORE != 0 {
+                self.partial.push(p);
+            } else {
+                whole.extend(self.partial.drain(..).map(|q| (base, q)));
+                whole.push((base, p));
             }
         }
         if asked && self.broke.is_none() {
@@ -323,12 +327,14 @@ impl Stream {
 
 /// What arrived on the control streams.
 pub enum Incoming {
-    /// Requests from worker `.0` (rank 0 only).
+    /// Requests from rank `.0` (rank 0 only).
     Requests(usize, Vec<WireRequest>),
-    /// Responses from the coordinator (workers only).
+    /// Responses from the coordinator, for this rank.
     Responses(Vec<Response>),
-    /// The stream from rank `.0` failed or closed; `.1` says how.
+    /// The stream from or to rank `.0` failed or closed; `.1` says how.
     Lost(usize, String),
+    /// Rank 0: a relay reported rank `.0` gone, for the reason `.1` (with its host).
+    Reported(usize, String),
     /// Rank `.0` answered nothing for the timeout while this rank waited for it
     /// (`.1` says so); its stream is closed, and it counts as gone.
     Silent(usize, String),
@@ -348,99 +354,356 @@ fn broken(e: &PerseusError) -> String {
     }
 }
 
-/// How this rank's engine reaches the coordinator.
-pub enum Uplink {
-    /// Rank 0: the coordinator and a stream from every worker.
-    Coordinator {
-        /// The negotiation state machine.
-        coord: Coordinator,
-        /// `workers[r]`: the stream from rank r, `None` for rank 0 and lost ranks.
-        workers: Vec<Option<Stream>>,
-    },
-    /// Any other rank: the stream to rank 0 (`None` once lost).
-    Worker(Option<Stream>),
+/// Frame kind of requests a relay passes up for the ranks below it: (origin rank,
+/// that rank's batch as it sent it), each.
+const FRAME_RELAYED: u16 = 0x304;
+/// Frame kind of responses a rank passes down to a child with ranks below it: each
+/// response with the ranks it is for.
+const FRAME_ROUTED: u16 = 0x305;
+/// Frame kind of "rank R is gone, because ...", which a relay passes up when the
+/// stream from one of its children broke or went silent.
+const FRAME_GONE: u16 = 0x306;
+
+/// One rank this rank hears from in the control plane, and the ranks below it.
+struct Child {
+    rank: usize,
+    /// Its stream (None once lost).
+    stream: Option<Stream>,
+    /// No rank below it: it gets plain batches of its own responses.
+    leaf: bool,
+}
+
+/// How this rank's engine reaches the coordinator: rank 0 runs it, any other rank
+/// sends its requests to its parent; a rank with children relays theirs up and the
+/// answers down ([`crate::transport::tree`]).
+pub struct Uplink {
+    me: usize,
+    /// Ranks in the job.
+    size: usize,
+    /// Rank 0: the negotiation state machine.
+    coord: Option<Coordinator>,
+    /// The rank this one sends to, and the stream (None for rank 0, or once lost).
+    parent: Option<(usize, Option<Stream>)>,
+    children: Vec<Child>,
+    /// Each rank below this one: the index of the child whose subtree holds it.
+    route: HashMap<usize, usize>,
+}
+
+/// Encodes requests a relay passes up: (origin rank, its batch's payload), each.
+fn encode_relayed(items: &[(u32, Vec<u8>)]) -> Vec<u8> {
+    let mut w = Writer::new();
+    w.u32(items.len() as u32);
+    for (origin, payload) in items {
+        w.u32(*origin).bytes(payload);
+    }
+    w.0
+}
+
+fn decode_relayed(buf: &[u8]) -> Result<Vec<(u32, Vec<u8>)>> {
+    let mut r = Reader::new(buf);
+    let n = r.u32()? as usize;
+    let mut out = Vec::with_capacity(n.min(4096));
+    for _ in 0..n {
+        out.push((r.u32()?, r.bytes()?.to_vec()));
+    }
+    r.finish()?;
+    Ok(out)
+}
+
+/// A response and the ranks it is for.
+type Routed = (Response, Vec<usize>);
+
+/// Encodes routed responses: each response with its ranks as runs (start, length).
+fn encode_routed(items: &[Routed]) -> Vec<u8> {
+    let mut w = Writer::new();
+    w.u32(items.len() as u32);
+    for (resp, ranks) in items {
+        let mut runs: Vec<(u32, u32)> = Vec::new();
+        for &r in ranks {
+            match runs.last_mut() {
+                Some((s, l)) if (*s + *l) as usize == r => *l += 1,
+                _ => runs.push((r as u32, 1)),
+            }
+        }
+        w.u32(runs.len() as u32);
+        for (s, l) in runs {
+            w.u32(s).u32(l);
+        }
+        w.bytes(&encode_responses(std::slice::from_ref(resp)));
+    }
+    w.0
+}
+
+fn decode_routed(buf: &[u8], size: usize) -> Result<Vec<Routed>> {
+    let mut r = Reader::new(buf);
+    let n = r.u32()? as usize;
+    let mut out = Vec::with_capacity(n.min(4096));
+    for _ in 0..n {
+        let runs = r.u32()? as usize;
+        let mut ranks = Vec::new();
+        for _ in 0..runs {
+            let (s, l) = (r.u32()? as usize, r.u32()? as usize);
+            if s.checked_add(l).map_or(true, |e| e > size) {
+                return Err(PerseusError::Protocol(format!(
+                    "routed response for ranks {s}..{} of {size}",
+                    s.saturating_add(l)
+                )));
+            }
+            ranks.extend(s..s + l);
+        }
+        let mut resps = decode_responses(r.bytes()?)?;
+        match (resps.pop(), resps.is_empty()) {
+            (Some(resp), true) => out.push((resp, ranks)),
+            _ => {
+                return Err(PerseusError::Protocol(
+                    "a routed item holds other than one response".into(),
+                ))
+            }
+        }
+    }
+    r.finish()?;
+    Ok(out)
+}
+
+fn encode_gone(items: &[(u32, String)]) -> Vec<u8> {
+    let mut w = Writer::new();
+    w.u32(items.len() as u32);
+    for (rank, why) in items {
+        w.u32(*rank).str(why);
+    }
+    w.0
+}
+
+fn decode_gone(buf: &[u8]) -> Result<Vec<(u32, String)>> {
+    let mut r = Reader::new(buf);
+    let n = r.u32()? as usize;
+    let mut out = Vec::with_capacity(n.min(4096));
+    for _ in 0..n {
+        out.push((r.u32()?, r.str()?));
+    }
+    r.finish()?;
+    Ok(out)
 }
 
 impl Uplink {
-    /// Takes over the control streams of [`crate::transport::connect_mesh`].
-    /// `timeout`: how long a write may find no room before the peer counts as gone.
+    /// Takes over the control streams of [`crate::transport::connect_mesh`]; `coord`
+    /// serves on rank 0 only. `timeout`: how long a write may find no room before the
+    /// peer counts as gone.
     pub fn new(control: Control, coord: Coordinator, timeout: Duration) -> std::io::Result<Uplink> {
-        Ok(match control {
-            Control::Coordinator(streams) => Uplink::Coordinator {
-                coord,
-                workers: streams
-                    .into_iter()
-                    .map(|s| s.map(|s| Stream::new(s, timeout)).transpose())
-                    .collect::<std::io::Result<_>>()?,
-            },
-            Control::Worker(s) => Uplink::Worker(Some(Stream::new(s, timeout)?)),
+        let mut route = HashMap::new();
+        let mut children = Vec::with_capacity(control.children.len());
+        for (i, (rank, below, sock)) in control.children.into_iter().enumerate() {
+            for &r in &below {
+                route.insert(r, i);
+            }
+            children.push(Child {
+                rank,
+                stream: Some(Stream::new(sock, timeout)?),
+                leaf: below.len() == 1,
+            });
+        }
+        let parent = match control.parent {
+            Some((rank, sock)) => Some((rank, Some(Stream::new(sock, timeout)?))),
+            None => None,
+        };
+        Ok(Uplink {
+            me: control.me,
+            size: control.size,
+            coord: parent.is_none().then_some(coord),
+            parent,
+            children,
+            route,
         })
+    }
+
+    /// Rank 0's coordinator.
+    pub fn coordinator(&mut self) -> Option<&mut Coordinator> {
+        self.coord.as_mut()
+    }
+
+    /// Rank 0's coordinator, to look at.
+    pub fn coordinator_ref(&self) -> Option<&Coordinator> {
+        self.coord.as_ref()
+    }
+
+    /// The rank this one sends its requests to (None on rank 0).
+    pub fn parent(&self) -> Option<usize> {
+        self.parent.as_ref().map(|(r, _)| *r)
+    }
+
+    fn streams(&self) -> impl Iterator<Item = &Stream> {
+        let up = self.parent.iter().filter_map(|(_, s)| s.as_ref());
+        up.chain(self.children.iter().filter_map(|c| c.stream.as_ref()))
     }
 
     /// What this rank's control streams sent and received so far (a
     /// coordinator's own requests and answers cross no stream).
     pub fn traffic(&self) -> (Traffic, Traffic) {
         let (mut sent, mut received) = (Traffic::default(), Traffic::default());
-        let streams: Vec<&Stream> = match self {
-            Uplink::Coordinator { workers, .. } => workers.iter().flatten().collect(),
-            Uplink::Worker(s) => s.iter().collect(),
-        };
-        for s in streams {
+        for s in self.streams() {
             sent.add(s.sent);
             received.add(s.received);
         }
         (sent, received)
     }
 
-    /// Reads, without blocking, every whole frame the streams hold.
+    /// Reads, without blocking, every whole frame the streams hold. A relay passes its
+    /// children's requests up at once, and its parent's answers for the ranks below it
+    /// down (whole, before this rank acts on any of them).
     pub fn receive(&mut self) -> Vec<Incoming> {
         let mut got = Vec::new();
-        match self {
-            Uplink::Coordinator { workers, .. } => {
-                for (rank, slot) in workers.iter_mut().enumerate() {
-                    let Some(s) = slot else { continue };
-                    let frames = s.receive(FRAME_REQUESTS).and_then(|ps| {
-                        ps.iter()
-                            .map(|p| decode_requests(p))
-                            .collect::<Result<Vec<_>>>()
-                    });
-                    match frames {
-                        Ok(batches) => got.extend(
-                            batches
-                                .into_iter()
-                                .map(|reqs| Incoming::Requests(rank, reqs)),
-                        ),
-                        Err(e) => {
-                            *slot = None;
-                            got.push(Incoming::Lost(rank, broken(&e)));
+        let mut up: Vec<(u32, Vec<u8>)> = Vec::new();
+        let mut gone: Vec<(u32, String)> = Vec::new();
+        let relay = self.coord.is_none();
+        for i in 0..self.children.len() {
+            let child = &mut self.children[i];
+            let Some(s) = &mut child.stream else { continue };
+            let rank = child.rank;
+            let frames = s.receive(&[FRAME_REQUESTS, FRAME_RELAYED, FRAME_GONE]);
+            let parsed = frames.and_then(|fs| {
+                let mut items = Vec::new();
+                for (k, p) in fs {
+                    match k {
+                        FRAME_REQUESTS => items.push((rank as u32, p)),
+                        FRAME_RELAYED => items.extend(decode_relayed(&p)?),
+                        _ => {
+                            for (r, why) in decode_gone(&p)? {
+                                gone.push((r, why));
+                            }
                         }
                     }
                 }
-            }
-            Uplink::Worker(slot) => {
-                let Some(s) = slot else { return got };
-                let frames = s.receive(FRAME_RESPONSES).and_then(|ps| {
-                    ps.iter()
-                        .map(|p| decode_responses(p))
-                        .collect::<Result<Vec<_>>>()
-                });
-                match frames {
-                    Ok(batches) => got.extend(batches.into_iter().map(Incoming::Responses)),
-                    Err(e) => {
-                        *slot = None;
-                        got.push(Incoming::Lost(0, broken(&e)));
+                Ok(items)
+            });
+            match parsed {
+                Ok(items) if relay => up.extend(items),
+                Ok(items) => {
+                    for (origin, p) in items {
+                        match decode_requests(&p) {
+                            Ok(reqs) => got.push(Incoming::Requests(origin as usize, reqs)),
+                            Err(e) => got.push(Incoming::Lost(origin as usize, e.to_string())),
+                        }
                     }
+                }
+                Err(e) => {
+                    child.stream = None;
+                    got.push(Incoming::Lost(rank, broken(&e)));
+                }
+            }
+        }
+        if relay {
+            self.pass_up(FRAME_RELAYED, &up, encode_relayed);
+            self.pass_up(FRAME_GONE, &gone, encode_gone);
+        } else {
+            got.extend(
+                gone.into_iter()
+                    .map(|(r, why)| Incoming::Reported(r as usize, why)),
+            );
+        }
+        if let Some((rank, Some(s))) = &mut self.parent {
+            let rank = *rank;
+            let frames = s.receive(&[FRAME_RESPONSES, FRAME_ROUTED]);
+            let mut mine = Vec::new();
+            let mut routed = Vec::new();
+            let size = self.size;
+            let parsed = frames.and_then(|fs| {
+                for (k, p) in fs {
+                    if k == FRAME_RESPONSES {
+                        mine.push(decode_responses(&p)?);
+                    } else {
+                        routed.extend(decode_routed(&p, size)?);
+                    }
+                }
+                Ok(())
+            });
+            match parsed {
+                Ok(()) => {
+                    if !routed.is_empty() {
+                        let own = self.pass_down(routed);
+                        mine.push(own);
+                    }
+                    got.extend(mine.into_iter().map(Incoming::Responses));
+                }
+                Err(e) => {
+                    self.parent = Some((rank, None));
+                    got.push(Incoming::Lost(rank, broken(&e)));
                 }
             }
         }
         got
     }
 
-    /// Whether the peers this rank waits for are there: a worker waits for rank 0 while
-    /// it has operations pending (`waiting`); rank 0 for every worker that has not
-    /// announced its shutdown while it has operations pending or its coordinator has
-    /// names some ranks have not asked for. A stream quiet for [`QUIET_BEFORE_PING`]
-    /// gets a ping; one that then stays silent for its timeout is reported
+    /// Queues `items` for the parent as a batch of `kind` (nothing when empty).
+    fn pass_up<T>(&mut self, kind: u16, items: &[T], encode: fn(&[T]) -> Vec<u8>) {
+        if items.is_empty() {
+            return;
+        }
+        if let Some((_, Some(s))) = &mut self.parent {
+            if let Err(e) = s.post_batch(kind, items, encode) {
+                s.broke.get_or_insert(e.into());
+            }
+        }
+    }
+
+    /// Reports child `rank` gone (`why`) to the parent (a relay's loss of a child).
+    pub fn report_gone(&mut self, rank: usize, why: &str) {
+        self.pass_up(FRAME_GONE, &[(rank as u32, why.to_string())], encode_gone);
+    }
+
+    /// Writes each child its share of `items` (whole), and returns this rank's own.
+    fn pass_down(&mut self, items: Vec<Routed>) -> Vec<Response> {
+        let mut own = Vec::new();
+        let mut per_child: Vec<Vec<Routed>> = vec![Vec::new(); self.children.len()];
+        for (resp, ranks) in items {
+            let mut split: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+            for r in ranks {
+                if r == self.me {
+                    own.push(resp.clone());
+                } else if let Some(&c) = self.route.get(&r) {
+                    split.entry(c).or_default().push(r);
+                }
+            }
+            for (c, ranks) in split {
+                per_child[c].push((resp.clone(), ranks));
+            }
+        }
+        for (child, items) in self.children.iter_mut().zip(per_child) {
+            if items.is_empty() {
+                continue;
+            }
+            let Some(s) = child.stream.as_mut() else {
+                continue;
+            };
+            if child.leaf {
+                let resps: Vec<Response> = items.into_iter().map(|(r, _)| r).collect();
+                s.queue(FRAME_RESPONSES, &resps, encode_responses);
+            } else {
+                s.queue(FRAME_ROUTED, &items, encode_routed);
+            }
+            if let Err(e) = s.flush(true) {
+                s.broke.get_or_insert(e.into());
+            }
+        }
+        own
+    }
+
+    /// Queues this rank's own requests for its parent; an error when the stream is
+    /// gone or failed at once (rank 0 may be in a collective with this rank, so it is
+    /// never waited for).
+    pub fn post_requests(&mut self, wire: &[WireRequest]) -> std::result::Result<(), String> {
+        match &mut self.parent {
+            Some((_, Some(s))) => s
+                .post_batch(FRAME_REQUESTS, wire, encode_requests)
+                .map_err(|e| e.to_string()),
+            _ => Err("the connection is closed".to_string()),
+        }
+    }
+
+    /// Whether the peers this rank waits for are there: its parent while it has
+    /// operations pending (`waiting`); its children then too, and on rank 0 every child
+    /// while its coordinator has names some ranks have not asked for (but ranks that
+    /// announced their shutdown). A stream quiet for [`QUIET_BEFORE_PING`] gets a
+    /// ping; one that then stays silent for its timeout is reported
     /// ([`Incoming::Silent`]) and closed, so that the peer, should it wake, fails too.
     /// Also returns how long until the next look is due (None: nothing waits).
     pub fn watch(&mut self, waiting: bool) -> (Vec<Incoming>, Option<Duration>) {
@@ -456,41 +719,26 @@ impl Uplink {
             }
             next = [next, due].into_iter().flatten().min();
         };
-        match self {
-            Uplink::Coordinator { coord, workers } => {
-                let waiting = waiting || coord.waiting();
-                for (rank, slot) in workers.iter_mut().enumerate() {
-                    look(rank, slot, waiting && !coord.has_shut(rank));
-                }
-            }
-            Uplink::Worker(slot) => look(0, slot, waiting),
+        let coord_waits = self.coord.as_ref().is_some_and(Coordinator::waiting);
+        for c in &mut self.children {
+            let shut = self.coord.as_ref().is_some_and(|k| k.has_shut(c.rank));
+            look(c.rank, &mut c.stream, (waiting || coord_waits) && !shut);
+        }
+        if let Some((rank, slot)) = &mut self.parent {
+            look(*rank, slot, waiting);
         }
         (lost, next)
     }
 
-    /// Sends the coordinator's answers: to each worker's stream, and rank 0's
-    /// own into `local`. A failed write shows up as a lost stream on the next
-    /// [`Uplink::receive`].
+    /// Rank 0: sends the coordinator's answers, down each child's stream (each child
+    /// with ranks below it gets theirs too), and rank 0's own into `local`. A failed
+    /// write shows up as a lost stream on the next [`Uplink::receive`].
     pub fn dispatch(&mut self, out: Outgoing, local: &mut Vec<Response>) {
-        let Uplink::Coordinator { workers, .. } = self else {
+        if self.coord.is_none() {
             return;
-        };
-        let mut per_rank: BTreeMap<usize, Vec<Response>> = BTreeMap::new();
-        for (to, resp) in out {
-            for r in to {
-                per_rank.entry(r).or_default().push(resp.clone());
-            }
         }
-        for (r, resps) in per_rank {
-            if r == 0 {
-                local.extend(resps);
-            } else if let Some(s) = workers.get_mut(r).and_then(Option::as_mut) {
-                s.queue(FRAME_RESPONSES, &resps, encode_responses);
-                if let Err(e) = s.flush(true) {
-                    s.broke.get_or_insert(e.into());
-                }
-            }
-        }
+        let routed: Vec<Routed> = out.into_iter().map(|(to, resp)| (resp, to)).collect();
+        local.extend(self.pass_down(routed));
     }
 
     /// Sleeps until a control stream is readable, `timeout` passes (`None`:
@@ -498,10 +746,7 @@ impl Uplink {
     /// at once when it already holds something). Without an inbox, callers'
     /// pushes cost them no wake-up system call.
     pub fn sleep<T>(&self, inbox: Option<&Inbox<T>>, timeout: Option<Duration>) {
-        let streams: Vec<&Stream> = match self {
-            Uplink::Coordinator { workers, .. } => workers.iter().flatten().collect(),
-            Uplink::Worker(s) => s.iter().collect(),
-        };
+        let streams: Vec<&Stream> = self.streams().collect();
         // Frames a send read early are not on the socket any more: no waiting for them.
         if streams.iter().any(|s| s.pending()) {
             return;
@@ -562,7 +807,7 @@ mod tests {
     fn receive_some(s: &mut Stream) {
         let before = s.heard;
         for _ in 0..500 {
-            s.receive(FRAME_REQUESTS).unwrap();
+            s.receive(&[FRAME_REQUESTS]).unwrap();
             if s.heard > before {
                 return;
             }
@@ -608,7 +853,7 @@ mod tests {
         let (mut a, _b) = pair(timeout); // b is frozen: it never reads
         let t = a.heard + QUIET_BEFORE_PING;
         assert_eq!(a.watch(true, t), (None, Some(timeout)));
-        assert!(a.receive(FRAME_REQUESTS).unwrap().is_empty());
+        assert!(a.receive(&[FRAME_REQUESTS]).unwrap().is_empty());
         let (gone, due) = a.watch(true, t + Duration::from_millis(100));
         assert!(gone.is_none() && due == Some(Duration::from_millis(200)));
         let (gone, _) = a.watch(true, t + timeout);

@@ -145,6 +145,8 @@ struct Counters {
     vote_messages: AtomicU64,
     vote_bytes: AtomicU64,
     lane_operations: AtomicU64,
+    transfer_rounds: AtomicU64,
+    linked_peers: AtomicU64,
 }
 
 /// A running engine.
@@ -301,6 +303,9 @@ impl Engine {
     /// `vote_messages` and `vote_bytes` this rank sent in the offline schedule's
     /// votes (PERSEUS_OFFLINE_NEG), and `lane_operations`: operations its callers
     /// ran among the ranks themselves (PERSEUS_LANE_BYTES; also in `operations`).
+    /// The transport: `transfer_rounds`, the rounds of messages (each waiting for
+    /// the last) this rank's collectives ran, and `linked_peers`, the peers it holds
+    /// data links to (made as its collectives first needed them).
     pub fn counters(&self) -> BTreeMap<String, u64> {
         let c = &self.shared.counters;
         let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
@@ -326,6 +331,8 @@ impl Engine {
             ("vote_messages", get(&c.vote_messages)),
             ("vote_bytes", get(&c.vote_bytes)),
             ("lane_operations", get(&c.lane_operations)),
+            ("transfer_rounds", get(&c.transfer_rounds)),
+            ("linked_peers", get(&c.linked_peers)),
         ]
         .into_iter()
         .map(|(k, v)| (k.to_string(), v))

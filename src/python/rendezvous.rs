@@ -34,6 +34,12 @@ impl RendezvousServer {
         self.port
     }
 
+    /// Requests the clients made so far (a measure of the rendezvous' cost).
+    #[getter]
+    fn requests(&self) -> u64 {
+        self.inner.as_ref().map_or(0, StoreServer::requests)
+    }
+
     /// Keys published so far, sorted: ranks publish `mesh/<rank>` as they start.
     fn keys(&self) -> Vec<String> {
         self.inner.as_ref().map(|s| s.keys()).unwrap_or_default()

@@ -5,7 +5,7 @@ use crate::auth::{self, Session};
 use crate::error::{PerseusError, Result};
 use crate::wire::{read_frame, write_frame, Reader, Writer};
 use std::net::TcpStream;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// A connection to the store.
 pub struct StoreClient {
@@ -18,19 +18,17 @@ impl StoreClient {
     /// Connects (retrying until `timeout`, the server may start later) and
     /// proves it knows the job secret.
     pub fn connect(host: &str, port: u16, secret: &str, timeout: Duration) -> Result<StoreClient> {
-        let addr = format!("{host}:{port}");
-        let deadline = Instant::now() + timeout;
-        let conn = loop {
-            match TcpStream::connect((host, port)) {
-                Ok(c) => break c,
-                Err(e) if Instant::now() >= deadline => {
-                    return Err(PerseusError::Peer(format!(
-                        "could not reach the rendezvous at {addr} within {timeout:?}: {e}"
-                    )))
-                }
-                Err(_) => std::thread::sleep(Duration::from_millis(50)),
-            }
+        // An IPv6 literal goes in brackets.
+        let addr = match host.contains(':') {
+            true => format!("[{host}]:{port}"),
+            false => format!("{host}:{port}"),
         };
+        let conn = crate::deadline::connect_within(
+            &addr,
+            "the rendezvous",
+            timeout,
+            Duration::from_millis(50),
+        )?;
         conn.set_nodelay(true)?;
         let mut conn = conn;
         let session = auth::dial(&mut conn, secret, b"rendezvous")
@@ -85,5 +83,33 @@ impl StoreClient {
         let p = self.reply(kind::VALUE)?;
         let mut r = Reader::new(&p);
         Ok(r.bytes()?.to_vec())
+    }
+
+    /// Waits up to `timeout` for every key `prefix{i}suffix`, `i` in `range`, and
+    /// returns their values in that order: one request, whatever the number of keys.
+    pub fn get_range(
+        &mut self,
+        prefix: &str,
+        suffix: &str,
+        range: std::ops::Range<usize>,
+        timeout: Duration,
+    ) -> Result<Vec<Vec<u8>>> {
+        let mut w = Writer::new();
+        w.str(prefix)
+            .str(suffix)
+            .u64(range.start as u64)
+            .u64(range.len() as u64)
+            .u64(timeout.as_millis() as u64);
+        self.request(kind::GET_RANGE, w.0)?;
+        let p = self.reply(kind::VALUES)?;
+        let mut r = Reader::new(&p);
+        let n = r.u64()? as usize;
+        if n != range.len() {
+            return Err(PerseusError::Protocol(format!(
+                "asked the rendezvous for {} keys, got {n}",
+                range.len()
+            )));
+        }
+        (0..n).map(|_| Ok(r.bytes()?.to_vec())).collect()
     }
 }

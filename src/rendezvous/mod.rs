@@ -24,10 +24,15 @@ pub(crate) mod kind {
     pub const SET: u16 = 2;
     /// Client → server: key, timeout in ms.
     pub const GET: u16 = 3;
+    /// Client → server: prefix, suffix, start, count, timeout in ms: the keys
+    /// `prefix{i}suffix` for `i` from `start`, all of them, in one answer.
+    pub const GET_RANGE: u16 = 4;
     /// Server → client: done.
     pub const OK: u16 = 10;
     /// Server → client: the value.
     pub const VALUE: u16 = 11;
+    /// Server → client: the number of values, then each value.
+    pub const VALUES: u16 = 13;
     /// Server → client: an error message.
     pub const ERR: u16 = 12;
 }
@@ -137,18 +142,19 @@ mod tests {
     }
 
     #[test]
-    fn strangers_cannot_hold_the_server_or_its_threads() {
-        use crate::deadline::{HANDSHAKE_TIME, MAX_UNPROVEN};
+    fn strangers_cannot_hold_the_server_nor_turn_a_client_away() {
+        use crate::deadline::HANDSHAKE_TIME;
         use std::io::Write;
         use std::net::TcpStream;
-        let server = StoreServer::start("127.0.0.1:0", "k").unwrap();
+        const CAP: usize = 8;
+        let server = StoreServer::start_with("127.0.0.1:0", "k", CAP).unwrap();
         let port = server.port();
         // A trickler: one byte of a hello every 300 ms, which no per-read timeout ends.
         let mut trickler = TcpStream::connect(("127.0.0.1", port)).unwrap();
         let trickle = {
             let mut t = trickler.try_clone().unwrap();
             std::thread::spawn(move || {
-                let hello = crate::wire::header(0x100, 40).into_iter().chain([7u8; 40]);
+                let hello = crate::wire::header(0x300, 40).into_iter().chain([7u8; 40]);
                 for b in hello {
                     if t.write_all(&[b]).is_err() {
                         return;
@@ -157,33 +163,86 @@ mod tests {
                 }
             })
         };
-        // Silent strangers fill every vetting slot; those past the cap are closed unread.
-        let silent: Vec<TcpStream> = (0..MAX_UNPROVEN - 1)
+        // Silent strangers fill the rest of the gate; those past it wait in the queue.
+        let silent: Vec<TcpStream> = (0..CAP + 3)
             .map(|_| TcpStream::connect(("127.0.0.1", port)).unwrap())
             .collect();
         std::thread::sleep(Duration::from_millis(200));
-        let mut extra: Vec<TcpStream> = (0..5)
-            .map(|_| TcpStream::connect(("127.0.0.1", port)).unwrap())
-            .collect();
-        for s in &mut extra {
-            assert!(
-                closed_within(s, Duration::from_secs(2)),
-                "not closed at once"
-            );
-        }
-        // Once the handshake time is up every stranger is gone, the trickler too, and a
-        // real client is served.
-        assert!(closed_within(
-            &mut trickler,
-            HANDSHAKE_TIME + Duration::from_secs(3)
-        ));
-        trickle.join().unwrap();
-        std::thread::sleep(Duration::from_millis(200));
-        let t = Duration::from_secs(5);
+        // A real client waits behind them, never turned away, and is served once the
+        // strangers' handshake time is up.
+        let start = std::time::Instant::now();
+        let t = HANDSHAKE_TIME * 3;
         let mut c = StoreClient::connect("127.0.0.1", port, "k", t).unwrap();
         c.set("after", b"strangers").unwrap();
         assert_eq!(c.get("after", t).unwrap(), b"strangers");
+        assert!(start.elapsed() < HANDSHAKE_TIME * 2 + Duration::from_secs(3));
+        assert!(closed_within(&mut trickler, Duration::from_secs(3)));
+        trickle.join().unwrap();
         drop(silent);
+    }
+
+    #[test]
+    fn a_range_is_one_request_answered_when_its_last_key_arrives() {
+        let server = StoreServer::start("127.0.0.1:0", "k").unwrap();
+        let port = server.port();
+        let t = Duration::from_secs(10);
+        let n = 64;
+        // Every "rank" publishes its key and reads all of them in one request.
+        let ranks: Vec<_> = (0..n)
+            .map(|i| {
+                std::thread::spawn(move || {
+                    let mut c = StoreClient::connect("127.0.0.1", port, "k", t).unwrap();
+                    c.set(&format!("mesh/{i}/2"), format!("entry {i}").as_bytes())
+                        .unwrap();
+                    c.get_range("mesh/", "/2", 0..n, t).unwrap()
+                })
+            })
+            .collect();
+        let want: Vec<Vec<u8>> = (0..n).map(|i| format!("entry {i}").into_bytes()).collect();
+        for r in ranks {
+            assert_eq!(r.join().unwrap(), want);
+        }
+        // One SET and one range read each.
+        assert_eq!(server.requests(), 2 * n as u64);
+        // Keys of another round, or with a leading zero, are not in the range.
+        let mut c = StoreClient::connect("127.0.0.1", port, "k", t).unwrap();
+        c.set("mesh/01/3", b"x").unwrap();
+        c.set("mesh/1/3/4", b"x").unwrap();
+        let e = c
+            .get_range("mesh/", "/3", 0..3, Duration::from_millis(200))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains(r#"keys "mesh/0/3", "mesh/1/3", "mesh/2/3" not published"#),
+            "{e}"
+        );
+        // A host's own set answers a waiting range too.
+        let waiter = std::thread::spawn(move || {
+            let mut c = StoreClient::connect("127.0.0.1", port, "k", t).unwrap();
+            c.get_range("r/", "", 5..7, t).unwrap()
+        });
+        std::thread::sleep(Duration::from_millis(100));
+        server.set("r/5", b"five");
+        server.set("r/6", b"six");
+        assert_eq!(
+            waiter.join().unwrap(),
+            vec![b"five".to_vec(), b"six".to_vec()]
+        );
+    }
+
+    #[test]
+    fn a_client_that_leaves_while_it_waits_is_forgotten() {
+        let server = StoreServer::start("127.0.0.1:0", "k").unwrap();
+        let t = Duration::from_secs(5);
+        {
+            let c = StoreClient::connect("127.0.0.1", server.port(), "k", t).unwrap();
+            let mut c = c;
+            // Ask with a wait so short that the request is parked and then refused.
+            assert!(c.get("never", Duration::from_millis(50)).is_err());
+        }
+        let mut c = StoreClient::connect("127.0.0.1", server.port(), "k", t).unwrap();
+        c.set("k", b"v").unwrap();
+        assert_eq!(c.get("k", t).unwrap(), b"v");
     }
 
     #[test]

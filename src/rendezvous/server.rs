@@ -1,104 +1,133 @@
-//! The store server: one thread accepting, one thread per client. At most
-//! [`MAX_UNPROVEN`] connections are being vetted at once, each within one
-//! deadline for its whole handshake; once proven, a client may idle between
-//! requests, but each request must arrive whole within [`REQUEST_TIME`].
+//! The store server: one thread serves every client, whatever their number. It sleeps
+//! in one `poll(2)` over its listener's [`Gate`] (where new connections prove the job
+//! secret, each within one deadline for its whole handshake), its clients' sockets and
+//! an eventfd that the host's own [`StoreServer::set`] rings. A request for keys not
+//! yet published waits as a record, not as a blocked thread, and is answered when the
+//! last of them arrives. Once proven, a client may idle between requests, but each
+//! request must arrive whole within [`REQUEST_TIME`] of its first byte, and each answer
+//! be taken within as long.
 
 use super::kind;
-use crate::auth;
-use crate::deadline::{Deadlined, Vetting, HANDSHAKE_TIME, MAX_UNPROVEN};
-use crate::error::{PerseusError, Result};
-use crate::wire::{read_frame, write_frame, Reader, Writer};
+use crate::auth::Session;
+use crate::gate::{self, Gate};
+use crate::wire::{framed, FrameReader, Reader, Writer};
 use std::collections::HashMap;
+use std::io::{ErrorKind, Write};
 use std::net::{TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// Largest key or value the store keeps.
 const MAX_ENTRY: usize = 1 << 20;
+/// Most keys one range request may ask for.
+const MAX_RANGE: u64 = 1 << 20;
 
-#[derive(Default)]
-struct Store {
+/// What the server thread and the host's calls share.
+struct Shared {
     map: Mutex<HashMap<String, Vec<u8>>>,
-    changed: Condvar,
+    /// Keys the host published since the thread last looked.
+    changed: Mutex<Vec<String>>,
+    /// Rung by the host's `set` and by `stop`.
+    bell: OwnedFd,
+    stopping: AtomicBool,
+    /// Requests answered or parked so far (every kind).
+    requests: AtomicU64,
+}
+
+impl Shared {
+    fn ring(&self) {
+        let one: u64 = 1;
+        // SAFETY: writes 8 bytes from `one` to the eventfd.
+        unsafe { libc::write(self.bell.as_raw_fd(), (&one as *const u64).cast(), 8) };
+    }
+
+    fn drain_bell(&self) {
+        let mut v: u64 = 0;
+        // SAFETY: reads 8 bytes into `v` from the non-blocking eventfd.
+        unsafe { libc::read(self.bell.as_raw_fd(), (&mut v as *mut u64).cast(), 8) };
+    }
 }
 
 /// A running store server; stopped by [`StoreServer::stop`] or on drop.
 pub struct StoreServer {
     port: u16,
-    stopping: Arc<AtomicBool>,
-    store: Arc<Store>,
+    shared: Arc<Shared>,
 }
 
 impl StoreServer {
     /// Binds `bind` ("host:port", port 0 for any) and serves until stopped.
-    pub fn start(bind: &str, secret: &str) -> Result<StoreServer> {
-        let listener = TcpListener::bind(bind)?;
+    pub fn start(bind: &str, secret: &str) -> crate::error::Result<StoreServer> {
+        Self::start_with(bind, secret, gate::MAX_UNPROVEN)
+    }
+
+    /// [`StoreServer::start`] with a gate that vets at most `cap` connections at once.
+    pub fn start_with(bind: &str, secret: &str, cap: usize) -> crate::error::Result<StoreServer> {
+        let listener = TcpListener::bind(bind).map_err(crate::limits::explained)?;
         let port = listener.local_addr()?.port();
-        let stopping = Arc::new(AtomicBool::new(false));
-        let store = Arc::new(Store::default());
+        let gate = Gate::new(listener, secret)?.with_cap(cap);
+        // SAFETY: eventfd returns a new descriptor (or -1, checked).
+        let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+        if fd < 0 {
+            return Err(crate::limits::explained(std::io::Error::last_os_error()));
+        }
         let instance: String = crate::auth::nonce()
             .iter()
             .map(|b| format!("{b:02x}"))
             .collect();
-        store
-            .map
-            .lock()
-            .unwrap()
-            .insert(super::INSTANCE_KEY.to_string(), instance.into_bytes());
-        let (stop, secret, shared) = (stopping.clone(), secret.to_string(), store.clone());
+        let mut map = HashMap::new();
+        map.insert(super::INSTANCE_KEY.to_string(), instance.into_bytes());
+        let shared = Arc::new(Shared {
+            map: Mutex::new(map),
+            changed: Mutex::new(Vec::new()),
+            // SAFETY: `fd` is a new descriptor that nothing else owns.
+            bell: unsafe { OwnedFd::from_raw_fd(fd) },
+            stopping: AtomicBool::new(false),
+            requests: AtomicU64::new(0),
+        });
+        let mut server = Server {
+            gate,
+            shared: shared.clone(),
+            clients: Vec::new(),
+        };
         std::thread::Builder::new()
             .name("perseus-store".into())
-            .spawn(move || {
-                let vetting = Vetting::default();
-                for conn in listener.incoming() {
-                    if stop.load(Ordering::SeqCst) {
-                        break;
-                    }
-                    let Ok(conn) = conn else { continue };
-                    let Some(slot) = vetting.admit() else {
-                        let n = vetting.turned_away();
-                        if n.is_power_of_two() {
-                            crate::log!(
-                                crate::log::Level::Warning,
-                                "rendezvous: closed {n} connection(s) unread so far: \
-                                 {MAX_UNPROVEN} unproven ones were being vetted at the time \
-                                 (strangers at this port?)"
-                            );
-                        }
-                        continue;
-                    };
-                    let (store, secret) = (shared.clone(), secret.clone());
-                    let _ = std::thread::Builder::new()
-                        .name("perseus-store-conn".into())
-                        .spawn(move || serve(conn, &store, &secret, slot));
-                }
-            })?;
-        Ok(StoreServer {
-            port,
-            stopping,
-            store,
-        })
+            .spawn(move || server.run())?;
+        Ok(StoreServer { port, shared })
     }
 
     /// The keys published so far (a launcher watches ranks check in).
     pub fn keys(&self) -> Vec<String> {
-        let mut k: Vec<String> = self.store.map.lock().unwrap().keys().cloned().collect();
+        let mut k: Vec<String> = self.shared.map.lock().unwrap().keys().cloned().collect();
         k.sort();
         k
     }
 
     /// Publishes `key = value` as a client's SET does (a launcher hands out
-    /// an elastic job's rounds this way); waiting GETs wake.
+    /// an elastic job's rounds this way); waiting requests are answered.
     pub fn set(&self, key: &str, value: &[u8]) {
-        let mut map = self.store.map.lock().unwrap();
-        map.insert(key.to_string(), value.to_vec());
-        self.store.changed.notify_all();
+        let fresh = self
+            .shared
+            .map
+            .lock()
+            .unwrap()
+            .insert(key.to_string(), value.to_vec())
+            .is_none();
+        if fresh {
+            self.shared.changed.lock().unwrap().push(key.to_string());
+            self.shared.ring();
+        }
     }
 
     /// The value of `key`, if published.
     pub fn get(&self, key: &str) -> Option<Vec<u8>> {
-        self.store.map.lock().unwrap().get(key).cloned()
+        self.shared.map.lock().unwrap().get(key).cloned()
+    }
+
+    /// The requests clients made so far (a measure of the rendezvous' cost).
+    pub fn requests(&self) -> u64 {
+        self.shared.requests.load(Ordering::Relaxed)
     }
 
     /// The port it listens on.
@@ -106,10 +135,10 @@ impl StoreServer {
         self.port
     }
 
-    /// Stops accepting; open connections end when their clients leave.
+    /// Stops serving: the thread closes the listener and every connection.
     pub fn stop(&self) {
-        if !self.stopping.swap(true, Ordering::SeqCst) {
-            let _ = TcpStream::connect(("127.0.0.1", self.port));
+        if !self.shared.stopping.swap(true, Ordering::SeqCst) {
+            self.shared.ring();
         }
     }
 }
@@ -124,114 +153,431 @@ impl Drop for StoreServer {
 /// byte arrived, and to take the answer.
 pub const REQUEST_TIME: Duration = Duration::from_secs(5);
 
-/// Serves one connection: vets it while it holds `slot`, then answers its
-/// requests until it leaves.
-fn serve(conn: TcpStream, store: &Store, secret: &str, slot: crate::deadline::Slot) {
-    let peer = conn
-        .peer_addr()
-        .map_or_else(|_| "?".into(), |a| a.to_string());
-    let drop_it = |why: &str| {
-        crate::log!(
-            crate::log::Level::Warning,
-            "rendezvous: dropped the connection from {peer}: {why}"
-        )
-    };
-    let _ = conn.set_nodelay(true);
-    let mut session = {
-        let mut vetted = Deadlined::new(&conn, HANDSHAKE_TIME);
-        let session = match auth::accept(&mut vetted, secret) {
-            Ok((_, session)) => session,
-            Err(why) => return drop_it(&why),
-        };
-        if write_frame(&mut vetted, kind::OK, &[]).is_err() {
-            return;
-        }
-        session
-    };
-    drop(slot);
-    loop {
-        // Idle for as long as the client likes; then the whole request on time.
-        if conn.set_read_timeout(None).is_err() || conn.peek(&mut [0u8]).is_err() {
-            return;
-        }
-        let mut request = Deadlined::new(&conn, REQUEST_TIME);
-        let (k, payload) = match read_frame(&mut request) {
-            Ok(f) => f,
-            Err(e) if crate::deadline::ran_out(&e) => {
-                return drop_it(&format!(
-                    "a request did not arrive whole within {REQUEST_TIME:?}"
-                ));
-            }
-            Err(PerseusError::Io(_)) => return,
-            Err(e) => return drop_it(&e.to_string()),
-        };
-        let payload = match session.open(k, &payload) {
-            Ok(p) => p,
-            Err(e) => {
-                let _ = write_frame(&mut request, kind::ERR, e.to_string().as_bytes());
-                return drop_it(&e.to_string());
-            }
-        };
-        let reply = handle(store, k, payload, MAX_WAIT);
-        let mut answer = Deadlined::new(&conn, REQUEST_TIME);
-        let sent = match reply {
-            Ok((rk, body)) => write_frame(&mut answer, rk, &body),
-            Err(msg) => write_frame(&mut answer, kind::ERR, msg.as_bytes()),
-        };
-        if sent.is_err() {
-            return;
-        }
-    }
-}
-
 /// Longest a GET may wait for its key.
 const MAX_WAIT: Duration = Duration::from_secs(86_400);
 
-/// Answers one request; a GET waits at most `max_wait` for its key.
-fn handle(
-    store: &Store,
-    k: u16,
-    payload: &[u8],
-    max_wait: Duration,
-) -> std::result::Result<(u16, Vec<u8>), String> {
-    let mut r = Reader::new(payload);
-    match k {
-        kind::SET => {
-            let key = r.str().map_err(|e| e.to_string())?;
-            let value = r.bytes().map_err(|e| e.to_string())?.to_vec();
-            if key.len() > MAX_ENTRY || value.len() > MAX_ENTRY {
-                return Err("key or value too large".into());
-            }
-            store.map.lock().unwrap().insert(key, value);
-            store.changed.notify_all();
-            Ok((kind::OK, vec![]))
+/// The keys a request waits for.
+#[derive(Debug)]
+enum Want {
+    /// One key.
+    One(String),
+    /// `prefix{i}suffix` for `i` in `start..start + count`, answered in that order.
+    Range {
+        prefix: String,
+        suffix: String,
+        start: u64,
+        count: u64,
+    },
+}
+
+impl Want {
+    fn keys(&self) -> Vec<String> {
+        match self {
+            Want::One(k) => vec![k.clone()],
+            Want::Range {
+                prefix,
+                suffix,
+                start,
+                count,
+            } => (*start..start + count)
+                .map(|i| format!("{prefix}{i}{suffix}"))
+                .collect(),
         }
-        kind::GET => {
-            let key = r.str().map_err(|e| e.to_string())?;
-            let wait = Duration::from_millis(r.u64().map_err(|e| e.to_string())?).min(max_wait);
-            let deadline = Instant::now() + wait;
-            let mut map = store.map.lock().unwrap();
-            loop {
-                if let Some(v) = map.get(&key) {
-                    let mut w = Writer::new();
-                    w.bytes(v);
-                    return Ok((kind::VALUE, w.0));
+    }
+
+    /// True when `key` is one of the keys it waits for.
+    fn covers(&self, key: &str) -> bool {
+        match self {
+            Want::One(k) => k == key,
+            Want::Range {
+                prefix,
+                suffix,
+                start,
+                count,
+            } => key
+                .strip_prefix(prefix.as_str())
+                .and_then(|rest| rest.strip_suffix(suffix.as_str()))
+                .filter(|i| !i.is_empty() && i.bytes().all(|b| b.is_ascii_digit()))
+                .filter(|i| i.len() == 1 || !i.starts_with('0'))
+                .and_then(|i| i.parse::<u64>().ok())
+                .is_some_and(|i| i >= *start && i < start + count),
+        }
+    }
+
+    /// The answer once every key is there: one value, or the values in order.
+    fn answer(&self, map: &HashMap<String, Vec<u8>>) -> Option<(u16, Vec<u8>)> {
+        let mut w = Writer::new();
+        match self {
+            Want::One(k) => {
+                w.bytes(map.get(k)?);
+                Some((kind::VALUE, w.0))
+            }
+            Want::Range { .. } => {
+                let keys = self.keys();
+                w.u64(keys.len() as u64);
+                for k in &keys {
+                    w.bytes(map.get(k)?);
                 }
-                let now = Instant::now();
-                if now >= deadline {
-                    return Err(format!("key {key:?} not published within {wait:?}"));
-                }
-                map = store.changed.wait_timeout(map, deadline - now).unwrap().0;
+                Some((kind::VALUES, w.0))
             }
         }
-        other => Err(format!("unknown request kind {other}")),
+    }
+
+    /// Why it timed out: the keys still missing (the first few).
+    fn missing(&self, map: &HashMap<String, Vec<u8>>, wait: Duration) -> String {
+        let keys = self.keys();
+        let missing: Vec<&String> = keys.iter().filter(|k| !map.contains_key(*k)).collect();
+        let shown: Vec<String> = missing.iter().take(8).map(|k| format!("{k:?}")).collect();
+        let more = if missing.len() > shown.len() {
+            format!(" and {} more", missing.len() - shown.len())
+        } else {
+            String::new()
+        };
+        let plural = if missing.len() == 1 { "key" } else { "keys" };
+        format!(
+            "{plural} {}{more} not published within {wait:?}",
+            shown.join(", ")
+        )
     }
 }
 
-/// Fuzzing entry: one request of kind `k` to a fresh store (GETs do not wait).
+/// What a request comes to.
+enum Answer {
+    /// Send this frame.
+    Reply(u16, Vec<u8>),
+    /// Wait for these keys, at most this long.
+    Wait(Want, Duration),
+    /// Refuse it with this message.
+    Refuse(String),
+}
+
+/// Answers one request against the store (the map is the caller's, locked); a
+/// request for keys not yet published waits at most `max_wait`.
+fn answer(
+    map: &mut HashMap<String, Vec<u8>>,
+    k: u16,
+    payload: &[u8],
+    max_wait: Duration,
+    fresh: &mut Option<String>,
+) -> Answer {
+    let mut r = Reader::new(payload);
+    let parsed = (|| -> crate::error::Result<Answer> {
+        Ok(match k {
+            kind::SET => {
+                let key = r.str()?;
+                let value = r.bytes()?.to_vec();
+                if key.len() > MAX_ENTRY || value.len() > MAX_ENTRY {
+                    return Ok(Answer::Refuse("key or value too large".into()));
+                }
+                if map.insert(key.clone(), value).is_none() {
+                    *fresh = Some(key);
+                }
+                Answer::Reply(kind::OK, vec![])
+            }
+            kind::GET => {
+                let want = Want::One(r.str()?);
+                let wait = Duration::from_millis(r.u64()?).min(max_wait);
+                match want.answer(map) {
+                    Some((k, body)) => Answer::Reply(k, body),
+                    None => Answer::Wait(want, wait),
+                }
+            }
+            kind::GET_RANGE => {
+                let (prefix, suffix) = (r.str()?, r.str()?);
+                let (start, count) = (r.u64()?, r.u64()?);
+                let wait = Duration::from_millis(r.u64()?).min(max_wait);
+                if count > MAX_RANGE || start.checked_add(count).is_none() {
+                    return Ok(Answer::Refuse(format!(
+                        "a range of {count} keys from {start} (at most {MAX_RANGE})"
+                    )));
+                }
+                let want = Want::Range {
+                    prefix,
+                    suffix,
+                    start,
+                    count,
+                };
+                match want.answer(map) {
+                    Some((k, body)) => Answer::Reply(k, body),
+                    None => Answer::Wait(want, wait),
+                }
+            }
+            other => Answer::Refuse(format!("unknown request kind {other}")),
+        })
+    })();
+    parsed.unwrap_or_else(|e| Answer::Refuse(e.to_string()))
+}
+
+/// One proven client.
+struct Client {
+    conn: TcpStream,
+    peer: String,
+    session: Session,
+    reader: FrameReader,
+    /// When the first byte of a request not yet whole arrived.
+    partial_since: Option<Instant>,
+    /// Bytes to write, from `written` on, and since when they wait.
+    out: Vec<u8>,
+    written: usize,
+    out_since: Instant,
+    /// The request it waits on, and until when.
+    waiting: Option<(Want, Instant, Duration)>,
+    /// Set when it is to be closed, with why (None: it left).
+    closed: Option<Option<String>>,
+}
+
+impl Client {
+    fn queue(&mut self, k: u16, body: &[u8]) {
+        if self.written >= self.out.len() {
+            self.out.clear();
+            self.written = 0;
+            self.out_since = Instant::now();
+        }
+        self.out.extend_from_slice(&framed(k, body));
+        self.flush();
+    }
+
+    fn flush(&mut self) {
+        while self.written < self.out.len() {
+            match self.conn.write(&self.out[self.written..]) {
+                Ok(0) => return self.close(None),
+                Ok(n) => self.written += n,
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(_) => return self.close(None),
+            }
+        }
+    }
+
+    fn close(&mut self, why: Option<String>) {
+        self.closed.get_or_insert(why);
+    }
+}
+
+/// The server thread's state.
+struct Server {
+    gate: Gate,
+    shared: Arc<Shared>,
+    clients: Vec<Client>,
+}
+
+impl Server {
+    fn run(&mut self) {
+        while !self.shared.stopping.load(Ordering::SeqCst) {
+            let mut fds = vec![gate::pollin(self.shared.bell.as_raw_fd())];
+            self.gate.fds(&mut fds);
+            let first_client = fds.len();
+            for c in &self.clients {
+                let mut events = libc::POLLRDHUP;
+                if c.waiting.is_none() {
+                    events |= libc::POLLIN;
+                }
+                if c.written < c.out.len() {
+                    events |= libc::POLLOUT;
+                }
+                fds.push(libc::pollfd {
+                    fd: c.conn.as_raw_fd(),
+                    events,
+                    revents: 0,
+                });
+            }
+            gate::wait(&mut fds, self.due());
+            self.shared.drain_bell();
+            let (admitted, dropped) = self.gate.turn();
+            for d in dropped {
+                dropped_client(&d.peer, &d.why);
+            }
+            let revents: Vec<(RawFd, i16)> = fds[first_client..]
+                .iter()
+                .map(|f| (f.fd, f.revents))
+                .collect();
+            self.serve(&revents);
+            for a in admitted {
+                self.admit(a);
+            }
+            let changed = std::mem::take(&mut *self.shared.changed.lock().unwrap());
+            for key in changed {
+                self.published(&key);
+            }
+            self.expire();
+            self.clients.retain(|c| match &c.closed {
+                None => true,
+                Some(None) => false,
+                Some(Some(why)) => {
+                    dropped_client(&c.peer, why);
+                    false
+                }
+            });
+        }
+    }
+
+    /// How long until something times out.
+    fn due(&self) -> Option<Duration> {
+        let now = Instant::now();
+        let mut due = self.gate.due();
+        for c in &self.clients {
+            let mut times = Vec::new();
+            if let Some(t) = c.partial_since {
+                times.push(t + REQUEST_TIME);
+            }
+            if c.written < c.out.len() {
+                times.push(c.out_since + REQUEST_TIME);
+            }
+            if let Some((_, until, _)) = &c.waiting {
+                times.push(*until);
+            }
+            for t in times {
+                let d = t.saturating_duration_since(now);
+                due = Some(due.map_or(d, |x| x.min(d)));
+            }
+        }
+        due
+    }
+
+    fn admit(&mut self, a: gate::Admitted) {
+        let mut c = Client {
+            conn: a.conn,
+            peer: a.peer,
+            session: a.session,
+            reader: FrameReader::default(),
+            partial_since: None,
+            out: Vec::new(),
+            written: 0,
+            out_since: Instant::now(),
+            waiting: None,
+            closed: None,
+        };
+        c.queue(kind::OK, &[]);
+        self.clients.push(c);
+    }
+
+    /// Reads and answers what the clients sent, writes what they can take.
+    fn serve(&mut self, revents: &[(RawFd, i16)]) {
+        let mut fresh_keys = Vec::new();
+        for (i, &(fd, ev)) in revents.iter().enumerate() {
+            let Some(c) = self.clients.get_mut(i) else {
+                break;
+            };
+            debug_assert_eq!(c.conn.as_raw_fd(), fd);
+            if ev == 0 {
+                continue;
+            }
+            if ev & libc::POLLOUT != 0 {
+                c.flush();
+            }
+            if c.waiting.is_some() {
+                // It sends nothing while it waits: a hang-up is all there is to see.
+                if ev & (libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) != 0 {
+                    c.close(None);
+                }
+                continue;
+            }
+            if ev & (libc::POLLIN | libc::POLLRDHUP | libc::POLLHUP | libc::POLLERR) == 0 {
+                continue;
+            }
+            let frames = match c.reader.read_from(&mut c.conn) {
+                Ok(f) => f,
+                Err(crate::error::PerseusError::Io(_)) => {
+                    c.close(None);
+                    continue;
+                }
+                Err(e) => {
+                    c.close(Some(e.to_string()));
+                    continue;
+                }
+            };
+            c.partial_since = match (c.reader.partial(), c.partial_since) {
+                (false, _) => None,
+                (true, Some(t)) if frames.is_empty() => Some(t),
+                (true, _) => Some(Instant::now()),
+            };
+            for (k, payload) in frames {
+                if c.closed.is_some() {
+                    break;
+                }
+                let body = match c.session.open(k, &payload) {
+                    Ok(b) => b,
+                    Err(e) => {
+                        c.queue(kind::ERR, e.to_string().as_bytes());
+                        c.close(Some(e.to_string()));
+                        break;
+                    }
+                };
+                self.shared.requests.fetch_add(1, Ordering::Relaxed);
+                let mut fresh = None;
+                let a = {
+                    let mut map = self.shared.map.lock().unwrap();
+                    answer(&mut map, k, body, MAX_WAIT, &mut fresh)
+                };
+                fresh_keys.extend(fresh);
+                match a {
+                    Answer::Reply(rk, body) => c.queue(rk, &body),
+                    Answer::Refuse(msg) => c.queue(kind::ERR, msg.as_bytes()),
+                    Answer::Wait(want, wait) => {
+                        c.waiting = Some((want, Instant::now() + wait, wait));
+                    }
+                }
+            }
+        }
+        for key in fresh_keys {
+            self.published(&key);
+        }
+    }
+
+    /// Answers the requests that waited for `key` and now have every key they asked.
+    fn published(&mut self, key: &str) {
+        let map = self.shared.map.lock().unwrap();
+        for c in &mut self.clients {
+            let ready = match &c.waiting {
+                Some((want, ..)) if want.covers(key) => want.answer(&map),
+                _ => None,
+            };
+            if let Some((k, body)) = ready {
+                c.waiting = None;
+                c.queue(k, &body);
+            }
+        }
+    }
+
+    /// Ends waits and transfers past their time.
+    fn expire(&mut self) {
+        let now = Instant::now();
+        let map = self.shared.map.lock().unwrap();
+        for c in &mut self.clients {
+            if c.partial_since.is_some_and(|t| now >= t + REQUEST_TIME) {
+                c.close(Some(format!(
+                    "a request did not arrive whole within {REQUEST_TIME:?}"
+                )));
+            }
+            if c.written < c.out.len() && now >= c.out_since + REQUEST_TIME {
+                c.close(Some(format!("it took no answer for {REQUEST_TIME:?}")));
+            }
+            if let Some((want, until, wait)) = &c.waiting {
+                if now >= *until {
+                    let msg = want.missing(&map, *wait);
+                    c.waiting = None;
+                    c.queue(kind::ERR, msg.as_bytes());
+                }
+            }
+        }
+    }
+}
+
+fn dropped_client(peer: &str, why: &str) {
+    crate::log!(
+        crate::log::Level::Warning,
+        "rendezvous: dropped the connection from {peer}: {why}"
+    );
+}
+
+/// Fuzzing entry: one request of kind `k` to a fresh store (nothing waits).
 #[doc(hidden)]
 pub fn fuzz_request(k: u16, payload: &[u8]) {
-    let store = Store::default();
-    let _ = handle(&store, k, payload, Duration::ZERO);
-    let _ = handle(&store, kind::GET, payload, Duration::ZERO);
+    let mut map = HashMap::new();
+    let mut fresh = None;
+    for kind in [k, kind::GET, kind::GET_RANGE] {
+        if let Answer::Wait(want, _) = answer(&mut map, kind, payload, Duration::ZERO, &mut fresh) {
+            let _ = want.missing(&map, Duration::ZERO);
+        }
+    }
 }

@@ -1,36 +1,31 @@
-//! Building the mesh at `init()`: listen, publish the address in the
-//! rendezvous, connect to every lower rank, accept every higher one. Each new
-//! stream opens with the challenge-response of [`crate::auth`], whose
-//! fields (sender rank, channel, stream index) the acceptor then checks and
-//! answers.
+//! Joining the job at `init()`: listen, publish this rank's entry in the
+//! rendezvous, read every rank's entry in one request, open the host's shared
+//! segment, and start the acceptor that keeps the listener open for links made
+//! later ([`super::links`]). Control streams go up at once: every worker dials rank 0.
 
+use super::links::{dial_control, Acceptor, Host, Reach, Table};
 use super::shm::Segment;
-use super::{cma, Link, Mesh};
-use crate::auth;
+use super::{cma, tree, Mesh};
 use crate::config::{Config, Reading};
-use crate::deadline::{Deadlined, Vetting, HANDSHAKE_TIME, MAX_UNPROVEN};
 use crate::error::{PerseusError, Result};
+use crate::gate::Gate;
 use crate::hash;
 use crate::rendezvous::{StoreClient, INSTANCE_KEY};
-use crate::wire::{read_frame, write_frame, Reader, Writer};
 use std::collections::BTreeMap;
 use std::net::{IpAddr, TcpListener, TcpStream, UdpSocket};
-use std::sync::{mpsc, Arc, Mutex, PoisonError};
-use std::time::{Duration, Instant};
+use std::sync::{Arc, Mutex, PoisonError};
 
-const HELLO_OK: u16 = 0x201;
-const HELLO_ERR: u16 = 0x202;
-const CHANNEL_DATA: u8 = 0;
-const CHANNEL_CONTROL: u8 = 1;
-/// Bytes of each shared-memory ring (one per ordered pair of local ranks).
-const SHM_RING_BYTES: usize = 512 << 10;
-
-/// The control streams of one rank (blocking sockets).
-pub enum Control {
-    /// Rank 0: a stream from every other rank (`None` at index 0).
-    Coordinator(Vec<Option<TcpStream>>),
-    /// Any other rank: its stream to rank 0.
-    Worker(TcpStream),
+/// The control streams of one rank ([`super::tree`]): to its parent (none on rank 0)
+/// and from each of its children.
+pub struct Control {
+    /// This rank.
+    pub me: usize,
+    /// Ranks in the job.
+    pub size: usize,
+    /// The parent's rank and the stream to it.
+    pub parent: Option<(usize, TcpStream)>,
+    /// Each child's rank, the ranks of its subtree (itself first), and its stream.
+    pub children: Vec<(usize, Vec<usize>, TcpStream)>,
 }
 
 /// What `connect_mesh` builds.
@@ -57,22 +52,32 @@ fn local_addr(cfg: &Config, rdv_host: &str) -> Result<IpAddr> {
     Ok(probe.local_addr()?.ip())
 }
 
-/// The fields of a mesh hello: sender rank, channel, stream.
-fn hello(rank: usize, channel: u8, stream: usize) -> Vec<u8> {
-    let mut w = Writer::new();
-    w.u32(rank as u32).u8(channel).u8(stream as u8);
-    w.0
-}
-
-/// Connects the whole job. Blocks until every peer is connected or the
-/// timeout passes.
+/// Joins the job: blocks until this rank knows every rank's entry and, on rank 0,
+/// every worker's control stream arrived, or the timeout passes. Data links are made
+/// later, as collectives need them.
 pub fn connect_mesh(cfg: &Config) -> Result<MeshParts> {
+    crate::limits::raise_open_files();
     let t = &cfg.topology;
     let (rank, size, timeout) = (t.rank, t.size, cfg.timeout);
     let Some((host, port)) = &cfg.rendezvous else {
+        let reach = Reach {
+            me: 0,
+            children: Vec::new(),
+            addrs: vec![String::new()],
+            streams: vec![1],
+            secret: cfg.secret.clone(),
+            timeout,
+            host: None,
+        };
+        let table = Arc::new(Table::new(reach, 1));
         return Ok(MeshParts {
-            mesh: Mesh::new(0, vec![Link::None], None, timeout),
-            control: Control::Coordinator(vec![None]),
+            mesh: Mesh::over(table, None, 1, None, timeout),
+            control: Control {
+                me: 0,
+                size: 1,
+                parent: None,
+                children: Vec::new(),
+            },
             hosts: vec![String::new()],
         });
     };
@@ -80,11 +85,21 @@ pub fn connect_mesh(cfg: &Config) -> Result<MeshParts> {
     let instance = store.get(INSTANCE_KEY, timeout)?;
     let gen = generation(&instance, &cfg.scope, rank);
     let ip = local_addr(cfg, host)?;
-    let listener = TcpListener::bind((ip, 0))?;
+    let listener = TcpListener::bind((ip, 0)).map_err(crate::limits::explained)?;
     let addr = listener.local_addr()?;
+    // Vetting starts now: a peer that read the table first may dial at once.
+    let acceptor = Acceptor::start(Gate::new(listener, &cfg.secret)?, rank, size)?;
     let host = host_key(cfg);
     let (token, unreadable) = match (cfg.shm, cfg.shm_direct) {
         (false, _) | (_, Reading::Off) => (None, None),
+        _ if t.local_size > cma::READ_MAX_RANKS => (
+            None,
+            Some(format!(
+                "{} ranks share this host; reading serves at most {}",
+                t.local_size,
+                cma::READ_MAX_RANKS
+            )),
+        ),
         (true, how) => match cma::worth_reading(how == Reading::Paced) {
             Ok(t) => (Some(t), None),
             Err(why) => (None, Some(why)),
@@ -103,153 +118,24 @@ pub fn connect_mesh(cfg: &Config) -> Result<MeshParts> {
         u8::from(cfg.shm)
     );
     store.set(&mesh_key(&cfg.scope, rank, gen), entry.as_bytes())?;
-    let mut peers = Vec::with_capacity(size);
-    for p in 0..size {
-        peers.push(if p == rank {
-            Published {
-                addr: addr.to_string(),
-                host: host.clone(),
-                streams: cfg.streams,
-                shm: cfg.shm,
-                token,
-            }
-        } else {
-            published(&mut store, &cfg.scope, p, gen, timeout)?
-        });
-    }
+    // Every rank's entry in one request, whatever the job's size.
+    let (prefix, suffix) = mesh_key_parts(&cfg.scope, gen);
+    let entries = store.get_range(&prefix, &suffix, 0..size, timeout)?;
+    let peers = entries
+        .iter()
+        .enumerate()
+        .map(|(p, v)| published(p, v))
+        .collect::<Result<Vec<Published>>>()?;
     // Every rank must agree on these, or one would wait for streams or shared-memory rings
     // the other never opens: named here, before any connection.
     must_agree("PERSEUS_ALLREDUCE_STREAMS", &peers, rank, |e| e.streams)?;
     must_agree("PERSEUS_SHM", &peers, rank, |e| u8::from(e.shm))?;
     let hosts: Vec<String> = peers.iter().map(|e| e.host.clone()).collect();
     let tokens: Vec<Option<cma::Token>> = peers.iter().map(|e| e.token).collect();
-    // Pairs in shared memory keep one TCP data stream (unused once the rings are up).
-    let streams_to = |p: usize| {
-        if cfg.shm && hosts[p] == host {
-            1
-        } else {
-            cfg.streams
-        }
-    };
-
-    let mut data: Vec<Vec<Option<TcpStream>>> = (0..cfg.streams)
-        .map(|_| (0..size).map(|_| None).collect())
-        .collect();
-    let mut control: Vec<Option<TcpStream>> = (0..size).map(|_| None).collect();
-    let mut worker_control = None;
-    for (peer, entry) in peers.iter().enumerate().take(rank) {
-        for (s, row) in data.iter_mut().enumerate().take(streams_to(peer)) {
-            let h = hello(rank, CHANNEL_DATA, s);
-            row[peer] = Some(dial(&entry.addr, peer, &cfg.secret, &h, timeout)?);
-        }
-        if peer == 0 {
-            let h = hello(rank, CHANNEL_CONTROL, 0);
-            worker_control = Some(dial(&entry.addr, 0, &cfg.secret, &h, timeout)?);
-        }
-    }
-    let mut expect: usize = (rank + 1..size).map(streams_to).sum();
-    if rank == 0 {
-        expect += size - 1;
-    }
-    listener.set_nonblocking(true)?;
-    let deadline = Instant::now() + timeout;
-    // Each connection is vetted on a thread of its own, within one deadline for its
-    // whole handshake, so no stranger (silent, or trickling a byte at a time) delays
-    // a real peer; at most MAX_UNPROVEN at once, the rest closed unread.
-    let vetting = Vetting::default();
-    let (vetted, arrivals) = mpsc::channel::<Vetted>();
-    while expect > 0 {
-        for (from, channel, s, conn) in arrivals.try_iter() {
-            let open = match channel {
-                CHANNEL_DATA => s < streams_to(from) && data[s][from].is_none(),
-                _ => control[from].is_none(),
-            };
-            if !open {
-                refuse(
-                    rank,
-                    &conn,
-                    &format!(
-                        "rank {from} is already connected (channel {channel}, stream {s}) or has \
-                     no such stream"
-                    ),
-                );
-                continue;
-            }
-            if write_frame(&mut Deadlined::new(&conn, HANDSHAKE_TIME), HELLO_OK, &[]).is_err()
-                || conn.set_read_timeout(None).is_err()
-                || conn.set_write_timeout(None).is_err()
-            {
-                continue;
-            }
-            if channel == CHANNEL_DATA {
-                data[s][from] = Some(conn);
-            } else {
-                control[from] = Some(conn);
-            }
-            expect -= 1;
-        }
-        if expect == 0 {
-            break;
-        }
-        // Checked every turn: a flood of connections never lets accept() say WouldBlock.
-        if Instant::now() >= deadline {
-            let missing: Vec<usize> = (rank + 1..size)
-                .filter(|&r| (0..streams_to(r)).any(|s| data[s][r].is_none()))
-                .collect();
-            return Err(PerseusError::Peer(format!(
-                "rank {rank}: ranks {missing:?} did not connect within {timeout:?}{}",
-                turned_away(&vetting)
-            )));
-        }
-        match listener.accept() {
-            Ok((conn, _)) => {
-                if let Some(slot) = vetting.admit() {
-                    let (secret, tx) = (cfg.secret.clone(), vetted.clone());
-                    let within = timeout.min(HANDSHAKE_TIME);
-                    let spawned = std::thread::Builder::new()
-                        .name("perseus-vet".into())
-                        .spawn(move || {
-                            let _slot = slot;
-                            match vet(&conn, rank, size, &secret, within) {
-                                Ok((from, ch, s)) => {
-                                    let _ = tx.send((from, ch, s, conn));
-                                }
-                                Err(Refused::Unproven(why)) => dropped(rank, &conn, &why),
-                                Err(Refused::Told(why)) => refuse(rank, &conn, &why),
-                            }
-                        });
-                    spawned?;
-                }
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                std::thread::sleep(Duration::from_millis(2));
-            }
-            Err(e) => return Err(e.into()),
-        }
-    }
-    if vetting.turned_away() > 0 {
-        crate::log!(
-            crate::log::Level::Warning,
-            "rank {rank}: connected{}",
-            turned_away(&vetting)
-        );
-    }
-    for s in data.iter().flatten().flatten() {
-        s.set_nonblocking(true)?;
-        s.set_nodelay(true)?;
-    }
-    let control = match worker_control {
-        Some(c) => Control::Worker(c),
-        None => Control::Coordinator(control),
-    };
-    let mut rows = data
-        .into_iter()
-        .map(|row| row.into_iter().map(|s| s.map_or(Link::None, Link::Tcp)));
-    let mut links: Vec<Link> = rows.next().expect("stream 0").collect();
-    let extra: Vec<Vec<Link>> = rows.map(Iterator::collect).collect();
-    let mut shm = None;
     let group: Vec<usize> = (0..size).filter(|&p| hosts[p] == host).collect();
-    if let (Some(why), true) = (unreadable, group.len() > 1 && group[0] == rank) {
+    // A host with too many ranks to read one another is not worth a note.
+    let crowded = t.local_size > cma::READ_MAX_RANKS;
+    if let (Some(why), true) = (unreadable, group.len() > 1 && group[0] == rank && !crowded) {
         crate::log!(
             crate::log::Level::Info,
             "rank {rank}: ranks of host {} do not read one another's memory ({why}): \
@@ -257,30 +143,76 @@ pub fn connect_mesh(cfg: &Config) -> Result<MeshParts> {
             host.split('@').next().unwrap_or_default()
         );
     }
+    let mut shm = None;
+    let mut host_part = None;
     if cfg.shm && group.len() > 1 {
         let seg = Arc::new(open_segment(cfg, &mut store, &group, &host, gen)?);
         let me = group.iter().position(|&p| p == rank).unwrap();
+        let mut member = vec![None; size];
         for (i, &p) in group.iter().enumerate() {
-            if p != rank {
-                let alive = match std::mem::replace(&mut links[p], Link::None) {
-                    Link::Tcp(s) => Some(s),
-                    _ => None,
-                };
-                links[p] = Link::Shm {
-                    seg: seg.clone(),
-                    me,
-                    peer: i,
-                    alive,
-                };
-            }
+            member[p] = Some(i);
         }
+        host_part = Some(Host {
+            seg: seg.clone(),
+            member,
+            slots: super::shm::slots_for(group.len()),
+            next: Mutex::new(0),
+        });
         shm = Some((seg, me));
     }
+    // Pairs in shared memory keep one TCP stream (idle once the rings are up).
+    let streams = (0..size)
+        .map(|p| {
+            if cfg.shm && hosts[p] == host {
+                1
+            } else {
+                cfg.streams
+            }
+        })
+        .collect();
+    let parents = tree::parents(&hosts);
+    let reach = Reach {
+        me: rank,
+        children: (0..size).filter(|&r| parents[r] == Some(rank)).collect(),
+        addrs: peers.iter().map(|e| e.addr.clone()).collect(),
+        streams,
+        secret: cfg.secret.clone(),
+        timeout,
+        host: host_part,
+    };
+    let table = Arc::new(Table::new(reach, cfg.streams));
+    acceptor.install(table.clone());
+    // Control streams up the tree: each rank dials its parent and takes one stream
+    // from each child.
+    let place = tree::place(&parents, rank);
+    let parent = match place.parent {
+        Some(p) => Some((
+            p,
+            dial_control(&peers[p].addr, rank, p, &cfg.secret, timeout)?,
+        )),
+        None => None,
+    };
+    let kids: Vec<usize> = place.children.iter().map(|(c, _)| *c).collect();
+    let mut arrived: BTreeMap<usize, TcpStream> = table.take_control(&kids)?.into_iter().collect();
+    let children = place
+        .children
+        .into_iter()
+        .map(|(c, below)| {
+            let s = arrived.remove(&c).expect("taken");
+            (c, below, s)
+        })
+        .collect();
+    let control = Control {
+        me: rank,
+        size,
+        parent,
+        children,
+    };
     Ok(MeshParts {
-        mesh: Mesh::new(rank, links, shm, timeout)
+        mesh: Mesh::over(table, Some(acceptor), cfg.streams, shm, timeout)
             .with_hosts(&hosts)
             .with_tokens(tokens)
-            .with_streams(extra, cfg.shm),
+            .with_shm(cfg.shm),
         control,
         hosts,
     })
@@ -344,20 +276,23 @@ fn mesh_key(scope: &str, rank: usize, gen: u64) -> String {
     }
 }
 
+/// The keys of round `gen`'s entries as a prefix and a suffix around the rank.
+fn mesh_key_parts(scope: &str, gen: u64) -> (String, String) {
+    let suffix = match gen {
+        0 => String::new(),
+        g => format!("/{g}"),
+    };
+    (format!("{scope}mesh/"), suffix)
+}
+
 /// What a launcher publishes in place of a rank's entry when that rank will
 /// never publish one (an elastic job's worker that did not start): `gone <why>`.
 const GONE: &str = "gone ";
 
-/// Reads `peer`'s published entry ("address host-key streams shm token", the token
-/// `-` or left out for none) of round `gen`.
-fn published(
-    store: &mut StoreClient,
-    scope: &str,
-    peer: usize,
-    gen: u64,
-    timeout: Duration,
-) -> Result<Published> {
-    let v = String::from_utf8_lossy(&store.get(&mesh_key(scope, peer, gen), timeout)?).to_string();
+/// Parses `peer`'s published entry `v` ("address host-key streams shm token", the
+/// token `-` or left out for none).
+fn published(peer: usize, v: &[u8]) -> Result<Published> {
+    let v = String::from_utf8_lossy(v).to_string();
     if let Some(why) = v.strip_prefix(GONE) {
         return Err(PerseusError::Peer(format!(
             "rank {peer} will not join: {why}"
@@ -435,20 +370,22 @@ fn open_segment(
     let leader = group[0];
     let t = cfg.timeout;
     let ready = format!("shm/{id:016x}/ready");
+    let layout = super::lane::layout(group.len());
+    let mapped = format!("shm/{id:016x}/mapped/");
     if rank != leader {
         let path = String::from_utf8_lossy(&store.get(&ready, t)?).to_string();
-        let seg = Segment::open(&path, super::lane::layout(group.len(), SHM_RING_BYTES))?;
-        store.set(&format!("shm/{id:016x}/mapped/{rank}"), b"1")?;
+        let seg = Segment::open(&path, layout)?;
+        let member = group.iter().position(|&p| p == rank).expect("a member");
+        store.set(&format!("{mapped}{member}"), b"1")?;
         return Ok(seg);
     }
     remove_stale_segments();
     let path = format!("{SHM_DIR}/{SHM_PREFIX}{id:016x}-{}", std::process::id());
-    let seg = Segment::open(&path, super::lane::layout(group.len(), SHM_RING_BYTES))?;
+    let seg = Segment::open(&path, layout)?;
     let mapped = (|| {
         store.set(&ready, path.as_bytes())?;
-        for p in &group[1..] {
-            store.get(&format!("shm/{id:016x}/mapped/{p}"), t)?;
-        }
+        // Every other member's word in one request.
+        store.get_range(&mapped, "", 1..group.len(), t)?;
         Ok(())
     })();
     let _ = std::fs::remove_file(&path);
@@ -481,116 +418,6 @@ fn remove_stale_segments() {
                 "removed {name}, left in {SHM_DIR} by a job that crashed"
             );
         }
-    }
-}
-
-/// Connects to `addr`, proves the secret with `hello`'s fields, waits for
-/// the answer.
-fn dial(
-    addr: &str,
-    peer: usize,
-    secret: &str,
-    hello: &[u8],
-    timeout: Duration,
-) -> Result<TcpStream> {
-    let deadline = Instant::now() + timeout;
-    let mut s = loop {
-        match TcpStream::connect(addr) {
-            Ok(s) => break s,
-            Err(e) if Instant::now() >= deadline => {
-                return Err(PerseusError::Peer(format!(
-                    "could not connect to rank {peer} at {addr}: {e}"
-                )))
-            }
-            Err(_) => std::thread::sleep(Duration::from_millis(20)),
-        }
-    };
-    s.set_nodelay(true)?;
-    s.set_read_timeout(Some(timeout))?;
-    let refused = |e: PerseusError| PerseusError::Peer(format!("rank {peer} at {addr}: {e}"));
-    auth::dial(&mut s, secret, hello).map_err(refused)?;
-    let (k, p) = read_frame(&mut s).map_err(refused)?;
-    if k != HELLO_OK {
-        return Err(PerseusError::Peer(format!(
-            "rank {peer} at {addr} refused the connection: {}",
-            String::from_utf8_lossy(&p)
-        )));
-    }
-    s.set_read_timeout(None)?;
-    Ok(s)
-}
-
-/// A connection that proved the secret, with the rank, channel and stream it
-/// says it is.
-type Vetted = (usize, u8, usize, TcpStream);
-
-/// Logs why rank `me` dropped `conn` (once per connection).
-fn dropped(me: usize, conn: &TcpStream, why: &str) {
-    let peer = conn
-        .peer_addr()
-        .map_or_else(|_| "?".into(), |a| a.to_string());
-    crate::log!(
-        crate::log::Level::Warning,
-        "rank {me}: dropped a connection from {peer}: {why}"
-    );
-}
-
-/// Tells a peer of this job why rank `me` refuses `conn` (HELLO_ERR), and logs it.
-fn refuse(me: usize, conn: &TcpStream, why: &str) {
-    let _ = write_frame(
-        &mut Deadlined::new(conn, HANDSHAKE_TIME),
-        HELLO_ERR,
-        why.as_bytes(),
-    );
-    dropped(me, conn, why);
-}
-
-/// ", after closing N connections unread ..." when the vetting cap was reached.
-fn turned_away(v: &Vetting) -> String {
-    match v.turned_away() {
-        0 => String::new(),
-        n => format!(
-            " (and closed {n} connection(s) unread: {MAX_UNPROVEN} unproven ones were being \
-             vetted at the time; strangers at this port?)"
-        ),
-    }
-}
-
-/// Why [`vet`] refused a connection.
-enum Refused {
-    /// It did not prove the secret: closed without a word.
-    Unproven(String),
-    /// A peer of this job that must not connect so: told why.
-    Told(String),
-}
-
-/// Checks an incoming connection to rank `me` of `size`: the secret, then the
-/// hello's fields, all `within` (at most [`HANDSHAKE_TIME`]). Returns (rank,
-/// channel, stream) or why it is refused.
-fn vet(
-    conn: &TcpStream,
-    me: usize,
-    size: usize,
-    secret: &str,
-    within: Duration,
-) -> std::result::Result<(usize, u8, usize), Refused> {
-    let setup = conn.set_nonblocking(false).and(conn.set_nodelay(true));
-    setup.map_err(|e| Refused::Unproven(e.to_string()))?;
-    let (fields, _) =
-        auth::accept(&mut Deadlined::new(conn, within), secret).map_err(Refused::Unproven)?;
-    let mut r = Reader::new(&fields);
-    let parsed = (|| Some((r.u32().ok()? as usize, r.u8().ok()?, r.u8().ok()? as usize)))();
-    let told = |why: String| Err(Refused::Told(why));
-    match parsed {
-        None => told("malformed hello".to_string()),
-        Some((from, ..)) if from <= me || from >= size => {
-            told(format!("rank {from} must not connect to rank {me}"))
-        }
-        Some((from, CHANNEL_CONTROL, _)) if me != 0 => {
-            told(format!("unexpected control connection from rank {from}"))
-        }
-        Some((from, ch, s)) if ch == CHANNEL_DATA || ch == CHANNEL_CONTROL => Ok((from, ch, s)),
-        Some((_, ch, _)) => told(format!("unknown channel {ch}")),
     }
 }
 

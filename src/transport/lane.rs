@@ -55,11 +55,12 @@ pub fn bytes(members: usize) -> usize {
     (2 + members) * LINE + 2 * members * (LINE + SLOT_BYTES)
 }
 
-/// The layout of a segment for `members` ranks with rings of `cap` bytes and a lane.
-pub fn layout(members: usize, cap: usize) -> Layout {
+/// The layout of a segment for `members` ranks, with their rings and a lane.
+pub fn layout(members: usize) -> Layout {
     Layout {
         members,
-        cap,
+        cap: super::shm::ring_cap_for(members),
+        slots: super::shm::slots_for(members),
         extra: bytes(members),
     }
 }

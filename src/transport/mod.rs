@@ -1,7 +1,7 @@
-//! Point-to-point transport between ranks: a full TCP mesh, one data stream
-//! per peer pair, plus control streams from every rank to rank 0 (the
-//! coordinator); ranks on the same host replace their TCP data stream with
-//! a shared-memory ring pair ([`shm`]). Pairs joined by TCP have
+//! Point-to-point transport between ranks: links made on demand to the peers a
+//! rank's collectives use ([`links`]), plus control streams from every rank to
+//! rank 0 (the coordinator); ranks on the same host talk through a shared-memory
+//! ring pair ([`shm`]) beside one idle TCP stream. Pairs joined by TCP have
 //! `PERSEUS_ALLREDUCE_STREAMS` data streams: stream 0 carries everything
 //! by default, and a large collective between hosts runs one part on each
 //! stream, on its own thread (see [`Mesh::channel`]). Data moves in frames (the
@@ -17,8 +17,10 @@
 pub mod cma;
 mod connect;
 pub mod lane;
+mod links;
 mod progress;
 pub mod shm;
+pub mod tree;
 
 pub use connect::{connect_mesh, Control, MeshParts};
 pub use progress::{message_bytes, Recv, Send};
@@ -28,7 +30,7 @@ use shm::Segment;
 use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 /// How this rank reaches one peer.
@@ -45,6 +47,10 @@ pub enum Link {
         me: usize,
         /// The peer's member index.
         peer: usize,
+        /// The ring this rank writes.
+        tx: usize,
+        /// The ring this rank reads.
+        rx: usize,
         /// The pair's TCP stream, kept open and idle: the kernel closes it
         /// when the peer dies, however it dies, which a ring cannot show.
         alive: Option<TcpStream>,
@@ -56,7 +62,9 @@ impl Link {
     pub fn write(&self, buf: &[u8]) -> std::io::Result<usize> {
         match self {
             Link::Tcp(s) => (&*s).write(buf),
-            Link::Shm { seg, me, peer, .. } => seg.ring(*me, *peer).write(buf),
+            Link::Shm {
+                seg, me, peer, tx, ..
+            } => seg.ring(*tx, *me, *peer).write(buf),
             Link::None => Err(std::io::ErrorKind::NotConnected.into()),
         }
     }
@@ -65,7 +73,9 @@ impl Link {
     pub fn read(&self, buf: &mut [u8]) -> std::io::Result<usize> {
         match self {
             Link::Tcp(s) => (&*s).read(buf),
-            Link::Shm { seg, me, peer, .. } => seg.ring(*peer, *me).read(buf),
+            Link::Shm {
+                seg, me, peer, rx, ..
+            } => seg.ring(*rx, *peer, *me).read(buf),
             Link::None => Err(std::io::ErrorKind::NotConnected.into()),
         }
     }
@@ -74,7 +84,9 @@ impl Link {
     /// shared memory (a socket's bytes arrive through the kernel's copy).
     pub fn read_streaming(&self, buf: &mut [u8]) -> std::io::Result<usize> {
         match self {
-            Link::Shm { seg, me, peer, .. } => seg.ring(*peer, *me).read_streaming(buf),
+            Link::Shm {
+                seg, me, peer, rx, ..
+            } => seg.ring(*rx, *peer, *me).read_streaming(buf),
             _ => self.read(buf),
         }
     }
@@ -124,17 +136,31 @@ pub fn named_in(msg: &str, size: usize) -> Vec<usize> {
         .collect()
 }
 
+/// A rank's links to every peer on one stream, each made once, when first needed
+/// (`row[peer]`; empty for itself and for peers not linked yet).
+pub type Row = [OnceLock<Link>];
+
+/// The link to `peer` in `row`, if made.
+pub fn at(row: &Row, peer: usize) -> Option<&Link> {
+    row.get(peer).and_then(OnceLock::get)
+}
+
+/// A row of links made already (tests; the single rank of a job of one).
+pub fn row_of(links: Vec<Link>) -> Vec<OnceLock<Link>> {
+    links.into_iter().map(OnceLock::from).collect()
+}
+
 /// The peers, besides those `named`, whose connections have ended, watched
 /// for up to `settle` (less once every watched peer has ended).
-pub fn ended_besides(links: &[Link], named: &[usize], settle: Duration) -> Vec<usize> {
+pub fn ended_besides(links: &Row, named: &[usize], settle: Duration) -> Vec<usize> {
     let start = Instant::now();
     let watched: Vec<usize> = (0..links.len())
-        .filter(|&p| links[p].watched() && !named.contains(&p))
+        .filter(|&p| at(links, p).is_some_and(Link::watched) && !named.contains(&p))
         .collect();
     let mut ended = vec![false; links.len()];
     loop {
         for &p in &watched {
-            ended[p] = ended[p] || links[p].peer_gone();
+            ended[p] = ended[p] || at(links, p).is_some_and(Link::peer_gone);
         }
         if watched.iter().all(|&p| ended[p]) || start.elapsed() >= settle {
             break;
@@ -163,12 +189,15 @@ pub const PATIENT_CHECK: Duration = Duration::from_millis(100);
 /// How long a rank waiting only on shared memory yields before it sleeps.
 const DEFAULT_SPIN: Duration = Duration::from_micros(50);
 
-/// The data links of one rank to all its peers.
+/// The data links of one rank to its peers, made as its collectives first need them.
 pub struct Mesh {
     rank: usize,
-    links: Vec<Link>,
-    /// Streams 1.. (`extra[s - 1][peer]`); `Link::None` for peers in shared memory.
-    extra: Vec<Vec<Link>>,
+    /// Every link, made or being made (stream `s` to `peer`: `table.rows[s][peer]`).
+    table: Arc<links::Table>,
+    /// Keeps this rank's listener open, for peers that link to it later.
+    _acceptor: Option<links::Acceptor>,
+    /// Data streams per pair of ranks on different hosts.
+    streams: usize,
     /// Ranks that share a host talk through shared memory (PERSEUS_SHM).
     shm_on: bool,
     shm: Option<(Arc<Segment>, usize)>,
@@ -180,6 +209,8 @@ pub struct Mesh {
     sent_intra: AtomicU64,
     sent_inter: AtomicU64,
     sent_extra: AtomicU64,
+    /// Transfers run so far ([`Mesh::rounds`]).
+    rounds: AtomicU64,
     /// Each rank's published [`cma::Token`]: None where its memory cannot be read.
     tokens: Vec<Option<cma::Token>>,
     /// Per peer: a direct read between this rank and it failed once.
@@ -187,37 +218,67 @@ pub struct Mesh {
 }
 
 impl Mesh {
-    /// Wraps connected links (`links[rank]` is `Link::None`) and, when some
-    /// peers share this host, the segment and this rank's member index.
-    pub fn new(
-        rank: usize,
-        links: Vec<Link>,
+    /// The mesh over `table` (whose acceptor, if any, it keeps running) with
+    /// `streams` data streams per pair of hosts, and, when some peers share this host,
+    /// the segment and this rank's member index.
+    fn over(
+        table: Arc<links::Table>,
+        acceptor: Option<links::Acceptor>,
+        streams: usize,
         shm: Option<(Arc<Segment>, usize)>,
         timeout: Duration,
     ) -> Mesh {
-        let host_ids = vec![0; links.len()];
-        let n = links.len();
+        let n = table.rows[0].len();
         Mesh {
-            rank,
-            links,
-            extra: Vec::new(),
+            rank: table.me(),
+            table,
+            _acceptor: acceptor,
+            streams,
             shm_on: false,
             shm,
             timeout,
             spin: DEFAULT_SPIN,
-            host_ids,
+            host_ids: vec![0; n],
             host_names: Vec::new(),
             sent_intra: AtomicU64::new(0),
             sent_inter: AtomicU64::new(0),
             sent_extra: AtomicU64::new(0),
+            rounds: AtomicU64::new(0),
             tokens: vec![None; n],
             refused: (0..n).map(|_| AtomicBool::new(false)).collect(),
         }
     }
 
+    /// Stream 0's links.
+    fn row(&self) -> &Row {
+        &self.table.rows[0]
+    }
+
+    /// Links this rank to every peer of `peers` not linked yet on `stream` (see
+    /// [`links`]).
+    fn link_all(&self, stream: usize, peers: &[usize]) -> Result<()> {
+        for &p in peers {
+            if at(&self.table.rows[stream], p).is_none() {
+                self.table.link(p).map_err(|e| self.name_hosts(e, &[p]))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// How many peers this rank holds links to so far.
+    pub fn linked_peers(&self) -> usize {
+        self.table.linked_peers()
+    }
+
+    /// How many transfers (rounds of sends and receives, each waiting for the last)
+    /// this rank has run: its sequential message steps.
+    pub fn rounds(&self) -> u64 {
+        self.rounds.load(Ordering::Relaxed)
+    }
+
     /// Records each rank's published [`cma::Token`] (None where it has none).
     pub fn with_tokens(mut self, tokens: Vec<Option<cma::Token>>) -> Mesh {
-        assert_eq!(tokens.len(), self.links.len(), "one token per rank");
+        assert_eq!(tokens.len(), self.size(), "one token per rank");
         self.tokens = tokens;
         self
     }
@@ -245,7 +306,7 @@ impl Mesh {
     pub fn lost(&self, peer: usize) -> PerseusError {
         let start = Instant::now();
         let gone = loop {
-            if self.links.get(peer).is_some_and(Link::peer_gone) {
+            if at(self.row(), peer).is_some_and(Link::peer_gone) {
                 break true;
             }
             if start.elapsed() >= self.timeout {
@@ -258,7 +319,7 @@ impl Mesh {
                 "rank {peer} ended (its connection closed) while its memory was being read; \
                  it probably exited or crashed (see its log)"
             );
-            let ended = ended_besides(&self.links, &[peer], SETTLE);
+            let ended = ended_besides(self.row(), &[peer], SETTLE);
             with_ended(msg, &ended, |p| format!("rank {p} "))
         } else {
             format!(
@@ -292,18 +353,15 @@ impl Mesh {
         }
     }
 
-    /// Adds streams 1.. (`extra[s - 1][peer]`, `Link::None` for peers in
-    /// shared memory and for this rank) and says whether ranks sharing a
-    /// host use shared memory.
-    pub fn with_streams(mut self, extra: Vec<Vec<Link>>, shm_on: bool) -> Mesh {
-        self.extra = extra;
+    /// Says whether ranks sharing a host use shared memory.
+    pub fn with_shm(mut self, shm_on: bool) -> Mesh {
         self.shm_on = shm_on;
         self
     }
 
     /// Data streams per pair of ranks joined by TCP.
     pub fn streams(&self) -> usize {
-        self.extra.len() + 1
+        self.streams
     }
 
     /// True when ranks that share a host talk through shared memory (those
@@ -388,7 +446,7 @@ impl Mesh {
     pub fn also_ended(&self, msg: String, lost: Option<usize>) -> String {
         let mut named = named_in(&msg, self.size());
         named.extend(lost);
-        let ended = ended_besides(&self.links, &named, SETTLE);
+        let ended = ended_besides(self.row(), &named, SETTLE);
         with_ended(msg, &ended, |p| match self.host_name(p) {
             Some(h) => format!("rank {p} (host {h}) "),
             None => format!("rank {p} "),
@@ -420,20 +478,23 @@ impl Mesh {
 
     /// Number of ranks.
     pub fn size(&self) -> usize {
-        self.links.len()
+        self.row().len()
     }
 
     /// The peers whose processes have ended, as their connections tell (asks the
-    /// kernel, reads nothing, never blocks).
+    /// kernel, reads nothing, never blocks; peers not linked yet cannot tell).
     pub fn ended(&self) -> Vec<usize> {
-        (0..self.links.len())
-            .filter(|&p| p != self.rank && self.links[p].peer_gone())
+        (0..self.size())
+            .filter(|&p| p != self.rank && at(self.row(), p).is_some_and(Link::peer_gone))
             .collect()
     }
 
-    /// True when `peer` is reached through shared memory.
+    /// True when `peer` shares this rank's host and memory.
     pub fn is_local(&self, peer: usize) -> bool {
-        self.links.get(peer).is_some_and(Link::is_shm)
+        self.shm_on
+            && peer != self.rank
+            && peer < self.size()
+            && self.host_of(peer) == self.host_of(self.rank)
     }
 
     /// Runs sends and receives (peers named by global rank) to completion.
@@ -471,12 +532,14 @@ impl Mesh {
                 .chain(r.iter().map(Recv::peer))
                 .collect()
         };
+        self.link_all(stream, &peers(sends, recvs))?;
+        self.rounds.fetch_add(1, Ordering::Relaxed);
         if stream == 0 {
             let shm = self.shm.as_ref().map(|(s, me)| (&**s, *me));
-            progress::run(&self.links, shm, limit, self.spin, sends, recvs)
+            progress::run(self.row(), shm, limit, self.spin, sends, recvs)
                 .map_err(|e| self.name_hosts(e, &peers(sends, recvs)))?;
         } else {
-            let links = &self.extra[stream - 1];
+            let links = &self.table.rows[stream];
             progress::run(links, None, limit, self.spin, sends, recvs)
                 .map_err(|e| self.name_hosts(e, &peers(sends, recvs)))?;
             let bytes: usize = sends.iter().map(|s| s.data().len()).sum();
@@ -555,6 +618,7 @@ mod tests {
         let (mine, theirs): (Vec<_>, Vec<_>) = pairs.into_iter().unzip();
         let mut links = vec![Link::None];
         links.extend(mine.into_iter().map(Link::Tcp));
+        let links = super::row_of(links);
         let mut theirs: Vec<Option<_>> = theirs.into_iter().map(Some).collect();
         drop(theirs[0].take());
         // Rank 3 closes 30 ms after the loss was seen; rank 2 stays.

@@ -6,7 +6,7 @@
 //! shared-memory ring and a receiver can reduce straight out of the ring.
 
 use super::shm::Segment;
-use super::Link;
+use super::{Link, Row};
 use crate::dtype::{DataType, ReduceOp};
 use crate::error::{PerseusError, Result};
 use crate::kernels::{from_half, reduce_half_into, reduce_into, scale, AlignedBuf, STREAM_FROM};
@@ -230,8 +230,8 @@ fn land(landing: Landing, dst: &mut [u8], base: Option<&[u8]>, src: &[u8]) {
     }
 }
 
-fn link(links: &[Link], peer: usize) -> Result<&Link> {
-    match links.get(peer) {
+fn link(links: &Row, peer: usize) -> Result<&Link> {
+    match super::at(links, peer) {
         Some(Link::None) | None => Err(PerseusError::InvalidArgument(format!(
             "no connection to rank {peer}"
         ))),
@@ -258,7 +258,7 @@ fn io(peer: usize, r: std::io::Result<usize>) -> Result<Option<usize>> {
 }
 
 /// Makes what progress is possible without blocking; true if any byte moved.
-fn step_send(links: &[Link], s: &mut Send<'_>) -> Result<bool> {
+fn step_send(links: &Row, s: &mut Send<'_>) -> Result<bool> {
     let mut moved = false;
     let l = link(links, s.peer)?;
     let len = s.data.len();
@@ -281,7 +281,7 @@ fn step_send(links: &[Link], s: &mut Send<'_>) -> Result<bool> {
     Ok(moved)
 }
 
-fn step_recv(links: &[Link], r: &mut Recv<'_>) -> Result<bool> {
+fn step_recv(links: &Row, r: &mut Recv<'_>) -> Result<bool> {
     let mut moved = false;
     let l = link(links, r.peer)?;
     let len = r.wire_len();
@@ -341,10 +341,13 @@ fn recv_landing(l: &Link, r: &mut Recv<'_>, off: usize, landing: Landing) -> Res
         Landing::Reduce(dtype, ..) => (dtype.size(), 1),
         _ => (2, 2),
     };
-    if let Link::Shm { seg, me, peer, .. } = l {
+    if let Link::Shm {
+        seg, me, peer, rx, ..
+    } = l
+    {
         let dst = &mut r.data[off * widen..];
         let base = r.base.map(|b| &b[off * widen..]);
-        let ring = seg.ring(*peer, *me);
+        let ring = seg.ring(*rx, *peer, *me);
         return io(
             r.peer,
             ring.consume(dst.len() / widen, es, |at, src| {
@@ -398,7 +401,7 @@ pub enum Limit<'f> {
 /// a rank waiting only on shared memory yields the core for `spin` before
 /// it sleeps on the doorbell.
 pub fn run(
-    links: &[Link],
+    links: &Row,
     shm: Option<(&Segment, usize)>,
     limit: Limit<'_>,
     spin: Duration,
@@ -411,7 +414,7 @@ pub fn run(
 /// A peer error lists every other peer whose connection has ended too: the
 /// first loss a rank sees may be a survivor that left after its own error,
 /// while the rank that died first is among the others.
-fn also_gone(links: &[Link], e: PerseusError) -> PerseusError {
+fn also_gone(links: &Row, e: PerseusError) -> PerseusError {
     match e {
         PerseusError::Peer(msg) => {
             let named = super::named_in(&msg, links.len());
@@ -424,7 +427,7 @@ fn also_gone(links: &[Link], e: PerseusError) -> PerseusError {
 }
 
 fn run_until_done(
-    links: &[Link],
+    links: &Row,
     shm: Option<(&Segment, usize)>,
     mut limit: Limit<'_>,
     spin: Duration,
@@ -481,7 +484,9 @@ fn run_until_done(
             // this transfer, so a rank learns of a death from the dead
             // rank itself rather than from a survivor that left after it.
             last_scan = Instant::now();
-            if let Some(p) = (0..links.len()).find(|&p| links[p].peer_gone()) {
+            if let Some(p) =
+                (0..links.len()).find(|&p| super::at(links, p).is_some_and(Link::peer_gone))
+            {
                 return Err(lost(p, "ended (its connection closed)"));
             }
         }

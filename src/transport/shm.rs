@@ -1,7 +1,8 @@
 //! Shared memory between ranks on one host: one segment per host and job,
-//! holding a single-producer single-consumer byte ring for every ordered pair
-//! of local ranks, and a doorbell per rank that writers ring when data
-//! arrives or space frees. A rank with nothing to do sleeps on its doorbell
+//! holding a doorbell per rank that writers ring when data arrives or space frees,
+//! and pairs of single-producer single-consumer byte rings that links take as they
+//! are made: each member has [`slots_for`] pairs of its own to hand out to the links
+//! it dials, so the segment grows with the host's ranks, not with their square. A rank with nothing to do sleeps on its doorbell
 //! with futex(2), so oversubscribed hosts do not spin.
 //!
 //! The rings carry the same framed byte stream as TCP, so the collectives
@@ -21,20 +22,38 @@ const MAGIC: u64 = 0x5045_5253_4853_4d31; // "PERSHSM1"
 pub struct Segment {
     base: *mut u8,
     len: usize,
-    members: usize,
-    cap: usize,
+    layout: Layout,
 }
 
-/// The parts of a segment: `members` ranks, rings of `cap` bytes, and `extra` bytes
-/// after the rings for a layout of the caller's (the lane's).
+/// The parts of a segment: `members` ranks, `slots` pairs of rings of `cap` bytes
+/// for each, and `extra` bytes after the rings for a layout of the caller's (the
+/// lane's).
 #[derive(Debug, Clone, Copy)]
 pub struct Layout {
     /// Ranks sharing the segment.
     pub members: usize,
     /// Bytes of each ring.
     pub cap: usize,
+    /// Ring pairs each member hands out.
+    pub slots: usize,
     /// Bytes after the rings.
     pub extra: usize,
+}
+
+/// Ring pairs each of `members` ranks of a host hands out to the links it dials:
+/// enough for every other member on a small host, and on a large one for the partners
+/// of the collectives (neighbours, and one per power of two each way). A link dialed
+/// when its dialer has none left runs over TCP.
+pub fn slots_for(members: usize) -> usize {
+    let log2 = members.next_power_of_two().trailing_zeros() as usize;
+    members.saturating_sub(1).min(2 * log2 + 4)
+}
+
+/// Bytes of each ring on a host of `members` ranks: 512 KiB up to 64 ranks, less
+/// beyond (at least 64 KiB), so that a crowded host's segment stays within its memory.
+pub fn ring_cap_for(members: usize) -> usize {
+    const FULL: usize = 512 << 10;
+    (FULL * 64 / members.max(64)).max(64 << 10)
 }
 
 // SAFETY: the mapping is shared memory accessed only through atomics and the
@@ -49,22 +68,22 @@ fn ring_bytes(cap: usize) -> usize {
 impl Segment {
     /// Bytes a segment of `layout` needs.
     pub fn size(layout: Layout) -> usize {
-        Self::rings_end(layout.members, layout.cap) + layout.extra
+        Self::rings_end(layout) + layout.extra
     }
 
     /// Where the rings end and the extra bytes begin.
-    fn rings_end(members: usize, cap: usize) -> usize {
-        LINE + members * LINE + members * members * ring_bytes(cap)
+    fn rings_end(layout: Layout) -> usize {
+        LINE + layout.members * LINE + 2 * layout.members * layout.slots * ring_bytes(layout.cap)
     }
 
     /// Offset of the extra bytes after the rings.
     pub(super) fn extra_offset(&self) -> usize {
-        Self::rings_end(self.members, self.cap)
+        Self::rings_end(self.layout)
     }
 
     /// Ranks sharing the segment.
     pub(super) fn members(&self) -> usize {
-        self.members
+        self.layout.members
     }
 
     /// The address of `len` bytes at `off`.
@@ -77,7 +96,6 @@ impl Segment {
     /// Opens (creating if needed) the segment file at `path` and maps it.
     pub fn open(path: &str, layout: Layout) -> Result<Segment> {
         use std::os::fd::AsRawFd;
-        let Layout { members, cap, .. } = layout;
         let len = Self::size(layout);
         let file = std::fs::OpenOptions::new()
             .read(true)
@@ -108,8 +126,7 @@ impl Segment {
         let seg = Segment {
             base: base.cast(),
             len,
-            members,
-            cap,
+            layout,
         };
         seg.word64(0).store(MAGIC, Ordering::SeqCst);
         Ok(seg)
@@ -135,19 +152,22 @@ impl Segment {
         }
     }
 
-    fn ring_off(&self, from: usize, to: usize) -> usize {
-        LINE + self.members * LINE + (from * self.members + to) * ring_bytes(self.cap)
-    }
-
-    /// The ring `from` writes and `to` reads (member indices within the host).
-    pub fn ring(&self, from: usize, to: usize) -> Ring<'_> {
-        let off = self.ring_off(from, to);
+    /// Ring `index` (slot `s` holds rings `2s` and `2s + 1`), which member `from`
+    /// writes and member `to` reads.
+    pub fn ring(&self, index: usize, from: usize, to: usize) -> Ring<'_> {
+        let l = self.layout;
+        assert!(
+            index < 2 * l.members * l.slots,
+            "ring {index} of {}",
+            2 * l.members * l.slots
+        );
+        let off = LINE + l.members * LINE + index * ring_bytes(l.cap);
         Ring {
             head: self.word64(off),
             tail: self.word64(off + LINE),
             // SAFETY: the data area lies inside the mapping.
             data: unsafe { self.base.add(off + 2 * LINE) },
-            cap: self.cap,
+            cap: l.cap,
             reader: self.doorbell(to),
             writer: self.doorbell(from),
         }
@@ -324,6 +344,7 @@ mod tests {
         let layout = Layout {
             members: 2,
             cap,
+            slots: 1,
             extra: 0,
         };
         let a = Segment::open(&path, layout).unwrap();
@@ -331,7 +352,7 @@ mod tests {
         let _ = std::fs::remove_file(&path);
         let msg: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
         let writer = std::thread::spawn(move || {
-            let ring = a.ring(0, 1);
+            let ring = a.ring(2, 0, 1);
             let mut off = 0;
             while off < msg.len() {
                 match ring.write(&msg[off..(off + piece).min(msg.len())]) {
@@ -340,7 +361,7 @@ mod tests {
                 }
             }
         });
-        let ring = b.ring(0, 1);
+        let ring = b.ring(2, 0, 1);
         // Off by one from an aligned address, so streamed stores need a head.
         let mut got = vec![0u8; 200_001];
         let mut off = 1;

@@ -155,7 +155,9 @@ def counters():
     and from rank 0, ``vote_messages`` and ``vote_bytes`` this rank sent in the
     offline schedule's votes (PERSEUS_OFFLINE_NEG), and ``lane_operations``
     (operations the callers ran among the ranks themselves, PERSEUS_LANE_BYTES; also in
-    ``operations``)."""
+    ``operations``); the transport: ``transfer_rounds`` (rounds of messages this rank's
+    collectives ran, each waiting for the last) and ``linked_peers`` (the peers it holds
+    data links to, made as its collectives first needed them)."""
     check_initialized()
     return dict(_core.counters())
 

@@ -148,6 +148,10 @@ impl State {
                 c.bytes_inter_host.store(inter, Ordering::Relaxed);
                 let extra = self.mesh.bytes_sent_extra();
                 c.bytes_extra_streams.store(extra, Ordering::Relaxed);
+                c.transfer_rounds
+                    .store(self.mesh.rounds(), Ordering::Relaxed);
+                c.linked_peers
+                    .store(self.mesh.linked_peers() as u64, Ordering::Relaxed);
                 let shared = self.shared.clone();
                 let tl = &shared.timeline;
                 for (i, ((name, (e, at)), r)) in names

@@ -10,9 +10,9 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use super::control::{Incoming, Uplink, FRAME_REQUESTS};
+use super::control::{Incoming, Uplink};
 use super::inbox::Inbox;
-use super::message::{encode_requests, OpKind, Request, Response, WireRequest};
+use super::message::{OpKind, Request, Response, WireRequest};
 use super::offline::Mode;
 use super::{direct, exec, Entry, Event, Output, Shared};
 use crate::collective;
@@ -248,7 +248,9 @@ impl State {
 
     /// Rank 0 with the stall check on and tensors waiting for ranks.
     fn stall_watch(&self) -> bool {
-        matches!(&self.uplink, Uplink::Coordinator { coord, .. } if coord.stall_watch())
+        self.uplink
+            .coordinator_ref()
+            .is_some_and(|c| c.stall_watch())
     }
 
     /// Rank 0, once per [`STALL_TICK`] while tensors wait: warns about those
@@ -259,7 +261,7 @@ impl State {
             return;
         }
         self.stall_checked = Instant::now();
-        let Uplink::Coordinator { coord, .. } = &mut self.uplink else {
+        let Some(coord) = self.uplink.coordinator() else {
             return;
         };
         let found = coord.check_stalls(Instant::now());
@@ -290,7 +292,7 @@ impl State {
         for inc in self.uplink.receive() {
             match inc {
                 Incoming::Requests(rank, reqs) => {
-                    if let Uplink::Coordinator { coord, .. } = &mut self.uplink {
+                    if let Some(coord) = self.uplink.coordinator() {
                         let out = coord.submit_wire(rank, reqs);
                         self.uplink.dispatch(out, &mut self.local);
                     }
@@ -301,6 +303,7 @@ impl State {
                     rs.into_iter().for_each(|r| self.execute(r));
                 }
                 Incoming::Lost(rank, why) => self.lost(rank, &why),
+                Incoming::Reported(rank, why) => self.reported(rank, &why),
                 Incoming::Silent(rank, why) => self.silenced(rank, &why),
             }
             if self.exit {
@@ -320,11 +323,26 @@ impl State {
         let why = self
             .mesh
             .also_ended(on_host(&self.mesh, rank, why), Some(rank));
-        if let Uplink::Coordinator { coord, .. } = &mut self.uplink {
+        if let Some(coord) = self.uplink.coordinator() {
             let out = coord.disconnect(rank, &why);
             self.uplink.dispatch(out, &mut self.local);
+        } else if self.uplink.parent() == Some(rank) {
+            self.fail_all(lost_coordinator(rank, &why));
         } else {
-            self.fail_all(lost_coordinator(&why));
+            // A rank below this one: rank 0 hears of it, and tells every rank.
+            self.uplink.report_gone(rank, &why);
+        }
+    }
+
+    /// Rank 0: a relay reported rank `rank` gone (`why`, which names its host): the
+    /// job cannot continue.
+    fn reported(&mut self, rank: usize, why: &str) {
+        if self.shared.stopping.load(Ordering::SeqCst) {
+            return;
+        }
+        if let Some(coord) = self.uplink.coordinator() {
+            let out = coord.disconnect(rank, why);
+            self.uplink.dispatch(out, &mut self.local);
         }
     }
 
@@ -386,7 +404,7 @@ impl State {
                     .insert((req.process_set, req.name.clone()), (req, entry, at));
             }
             Event::SetFusion(bytes) => {
-                if let Uplink::Coordinator { coord, .. } = &mut self.uplink {
+                if let Some(coord) = self.uplink.coordinator() {
                     coord.set_fusion_threshold(bytes as usize);
                 }
             }
@@ -537,33 +555,26 @@ impl State {
         let sent = &self.shared.counters.negotiation_messages;
         sent.fetch_add(1, Ordering::Relaxed);
         self.shared.timeline.mark_cycle(batch.len());
-        match &mut self.uplink {
-            Uplink::Coordinator { coord, .. } => {
-                let out = coord.submit(0, batch);
-                self.uplink.dispatch(out, &mut self.local);
-                self.run_local(&mut Vec::new());
-            }
-            Uplink::Worker(stream) => {
-                let wire: Vec<WireRequest> = batch
-                    .into_iter()
-                    .map(|r| match self.cache.get(&(r.process_set, r.name.clone())) {
-                        Some((id, cached)) if *cached == r => {
-                            self.shared.cache_hits.fetch_add(1, Ordering::Relaxed);
-                            WireRequest::Cached(*id)
-                        }
-                        _ => WireRequest::Full(r),
-                    })
-                    .collect();
-                // Queued, never waited for: rank 0 may be in a collective with this rank.
-                let sent = match stream {
-                    Some(s) => s
-                        .post_batch(FRAME_REQUESTS, &wire, encode_requests)
-                        .map_err(|e| e.to_string()),
-                    None => Err("the connection is closed".to_string()),
-                };
-                if let Err(e) = sent {
-                    self.fail_all(lost_coordinator(&self.mesh.also_ended(e, Some(0))));
-                }
+        if let Some(coord) = self.uplink.coordinator() {
+            let out = coord.submit(0, batch);
+            self.uplink.dispatch(out, &mut self.local);
+            self.run_local(&mut Vec::new());
+        } else {
+            let wire: Vec<WireRequest> = batch
+                .into_iter()
+                .map(|r| match self.cache.get(&(r.process_set, r.name.clone())) {
+                    Some((id, cached)) if *cached == r => {
+                        self.shared.cache_hits.fetch_add(1, Ordering::Relaxed);
+                        WireRequest::Cached(*id)
+                    }
+                    _ => WireRequest::Full(r),
+                })
+                .collect();
+            // Queued, never waited for: the parent may be in a collective with this rank.
+            if let Err(e) = self.uplink.post_requests(&wire) {
+                let parent = self.uplink.parent().unwrap_or(0);
+                let why = self.mesh.also_ended(e, Some(parent));
+                self.fail_all(lost_coordinator(parent, &why));
             }
         }
         self.note_traffic();
@@ -595,11 +606,18 @@ fn on_host(mesh: &Mesh, rank: usize, why: &str) -> String {
     }
 }
 
-/// The error every pending operation gets when the control stream to rank 0 fails.
-fn lost_coordinator(why: &str) -> PerseusError {
-    PerseusError::Aborted(format!(
-        "lost the connection to rank 0 (the coordinator): {why}"
-    ))
+/// The error every pending operation gets when the control stream to `parent` fails:
+/// rank 0 (the coordinator) or the rank that relays to it.
+fn lost_coordinator(parent: usize, why: &str) -> PerseusError {
+    match parent {
+        0 => PerseusError::Aborted(format!(
+            "lost the connection to rank 0 (the coordinator): {why}"
+        )),
+        p => PerseusError::Aborted(format!(
+            "lost the connection to rank {p}, which relays this rank's requests to rank 0 \
+             (the coordinator): {why}"
+        )),
+    }
 }
 
 /// An offline vote's byte for "cannot go on": an offer of `k` groups is this less `k`.
@@ -632,7 +650,7 @@ fn offline_vote(
             match inc {
                 Incoming::Requests(rank, reqs) => {
                     // A rank that already left the schedule negotiates again.
-                    if let Uplink::Coordinator { coord, .. } = uplink {
+                    if let Some(coord) = uplink.coordinator() {
                         let out = coord.submit_wire(rank, reqs);
                         uplink.dispatch(out, local);
                     }
@@ -645,14 +663,25 @@ fn offline_vote(
                         local.push(resp);
                     }
                 }
+                Incoming::Reported(rank, why) => {
+                    if let Some(coord) = uplink.coordinator() {
+                        let out = coord.disconnect(rank, &why);
+                        uplink.dispatch(out, local);
+                    }
+                    return Err(PerseusError::Peer(format!("rank {rank} is gone ({why})")));
+                }
                 Incoming::Lost(rank, why) | Incoming::Silent(rank, why) => {
                     let why = mesh.also_ended(on_host(mesh, rank, &why), Some(rank));
-                    if let Uplink::Coordinator { coord, .. } = uplink {
+                    if let Some(coord) = uplink.coordinator() {
                         let out = coord.disconnect(rank, &why);
                         uplink.dispatch(out, local);
                         return Err(PerseusError::Peer(format!("rank {rank} is gone ({why})")));
                     }
-                    return Err(lost_coordinator(&why));
+                    if uplink.parent() == Some(rank) {
+                        return Err(lost_coordinator(rank, &why));
+                    }
+                    // A rank below this one: rank 0 hears of it and aborts the vote.
+                    uplink.report_gone(rank, &why);
                 }
             }
         }

@@ -5,7 +5,7 @@ use std::thread;
 fn lanes(members: usize, tag: &str) -> Vec<Lane> {
     let path = format!("/dev/shm/perseus-test-lane-{}-{tag}", std::process::id());
     let segs: Vec<_> = (0..members)
-        .map(|_| Arc::new(Segment::open(&path, layout(members, 1024)).unwrap()))
+        .map(|_| Arc::new(Segment::open(&path, layout(members)).unwrap()))
         .collect();
     let _ = std::fs::remove_file(&path);
     segs.into_iter()
@@ -161,7 +161,7 @@ fn members_out_of_step_agree_on_every_attempt() {
 fn no_lane_beyond_its_members() {
     assert_eq!(bytes(MAX_MEMBERS + 1), 0);
     let path = format!("/dev/shm/perseus-test-lane-{}-big", std::process::id());
-    let seg = Arc::new(Segment::open(&path, layout(MAX_MEMBERS + 1, 64)).unwrap());
+    let seg = Arc::new(Segment::open(&path, layout(MAX_MEMBERS + 1)).unwrap());
     let _ = std::fs::remove_file(&path);
     assert!(Lane::new(seg, 0).is_none());
 }

@@ -26,7 +26,8 @@ def main():
                        "bytes_extra_streams", "nccl_operations", "autotune_changes",
                        "stall_warnings", "control_frames_sent", "control_bytes_sent",
                        "control_frames_received", "control_bytes_received",
-                       "vote_messages", "vote_bytes", "lane_operations"}, c0
+                       "vote_messages", "vote_bytes", "lane_operations",
+                       "transfer_rounds", "linked_peers"}, c0
 
     # One 1 MiB allreduce: a ring moves (n-1)/n of the buffer in each of its two
     # phases from every rank, 2(n-1) MiB over the whole job; no byte leaves the host.
@@ -39,6 +40,9 @@ def main():
     if n == 2:
         assert d["bytes_intra_host"] == nbytes, d
     assert total(d["bytes_intra_host"]) == 2 * (n - 1) * nbytes
+    # The ring's rounds: n - 1 to reduce, n - 1 to gather.
+    assert d["transfer_rounds"] == 2 * (n - 1), (r, d)
+    assert 1 <= hvd.counters()["linked_peers"] <= n - 1, r
 
     # From 2 MiB (collective/reading.rs), each rank reads its chunk of the others'
     # buffers, then their reduced chunks, out of their memory (PERSEUS_SHM_DIRECT, where
