@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from perseus.common.elastic import FATAL_KEY, silent_in
 from perseus.runner import hosts as _hosts
 from perseus.runner import job as _job
+from perseus.runner import pump as _pump
 
 #: How often a driver short of workers says what it waits for (at once, then this often).
 WAIT_REPORT_SECONDS = 30.0
@@ -247,11 +248,10 @@ class ElasticJob(_job.Launcher):
             rank.start(self.out, self.err, self._lock, self.output_dir, size=self.num_proc)
         except OSError as e:
             raise _Stop(f"cannot start worker {slot.id} ({' '.join(rank.argv)}): "
-                        f"{e.strerror or e}; stopping the job", 127) from None
+                        f"{_job.start_error(e)}; stopping the job", 127) from None
         self.workers[slot.id] = rank
         self.starting[slot.id] = (self.round, time.monotonic())
-        threading.Thread(target=lambda: self._events.put((slot.id, rank.proc.wait())),
-                         daemon=True).start()
+        _pump.pump().watch(rank.proc, lambda code: self._events.put((slot.id, code)))
         return slot.id
 
     def _ended(self, wid, code):
@@ -382,6 +382,7 @@ class ElasticJob(_job.Launcher):
         return True
 
     def _run(self):
+        _job.raise_open_files()
         if self.output_dir:
             os.makedirs(self.output_dir, exist_ok=True)
         self.server.set("elastic/hosts", b"0 none")

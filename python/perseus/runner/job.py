@@ -9,6 +9,7 @@ after a grace period, so no process outlives the job.
 
 import contextlib
 import errno
+import functools
 import json
 import math
 import os
@@ -22,6 +23,7 @@ import threading
 import time
 
 from perseus.common import flight_recorder
+from perseus.runner import pump as _pump
 
 GRACE_SECONDS = 5.0
 #: How long the launcher waits, after SIGKILL, for a rank's group to empty before it
@@ -116,6 +118,39 @@ def guarded(argv):
     stops the rank's whole process group, children and shells included."""
     guard = os.path.join(os.path.dirname(os.path.abspath(__file__)), "guard.py")
     return [sys.executable, "-I", guard, str(GRACE_SECONDS), *argv]
+
+
+def raise_open_files():
+    """Raises the soft limit on open files to the hard one, as MPI launchers do: the
+    launcher holds a few pipes for each rank it starts."""
+    try:
+        import resource
+    except ImportError:  # not POSIX
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def open_files_text():
+    """``the open-file limit is N (hard limit M; ulimit -n)``, for messages."""
+    import resource
+
+    def text(v):
+        return "unlimited" if v == resource.RLIM_INFINITY else str(v)
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return f"the open-file limit is {text(soft)} (hard limit {text(hard)}; ulimit -n)"
+
+
+def start_error(e):
+    """Why a rank could not be started (an OSError of Popen), naming the open-file limit
+    when that is what ran out."""
+    why = e.strerror or str(e)
+    if e.errno in (errno.EMFILE, errno.ENFILE):
+        why = f"{why}: {open_files_text()}"
+    return why
 
 
 def describe_status(code):
@@ -222,7 +257,7 @@ class Rank:
         self.slot, self.argv, self.env = slot, argv, env
         self.secret, self.remote, self.timestamps = secret, remote, timestamps
         self.proc = None
-        self._threads = []
+        self._relayed = []  # one event per output pipe, set once it is all relayed
 
     def _open_files(self, output_dir, size):
         """``{"stdout": file, "stderr": file}`` in ``output_dir``/rank.<R>/ (made if
@@ -243,7 +278,8 @@ class Rank:
         """Start the rank; its lines go to ``out`` and ``err`` prefixed with
         ``[R]<stdout>:``/``[R]<stderr>:``, and, with ``output_dir``, the same lines to
         ``output_dir``/rank.<R>/stdout and stderr too (R padded to the width of
-        ``size - 1``; ``size``: the slot's, else 1). The relay threads close the files."""
+        ``size - 1``; ``size``: the slot's, else 1). The launcher's one relay thread
+        (:func:`perseus.runner.pump.pump`) closes the files."""
         size = size or getattr(self.slot, "size", None) or 1
         if not self.remote and shutil.which(self.argv[0], path=self.env.get("PATH")) is None:
             # What Popen would say without the guard in between.
@@ -268,12 +304,8 @@ class Rank:
         for stream, sink, tag in ((self.proc.stdout, out, "stdout"),
                                   (self.proc.stderr, err, "stderr")):
             prefix = f"[{self.slot.rank}]<{tag}>:".encode()
-            t = threading.Thread(target=_relay,
-                                 args=(stream, sink, prefix, lock, self.timestamps,
-                                       files.get(tag)),
-                                 daemon=True)
-            t.start()
-            self._threads.append(t)
+            self._relayed.append(_pump.pump().relay(stream, sink, prefix, lock,
+                                                    self.timestamps, files.get(tag)))
 
     def signal_group(self, sig):
         """Send ``sig`` to the rank's process group; False when the group is gone."""
@@ -294,10 +326,11 @@ class Rank:
                 pass
 
     def close(self, timeout=2.0):
+        """Hangs up, then waits at most ``timeout`` seconds for the output to be relayed."""
         self.hang_up()
         deadline = time.monotonic() + timeout
-        for t in self._threads:
-            t.join(max(0.0, deadline - time.monotonic()))
+        for done in self._relayed:
+            done.wait(max(0.0, deadline - time.monotonic()))
 
 
 class _TextSink:
@@ -318,32 +351,6 @@ def byte_sink(stream):
     """Where the rank's output bytes go for text stream ``stream``: its byte buffer,
     or, where it has none (Jupyter's output), the stream itself, the bytes decoded."""
     return getattr(stream, "buffer", None) or _TextSink(stream)
-
-
-def _relay(stream, sink, prefix, lock, timestamps=False, copy=None):
-    """Relay ``stream``'s lines to ``sink`` (under ``lock``), each with ``prefix`` (and
-    the time), and the same lines to ``copy``, a file of ``--output-filename``, which is
-    closed at the end."""
-    with stream, copy or contextlib.nullcontext():
-        for line in iter(stream.readline, b""):
-            if not line.endswith(b"\n"):
-                line += b"\n"
-            if timestamps:
-                line = time.asctime().encode() + prefix + line
-            else:
-                line = prefix + line
-            if copy is not None:
-                try:
-                    copy.write(line)
-                    copy.flush()
-                except (OSError, ValueError):
-                    pass  # a full disk: the terminal still gets the line
-            with lock:
-                try:
-                    sink.write(line)
-                    sink.flush()
-                except (OSError, ValueError):
-                    pass  # the terminal went away: keep draining so the rank never blocks
 
 
 class FlightWatch:
@@ -516,6 +523,7 @@ class Job(Launcher):
         self.failed = None
 
     def _run(self):
+        raise_open_files()
         if self.output_dir:
             os.makedirs(self.output_dir, exist_ok=True)
         for r in self.ranks:
@@ -524,9 +532,9 @@ class Job(Launcher):
                         size=len(self.ranks))
             except OSError as e:
                 self._say(f"cannot start rank {r.slot.rank} ({shlex.join(r.argv)}): "
-                          f"{e.strerror or e}; stopping the job")
+                          f"{start_error(e)}; stopping the job")
                 return 127
-            threading.Thread(target=self._wait, args=(r,), daemon=True).start()
+            _pump.pump().watch(r.proc, functools.partial(self._ended, r))
         watch = None
         if self.checked_in is not None and self.start_timeout:
             watch = StartWatch([r.slot for r in self.ranks], self.checked_in,
@@ -561,8 +569,8 @@ class Job(Launcher):
                 return exit_status(code)
         return 0
 
-    def _wait(self, rank):
-        self._events.put((rank, rank.proc.wait()))
+    def _ended(self, rank, code):
+        self._events.put((rank, code))
 
     def _teardown(self):
         teardown(self.ranks, self.grace)
