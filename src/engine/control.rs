@@ -354,6 +354,11 @@ fn broken(e: &PerseusError) -> String {
     }
 }
 
+/// The shortest time a relay holds requests for its other children's
+/// ([`Uplink::hold`]). Holding costs no time when every rank asks for the same names,
+/// since rank 0 cannot answer a name before the last rank's request arrives.
+const RELAY_HOLD: Duration = Duration::from_millis(5);
+
 /// Frame kind of requests a relay passes up for the ranks below it: (origin rank,
 /// that rank's batch as it sent it), each.
 const FRAME_RELAYED: u16 = 0x304;
@@ -371,6 +376,8 @@ struct Child {
     stream: Option<Stream>,
     /// No rank below it: it gets plain batches of its own responses.
     leaf: bool,
+    /// It sent requests since the relay last passed its children's up.
+    heard: bool,
 }
 
 /// How this rank's engine reaches the coordinator: rank 0 runs it, any other rank
@@ -387,6 +394,14 @@ pub struct Uplink {
     children: Vec<Child>,
     /// Each rank below this one: the index of the child whose subtree holds it.
     route: HashMap<usize, usize>,
+    /// A relay's children's requests not passed up yet, and since when the oldest waits.
+    held: Vec<(u32, Vec<u8>)>,
+    held_since: Option<Instant>,
+    /// How long a relay holds its own and its children's requests for the rest of
+    /// them to come ([`RELAY_HOLD`], or HOROVOD_CYCLE_TIME if longer): it passes them
+    /// up in one frame once every child has sent since the last, or once this passed.
+    /// So rank 0 hears about a frame a child a step, not a frame a rank.
+    hold: Duration,
 }
 
 /// Encodes requests a relay passes up: (origin rank, its batch's payload), each.
@@ -489,7 +504,12 @@ impl Uplink {
     /// Takes over the control streams of [`crate::transport::connect_mesh`]; `coord`
     /// serves on rank 0 only. `timeout`: how long a write may find no room before the
     /// peer counts as gone.
-    pub fn new(control: Control, coord: Coordinator, timeout: Duration) -> std::io::Result<Uplink> {
+    pub fn new(
+        control: Control,
+        coord: Coordinator,
+        timeout: Duration,
+        hold: Duration,
+    ) -> std::io::Result<Uplink> {
         let mut route = HashMap::new();
         let mut children = Vec::with_capacity(control.children.len());
         for (i, (rank, below, sock)) in control.children.into_iter().enumerate() {
@@ -500,6 +520,7 @@ impl Uplink {
                 rank,
                 stream: Some(Stream::new(sock, timeout)?),
                 leaf: below.len() == 1,
+                heard: false,
             });
         }
         let parent = match control.parent {
@@ -513,6 +534,9 @@ impl Uplink {
             parent,
             children,
             route,
+            held: Vec::new(),
+            held_since: None,
+            hold: hold.max(RELAY_HOLD),
         })
     }
 
@@ -576,7 +600,10 @@ impl Uplink {
                 Ok(items)
             });
             match parsed {
-                Ok(items) if relay => up.extend(items),
+                Ok(items) if relay => {
+                    child.heard |= !items.is_empty();
+                    up.extend(items);
+                }
                 Ok(items) => {
                     for (origin, p) in items {
                         match decode_requests(&p) {
@@ -592,7 +619,11 @@ impl Uplink {
             }
         }
         if relay {
-            self.pass_up(FRAME_RELAYED, &up, encode_relayed);
+            if !up.is_empty() && self.held.is_empty() {
+                self.held_since = Some(Instant::now());
+            }
+            self.held.extend(up);
+            self.pass_held(false);
             self.pass_up(FRAME_GONE, &gone, encode_gone);
         } else {
             got.extend(
@@ -645,6 +676,30 @@ impl Uplink {
         }
     }
 
+    /// A relay: passes its children's held requests up in one frame once every child
+    /// still there has sent since the last, or the oldest has waited [`Uplink::hold`]
+    /// (`now`: whatever the wait).
+    fn pass_held(&mut self, now: bool) {
+        if self.held.is_empty() {
+            return;
+        }
+        let all = self.children.iter().all(|c| c.heard || c.stream.is_none());
+        let due = self.held_since.is_some_and(|t| t.elapsed() >= self.hold);
+        if !(now || all || due) {
+            return;
+        }
+        let held = std::mem::take(&mut self.held);
+        self.held_since = None;
+        self.children.iter_mut().for_each(|c| c.heard = false);
+        self.pass_up(FRAME_RELAYED, &held, encode_relayed);
+    }
+
+    /// How long until held requests must go up (None: none held).
+    pub fn hold_due(&self) -> Option<Duration> {
+        self.held_since
+            .map(|t| self.hold.saturating_sub(t.elapsed()))
+    }
+
     /// Reports child `rank` gone (`why`) to the parent (a relay's loss of a child).
     pub fn report_gone(&mut self, rank: usize, why: &str) {
         self.pass_up(FRAME_GONE, &[(rank as u32, why.to_string())], encode_gone);
@@ -690,7 +745,19 @@ impl Uplink {
     /// Queues this rank's own requests for its parent; an error when the stream is
     /// gone or failed at once (rank 0 may be in a collective with this rank, so it is
     /// never waited for).
+    ///
+    /// A relay holds them with its children's, to go up in the same frame.
     pub fn post_requests(&mut self, wire: &[WireRequest]) -> std::result::Result<(), String> {
+        if !self.children.is_empty() && matches!(self.parent, Some((_, Some(_)))) {
+            if self.held.is_empty() {
+                self.held_since = Some(Instant::now());
+            }
+            for part in in_parts(wire, FRAME_BYTES, encode_requests) {
+                self.held.push((self.me as u32, part));
+            }
+            self.pass_held(false);
+            return Ok(());
+        }
         match &mut self.parent {
             Some((_, Some(s))) => s
                 .post_batch(FRAME_REQUESTS, wire, encode_requests)
@@ -746,6 +813,11 @@ impl Uplink {
     /// at once when it already holds something). Without an inbox, callers'
     /// pushes cost them no wake-up system call.
     pub fn sleep<T>(&self, inbox: Option<&Inbox<T>>, timeout: Option<Duration>) {
+        // Held requests go up on time whatever the caller waits for.
+        let timeout = match (timeout, self.hold_due()) {
+            (Some(t), Some(h)) => Some(t.min(h)),
+            (t, h) => t.or(h),
+        };
         let streams: Vec<&Stream> = self.streams().collect();
         // Frames a send read early are not on the socket any more: no waiting for them.
         if streams.iter().any(|s| s.pending()) {

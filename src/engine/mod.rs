@@ -240,7 +240,7 @@ impl Engine {
             .with_autotune(tuner)
             .with_stall_limits(config.stall);
         let lane = CallerLane::new(parts.mesh.lane(), &config, t.size);
-        let uplink = Uplink::new(parts.control, coord, config.timeout)?;
+        let uplink = Uplink::new(parts.control, coord, config.timeout, config.cycle_time)?;
         let state = State::new(parts.mesh, uplink, inbox.clone(), shared.clone(), &config);
         let (on_panic, inbox_of_thread) = (shared.clone(), inbox.clone());
         let core = config.thread_affinity;

@@ -223,6 +223,14 @@ impl Want {
         }
     }
 
+    /// How many of its keys are not published yet.
+    fn absent(&self, map: &HashMap<String, Vec<u8>>) -> usize {
+        match self {
+            Want::One(k) => usize::from(!map.contains_key(k)),
+            Want::Range { .. } => self.keys().iter().filter(|k| !map.contains_key(*k)).count(),
+        }
+    }
+
     /// Why it timed out: the keys still missing (the first few).
     fn missing(&self, map: &HashMap<String, Vec<u8>>, wait: Duration) -> String {
         let keys = self.keys();
@@ -245,8 +253,8 @@ impl Want {
 enum Answer {
     /// Send this frame.
     Reply(u16, Vec<u8>),
-    /// Wait for these keys, at most this long.
-    Wait(Want, Duration),
+    /// Wait for these keys, at most this long; so many are not published yet.
+    Wait(Want, Duration, usize),
     /// Refuse it with this message.
     Refuse(String),
 }
@@ -279,7 +287,7 @@ fn answer(
                 let wait = Duration::from_millis(r.u64()?).min(max_wait);
                 match want.answer(map) {
                     Some((k, body)) => Answer::Reply(k, body),
-                    None => Answer::Wait(want, wait),
+                    None => Answer::Wait(want, wait, 1),
                 }
             }
             kind::GET_RANGE => {
@@ -297,15 +305,29 @@ fn answer(
                     start,
                     count,
                 };
-                match want.answer(map) {
-                    Some((k, body)) => Answer::Reply(k, body),
-                    None => Answer::Wait(want, wait),
+                match want.absent(map) {
+                    0 => want.answer(map).map_or_else(
+                        || Answer::Refuse("keys vanished".into()),
+                        |(k, b)| Answer::Reply(k, b),
+                    ),
+                    absent => Answer::Wait(want, wait, absent),
                 }
             }
             other => Answer::Refuse(format!("unknown request kind {other}")),
         })
     })();
     parsed.unwrap_or_else(|e| Answer::Refuse(e.to_string()))
+}
+
+/// A request that waits for keys.
+struct Waiting {
+    want: Want,
+    /// Until when, and how long that is.
+    until: Instant,
+    wait: Duration,
+    /// How many of its keys were not published yet, as far as fresh keys told: at 0 it
+    /// is answered (or counted again, when the count ran ahead).
+    absent: usize,
 }
 
 /// One proven client.
@@ -320,8 +342,8 @@ struct Client {
     out: Vec<u8>,
     written: usize,
     out_since: Instant,
-    /// The request it waits on, and until when.
-    waiting: Option<(Want, Instant, Duration)>,
+    /// The request it waits on.
+    waiting: Option<Waiting>,
     /// Set when it is to be closed, with why (None: it left).
     closed: Option<Option<String>>,
 }
@@ -423,8 +445,8 @@ impl Server {
             if c.written < c.out.len() {
                 times.push(c.out_since + REQUEST_TIME);
             }
-            if let Some((_, until, _)) = &c.waiting {
-                times.push(*until);
+            if let Some(w) = &c.waiting {
+                times.push(w.until);
             }
             for t in times {
                 let d = t.saturating_duration_since(now);
@@ -513,8 +535,13 @@ impl Server {
                 match a {
                     Answer::Reply(rk, body) => c.queue(rk, &body),
                     Answer::Refuse(msg) => c.queue(kind::ERR, msg.as_bytes()),
-                    Answer::Wait(want, wait) => {
-                        c.waiting = Some((want, Instant::now() + wait, wait));
+                    Answer::Wait(want, wait, absent) => {
+                        c.waiting = Some(Waiting {
+                            want,
+                            until: Instant::now() + wait,
+                            wait,
+                            absent,
+                        });
                     }
                 }
             }
@@ -528,13 +555,20 @@ impl Server {
     fn published(&mut self, key: &str) {
         let map = self.shared.map.lock().unwrap();
         for c in &mut self.clients {
-            let ready = match &c.waiting {
-                Some((want, ..)) if want.covers(key) => want.answer(&map),
-                _ => None,
-            };
-            if let Some((k, body)) = ready {
-                c.waiting = None;
-                c.queue(k, &body);
+            let Some(w) = &mut c.waiting else { continue };
+            if !w.want.covers(key) {
+                continue;
+            }
+            w.absent = w.absent.saturating_sub(1);
+            if w.absent > 0 {
+                continue;
+            }
+            match w.want.answer(&map) {
+                Some((k, body)) => {
+                    c.waiting = None;
+                    c.queue(k, &body);
+                }
+                None => w.absent = w.want.absent(&map),
             }
         }
     }
@@ -552,9 +586,9 @@ impl Server {
             if c.written < c.out.len() && now >= c.out_since + REQUEST_TIME {
                 c.close(Some(format!("it took no answer for {REQUEST_TIME:?}")));
             }
-            if let Some((want, until, wait)) = &c.waiting {
-                if now >= *until {
-                    let msg = want.missing(&map, *wait);
+            if let Some(w) = &c.waiting {
+                if now >= w.until {
+                    let msg = w.want.missing(&map, w.wait);
                     c.waiting = None;
                     c.queue(kind::ERR, msg.as_bytes());
                 }
@@ -576,7 +610,8 @@ pub fn fuzz_request(k: u16, payload: &[u8]) {
     let mut map = HashMap::new();
     let mut fresh = None;
     for kind in [k, kind::GET, kind::GET_RANGE] {
-        if let Answer::Wait(want, _) = answer(&mut map, kind, payload, Duration::ZERO, &mut fresh) {
+        if let Answer::Wait(want, ..) = answer(&mut map, kind, payload, Duration::ZERO, &mut fresh)
+        {
             let _ = want.missing(&map, Duration::ZERO);
         }
     }
