@@ -395,7 +395,7 @@ pub struct Uplink {
     /// Each rank below this one: the index of the child whose subtree holds it.
     route: HashMap<usize, usize>,
     /// A relay's children's requests not passed up yet, and since when the oldest waits.
-    held: Vec<(u32, Vec<u8>)>,
+    held: Vec<Relayed>,
     held_since: Option<Instant>,
     /// How long a relay holds its own and its children's requests for the rest of
     /// them to come ([`RELAY_HOLD`], or HOROVOD_CYCLE_TIME if longer): it passes them
@@ -404,25 +404,85 @@ pub struct Uplink {
     hold: Duration,
 }
 
-/// Encodes requests a relay passes up: (origin rank, its batch's payload), each.
-fn encode_relayed(items: &[(u32, Vec<u8>)]) -> Vec<u8> {
+/// A batch of requests as a relay passes it up: the ranks that sent this same batch
+/// (ascending), and its payload as they sent it.
+type Relayed = (Vec<usize>, Vec<u8>);
+
+/// Writes ascending ranks as runs: a count, then (start, length) each.
+fn write_runs(w: &mut Writer, ranks: &[usize]) {
+    let mut runs: Vec<(u32, u32)> = Vec::new();
+    for &r in ranks {
+        match runs.last_mut() {
+            Some((s, l)) if (*s + *l) as usize == r => *l += 1,
+            _ => runs.push((r as u32, 1)),
+        }
+    }
+    w.u32(runs.len() as u32);
+    for (s, l) in runs {
+        w.u32(s).u32(l);
+    }
+}
+
+/// Reads what [`write_runs`] wrote, each rank below `size`.
+fn read_runs(r: &mut Reader<'_>, size: usize) -> Result<Vec<usize>> {
+    let runs = r.u32()? as usize;
+    let mut ranks = Vec::new();
+    for _ in 0..runs {
+        let (s, l) = (r.u32()? as usize, r.u32()? as usize);
+        if s.checked_add(l).map_or(true, |e| e > size) {
+            return Err(PerseusError::Protocol(format!(
+                "ranks {s}..{} of a job of {size}",
+                s.saturating_add(l)
+            )));
+        }
+        ranks.extend(s..s + l);
+    }
+    Ok(ranks)
+}
+
+/// Encodes requests a relay passes up: each distinct batch once, with its ranks.
+fn encode_relayed(items: &[Relayed]) -> Vec<u8> {
     let mut w = Writer::new();
     w.u32(items.len() as u32);
-    for (origin, payload) in items {
-        w.u32(*origin).bytes(payload);
+    for (origins, payload) in items {
+        write_runs(&mut w, origins);
+        w.bytes(payload);
     }
     w.0
 }
 
-fn decode_relayed(buf: &[u8]) -> Result<Vec<(u32, Vec<u8>)>> {
+fn decode_relayed(buf: &[u8], size: usize) -> Result<Vec<Relayed>> {
     let mut r = Reader::new(buf);
     let n = r.u32()? as usize;
     let mut out = Vec::with_capacity(n.min(4096));
     for _ in 0..n {
-        out.push((r.u32()?, r.bytes()?.to_vec()));
+        let origins = read_runs(&mut r, size)?;
+        out.push((origins, r.bytes()?.to_vec()));
     }
     r.finish()?;
     Ok(out)
+}
+
+/// Merges batches that are the same bytes into one item with all their ranks, in the
+/// order each first came: in a steady step every rank below a relay sends the same
+/// cached ids, which then go up once.
+fn merge_relayed(items: Vec<Relayed>) -> Vec<Relayed> {
+    let mut out: Vec<Relayed> = Vec::new();
+    let mut at: HashMap<Vec<u8>, usize> = HashMap::new();
+    for (origins, payload) in items {
+        match at.get(&payload) {
+            Some(&i) => out[i].0.extend(origins),
+            None => {
+                at.insert(payload.clone(), out.len());
+                out.push((origins, payload));
+            }
+        }
+    }
+    for (origins, _) in &mut out {
+        origins.sort_unstable();
+        origins.dedup();
+    }
+    out
 }
 
 /// A response and the ranks it is for.
@@ -433,17 +493,7 @@ fn encode_routed(items: &[Routed]) -> Vec<u8> {
     let mut w = Writer::new();
     w.u32(items.len() as u32);
     for (resp, ranks) in items {
-        let mut runs: Vec<(u32, u32)> = Vec::new();
-        for &r in ranks {
-            match runs.last_mut() {
-                Some((s, l)) if (*s + *l) as usize == r => *l += 1,
-                _ => runs.push((r as u32, 1)),
-            }
-        }
-        w.u32(runs.len() as u32);
-        for (s, l) in runs {
-            w.u32(s).u32(l);
-        }
+        write_runs(&mut w, ranks);
         w.bytes(&encode_responses(std::slice::from_ref(resp)));
     }
     w.0
@@ -454,18 +504,7 @@ fn decode_routed(buf: &[u8], size: usize) -> Result<Vec<Routed>> {
     let n = r.u32()? as usize;
     let mut out = Vec::with_capacity(n.min(4096));
     for _ in 0..n {
-        let runs = r.u32()? as usize;
-        let mut ranks = Vec::new();
-        for _ in 0..runs {
-            let (s, l) = (r.u32()? as usize, r.u32()? as usize);
-            if s.checked_add(l).map_or(true, |e| e > size) {
-                return Err(PerseusError::Protocol(format!(
-                    "routed response for ranks {s}..{} of {size}",
-                    s.saturating_add(l)
-                )));
-            }
-            ranks.extend(s..s + l);
-        }
+        let ranks = read_runs(&mut r, size)?;
         let mut resps = decode_responses(r.bytes()?)?;
         match (resps.pop(), resps.is_empty()) {
             (Some(resp), true) => out.push((resp, ranks)),
@@ -576,9 +615,10 @@ impl Uplink {
     /// down (whole, before this rank acts on any of them).
     pub fn receive(&mut self) -> Vec<Incoming> {
         let mut got = Vec::new();
-        let mut up: Vec<(u32, Vec<u8>)> = Vec::new();
+        let mut up: Vec<Relayed> = Vec::new();
         let mut gone: Vec<(u32, String)> = Vec::new();
         let relay = self.coord.is_none();
+        let size = self.size;
         for i in 0..self.children.len() {
             let child = &mut self.children[i];
             let Some(s) = &mut child.stream else { continue };
@@ -588,8 +628,8 @@ impl Uplink {
                 let mut items = Vec::new();
                 for (k, p) in fs {
                     match k {
-                        FRAME_REQUESTS => items.push((rank as u32, p)),
-                        FRAME_RELAYED => items.extend(decode_relayed(&p)?),
+                        FRAME_REQUESTS => items.push((vec![rank], p)),
+                        FRAME_RELAYED => items.extend(decode_relayed(&p, size)?),
                         _ => {
                             for (r, why) in decode_gone(&p)? {
                                 gone.push((r, why));
@@ -605,10 +645,18 @@ impl Uplink {
                     up.extend(items);
                 }
                 Ok(items) => {
-                    for (origin, p) in items {
+                    for (origins, p) in items {
                         match decode_requests(&p) {
-                            Ok(reqs) => got.push(Incoming::Requests(origin as usize, reqs)),
-                            Err(e) => got.push(Incoming::Lost(origin as usize, e.to_string())),
+                            Ok(reqs) => got.extend(
+                                origins
+                                    .into_iter()
+                                    .map(|o| Incoming::Requests(o, reqs.clone())),
+                            ),
+                            Err(e) => {
+                                got.extend(origins.into_iter().map(|o| {
+                                    Incoming::Lost(o, e.to_string())
+                                }))
+                            }
                         }
                     }
                 }
@@ -636,7 +684,6 @@ impl Uplink {
             let frames = s.receive(&[FRAME_RESPONSES, FRAME_ROUTED]);
             let mut mine = Vec::new();
             let mut routed = Vec::new();
-            let size = self.size;
             let parsed = frames.and_then(|fs| {
                 for (k, p) in fs {
                     if k == FRAME_RESPONSES {
@@ -688,7 +735,7 @@ impl Uplink {
         if !(now || all || due) {
             return;
         }
-        let held = std::mem::take(&mut self.held);
+        let held = merge_relayed(std::mem::take(&mut self.held));
         self.held_since = None;
         self.children.iter_mut().for_each(|c| c.heard = false);
         self.pass_up(FRAME_RELAYED, &held, encode_relayed);
@@ -753,7 +800,7 @@ impl Uplink {
                 self.held_since = Some(Instant::now());
             }
             for part in in_parts(wire, FRAME_BYTES, encode_requests) {
-                self.held.push((self.me as u32, part));
+                self.held.push((vec![self.me], part));
             }
             self.pass_held(false);
             return Ok(());
@@ -935,5 +982,33 @@ mod tests {
             "{why}"
         );
         assert_eq!(a.written, HEADER, "one ping, not one a look");
+    }
+
+    #[test]
+    fn a_relay_sends_the_same_batch_of_many_ranks_once_with_their_ranks() {
+        let same = encode_requests(&[WireRequest::Cached(3), WireRequest::Cached(4)]);
+        let other = encode_requests(&[WireRequest::Cached(9)]);
+        let items = vec![
+            (vec![7], same.clone()),
+            (vec![9, 10], other.clone()),
+            (vec![3, 4, 5], same.clone()),
+            (vec![8], same.clone()),
+        ];
+        let merged = merge_relayed(items);
+        assert_eq!(
+            merged,
+            vec![(vec![3, 4, 5, 7, 8], same.clone()), (vec![9, 10], other.clone())]
+        );
+        // On the wire: each distinct batch once, its ranks as runs.
+        let wire = encode_relayed(&merged);
+        assert!(wire.len() < 2 * (same.len() + other.len()) + 64, "{}", wire.len());
+        assert_eq!(decode_relayed(&wire, 11).unwrap(), merged);
+        assert!(decode_relayed(&wire, 10).is_err(), "rank 10 of a job of 10");
+        // Routed responses keep their ranks the same way.
+        let resp = Response::Abort {
+            message: "x".into(),
+        };
+        let routed = vec![(resp, vec![0, 1, 2, 5])];
+        assert_eq!(decode_routed(&encode_routed(&routed), 6).unwrap(), routed);
     }
 }

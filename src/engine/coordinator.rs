@@ -11,11 +11,14 @@ use super::outgoing::Outgoing;
 use crate::config::StallLimits;
 use crate::plan::Plan;
 use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 struct Pending {
     seq: u64,
-    reqs: Vec<Option<Request>>,
+    /// Each member's request (shared with the response cache and between members
+    /// that sent the same cached id: a step of cached requests allocates nothing).
+    reqs: Vec<Option<Arc<Request>>>,
     /// Members it still waits for: no request from them, and neither joined nor shut
     /// down. Kept as requests, joins and shutdowns come, so that finding the ready
     /// names costs a look at each, not at each member of each.
@@ -102,7 +105,7 @@ pub struct Coordinator {
     next_set_id: u32,
     seq: u64,
     shut: Vec<bool>,
-    cache: Vec<Request>,
+    cache: Vec<Arc<Request>>,
     cache_index: HashMap<(u32, String), u32>,
     cache_capacity: usize,
     offline: Option<Box<Detector>>,
@@ -226,14 +229,14 @@ impl Coordinator {
         let mut full = Vec::with_capacity(reqs.len());
         for r in reqs {
             match r {
-                WireRequest::Full(r) => full.push(r),
+                WireRequest::Full(r) => full.push(Arc::new(r)),
                 WireRequest::Cached(id) => match self.cache.get((id as usize).wrapping_sub(1)) {
                     Some(r) => full.push(r.clone()),
                     None => return self.disconnect(rank, &format!("sent unknown cache id {id}")),
                 },
             }
         }
-        self.submit(rank, full)
+        self.submit_shared(rank, full)
     }
 
     /// Changes the largest fused buffer for responses formed from now on.
@@ -263,6 +266,11 @@ impl Coordinator {
 
     /// Takes a batch of requests from `rank` and returns what to send.
     pub fn submit(&mut self, rank: usize, reqs: Vec<Request>) -> Outgoing {
+        self.submit_shared(rank, reqs.into_iter().map(Arc::new).collect())
+    }
+
+    /// [`Coordinator::submit`] of requests that may be shared with the cache.
+    fn submit_shared(&mut self, rank: usize, reqs: Vec<Arc<Request>>) -> Outgoing {
         let mut out = Outgoing::new();
         for req in reqs {
             if req.kind == OpKind::OfflineAck {
@@ -318,16 +326,20 @@ impl Coordinator {
             self.seq += 1;
             let seq = self.seq;
             let (joined, members, shut) = (&set.joined, &set.members, &self.shut);
-            let p = set
-                .pending
-                .entry(req.name.clone())
-                .or_insert_with(|| Pending {
-                    seq,
-                    reqs: vec![None; n],
-                    waiting: (0..n).filter(|&i| !joined[i] && !shut[members[i]]).count(),
-                    since: Instant::now(),
-                    warned: false,
-                });
+            // The name is cloned only where it is new.
+            if !set.pending.contains_key(&req.name) {
+                set.pending.insert(
+                    req.name.clone(),
+                    Pending {
+                        seq,
+                        reqs: vec![None; n],
+                        waiting: (0..n).filter(|&i| !joined[i] && !shut[members[i]]).count(),
+                        since: Instant::now(),
+                        warned: false,
+                    },
+                );
+            }
+            let p = set.pending.get_mut(&req.name).expect("inserted");
             if p.reqs[idx].is_none() && !set.joined[idx] && !self.shut[rank] {
                 p.waiting -= 1;
             }
@@ -618,7 +630,7 @@ fn decide(
     ps: u32,
     set: &SetState,
     name: &str,
-    reqs: Vec<Option<Request>>,
+    reqs: Vec<Option<Arc<Request>>>,
     shut: &[bool],
 ) -> Response {
     let fail = |message: String| Response::Error {
@@ -629,7 +641,7 @@ fn decide(
     let present: Vec<(usize, &Request)> = reqs
         .iter()
         .enumerate()
-        .filter_map(|(i, r)| r.as_ref().map(|r| (i, r)))
+        .filter_map(|(i, r)| r.as_deref().map(|r| (i, r)))
         .collect();
     let (i0, first) = present[0];
     let g = |i: usize| set.members[i];
@@ -643,7 +655,13 @@ fn decide(
             first.kind.name()
         ));
     }
-    for &(i, r) in &present[1..] {
+    // Members that sent the same cached request share it: nothing to compare.
+    let differ: Vec<(usize, &Request)> = present[1..]
+        .iter()
+        .copied()
+        .filter(|&(_, r)| !std::ptr::eq(r, first))
+        .collect();
+    for &(i, r) in &differ {
         if r.kind != first.kind {
             return fail(format!(
                 "Mismatched operations for '{name}': rank {} requested {}, rank {} requested {}",
@@ -666,7 +684,7 @@ fn decide(
             kind.name()
         ));
     }
-    for &(i, r) in &present[1..] {
+    for &(i, r) in &differ {
         let mismatch = |what: &str, a: String, b: String| {
             fail(format!(
                 "Mismatched {} {what} for '{name}': rank {} sent {a}, rank {} sent {b}",

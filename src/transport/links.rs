@@ -10,8 +10,9 @@
 //! peer is under way ([`HELLO_CROSSED`]), and the loser takes the winner's connection
 //! from its acceptor. A pair of ranks on one host gets a pair of shared-memory rings
 //! from the dialer's share of the host's segment, named in the hello, beside one idle
-//! TCP stream that shows the peer's death; a pair across hosts gets
-//! `PERSEUS_ALLREDUCE_STREAMS` TCP streams.
+//! TCP stream that shows the peer's death; a pair across hosts gets one TCP stream,
+//! and its other `PERSEUS_ALLREDUCE_STREAMS` streams when a striped collective first
+//! uses them ([`Table::link_stream`]).
 
 use super::shm::Segment;
 use super::Link;
@@ -112,6 +113,8 @@ pub(super) struct Table {
     pub control: Mutex<Vec<Option<TcpStream>>>,
     /// Peers linked so far.
     linked: std::sync::atomic::AtomicUsize,
+    /// Held while this rank dials a pair's stream other than the first.
+    extra_dials: Mutex<()>,
     reach: Reach,
 }
 
@@ -127,6 +130,7 @@ impl Table {
             changed: Condvar::new(),
             control: Mutex::new((0..n).map(|_| None).collect()),
             linked: std::sync::atomic::AtomicUsize::new(0),
+            extra_dials: Mutex::new(()),
             reach,
         }
     }
@@ -148,13 +152,70 @@ impl Table {
         self.reach.me
     }
 
-    /// True when every stream to `peer` is there.
+    /// True when stream 0 to `peer` is there.
     fn linked(&self, peer: usize) -> bool {
-        (0..self.reach.streams[peer]).all(|s| self.rows[s][peer].get().is_some())
+        self.rows[0][peer].get().is_some()
     }
 
-    /// Makes sure every stream to `peer` exists: dials it, or waits for the crossing
-    /// dial of a higher peer that won.
+    /// Makes sure stream `s` to `peer` exists. Stream 0 first: dialed by whichever rank
+    /// needs it first, or taken from the crossing dial of a higher peer that won. The
+    /// pair's other streams (between hosts, PERSEUS_ALLREDUCE_STREAMS) only once a
+    /// striped collective uses them, each dialed by the rank that dialed stream 0 while
+    /// the other waits for it: both run the stripe on that stream at once.
+    pub fn link_stream(&self, peer: usize, s: usize) -> Result<()> {
+        self.link(peer)?;
+        if s == 0 || self.rows[s][peer].get().is_some() {
+            return Ok(());
+        }
+        if s >= self.reach.streams[peer] {
+            return Err(PerseusError::InvalidArgument(format!(
+                "no stream {s} to rank {peer}"
+            )));
+        }
+        let me = self.reach.me;
+        let winner = match self.pairs.lock().unwrap()[peer] {
+            Pair::Won(d) => d,
+            _ => me,
+        };
+        if winner == me {
+            let _one = self.extra_dials.lock().unwrap();
+            if self.rows[s][peer].get().is_none() {
+                let r = &self.reach;
+                let fields = hello(me, CHANNEL_DATA, s, NO_SLOT);
+                match dial(&r.addrs[peer], peer, &r.secret, &fields, r.timeout)? {
+                    Dialed::Admitted(c) => {
+                        let link = self.make_link(peer, c, None, true)?;
+                        self.store(s, peer, link);
+                        self.changed.notify_all();
+                    }
+                    Dialed::Crossed => {
+                        return Err(PerseusError::Protocol(format!(
+                            "rank {peer} refused stream {s} of a pair this rank dialed"
+                        )))
+                    }
+                }
+            }
+            return Ok(());
+        }
+        let deadline = Instant::now() + self.reach.timeout;
+        let mut pairs = self.pairs.lock().unwrap();
+        while self.rows[s][peer].get().is_none() {
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(PerseusError::Peer(format!(
+                    "rank {peer} did not open stream {s} to rank {me} within {:?} \
+                     (GLOO_TIMEOUT_SECONDS)",
+                    self.reach.timeout
+                )));
+            }
+            let wait = (deadline - now).min(Duration::from_millis(100));
+            pairs = self.changed.wait_timeout(pairs, wait).unwrap().0;
+        }
+        Ok(())
+    }
+
+    /// Makes sure stream 0 to `peer` exists: dials it, or waits for the crossing dial
+    /// of a higher peer that won.
     pub fn link(&self, peer: usize) -> Result<()> {
         if peer >= self.reach.addrs.len() || peer == self.reach.me {
             return Err(PerseusError::InvalidArgument(format!(
@@ -171,7 +232,7 @@ impl Table {
                 Pair::Idle => {
                     pairs[peer] = Pair::Dialing;
                     drop(pairs);
-                    let dialed = self.dial_all(peer);
+                    let dialed = self.dial_first(peer);
                     pairs = self.pairs.lock().unwrap();
                     match dialed {
                         Ok(true) => pairs[peer] = Pair::Won(self.reach.me),
@@ -210,28 +271,21 @@ impl Table {
         }
     }
 
-    /// Dials every stream to `peer`. Ok(false): the peer refused because its own dial
-    /// crossed this one and wins.
-    fn dial_all(&self, peer: usize) -> Result<bool> {
+    /// Dials stream 0 to `peer` (with a ring slot where it shares this host). Ok(false):
+    /// the peer refused because its own dial crossed this one and wins.
+    fn dial_first(&self, peer: usize) -> Result<bool> {
         let r = &self.reach;
         let slot = match &r.host {
             Some(h) if h.member[peer].is_some() => h.take_slot(r.me),
             _ => None,
         };
-        for s in 0..r.streams[peer] {
-            let fields = hello(
-                r.me,
-                CHANNEL_DATA,
-                s,
-                slot.filter(|_| s == 0).unwrap_or(NO_SLOT),
-            );
-            let conn = match dial(&r.addrs[peer], peer, &r.secret, &fields, r.timeout)? {
-                Dialed::Admitted(c) => c,
-                Dialed::Crossed => return Ok(false),
-            };
-            let link = self.make_link(peer, conn, slot.filter(|_| s == 0), true)?;
-            self.store(s, peer, link);
-        }
+        let fields = hello(r.me, CHANNEL_DATA, 0, slot.unwrap_or(NO_SLOT));
+        let conn = match dial(&r.addrs[peer], peer, &r.secret, &fields, r.timeout)? {
+            Dialed::Admitted(c) => c,
+            Dialed::Crossed => return Ok(false),
+        };
+        let link = self.make_link(peer, conn, slot, true)?;
+        self.store(0, peer, link);
         Ok(true)
     }
 

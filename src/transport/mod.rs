@@ -259,7 +259,9 @@ impl Mesh {
     fn link_all(&self, stream: usize, peers: &[usize]) -> Result<()> {
         for &p in peers {
             if at(&self.table.rows[stream], p).is_none() {
-                self.table.link(p).map_err(|e| self.name_hosts(e, &[p]))?;
+                self.table
+                    .link_stream(p, stream)
+                    .map_err(|e| self.name_hosts(e, &[p]))?;
             }
         }
         Ok(())
