@@ -54,3 +54,22 @@ def test_a_process_without_a_pidfd_is_polled(monkeypatch):
     p.watch(proc, lambda code: (codes.append(code), got.set()))
     assert got.wait(30)
     assert codes == [7]
+
+
+def test_a_launcher_out_of_descriptors_names_the_limit_and_raises_its_own():
+    import errno
+    import resource
+
+    from perseus.runner import job
+
+    why = job.start_error(OSError(errno.EMFILE, "Too many open files"))
+    assert why.startswith("Too many open files: the open-file limit is "), why
+    assert "ulimit -n" in why
+    assert job.start_error(OSError(errno.ENOENT, "No such file")) == "No such file"
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(1024, hard), hard))
+        job.raise_open_files()
+        assert resource.getrlimit(resource.RLIMIT_NOFILE) == (hard, hard)
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

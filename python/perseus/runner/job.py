@@ -144,11 +144,11 @@ def open_files_text():
     return f"the open-file limit is {text(soft)} (hard limit {text(hard)}; ulimit -n)"
 
 
-def start_error(e):
+def start_error(err):
     """Why a rank could not be started (an OSError of Popen), naming the open-file limit
-    when that is what ran out."""
-    why = e.strerror or str(e)
-    if e.errno in (errno.EMFILE, errno.ENFILE):
+    when that is what ran out (by its errno)."""
+    why = err.strerror or str(err)
+    if err.errno == errno.EMFILE or err.errno == errno.ENFILE:
         why = f"{why}: {open_files_text()}"
     return why
 
