@@ -652,11 +652,11 @@ impl Uplink {
                                     .into_iter()
                                     .map(|o| Incoming::Requests(o, reqs.clone())),
                             ),
-                            Err(e) => {
-                                got.extend(origins.into_iter().map(|o| {
-                                    Incoming::Lost(o, e.to_string())
-                                }))
-                            }
+                            Err(e) => got.extend(
+                                origins
+                                    .into_iter()
+                                    .map(|o| Incoming::Lost(o, e.to_string())),
+                            ),
                         }
                     }
                 }
@@ -997,11 +997,18 @@ mod tests {
         let merged = merge_relayed(items);
         assert_eq!(
             merged,
-            vec![(vec![3, 4, 5, 7, 8], same.clone()), (vec![9, 10], other.clone())]
+            vec![
+                (vec![3, 4, 5, 7, 8], same.clone()),
+                (vec![9, 10], other.clone())
+            ]
         );
         // On the wire: each distinct batch once, its ranks as runs.
         let wire = encode_relayed(&merged);
-        assert!(wire.len() < 2 * (same.len() + other.len()) + 64, "{}", wire.len());
+        assert!(
+            wire.len() < 2 * (same.len() + other.len()) + 64,
+            "{}",
+            wire.len()
+        );
         assert_eq!(decode_relayed(&wire, 11).unwrap(), merged);
         assert!(decode_relayed(&wire, 10).is_err(), "rank 10 of a job of 10");
         // Routed responses keep their ranks the same way.
