@@ -293,7 +293,8 @@ def page(result, before=None):
         "needs it (about 2·log2 n peers: the partners of recursive doubling and of the "
         "binomial trees, the ring's neighbours); the rendezvous answers every rank's table "
         "in one request; beyond 16 ranks the control plane is a tree of fan-out 8 along "
-        "the hosts, so rank 0 hears from at most 16 ranks; allreduces of up to 64 KiB "
+        "the hosts, so rank 0 hears from at most 16 ranks, once each for a name all the "
+        "ranks below them asked for; allreduces of up to 64 KiB "
         "among more than 8 ranks take log2 n rounds (recursive doubling), up to 8 MiB "
         "2·log2 n (Rabenseifner's)."),
         "",

@@ -231,6 +231,92 @@ fn steady_state_requests_travel_as_cache_ids() {
     });
 }
 
+/// Beyond the star of the control plane (20 ranks > 16), requests climb a tree to
+/// rank 0: rank 0 hears from its 8 children, ranks 1 and 2 relay for 9-16 and 17-19.
+/// A relay holds a cached name until every rank below it asked, so a steady step
+/// costs rank 0 one frame a child, however the ranks straggle.
+#[test]
+fn a_relay_passes_a_cached_name_up_once_for_all_the_ranks_below_it() {
+    const N: usize = 20;
+    const STEPS: u64 = 30;
+    let step = |e: &Engine, r: usize, s: usize| {
+        let mut v = vec![(r + s) as f32; 64];
+        allreduce(e, "grad", &mut v, ReduceOp::Sum).unwrap();
+        let want = (N * s + N * (N - 1) / 2) as f32;
+        assert!(v.iter().all(|&x| x == want), "rank {r} step {s}: {}", v[0]);
+    };
+    job(N, move |r, e| {
+        for s in 0..3 {
+            step(e, r, s);
+        }
+        let received = |e: &Engine| e.counters()["control_frames_received"];
+        let before = received(e);
+        for s in 3..3 + STEPS as usize {
+            step(e, r, s);
+        }
+        if r == 0 {
+            let frames = received(e) - before;
+            // A step's frames are 8; the window may catch one step more at each end.
+            assert!(
+                frames <= 8 * (STEPS + 2),
+                "{frames} frames in {STEPS} steps"
+            );
+        }
+    });
+}
+
+/// A rank below a relay that joins (hvd.join) is not waited for: the others' steps go
+/// on without it, it contributes zeros, and once everyone joined it is waited for again.
+#[test]
+fn a_rank_below_a_relay_joins_and_the_others_go_on() {
+    const N: usize = 20;
+    const JOINER: usize = 12; // below relay 1
+    job(N, |r, e| {
+        let steps = if r == JOINER { 1 } else { 6 };
+        for s in 0..steps {
+            let mut v = vec![1.0f32; 8];
+            allreduce(e, "grad", &mut v, ReduceOp::Sum).unwrap();
+            let want = if s == 0 { N } else { N - 1 } as f32;
+            assert_eq!(v, vec![want; 8], "rank {r} step {s}");
+        }
+        let h = e
+            .enqueue(Request::new(OpKind::Join, "join", 0), None, None)
+            .unwrap();
+        e.wait(h, || None).unwrap();
+        // After the join every rank takes part again.
+        let mut v = vec![2.0f32; 8];
+        allreduce(e, "grad", &mut v, ReduceOp::Sum).unwrap();
+        assert_eq!(v, vec![2.0 * N as f32; 8], "rank {r} after the join");
+    });
+}
+
+/// A relay holds a cached name for the ranks below it that have not asked, but not for
+/// long: rank 0's stall check names the one rank that never asked, not its relay's
+/// whole subtree.
+#[test]
+fn the_stall_check_names_the_rank_below_a_relay_that_never_asked() {
+    const N: usize = 20;
+    const SILENT: usize = 13; // below relay 1, with 9-12 and 14-16
+    let tweak = |c: &mut Config| c.stall.fail = Some(Duration::from_secs(3));
+    job_with(N, false, tweak, |r, e| {
+        for _ in 0..3 {
+            let mut v = vec![1.0f32; 8];
+            allreduce(e, "grad", &mut v, ReduceOp::Sum).unwrap();
+        }
+        if r == SILENT {
+            std::thread::sleep(Duration::from_secs(5));
+        }
+        let mut v = vec![1.0f32; 8];
+        let err = allreduce(e, "grad", &mut v, ReduceOp::Sum).unwrap_err();
+        let text = err.to_string();
+        assert!(
+            text.contains("'grad' has waited")
+                && text.contains("for ranks [13] (ranks [0-12, 14-19]"),
+            "rank {r}: {text}"
+        );
+    });
+}
+
 #[test]
 fn shared_memory_and_tcp_give_identical_bits() {
     let results = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));

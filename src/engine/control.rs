@@ -5,6 +5,7 @@
 //! beyond the engines' own.
 
 use super::coordinator::Coordinator;
+use super::gather::Gather;
 use super::inbox::Inbox;
 use super::message::{
     decode_requests, decode_responses, encode_requests, encode_responses, in_parts, Response,
@@ -354,9 +355,9 @@ fn broken(e: &PerseusError) -> String {
     }
 }
 
-/// The shortest time a relay holds requests for its other children's
-/// ([`Uplink::hold`]). Holding costs no time when every rank asks for the same names,
-/// since rank 0 cannot answer a name before the last rank's request arrives.
+/// The shortest time a relay holds requests of names not in the response cache for
+/// its other children's ([`Uplink::hold`]): the first step's, and those of kinds never
+/// cached.
 const RELAY_HOLD: Duration = Duration::from_millis(5);
 
 /// Frame kind of requests a relay passes up for the ranks below it: (origin rank,
@@ -394,19 +395,23 @@ pub struct Uplink {
     children: Vec<Child>,
     /// Each rank below this one: the index of the child whose subtree holds it.
     route: HashMap<usize, usize>,
-    /// A relay's children's requests not passed up yet, and since when the oldest waits.
+    /// A relay's requests for cached names, each until every rank below that takes
+    /// part in it asked.
+    gather: Gather,
+    /// A relay's other requests not passed up yet, and since when the oldest waits.
     held: Vec<Relayed>,
     held_since: Option<Instant>,
-    /// How long a relay holds its own and its children's requests for the rest of
-    /// them to come ([`RELAY_HOLD`], or HOROVOD_CYCLE_TIME if longer): it passes them
-    /// up in one frame once every child has sent since the last, or once this passed.
-    /// So rank 0 hears about a frame a child a step, not a frame a rank.
+    /// How long a relay holds its own and its children's requests that are not in
+    /// the response cache for the rest of them to come ([`RELAY_HOLD`], or
+    /// HOROVOD_CYCLE_TIME if longer): it passes them up in one frame once every child
+    /// has sent since the last, or once this passed. (Cached names wait in
+    /// [`Uplink::gather`] for every rank below instead.)
     hold: Duration,
 }
 
 /// A batch of requests as a relay passes it up: the ranks that sent this same batch
 /// (ascending), and its payload as they sent it.
-type Relayed = (Vec<usize>, Vec<u8>);
+type Relayed = super::gather::Gathered;
 
 /// Writes ascending ranks as runs: a count, then (start, length) each.
 fn write_runs(w: &mut Writer, ranks: &[usize]) {
@@ -573,6 +578,7 @@ impl Uplink {
             parent,
             children,
             route,
+            gather: Gather::default(),
             held: Vec::new(),
             held_since: None,
             hold: hold.max(RELAY_HOLD),
@@ -667,11 +673,11 @@ impl Uplink {
             }
         }
         if relay {
-            if !up.is_empty() && self.held.is_empty() {
-                self.held_since = Some(Instant::now());
+            let mut urgent = false;
+            for (origins, payload) in up {
+                urgent |= self.hold_up(origins, payload);
             }
-            self.held.extend(up);
-            self.pass_held(false);
+            self.pass_held(urgent);
             self.pass_up(FRAME_GONE, &gone, encode_gone);
         } else {
             got.extend(
@@ -723,28 +729,58 @@ impl Uplink {
         }
     }
 
-    /// A relay: passes its children's held requests up in one frame once every child
-    /// still there has sent since the last, or the oldest has waited [`Uplink::hold`]
-    /// (`now`: whatever the wait).
-    fn pass_held(&mut self, now: bool) {
+    /// A relay: holds a batch that `origins` sent alike, its requests for cached names
+    /// in [`Uplink::gather`], the rest in [`Uplink::held`]. True when it holds a join
+    /// or shutdown, which goes up at once behind what was held before it.
+    fn hold_up(&mut self, origins: Vec<usize>, payload: Vec<u8>) -> bool {
+        let now = Instant::now();
+        let (rest, urgent) = match decode_requests(&payload) {
+            Ok(reqs) => {
+                let rest = self.gather.offer(&origins, reqs, now);
+                if rest.requests.is_empty() {
+                    return rest.urgent;
+                }
+                (
+                    in_parts(&rest.requests, FRAME_BYTES, encode_requests),
+                    rest.urgent,
+                )
+            }
+            // Rank 0 names the rank that sent what cannot be read.
+            Err(_) => (vec![payload], false),
+        };
         if self.held.is_empty() {
-            return;
+            self.held_since = Some(now);
         }
-        let all = self.children.iter().all(|c| c.heard || c.stream.is_none());
-        let due = self.held_since.is_some_and(|t| t.elapsed() >= self.hold);
-        if !(now || all || due) {
-            return;
+        self.held
+            .extend(rest.into_iter().map(|part| (origins.clone(), part)));
+        urgent
+    }
+
+    /// A relay: passes up what it holds, in one frame: the cached names whose rounds
+    /// are whole or late ([`Gather::take`]), and the other requests once every child
+    /// still there has sent since the last pass, or the oldest has waited
+    /// [`Uplink::hold`] (`now`: all of it, whatever the wait).
+    fn pass_held(&mut self, now: bool) {
+        let mut items = self.gather.take(Instant::now(), now);
+        if !self.held.is_empty() {
+            let all = self.children.iter().all(|c| c.heard || c.stream.is_none());
+            let due = self.held_since.is_some_and(|t| t.elapsed() >= self.hold);
+            if now || all || due {
+                items.extend(merge_relayed(std::mem::take(&mut self.held)));
+                self.held_since = None;
+                self.children.iter_mut().for_each(|c| c.heard = false);
+            }
         }
-        let held = merge_relayed(std::mem::take(&mut self.held));
-        self.held_since = None;
-        self.children.iter_mut().for_each(|c| c.heard = false);
-        self.pass_up(FRAME_RELAYED, &held, encode_relayed);
+        self.pass_up(FRAME_RELAYED, &items, encode_relayed);
     }
 
     /// How long until held requests must go up (None: none held).
     pub fn hold_due(&self) -> Option<Duration> {
-        self.held_since
-            .map(|t| self.hold.saturating_sub(t.elapsed()))
+        let held = self
+            .held_since
+            .map(|t| self.hold.saturating_sub(t.elapsed()));
+        let gathered = self.gather.due(Instant::now());
+        held.into_iter().chain(gathered).min()
     }
 
     /// Reports child `rank` gone (`why`) to the parent (a relay's loss of a child).
@@ -754,6 +790,11 @@ impl Uplink {
 
     /// Writes each child its share of `items` (whole), and returns this rank's own.
     fn pass_down(&mut self, items: Vec<Routed>) -> Vec<Response> {
+        if self.coord.is_none() {
+            for (resp, ranks) in &items {
+                self.gather.learn(resp, ranks);
+            }
+        }
         let mut own = Vec::new();
         let mut per_child: Vec<Vec<Routed>> = vec![Vec::new(); self.children.len()];
         for (resp, ranks) in items {
@@ -796,13 +837,17 @@ impl Uplink {
     /// A relay holds them with its children's, to go up in the same frame.
     pub fn post_requests(&mut self, wire: &[WireRequest]) -> std::result::Result<(), String> {
         if !self.children.is_empty() && matches!(self.parent, Some((_, Some(_)))) {
-            if self.held.is_empty() {
-                self.held_since = Some(Instant::now());
+            let now = Instant::now();
+            let rest = self.gather.offer(&[self.me], wire.to_vec(), now);
+            if !rest.requests.is_empty() {
+                if self.held.is_empty() {
+                    self.held_since = Some(now);
+                }
+                for part in in_parts(&rest.requests, FRAME_BYTES, encode_requests) {
+                    self.held.push((vec![self.me], part));
+                }
             }
-            for part in in_parts(wire, FRAME_BYTES, encode_requests) {
-                self.held.push((vec![self.me], part));
-            }
-            self.pass_held(false);
+            self.pass_held(rest.urgent);
             return Ok(());
         }
         match &mut self.parent {

@@ -20,6 +20,7 @@ mod control;
 pub mod coordinator;
 pub mod direct;
 mod exec;
+mod gather;
 mod handles;
 mod inbox;
 mod lane;
