@@ -6,6 +6,7 @@ core is done with them. ``finish`` callbacks turn the raw results (output capsul
 received splits) into framework tensors when the handle is waited on.
 """
 
+import numbers
 import time
 import warnings
 
@@ -325,6 +326,10 @@ def alltoall_async(inp, *, splits=None, name=None, process_set=None, keep=(), fi
     :func:`allreduce_async`)."""
     ps = _prepare(name, process_set)
     if splits is not None:
+        splits = list(splits)
+        if not all(isinstance(s, numbers.Integral) and not isinstance(s, bool) for s in splits):
+            raise TypeError(f"alltoall splits must be integers (rows for each rank), got "
+                            f"{splits}")
         splits = [int(s) for s in splits]
         if any(s < 0 for s in splits):
             raise ValueError(f"alltoall splits must be non-negative, got {splits}")

@@ -57,6 +57,17 @@ def bad_arguments(r, n):
         hvd.synchronize(hvd.alltoall_async(torch.ones(4, 1), splits=[1] * (n + 1)))
     with raises(ValueError, what="alltoall splits not summing to dim 0"):
         hvd.synchronize(hvd.alltoall_async(torch.ones(4, 1), splits=[5] + [0] * (n - 1)))
+    # Splits that are not integers are refused by type on every rank, whatever their values
+    # (garbage floats on one rank once left the others waiting in the alltoall).
+    garbage = 1e30 if r == 1 else 1.0
+    for splits in (torch.full((n,), garbage), torch.ones(n, dtype=torch.float16),
+                   torch.ones(n, dtype=torch.bool), [garbage] * n, [True] * n):
+        with raises(TypeError, "alltoall splits must be integers",
+                    what=f"alltoall splits {splits}"):
+            hvd.alltoall(torch.ones(n, 1), splits=splits)
+    got, received = hvd.alltoall(torch.ones(n, 1), splits=torch.ones(n, dtype=torch.int64))
+    close(got, torch.ones(n, 1), "alltoall after refused splits")
+    assert received.dtype == torch.int64 and received.tolist() == [1] * n, received
 
 
 def mismatches(r, n):

@@ -53,6 +53,14 @@ def bad_arguments(r, n):
             hvd.alltoall(tf.ones([4, 1]), splits=[1] * (n + 1))
     with raises(tf.errors.InvalidArgumentError, what="alltoall splits in a graph"):
         tf.function(lambda: hvd.alltoall(tf.ones([4, 1]), splits=[1] * (n + 1)))()
+    # Splits that are not integers are refused by type on every rank, whatever their values
+    # (they were cast to int32 before), eager and when a graph is built.
+    garbage = 1e30 if r == 1 else 1.0
+    for splits in ([garbage] * n, tf.fill([n], garbage), tf.ones([n], tf.float16)):
+        with raises(TypeError, "alltoall splits must be integers", what=f"splits {splits}"):
+            hvd.alltoall(tf.ones([n, 1]), splits=splits)
+        with raises(TypeError, "alltoall splits must be integers", what="splits in a graph"):
+            tf.function(lambda s=splits: hvd.alltoall(tf.ones([n, 1]), splits=s))()
     w = tf.Variable([1.0, 2.0])
     with raises(NotImplementedError, "Sum and Average only", what="gradient of a Max"):
         with tf.GradientTape() as tape:

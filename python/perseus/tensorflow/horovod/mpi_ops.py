@@ -362,7 +362,12 @@ def alltoall(tensor, splits=None, name=None, ignore_name_scope=False,
     if splits is None:
         splits_t = None
     else:
-        splits_t = tf.cast(tf.convert_to_tensor(splits), tf.int32)
+        splits_t = tf.convert_to_tensor(splits)
+        # Refused by type when the graph is built, so every rank refuses alike.
+        if not splits_t.dtype.is_integer:
+            raise TypeError(f"alltoall splits must be integers (rows for each rank), got a "
+                            f"tensor of {splits_t.dtype.name}")
+        splits_t = tf.cast(splits_t, tf.int32)
 
     def body(e, *s):
         sp = [int(v) for v in s[0].numpy().reshape(-1)] if s else None

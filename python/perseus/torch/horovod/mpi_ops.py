@@ -599,6 +599,10 @@ def _alltoall_async(tensor, splits, name, process_set, blocking):
     _check_tensor(tensor)
     splits_dtype = torch.int32
     if isinstance(splits, torch.Tensor):
+        # Refused by type before anything else, so every rank refuses alike.
+        if splits.dtype.is_floating_point or splits.dtype.is_complex or splits.dtype == torch.bool:
+            raise TypeError(f"alltoall splits must be integers (rows for each rank), got a "
+                            f"tensor of {splits.dtype}")
         splits_dtype = splits.dtype
         splits = splits.tolist()
     elif splits is not None:
