@@ -2,6 +2,7 @@
 file, and a job whose ranks' core reads the settings the flags gave."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -63,6 +64,19 @@ def test_version(capsys):
         L.parse_args(["-v"])
     assert e.value.code == 0
     assert capsys.readouterr().out.strip() == f"Perseus {perseus.__version__}"
+
+
+def test_horovodrun_is_installed_and_starts_a_job():
+    # Job files of AIAK-Training and elastic Horovod call horovodrun by name.
+    exe = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+    assert os.access(exe, os.X_OK), f"{exe} is not installed"
+    code = ("from perseus.common import basics; basics.init(); "
+            "print('rank', basics.rank(), 'of', basics.size())")
+    out = subprocess.run([exe, "-np", "2", sys.executable, "-c", code], env=clean_env(),
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr
+    for r in range(2):
+        assert f"[{r}]<stdout>:rank {r} of 2" in out.stdout, out.stdout
 
 
 def test_mpi_flags_shape_the_mpirun_command(monkeypatch, tmp_path):

@@ -64,6 +64,7 @@ def test_the_wheel_carries_the_core_the_launcher_and_every_example(wheel):
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry_points).decode().replace(" ", "")
     assert "perseusrun=perseus.runner.launch:main" in text
+    assert "horovodrun=perseus.runner.launch:main" in text
 
 
 def test_the_installed_wheel_runs_an_example_from_its_own_directory(wheel, tmp_path):
