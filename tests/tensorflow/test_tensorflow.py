@@ -246,8 +246,8 @@ def test_local_gradients_scale_by_the_size_when_a_traced_step_runs(monkeypatch):
 # dimensions), and concatenation on 2 too.
 @pytest.mark.parametrize("n,mode", [(2, "1"), (3, "1"), (3, "0")])
 def test_horovod_semantics(run_framework, n, mode):
-    """Every dtype Horovod takes through every collective (eager and tf.function), each
-    differentiable op's gradient against one process's autograd under Horovod's
-    definitions, Horovod's error types, no hang after an error in a batch, and a
-    tf.compat.v1 session of many independent collectives (sparse ones too)."""
+    """Every dtype Perseus takes (Horovod's and more) through every collective (eager and
+    tf.function), each differentiable op's gradient against one process's autograd under
+    Horovod's definitions, Horovod's error types, no hang after an error in a batch, and
+    a tf.compat.v1 session of many independent collectives (sparse ones too)."""
     run_framework(n, "semantics.py", env={"PERSEUS_CHANGE_HVD_ALLGATHER": mode})

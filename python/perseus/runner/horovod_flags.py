@@ -1,9 +1,10 @@
 """horovodrun's own flags, taken by ``perseusrun`` too (Horovod 0.28's names).
 
 Each tuning flag becomes the variable the ranks' core reads (Horovod's name where the
-core reads it, else Perseus's); the mpirun flags shape ``--mpi``'s command line; flags
-of Horovod features Perseus does not have (hierarchical allgather, cycle marks...) are
-accepted, so Horovod command lines run unchanged, and named in one warning.
+core reads it, else Perseus's); the mpirun flags shape ``--mpi``'s command line; a flag
+that changes nothing in Perseus (``--mpi-threads-disable``: its traffic never goes
+through MPI) is accepted, so Horovod command lines run unchanged, and named in one
+warning.
 ``--config-file`` reads the same settings from Horovod's YAML file, flags given on the
 command line winning. See docs/launching.md, "horovodrun's flags".
 """

@@ -1,5 +1,5 @@
-"""Horovod 0.28's semantics on perseus.tensorflow.horovod: every dtype through every
-collective (eager and tf.function), every differentiable op's gradient against
+"""Horovod 0.28's semantics on perseus.tensorflow.horovod: every dtype Perseus takes
+(Horovod's and more, docs/tensorflow.md) through every collective (eager and tf.function), every differentiable op's gradient against
 autograd of the same computation in one process (Horovod's definitions), Horovod's
 error types, an error in the middle of a batch never turning into a hang of the next,
 and tf.compat.v1 sessions that run many independent collectives in any order."""

@@ -2,6 +2,7 @@
 before a fresh init() of this process, and its effect checked."""
 
 import os
+import warnings
 
 import _tfhelpers  # noqa: F401 - quiets TensorFlow's logging first
 import numpy as np
@@ -105,6 +106,15 @@ def accumulate_and_fusion():
         close(ws[0], np.full(1024, want), f"PERSEUS_ACCUMULATE_N_STEPS call {k}")
     fused = hvd.counters()["fused_bytes_max"]
     assert 0 < fused <= 2 * 4096, f"PERSEUS_ALLREDUCE_FUSION=2: largest buffer {fused} bytes"
+    # A tape has no call to skip: it reduces every gradient() call, and says so once.
+    w = tf.Variable(tf.ones(4))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            close(tape_grads(w, tf.fill([4], float(r + 1))), np.full(4, (n + 1) / 2),
+                  "a tape under PERSEUS_ACCUMULATE_N_STEPS=2")
+    said = [str(c.message) for c in caught if "PERSEUS_ACCUMULATE_N_STEPS=2" in str(c.message)]
+    assert len(said) == 1 and "DistributedGradientTape" in said[0], said
     hvd.shutdown()
     return r
 

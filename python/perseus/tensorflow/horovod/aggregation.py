@@ -2,6 +2,8 @@
 argument checks, the number of backward passes a step accumulates, and the local
 aggregation of those passes' gradients."""
 
+import warnings
+
 import tensorflow as tf
 
 from perseus.common import knobs
@@ -27,6 +29,28 @@ def passes_per_step(backward_passes_per_step, average_aggregated_gradients):
     if passes == 1 and env > 1:
         return env, True
     return passes, bool(average_aggregated_gradients)
+
+
+_tape_warned = set()
+
+
+def warn_tape_does_not_accumulate(stacklevel=3):
+    """PERSEUS_ACCUMULATE_N_STEPS=N set: say once a process (and an engine generation)
+    that a DistributedGradientTape reduces on every ``gradient()`` call all the same: the
+    script applies whatever the tape returns, so it has no calls to skip. Returns N, or
+    None when the switch is off."""
+    from perseus.common.basics import generation
+
+    n = knobs.get("PERSEUS_ACCUMULATE_N_STEPS", _config())
+    if n <= 1 or generation() in _tape_warned:
+        return None
+    _tape_warned.add(generation())
+    warnings.warn(f"PERSEUS_ACCUMULATE_N_STEPS={n} acts on DistributedOptimizer only: a "
+                  "DistributedGradientTape reduces the gradients of every gradient() call, "
+                  "since the loop applies what it returns. Accumulate with "
+                  f"hvd.DistributedOptimizer(opt, backward_passes_per_step={n}) instead",
+                  RuntimeWarning, stacklevel=stacklevel)
+    return n
 
 
 class LocalAggregation:

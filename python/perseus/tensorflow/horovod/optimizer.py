@@ -11,6 +11,7 @@ from perseus.tensorflow.horovod.aggregation import (
     LocalAggregation,
     check_common,
     passes_per_step,
+    warn_tape_does_not_accumulate,
 )
 from perseus.tensorflow.horovod.compression import Compression
 from perseus.tensorflow.horovod.gradients import (
@@ -184,6 +185,7 @@ def DistributedGradientTape(gradtape, device_dense="", device_sparse="",
     1/size when ``scale_local_gradients``).
     """
     check_common(op, gradient_predivide_factor, num_groups, groups)
+    warn_tape_does_not_accumulate()
     base = type(gradtape)
     cls = type(base.__name__, (_DistributedGradientTape, base), {"__module__": __name__})
     tape = cls.__new__(cls)
