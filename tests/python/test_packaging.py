@@ -112,10 +112,9 @@ os._exit(0)
 """
 
 
-def test_seed_001s_variables_alone_bring_perseus_into_a_plain_ddp_script(wheel, tmp_path):
-    """Seed 001: its variables act "without modifying the code". The wheel's
-    perseus_aiak_activation.pth imports perseus at start-up when one is set (and only
-    then), so a DDP script that never names perseus reduces through it."""
+def _venv_with_the_wheel(wheel, tmp_path):
+    """A new virtual environment holding the wheel, and torch from the suite's own
+    (after the wheel's .pth files ran); its python and an environment for it."""
     venv = tmp_path / "venv"
     made = _run([sys.executable, "-m", "venv", "--without-pip", str(venv)], timeout=120)
     assert made.returncode == 0, made.stderr
@@ -127,10 +126,46 @@ def test_seed_001s_variables_alone_bring_perseus_into_a_plain_ddp_script(wheel, 
                 timeout=300)
     assert proc.returncode == 0, proc.stderr
     assert (purelib / "perseus_aiak_activation.pth").exists()
-    # torch from the suite's environment, after the wheel's own .pth ran
     (purelib / "zz-test-torch.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     env = {k: v for k, v in os.environ.items()
            if k != "PYTHONPATH" and not k.startswith(("AIAK_", "PERSEUS_"))}
+    return python, env
+
+
+AIAK_NAMES_PROBE = """
+import sys
+print("at start", "torch" in sys.modules, "perseus" in sys.modules)
+import torch
+print("after torch", "perseus" in sys.modules)
+lamb, decorate = torch.optim.LAMB, torch.cuda.amp.aiak_amp_decorate
+from perseus.torch import amp, optim
+print("names", lamb is optim.LAMB, decorate is amp.amp_decorate,
+      torch.cuda.amp.aiak_amp_parameters is amp.amp_parameters)
+try:
+    torch.optim.NoSuchName
+except AttributeError as e:
+    print("others", "NoSuchName" in str(e))
+"""
+
+
+def test_aiak_names_are_in_torch_whenever_it_is_imported(wheel, tmp_path):
+    """AIAK-Training's torch had torch.optim.LAMB and torch.cuda.amp.aiak_amp_* built in:
+    with the wheel installed they are there without import perseus, and a process
+    loads nothing of Perseus until it reads one."""
+    python, env = _venv_with_the_wheel(wheel, tmp_path)
+    out = _run([str(python), "-c", AIAK_NAMES_PROBE], env=env, cwd=tmp_path, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = [line for line in out.stdout.splitlines() if line.split()[0] in
+             ("at", "after", "names", "others")]
+    assert lines == ["at start False False", "after torch False", "names True True True",
+                     "others True"], out.stdout
+
+
+def test_seed_001s_variables_alone_bring_perseus_into_a_plain_ddp_script(wheel, tmp_path):
+    """Seed 001: its variables act "without modifying the code". The wheel's
+    perseus_aiak_activation.pth imports perseus at start-up when one is set (and only
+    then), so a DDP script that never names perseus reduces through it."""
+    python, env = _venv_with_the_wheel(wheel, tmp_path)
     probe = "import sys; print('perseus' in sys.modules)"
     for value, imported in (("1", "True"), ("0", "False"), (None, "False")):
         extra = {} if value is None else {"AIAK_FP16_COMPRESSION": value}
