@@ -5,8 +5,14 @@ collective and ``tf.errors.InvalidArgumentError`` for bad arguments (alltoall sp
 first dimension that does not divide, a scalar to reducescatter), in eager mode and from
 ``session.run`` alike. Each class here is that TensorFlow type and Perseus's own
 (``HorovodInternalError`` for a mismatch, ``ValueError`` or ``TypeError`` for an
-argument), so ``except`` clauses written for either catch it. Raised inside a graph's
-``py_function``, a ``tf.errors`` type keeps its code: ``session.run`` raises the same type.
+argument), so ``except`` clauses written for either catch it.
+
+Inside a graph (a ``tf.compat.v1`` session, a ``tf.function``) each collective is a
+``py_function``, and TensorFlow keeps no ``tf.errors`` code raised there: it maps a
+``ValueError`` or ``TypeError`` to ``InvalidArgumentError`` (so argument errors arrive
+as Horovod's type) and anything else to ``UnknownError`` with the message (so a
+mismatch arrives as ``UnknownError`` naming ``MismatchError``, where Horovod's own op
+raises ``FailedPreconditionError``; docs/tensorflow.md, "Differences from Horovod").
 """
 
 import threading
