@@ -733,27 +733,33 @@ impl Uplink {
     /// in [`Uplink::gather`], the rest in [`Uplink::held`]. True when it holds a join
     /// or shutdown, which goes up at once behind what was held before it.
     fn hold_up(&mut self, origins: Vec<usize>, payload: Vec<u8>) -> bool {
-        let now = Instant::now();
-        let (rest, urgent) = match decode_requests(&payload) {
-            Ok(reqs) => {
-                let rest = self.gather.offer(&origins, reqs, now);
-                if rest.requests.is_empty() {
-                    return rest.urgent;
-                }
-                (
-                    in_parts(&rest.requests, FRAME_BYTES, encode_requests),
-                    rest.urgent,
-                )
-            }
+        match decode_requests(&payload) {
+            Ok(reqs) => self.hold(origins, reqs),
             // Rank 0 names the rank that sent what cannot be read.
-            Err(_) => (vec![payload], false),
-        };
+            Err(_) => {
+                self.hold_parts(origins, vec![payload]);
+                false
+            }
+        }
+    }
+
+    /// [`Uplink::hold_up`] of requests already read.
+    fn hold(&mut self, origins: Vec<usize>, reqs: Vec<WireRequest>) -> bool {
+        let rest = self.gather.offer(&origins, reqs, Instant::now());
+        if !rest.requests.is_empty() {
+            let parts = in_parts(&rest.requests, FRAME_BYTES, encode_requests);
+            self.hold_parts(origins, parts);
+        }
+        rest.urgent
+    }
+
+    /// Holds encoded batches that `origins` sent, with the other requests.
+    fn hold_parts(&mut self, origins: Vec<usize>, parts: Vec<Vec<u8>>) {
         if self.held.is_empty() {
-            self.held_since = Some(now);
+            self.held_since = Some(Instant::now());
         }
         self.held
-            .extend(rest.into_iter().map(|part| (origins.clone(), part)));
-        urgent
+            .extend(parts.into_iter().map(|part| (origins.clone(), part)));
     }
 
     /// A relay: passes up what it holds, in one frame: the cached names whose rounds
@@ -837,17 +843,8 @@ impl Uplink {
     /// A relay holds them with its children's, to go up in the same frame.
     pub fn post_requests(&mut self, wire: &[WireRequest]) -> std::result::Result<(), String> {
         if !self.children.is_empty() && matches!(self.parent, Some((_, Some(_)))) {
-            let now = Instant::now();
-            let rest = self.gather.offer(&[self.me], wire.to_vec(), now);
-            if !rest.requests.is_empty() {
-                if self.held.is_empty() {
-                    self.held_since = Some(now);
-                }
-                for part in in_parts(&rest.requests, FRAME_BYTES, encode_requests) {
-                    self.held.push((vec![self.me], part));
-                }
-            }
-            self.pass_held(rest.urgent);
+            let urgent = self.hold(vec![self.me], wire.to_vec());
+            self.pass_held(urgent);
             return Ok(());
         }
         match &mut self.parent {

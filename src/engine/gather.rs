@@ -152,12 +152,7 @@ impl Gather {
         };
         let joined = self.joined.get(&key.0);
         let excused = |r: &usize| self.shut.contains(r) || joined.is_some_and(|j| j.contains(r));
-        let whole = if self.shut.is_empty() && !joined.is_some_and(|j| !j.is_empty()) {
-            round.asked.len() >= takers.len() && takers.iter().all(|r| round.asked.contains(r))
-        } else {
-            takers.iter().all(|r| round.asked.contains(r) || excused(r))
-        };
-        if whole {
+        if takers.iter().all(|r| round.asked.contains(r) || excused(r)) {
             let round = self.rounds.remove(key).expect("looked up above");
             self.ready.extend(round.unsent);
         }
