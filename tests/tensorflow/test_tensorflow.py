@@ -251,3 +251,11 @@ def test_horovod_semantics(run_framework, n, mode):
     Horovod's definitions, Horovod's error types, no hang after an error in a batch, and
     a tf.compat.v1 session of many independent collectives (sparse ones too)."""
     run_framework(n, "semantics.py", env={"PERSEUS_CHANGE_HVD_ALLGATHER": mode})
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_graphs_with_more_collectives_than_threads(run_framework, n):
+    """200 independent collectives of every kind (and gradients) in one session.run of a
+    session with one inter-op thread and with two, and in a tf.function: no hang, every
+    value right on every rank."""
+    run_framework(n, "graph_threads.py")

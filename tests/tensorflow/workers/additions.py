@@ -97,13 +97,19 @@ def partial_tape(r, n):
                 close(g, want, f"partial tape {vname(v)} scale_local={scale_local} {mode}",
                       1e-5, 1e-6)
             mine, common = (split if mode == "eager" else tf.function(split))()
+            # Horovod's pairs: (variable, gradient), local ones first.
             pairs = list(zip(model.trainable_variables, grads))
-            want = ([g for v, g in pairs if id(v) not in shared_ids],
-                    [g for v, g in pairs if id(v) in shared_ids])
+            want = ([p for p in pairs if id(p[0]) not in shared_ids],
+                    [p for p in pairs if id(p[0]) in shared_ids])
             if (len(mine), len(common)) != tuple(map(len, want)):
                 raise AssertionError(f"get_local_and_global_gradients split {len(mine)}/"
                                      f"{len(common)}, want {len(want[0])}/{len(want[1])}")
-            for got, w in zip(list(mine) + list(common), want[0] + want[1]):
+            for (v, got), (wv, w) in zip(list(mine) + list(common), want[0] + want[1]):
+                # A tf.function returns a variable's value; eager code, the variable.
+                if mode == "eager":
+                    assert v is wv, f"split pairs {vname(v)} where {vname(wv)} was due"
+                else:
+                    close(v, wv, f"split pairs' sources {mode}")
                 close(got, w, f"split gradients scale_local={scale_local} {mode}", 1e-6, 1e-7)
     # A list of layers is taken too; everything else is refused, naming the cause.
     with tf.GradientTape() as tape:

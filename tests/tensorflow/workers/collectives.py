@@ -102,6 +102,11 @@ def gather_broadcast(r, n):
         for mode, f in modes(lambda v, root=root: hvd.broadcast(v, root)):
             want = BASE * n % 2 if dtype == tf.bool else BASE * n
             close(tf.cast(f(x), tf.float64), want, f"broadcast {dtype.name} {mode}")
+    # Every rank's result is a tensor of its own, the root's too, as in Horovod.
+    x = tf.fill([3], float(r))
+    out = hvd.broadcast(x, 0)
+    assert out is not x, f"rank {r}: broadcast returned its input tensor"
+    close(out, np.zeros(3), "broadcast from rank 0")
     out = hvd.allgather(tf.constant(float(r)))
     close(out, np.arange(n, dtype=np.float64), "allgather of scalars stacks to [n]")
     v = tf.Variable(tf.fill([3], float(r)))

@@ -4,30 +4,30 @@ Eager tensors cross as DLPack capsules, without copies: the input is exported wi
 ``tf.experimental.dlpack.to_dlpack``; results the core allocates come back through
 ``from_dlpack``; results written in place go into a ``DeepCopy`` of the input, a buffer
 no other tensor shares. Inside a graph (``tf.function``, a ``tf.compat.v1`` session)
-each collective is one ``tf.py_function`` op that runs the same eager code when the
-graph executes; its static shape is set from what the collective guarantees. Code that
-XLA compiles (``jit_compile=True``) cannot hold a py_function: there a collective is
-refused by name when traced.
+each collective is a ``tf.py_function`` that runs the same eager code when the graph
+executes (in a session's graph on a thread of its own: "graphs' threads" below); its
+static shape is set from what the collective guarantees. Code that XLA compiles
+(``jit_compile=True``) cannot hold a py_function: there a collective is refused by name
+when traced.
 
 Tensors on a GPU cross through host memory: each collective's inputs are copied to the
 host, the collective and every op of its body run on the CPU, and its outputs are copied
 back to the device of its first GPU input. (Perseus's NCCL path serves PyTorch's CUDA
 tensors only; docs/gpu.md.)
 
-Names in graphs: the core matches operations across ranks by name. Inside
-``tf.function`` the py_function ops are stateful, so automatic control dependencies
-run them in program order, and unnamed collectives are named by that order, as in
-eager mode. A ``tf.compat.v1`` graph has no such order (a session runs independent
-ops in any order), so there an unnamed collective is named when the graph is built,
-after its op: the same on every rank that builds the same graph.
+Names in graphs: the core matches operations across ranks by name. Inside a
+``tf.function`` called from eager code the collectives' ops are stateful, so automatic
+control dependencies run them in program order, and unnamed collectives are named by
+that order, as in eager mode. A ``tf.compat.v1`` graph has no such order (a session
+runs independent ops, and the functions traced into it, in any order), so there an
+unnamed collective is named when the graph is built, after its op: the same on every
+rank that builds the same graph.
 """
-
-import contextlib
-import os
-import threading
 
 import tensorflow as tf
 from tensorflow.python.ops import control_flow_util as _control_flow
+from tensorflow.python.ops import gen_dataset_ops as _dataset_ops
+from tensorflow.python.ops import gen_experimental_dataset_ops as _data_ops
 
 from perseus.tensorflow.horovod.errors import as_tf_error
 
@@ -90,19 +90,24 @@ def imported(capsule):
 
 
 def op_name(name, kind):
-    """The name a collective carries: ``name`` if given; in a ``tf.compat.v1`` graph a
-    unique name made from ``kind`` now; otherwise None (named by call order)."""
+    """The name a collective carries: ``name`` if given; in a ``tf.compat.v1`` graph (also
+    in a function traced into one) a unique name made from ``kind`` now, in the outermost
+    graph; otherwise (eager code, a tf.function called from it) None: named by call
+    order."""
     if name is not None or tf.executing_eagerly():
         return name
-    graph = tf.compat.v1.get_default_graph()
-    if getattr(graph, "_building_function", False):
+    if tf.compat.v1.executing_eagerly_outside_functions():
         return None
+    graph = tf.compat.v1.get_default_graph()
+    while getattr(graph, "outer_graph", None) is not None:
+        graph = graph.outer_graph
     return graph.unique_name(kind)
 
 
 def run(fn, inputs, out_dtypes, kind):
-    """``fn(*inputs)`` now when eager; otherwise a py_function op (named after ``kind``)
-    with that body.
+    """``fn(*inputs)`` now when eager; otherwise graph ops (named after ``kind``) that run
+    that body when the graph executes: in a tf.function called from eager code on the
+    thread that runs the op, in a tf.compat.v1 graph on a thread of their own.
 
     ``fn`` takes and returns eager tensors (a list, one per ``out_dtypes``). Returns
     the list of outputs (symbolic in a graph, with unknown shapes: callers set them).
@@ -116,69 +121,64 @@ def run(fn, inputs, out_dtypes, kind):
             "jit_compile=True, or called from one): XLA cannot call the Perseus core. "
             "Compile that function with jit_compile=False (Keras models compiled with a "
             "Perseus DistributedOptimizer already are)")
-    graph = tf.compat.v1.get_default_graph()
-    chained = _chained(graph)
-    with tf.control_dependencies([_order.last] if chained and _order.last is not None else []):
-        outs = tf.py_function(body, list(inputs), list(out_dtypes), name=kind)
-    outs = list(outs) if isinstance(outs, (list, tuple)) else [outs]
-    if chained and outs:
-        _order.last = outs[0].op
-    return outs
+    if tf.compat.v1.executing_eagerly_outside_functions():
+        # A tf.function called from eager code: its stateful ops run one after another in
+        # program order, the same on every rank, so no wait can block another's submission.
+        return _blocking_op(body, list(inputs), list(out_dtypes), kind)
+    return _off_the_inter_op_threads(body, list(inputs), list(out_dtypes), kind)
 
 
-# --------------------------------------------------------------------------- graphs' order
-# Each collective's op holds the thread that runs it until every rank has submitted it. A
-# tf.compat.v1 session runs independent ops in an order of its own, different on each
-# rank, on its inter-op threads: ranks whose threads all wait on collectives the others
-# have not reached would hang. Two things keep sessions going. The collectives one call
-# makes (a grouped op's parts, a gradient batch's dense and sparse reductions) run in the
-# order they were made, the same on every rank, one after another (``ordered``). And
-# sessions get enough inter-op threads for every collective of a step to wait at once
-# (``SESSION_THREADS``, set at init where the program set none). A tf.function needs
-# neither: py_functions are stateful, so it runs them in program order.
-
-#: Inter-op threads Perseus gives TensorFlow at ``init()`` where the program chose none:
-#: how many independent collectives one ``session.run`` may hold waiting at once.
-SESSION_THREADS = 64
-
-_order = threading.local()
+def _blocking_op(body, inputs, out_dtypes, kind):
+    """The py_function op that runs ``body(*inputs)`` on the thread that runs the op: the
+    outputs, a list (with unknown shapes)."""
+    outs = tf.py_function(body, inputs, out_dtypes, name=kind)
+    return list(outs) if isinstance(outs, (list, tuple)) else [outs]
 
 
-@contextlib.contextmanager
-def ordered():
-    """Collectives made inside run in the order they are made, in a tf.compat.v1 graph."""
-    outer = getattr(_order, "depth", 0)
-    if outer == 0:
-        _order.last = None
-    _order.depth = outer + 1
-    try:
-        yield
-    finally:
-        _order.depth = outer
-        if outer == 0:
-            _order.last = None
+# --------------------------------------------------------------------------- graphs' threads
+# A collective waits until every rank has submitted it. As a plain py_function it would
+# wait on one of the graph's inter-op threads, and a tf.compat.v1 session runs the
+# independent ops of a step in an order of its own, different on each rank: ranks whose
+# threads all wait on collectives the others have not reached yet would hang, with any
+# number of threads (a session may have one; a step may hold hundreds of collectives).
+# So in a graph each collective is a one-element dataset whose map calls the body, on a
+# private pool of one thread, read by ``DatasetToSingleElement``, an asynchronous kernel:
+# the inter-op thread is free again as soon as the op starts. However the session orders
+# a step's ops, and however few threads it has, every collective of the step is
+# submitted on every rank, so every one completes. A tf.function called from eager code
+# needs none of this: its py_functions are stateful, so they run in program order, the
+# same on every rank, and each blocks the thread that runs it (``_blocking_op``). One
+# traced for a tf.compat.v1 graph may run in a session beside other ops: it takes the
+# threaded path. The threaded path's cost per op and step: docs/tensorflow.md.
+
+#: Threads of the pool that runs one collective's body in a graph.
+_BODY_THREADS = 1
 
 
-def _chained(graph):
-    """Whether a collective made now in ``graph`` follows the one made before it: inside
-    :func:`ordered`, in a tf.compat.v1 graph (not a tf.function), outside control flow."""
-    return (getattr(_order, "depth", 0) > 0
-            and not getattr(graph, "_building_function", False)
-            and graph._get_control_flow_context() is None)
+def _off_the_inter_op_threads(body, inputs, out_dtypes, kind):
+    """The graph ops that run ``body(*inputs)`` on a thread of their own: the outputs, a
+    list (with unknown shapes)."""
+    with tf.name_scope(kind), tf.device("/cpu:0"):
+        source = tf.data.Dataset.from_tensors(tuple(inputs) if inputs else (tf.constant(0),))
+        args = (lambda *xs: xs) if inputs else (lambda _: ())
 
+        def call(*xs):
+            outs = tf.py_function(body, list(args(*xs)), out_dtypes, name=kind)
+            return tuple(outs) if isinstance(outs, (list, tuple)) else (outs,)
 
-def give_sessions_threads():
-    """Raise TensorFlow's inter-op threads to :data:`SESSION_THREADS` (or the number of
-    cores, if more) where the program set none and the runtime has not started: sessions
-    made without a config of their own take it, and then hold a thread for each of a
-    step's collectives while they wait. Returns the number now set (0: left to TF)."""
-    if tf.config.threading.get_inter_op_parallelism_threads() == 0:
-        try:
-            tf.config.threading.set_inter_op_parallelism_threads(
-                max(SESSION_THREADS, os.cpu_count() or 1))
-        except RuntimeError:
-            pass  # the runtime started already: its threads stay as they are
-    return tf.config.threading.get_inter_op_parallelism_threads()
+        mapped = source.map(call)
+        types = [tf.as_dtype(d) for d in out_dtypes]
+        shapes = [None] * len(types)
+        pooled = _data_ops.private_thread_pool_dataset(
+            mapped._variant_tensor, _BODY_THREADS, output_types=types, output_shapes=shapes)
+        outs = _dataset_ops.dataset_to_single_element(pooled, output_types=types,
+                                                      output_shapes=shapes)
+    device = next((d for d in (getattr(x, "device", "") for x in inputs) if d and ":GPU:" in
+                   d.upper()), None)
+    if device is None:
+        return list(outs)
+    with tf.device(device):
+        return [tf.identity(o) for o in outs]
 
 
 def through_host(fn):

@@ -90,8 +90,7 @@ class GradientReducer:
             return grads
         names = [_var_name(v) for v in variables] if variables is not None else [
             str(i) for i in range(len(grads))]
-        with _bridge.ordered():  # the batch's sparse and dense reductions, in this order
-            return self._reduce_graph(grads, names)
+        return self._reduce_graph(grads, names)
 
     def _reduce_graph(self, grads, names):
         out = list(grads)

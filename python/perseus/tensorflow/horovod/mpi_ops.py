@@ -56,11 +56,8 @@ from perseus.tensorflow.horovod.errors import InvalidArgumentError as _InvalidAr
 
 
 def init(comm=None, process_sets=None):
-    """Start Perseus on this rank (see :func:`perseus.common.basics.init`), and give
-    TensorFlow's sessions enough inter-op threads for their collectives
-    (:func:`.bridge.give_sessions_threads`)."""
+    """Start Perseus on this rank (see :func:`perseus.common.basics.init`)."""
     _basics.init(comm, process_sets)
-    _bridge.give_sessions_threads()
 
 
 def cuda_built():
@@ -195,18 +192,17 @@ def grouped_allreduce(tensors, average=None, device_dense="", device_sparse="",
     tensors = list(tensors)
     dense = [i for i, t in enumerate(tensors) if not isinstance(t, tf.IndexedSlices)]
     results = list(tensors)
-    with _bridge.ordered():
-        for i, t in enumerate(tensors):
-            if isinstance(t, tf.IndexedSlices):
-                results[i] = _sparse_allreduce(t, name and f"{name}.{i}", op, process_set,
-                                               prescale_factor, postscale_factor)
-        compressed, ctxs = [], []
-        for i in dense:
-            c, ctx = compression.compress(_bridge.as_tensor(tensors[i]))
-            compressed.append(c)
-            ctxs.append(ctx)
-        reduced = _grouped_allreduce_raw(compressed, name, op, prescale_factor,
-                                         postscale_factor, process_set)
+    for i, t in enumerate(tensors):
+        if isinstance(t, tf.IndexedSlices):
+            results[i] = _sparse_allreduce(t, name and f"{name}.{i}", op, process_set,
+                                           prescale_factor, postscale_factor)
+    compressed, ctxs = [], []
+    for i in dense:
+        c, ctx = compression.compress(_bridge.as_tensor(tensors[i]))
+        compressed.append(c)
+        ctxs.append(ctx)
+    reduced = _grouped_allreduce_raw(compressed, name, op, prescale_factor,
+                                     postscale_factor, process_set)
     for i, r, ctx in zip(dense, reduced, ctxs):
         results[i] = compression.decompress(r, ctx)
     return results
@@ -292,16 +288,18 @@ def grouped_allgather(tensors, name=None, ignore_name_scope=False,
 # --------------------------------------------------------------------------- broadcast
 
 def _broadcast_now(tensors, root_rank, names, process_set):
-    # The root only sends: its input goes as it lies, and is its result too (a tensor is
-    # immutable). The others receive into new buffers, no copy of their input first.
+    # The root only sends: its input goes as it lies, and its result is a new tensor
+    # object over the same (immutable) buffer, as Horovod's root gets a tensor of its own.
+    # The others receive into new buffers, no copy of their input first.
     root = rank() == root_rank
     handles = []
     blocking = len(tensors) == 1  # as in allreduce_now
     for t, name in zip(tensors, names):
         buf, cap = (t, _bridge.export(t)) if root else _bridge.empty_like(t)
+        result = tf.identity(buf) if root else buf
         handles.append(_ops.broadcast_async(cap, root_rank=root_rank, name=name,
                                             process_set=process_set, keep=buf,
-                                            finish=lambda _h, b=buf: b, blocking=blocking))
+                                            finish=lambda _h, b=result: b, blocking=blocking))
     return _ops.GroupHandle(handles).wait()
 
 

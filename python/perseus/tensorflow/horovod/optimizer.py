@@ -145,16 +145,17 @@ class _DistributedGradientTape(tf.GradientTape):
 
     def get_local_and_global_gradients(self, target, sources, output_gradients=None,
                                        unconnected_gradients=tf.UnconnectedGradients.NONE):
-        """``gradient()``, split in two lists: ``(local, global)``. ``local`` holds the
-        gradients of the registered local sources (``local_layers``), which differ from
-        rank to rank; ``global`` those of every other source, the same on every rank.
-        Each keeps the order of ``sources`` (flattened), so that, for example, a norm can
-        be taken of each part on its own (Horovod 0.28)."""
+        """``gradient()``, split in two lists of ``(source, gradient)`` pairs, as Horovod
+        0.28 returns them: ``(local, global)``. ``local`` holds the registered local
+        sources (``local_layers``), whose gradients differ from rank to rank; ``global``
+        every other source, whose gradients are the same on every rank. Each keeps the
+        order of ``sources`` (flattened), so that, for example, a norm can be taken of
+        each part on its own."""
         grads = tf.nest.flatten(self.gradient(target, sources, output_gradients,
                                               unconnected_gradients))
         local, shared = [], []
         for source, grad in zip(tf.nest.flatten(sources), grads):
-            (local if source in self._perseus_local else shared).append(grad)
+            (local if source in self._perseus_local else shared).append((source, grad))
         return local, shared
 
 
