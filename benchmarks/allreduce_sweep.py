@@ -1,8 +1,10 @@
-"""Allreduce sweep: float32, 4 KiB to 256 MiB, Perseus against torch gloo and Open MPI.
+"""Allreduce sweep: float32, 4 KiB to 256 MiB, Perseus against torch gloo, Open MPI, MPICH
+and DeepSpeed's shared-memory allreduce.
 
 Implementations: ``core`` (perseus._core), ``hvd`` (perseus.torch.horovod), ``perseus``
 (torch.distributed's all_reduce on the perseus backend), ``ddp`` (the same after
-``import perseus`` asking for gloo), ``gloo`` and ``mpi`` (the peers).
+``import perseus`` asking for gloo), ``gloo``, ``mpi``, ``mpich`` and ``deepspeed`` (the
+peers; harness.py).
 
     python benchmarks/allreduce_sweep.py [--ranks 2 3 4] [--short | --sizes 4K 1M ...]
                                          [--impls core hvd gloo mpi] [--json PATH] [--quick]
@@ -10,7 +12,8 @@ Implementations: ``core`` (perseus._core), ``hvd`` (perseus.torch.horovod), ``pe
     python benchmarks/allreduce_sweep.py --page OUT.md SWEEP.json [SWEEP.json ...]
 
 For every rank count, one job per implementation (harness.py: Perseus through
-perseus._core and through perseus.torch.horovod, torch.distributed gloo, mpi4py), one
+perseus._core and through perseus.torch.horovod, torch.distributed gloo, mpi4py over
+Open MPI and over MPICH), one
 after the other. Each size: warm-up calls, then iterations each started after a barrier
 and timed as the slowest rank's; the median is reported with algbw = bytes / time and
 busbw = algbw * 2(n-1)/n (nccl-tests), the ratio Perseus busbw / best peer busbw (>1:
@@ -82,6 +85,11 @@ def _allreduce_fn(comm, t, name):
 
         def fn():
             hvd.allreduce_(t, op=hvd.Sum, name=name)
+    elif comm.impl == "deepspeed":
+        ds = comm.ds
+
+        def fn():
+            ds.inference_all_reduce(t)
     elif comm.impl in harness.TORCH_STARTED:  # gloo, or after import perseus: perseus
         dist = comm.dist
 

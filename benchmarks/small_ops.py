@@ -1,10 +1,11 @@
 """The small-tensor path, parameter broadcast and variable-size allgather, Perseus (hvd)
-against torch gloo and Open MPI.
+against torch gloo, Open MPI and MPICH.
 
     python benchmarks/small_ops.py [--ranks 2] [--json PATH] [--quick]
 
 One job per implementation (hvd: perseus.torch.horovod with PERSEUS_CHANGE_HVD_ALLGATHER=1,
-Horovod's concatenating allgather; gloo: torch.distributed; mpi: mpi4py), each measuring:
+Horovod's concatenating allgather; gloo: torch.distributed; mpi and mpich: mpi4py over
+Open MPI and over MPICH), each measuring:
   lone4k      one blocking 4 KiB float32 allreduce (hvd.allreduce_; all_reduce;
               Allreduce(IN_PLACE))
   async100    100 asynchronous 4 KiB float32 allreduces, first submit to last completion
@@ -12,7 +13,7 @@ Horovod's concatenating allgather; gloo: torch.distributed; mpi: mpi4py), each m
               Iallreduce + Waitall)
   bcast_r50   a ResNet-50-sized parameter set (161 tensors of ResNet-50's shapes, 25.6 M
               float32) from rank 0: hvd.broadcast_parameters; a broadcast per tensor
-              (gloo); Bcast per tensor (mpi)
+              (gloo); Bcast per tensor (mpi, mpich)
   allgatherv  rank r contributes (r+1) * BASE floats, BASE = 1 Ki (4 KiB) and 256 Ki
               (1 MiB): hvd.allgather; gloo all_gather of tensors padded to the largest,
               then unpadded; Allgatherv
@@ -22,7 +23,7 @@ Times are medians over iterations, each the slowest rank's time.
 
 import harness
 
-IMPLS = ("hvd", "gloo", "mpi")
+IMPLS = ("hvd", "gloo", "mpi", "mpich")
 GATHER_BASES = (1 << 10, 1 << 18)   # floats
 TIMING = {"warmup": 3, "min_iters": 5, "max_iters": 200, "budget": 1.0}
 QUICK_TIMING = {"warmup": 1, "min_iters": 3, "max_iters": 10, "budget": 0.05}

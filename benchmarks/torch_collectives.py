@@ -1,12 +1,12 @@
-"""torch.distributed's collectives on the perseus backend, beside gloo and Open MPI.
+"""torch.distributed's collectives on the perseus backend, beside gloo, Open MPI and MPICH.
 
     python benchmarks/torch_collectives.py [--ranks 2 3 4] [--sizes 4K 1M 64M ...]
                                            [--ops all_reduce ...] [--calls K]
                                            [--json PATH] [--quick]
 
 One job per implementation and rank count: ``perseus`` (``init_process_group("perseus")``
-after ``import perseus``), ``gloo`` (torch.distributed without Perseus) and ``mpi``
-(mpi4py: Allreduce, Allgather, Reduce_scatter_block, Bcast, Alltoall on the same
+after ``import perseus``), ``gloo`` (torch.distributed without Perseus), ``mpi`` and
+``mpich`` (mpi4py over Open MPI and over MPICH: Allreduce, Allgather, Reduce_scatter_block, Bcast, Alltoall on the same
 buffers). Float32; SIZE is each rank's buffer: all_reduce and broadcast of SIZE,
 all_gather_into_tensor of SIZE per rank, reduce_scatter_tensor of SIZE into SIZE / n,
 all_to_all_single of SIZE. Times are medians over iterations, each the slowest rank's;
@@ -18,7 +18,7 @@ also pays for waking every rank's threads).
 
 import harness
 
-IMPLS = ("perseus", "gloo", "mpi")
+IMPLS = ("perseus", "gloo", "mpi", "mpich")
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 SIZES = [4 << 10, 64 << 10, 1 << 20, 16 << 20, 64 << 20]
 TIMING = {"warmup": 3, "min_iters": 5, "max_iters": 200, "budget": 0.4}
@@ -38,7 +38,7 @@ def op_fn(comm, op, nbytes):
         out = torch.empty(count // n)
     else:
         out = torch.empty(count)
-    if comm.impl == "mpi":
+    if comm.impl in harness.MPI_IMPLS:
         world, mpi = comm.world, comm.mpi
         a, b = x.numpy(), out.numpy()
         calls = {"all_reduce": lambda: world.Allreduce(mpi.IN_PLACE, a),

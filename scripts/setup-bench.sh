@@ -3,8 +3,9 @@
 # The benchmark environment: Debian's Open MPI (mpirun for the mpi4py peer, and its headers
 # in case mpi4py has to be built from source), then the virtual environment of
 # requirements/bench.txt (the torch requirements, mpi4py, matplotlib) with Perseus built
-# into it by scripts/setup-venv.sh. Prints the venv path as the last line of stdout;
-# everything else goes to stderr.
+# into it by scripts/setup-venv.sh, and MPICH (requirements/bench-mpich.txt) in the venv's
+# mpich/ folder, apart from Open MPI's mpi4py. Prints the venv path as the last line of
+# stdout; everything else goes to stderr.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 if ! command -v mpirun >/dev/null; then
@@ -21,4 +22,13 @@ if ! command -v mpirun >/dev/null; then
     } >&2
 fi
 venv=$(bash "$root/scripts/setup-venv.sh" bench | tail -n 1)
+mpich_req="$root/requirements/bench-mpich.txt"
+stamp="$venv/mpich/.requirements"
+if ! cmp -s "$mpich_req" "$stamp" 2>/dev/null; then
+    echo "setup-bench: installing MPICH into $venv/mpich" >&2
+    rm -rf "$venv/mpich"
+    "$venv/bin/python" -m pip install --quiet --no-deps --target "$venv/mpich" \
+        -r "$mpich_req" >&2
+    cp "$mpich_req" "$stamp"
+fi
 echo "$venv"
