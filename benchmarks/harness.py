@@ -151,11 +151,13 @@ def launch(script, impl, n, opts, env=None, timeout=600, hosts=None, places=None
             env.update(DS_ACCELERATOR="cpu", LOCAL_SIZE=local,
                        PATH=os.pathsep.join((os.path.dirname(sys.executable),
                                              env.get("PATH", ""))))
-            # Its reduction runs on OpenMP threads: as many as perseusrun gives a rank (the
-            # cores divided by the ranks), not one per core in every rank, whose spinning
-            # made a 4 KiB allreduce take 16 ms on 2 cores.
-            cores = len(os.sched_getaffinity(0))
-            env.setdefault("OMP_NUM_THREADS", str(max(1, cores // int(local))))
+            # Its reduction runs on OpenMP threads: as many as perseusrun gives a rank, not
+            # one per core in every rank, whose spinning made a 4 KiB allreduce take 16 ms
+            # on 2 cores.
+            from perseus.runner import threads
+
+            if threads.wanted(env):
+                env[threads.VAR] = str(threads.per_rank(threads.host_cores(), local))
         cmds = [[*prefix, *worker] for prefix, _ in places]
         envs = [dict(env, MASTER_ADDR=places[0][1], MASTER_PORT=port, RANK=str(r),
                      LOCAL_RANK=str(r) if local == str(n) else "0", WORLD_SIZE=str(n),

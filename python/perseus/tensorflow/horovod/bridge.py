@@ -163,8 +163,7 @@ def _off_the_inter_op_threads(body, inputs, out_dtypes, kind):
         args = (lambda *xs: xs) if inputs else (lambda _: ())
 
         def call(*xs):
-            outs = tf.py_function(body, list(args(*xs)), out_dtypes, name=kind)
-            return tuple(outs) if isinstance(outs, (list, tuple)) else (outs,)
+            return tuple(_blocking_op(body, list(args(*xs)), out_dtypes, kind))
 
         mapped = source.map(call)
         types = [tf.as_dtype(d) for d in out_dtypes]
@@ -173,8 +172,7 @@ def _off_the_inter_op_threads(body, inputs, out_dtypes, kind):
             mapped._variant_tensor, _BODY_THREADS, output_types=types, output_shapes=shapes)
         outs = _dataset_ops.dataset_to_single_element(pooled, output_types=types,
                                                       output_shapes=shapes)
-    device = next((d for d in (getattr(x, "device", "") for x in inputs) if d and ":GPU:" in
-                   d.upper()), None)
+    device = next(filter(None, map(_gpu_device, inputs)), None)
     if device is None:
         return list(outs)
     with tf.device(device):
