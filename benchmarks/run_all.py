@@ -3,7 +3,7 @@ docs/benchmarks_allreduce.png.
 
     python benchmarks/run_all.py [--quick]
                                  [--only sweep small training memory outofplace negotiation
-                                        switches resnet]
+                                        switches resnet load]
                                  [--timeout SECONDS]
 
 Runs, one job at a time: the allreduce sweep (allreduce_sweep.py, 2, 3 and 4 ranks), the
@@ -11,8 +11,9 @@ small-tensor benchmarks (small_ops.py), training throughput (training.py), memor
 growth (memory.py), out-of-place against in-place collectives (out_of_place.py),
 control-plane traffic per step at 2-32 ranks (negotiation.py), each
 Perseus implementation beside the peers, the effect of each PERSEUS_* switch
-(switches.py), and the scaling efficiency of the examples' synthetic ResNet
-(resnet_scaling.py). ``--quick`` is a smoke
+(switches.py), the scaling efficiency of the examples' synthetic ResNet
+(resnet_scaling.py), and small and large allreduces beside busy processes, every peer in
+each of 5 jobs (under_load.py). ``--quick`` is a smoke
 run of a few minutes that writes benchmarks/results/quick/ and never replaces the
 published numbers. ``--only`` reruns some parts and keeps the others from the existing
 JSON. `bash benchmarks/run.sh` sets up the environment and calls this.
@@ -34,9 +35,10 @@ import resnet_scaling
 import small_ops
 import switches
 import training
+import under_load
 
 PARTS = ("sweep", "small", "training", "memory", "outofplace", "negotiation", "switches",
-         "resnet")
+         "resnet", "load")
 
 
 def run_part(part, quick, timeout):
@@ -58,6 +60,8 @@ def run_part(part, quick, timeout):
     if part == "resnet":
         return resnet_scaling.run(iters=2 if quick else 5, rounds=1 if quick else 3,
                                   timeout=timeout)
+    if part == "load":
+        return under_load.run(ranks=2, jobs=2 if quick else 5, quick=quick, timeout=timeout)
     if part == "outofplace":
         sizes = [16 << 20] if quick else [16 << 20, 64 << 20, 256 << 20]
         return out_of_place.run(sizes=sizes, count=1000 if quick else 10_000, timeout=timeout)

@@ -31,4 +31,8 @@ if ! cmp -s "$mpich_req" "$stamp" 2>/dev/null; then
         -r "$mpich_req" >&2
     cp "$mpich_req" "$stamp"
 fi
+# DeepSpeed builds its shared-memory op at first use; build it here, once, so that no timed
+# job compiles it (and none compiles it beside busy processes).
+PATH="$venv/bin:$PATH" "$venv/bin/python" -c \
+    "from deepspeed.comm.torch import build_shm_op; assert build_shm_op() is not None" >&2
 echo "$venv"

@@ -30,6 +30,7 @@ fn config(rank: usize, size: usize, port: u16, shm: bool) -> Config {
         cycle_time: Duration::from_millis(1),
         autotune: None,
         thread_affinity: None,
+        bind_cores: false,
         cache_capacity: 1024,
         allgather_mode: 0,
         timeline: None,

@@ -9,7 +9,7 @@ mod iface;
 mod topology;
 
 pub use crate::env::{var, with_vars};
-pub use affinity::pin_current_thread;
+pub use affinity::{bind_to_share, pin_current_thread};
 pub use autotune::AutotuneSettings;
 
 pub use topology::{cross_from_hosts, first_slurm_host, Launcher, Topology};
@@ -79,6 +79,8 @@ pub struct Config {
     pub autotune: Option<AutotuneSettings>,
     /// HOROVOD_THREAD_AFFINITY: the core the engine thread runs on.
     pub thread_affinity: Option<usize>,
+    /// PERSEUS_BIND_CORES: this rank's share of the cores it may use, from init on.
+    pub bind_cores: bool,
     /// Response cache capacity (entries).
     pub cache_capacity: usize,
     /// 0 = stack, 1 = concatenate.
@@ -343,8 +345,11 @@ fn rendezvous(t: &Topology) -> Result<(Option<(String, u16)>, bool)> {
 }
 
 /// The cores this process may use (at least 1).
+/// The cores this process could use when first asked: before PERSEUS_BIND_CORES
+/// narrows them to this rank's share, so the host's count, not the share's.
 fn host_cores() -> usize {
-    std::thread::available_parallelism().map_or(1, |n| n.get())
+    static CORES: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()))
 }
 
 impl Config {
@@ -384,6 +389,7 @@ impl Config {
             cycle_time: Duration::from_secs_f64(cycle_ms / 1000.0),
             autotune,
             thread_affinity,
+            bind_cores: params::flag("PERSEUS_BIND_CORES")?,
             cache_capacity: params::int("HOROVOD_CACHE_CAPACITY")? as usize,
             allgather_mode: u8::from(params::flag("PERSEUS_CHANGE_HVD_ALLGATHER")?),
             timeline: params::text("PERSEUS_TIMELINE")?,

@@ -20,6 +20,17 @@ use crate::kernels::{copy_scaled, reduce_into, scale};
 use crate::transport::lane::{Identity, Lane, DATA_BYTES, HEAD_BYTES};
 use std::time::Duration;
 
+/// Where an operation stands with the lane.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fit {
+    /// Not an operation of the lane, on any rank.
+    Never,
+    /// Tried in the lane.
+    Fits,
+    /// An operation of the lane that this rank runs on the engine.
+    Declined,
+}
+
 /// This rank's use of its host's lane.
 pub struct CallerLane {
     lane: Lane,
@@ -32,11 +43,12 @@ pub struct CallerLane {
 }
 
 impl CallerLane {
-    /// The lane for a job of `size` ranks, where every one of them shares it and
-    /// PERSEUS_LANE_BYTES allows.
+    /// The lane for a job of `size` ranks, where every one of them shares it. With
+    /// PERSEUS_LANE_BYTES 0 it takes nothing, but still declines its attempts, so
+    /// that ranks whose settings differ never wait for this one.
     pub fn new(lane: Option<Lane>, config: &Config, size: usize) -> Option<CallerLane> {
         let lane = lane.filter(|l| l.members() == size && size > 1)?;
-        (config.lane_bytes > 0).then(|| CallerLane {
+        Some(CallerLane {
             lane,
             limit: config.lane_bytes.min(DATA_BYTES),
             patience: config.lane_patience,
@@ -44,22 +56,23 @@ impl CallerLane {
         })
     }
 
-    /// True when `req` is tried in the lane: an allreduce (not Adasum, its output
-    /// the input's size), an allgather or alltoall (rows of one byte or more), a
+    /// Whether `req` is tried in the lane: an allreduce (not Adasum, its output the
+    /// input's size), an allgather or alltoall (rows of one byte or more), a
     /// broadcast (of one byte or more) or a reduce-scatter (not Adasum, not of a
-    /// scalar) of the global set, of host tensors, within the limit. A
-    /// function of the request and the job's settings only, so ranks decide alike (an
-    /// allgather's or alltoall's rank whose rows pass the limit is the exception: the
-    /// others then give it up after their patience).
-    pub fn takes(
+    /// scalar) of the global set, of host tensors, is an attempt of the lane on every
+    /// rank alike (a function of the request only), so ranks stay in step.
+    /// [`Fit::Fits`] when its bytes are within this rank's limit too; else this rank
+    /// declines the attempt ([`CallerLane::decline`]): the others, whose rows may fit
+    /// (an allgather's or alltoall's), give it up at once.
+    pub fn fit(
         &self,
         req: &Request,
         input: Option<&TensorView>,
         output: Option<&TensorView>,
-    ) -> bool {
+    ) -> Fit {
         // A broadcast has its buffer only, as output; the others an input.
         let Some(data) = input.or(output) else {
-            return false;
+            return Fit::Never;
         };
         let host = [input, output]
             .into_iter()
@@ -80,7 +93,17 @@ impl CallerLane {
             (OpKind::Alltoall, Some(input)) => !input.shape.is_empty() && row_bytes(input) > 0,
             _ => false,
         };
-        req.process_set == 0 && host && fits && kind
+        match (req.process_set == 0 && host && kind, fits) {
+            (false, _) => Fit::Never,
+            (true, true) => Fit::Fits,
+            (true, false) => Fit::Declined,
+        }
+    }
+
+    /// Passes this rank's attempt for an operation of the lane that it runs on the
+    /// engine.
+    pub fn decline(&self) {
+        self.lane.decline();
     }
 
     /// Runs the operation in the lane; its result, or None when every rank gave it

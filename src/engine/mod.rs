@@ -48,7 +48,7 @@ use control::Uplink;
 use coordinator::Coordinator;
 use handles::Handles;
 use inbox::Inbox;
-use lane::CallerLane;
+use lane::{CallerLane, Fit};
 use naming::Unnamed;
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -256,6 +256,11 @@ impl Engine {
                     engine_died(&on_panic, &inbox_of_thread, &panic_text(&*p));
                 }
             })?;
+        if config.bind_cores {
+            // The caller's thread only, after the engine's started (it and its pool keep
+            // every core), and after every decision that counts the host's cores.
+            crate::config::bind_to_share(t.local_rank, t.local_size);
+        }
         Ok(Engine {
             _store: store,
             config,
@@ -530,10 +535,15 @@ impl Engine {
         output: Option<&TensorView>,
     ) -> Option<Output> {
         let lane = self.lane.as_ref()?;
-        // A timeline shows every operation's negotiation and phases, as Horovod's does:
-        // while one is recorded, the engine runs them all.
-        if !lane.takes(req, input, output) || self.shared.timeline.active() {
-            return None;
+        match lane.fit(req, input, output) {
+            Fit::Never => return None,
+            // A timeline shows every operation's negotiation and phases, as Horovod's
+            // does: while one is recorded, the engine runs them all.
+            Fit::Fits if !self.shared.timeline.active() => {}
+            Fit::Fits | Fit::Declined => {
+                lane.decline();
+                return None;
+            }
         }
         let out = lane.run(req, input, output)?;
         // The engine's line for every operation it runs, so that a trace shows them all.

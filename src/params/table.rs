@@ -114,6 +114,19 @@ pub const PARAMS: &[Param] = &[
         doc: "number of tensor signatures remembered so steady-state requests travel as ids",
     },
     Param {
+        name: "PERSEUS_BIND_CORES",
+        aliases: &[],
+        kind: Kind::Flag,
+        default: Default::Flag(false),
+        scope: Scope::Core,
+        note: "(perseusrun sets 1)",
+        doc: "1: the thread that calls hvd.init() (and what it starts later) runs on its \
+              local rank's own share of the cores this process may use, where the host \
+              has at least one core a rank, as an MPI launcher binds ranks: two ranks \
+              the scheduler put on one core, beside other busy processes, otherwise take \
+              a time slice to meet; the engine thread keeps every core",
+    },
+    Param {
         name: "PERSEUS_SHM",
         aliases: &[],
         kind: Kind::Flag,
@@ -139,11 +152,12 @@ pub const PARAMS: &[Param] = &[
         name: "PERSEUS_LANE_PATIENCE_US",
         aliases: &[],
         kind: Kind::Int { min: 1, max: 10_000_000 },
-        default: Default::Int(100),
+        default: Default::Int(20_000),
         scope: Scope::Core,
         note: "(microseconds)",
         doc: "how long a rank waits in the lane (PERSEUS_LANE_BYTES) for the others to \
-              come with the same operation before every rank runs it on the engine",
+              come with the same operation before every rank runs it on the engine \
+              (a rank that runs it on the engine ends the wait at once)",
     },
     Param {
         name: "PERSEUS_SHM_DIRECT",

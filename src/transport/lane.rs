@@ -46,7 +46,7 @@ const ABORTED: u64 = 1 << 31;
 const BITS: u64 = (1 << 31) - 1;
 
 /// Bytes of the lane in a segment of `members` (none above [`MAX_MEMBERS`]):
-/// two slot words, one progress word per member, and per member two parts of
+/// two slot words, one line per member for its progress and its CPU, and per member two parts of
 /// [`SLOT_BYTES`], each after a line holding its identity.
 pub fn bytes(members: usize) -> usize {
     if members > MAX_MEMBERS {
@@ -119,6 +119,26 @@ impl Lane {
         self.seg.word64(self.base + (2 + member) * LINE)
     }
 
+    /// The CPU `member` ran on when it last came to the lane, plus one (0: unknown).
+    fn cpu(&self, member: usize) -> &AtomicU64 {
+        self.seg.word64(self.base + (2 + member) * LINE + 8)
+    }
+
+    /// Says which CPU this member runs on now.
+    fn show_cpu(&self) {
+        self.cpu(self.me).store(current_cpu(), Ordering::Relaxed);
+    }
+
+    /// True when a member that `waited_for` says this member still waits for last came
+    /// from the CPU this member runs on: spinning would keep it from running.
+    fn crowded(&self, waited_for: impl Fn(usize) -> bool) -> bool {
+        let here = current_cpu();
+        here != 0
+            && (0..self.members).any(|m| {
+                m != self.me && waited_for(m) && self.cpu(m).load(Ordering::Relaxed) == here
+            })
+    }
+
     fn part_offset(&self, member: usize, parity: usize) -> usize {
         self.base + (2 + self.members) * LINE + (member * 2 + parity) * (LINE + SLOT_BYTES)
     }
@@ -137,7 +157,10 @@ impl Lane {
     /// `patience` for every member's, and, when all came with the same hashes,
     /// returns what `then` makes of every member's bytes (in member order, each of
     /// its own length). None: the attempt was given up, by every member alike.
-    /// `yielding`: give the core away while waiting (more ranks than cores).
+    /// `yielding`: give the core away while waiting (more ranks than cores); a member
+    /// also gives it away while a member it waits for last came from its CPU, since
+    /// spinning there would keep that one from coming (two ranks the scheduler put on
+    /// one core, between busy processes, took a time slice each operation).
     pub fn exchange<R>(
         &self,
         identity: Identity,
@@ -151,6 +174,7 @@ impl Lane {
             "a lane carries {SLOT_BYTES} bytes at most"
         );
         let mut next = self.next.lock().unwrap_or_else(PoisonError::into_inner);
+        self.show_cpu();
         let j = self.catch_up(*next);
         if j > *next {
             self.passed(self.me).store(j, Ordering::Release);
@@ -160,6 +184,19 @@ impl Lane {
         let out = self.attempt(j, identity, fill, deadline, yielding, then);
         self.passed(self.me).store(j + 1, Ordering::Release);
         out
+    }
+
+    /// Passes this member's next attempt without joining it: for an operation the
+    /// others may try in the lane but this member runs on the engine (an allgather
+    /// whose rows pass this member's limit, a timeline recorded here only). The
+    /// members waiting in that attempt see it passed and give it up at once, rather
+    /// than after their patience, and the attempts stay in step.
+    pub fn decline(&self) {
+        let mut next = self.next.lock().unwrap_or_else(PoisonError::into_inner);
+        self.show_cpu();
+        let j = self.catch_up(*next);
+        *next = j + 1;
+        self.passed(self.me).store(j + 1, Ordering::Release);
     }
 
     /// The attempt to make when this member's next is `next`: a member that made
@@ -205,9 +242,9 @@ impl Lane {
         let parity = (j % 2) as usize;
         // The slot's previous attempt (j - 2) must be over on every member.
         if j >= 2 {
-            let free =
-                || (0..self.members).all(|m| self.passed(m).load(Ordering::Acquire) + 1 >= j);
-            if !wait_until(free, deadline, yielding) {
+            let behind = |m: usize| self.passed(m).load(Ordering::Acquire) + 1 < j;
+            let free = || !(0..self.members).any(behind);
+            if !wait_until(free, deadline, || yielding || self.crowded(behind)) {
                 return None;
             }
         }
@@ -243,6 +280,7 @@ impl Lane {
         }
         let all = (1u64 << self.members) - 1;
         let mut turns = 0u32;
+        let mut give_way = yielding;
         loop {
             let cur = word.load(Ordering::Acquire);
             if cur & BITS == all {
@@ -252,16 +290,19 @@ impl Lane {
                 return None;
             }
             turns = turns.wrapping_add(1);
-            if turns % 64 == 0 && (Instant::now() >= deadline || self.passed_by_other(j)) {
-                if word
-                    .compare_exchange(cur, cur | ABORTED, Ordering::AcqRel, Ordering::Acquire)
-                    .is_ok()
-                {
-                    return None;
+            if turns % 64 == 0 {
+                if Instant::now() >= deadline || self.passed_by_other(j) {
+                    if word
+                        .compare_exchange(cur, cur | ABORTED, Ordering::AcqRel, Ordering::Acquire)
+                        .is_ok()
+                    {
+                        return None;
+                    }
+                    continue;
                 }
-                continue;
+                give_way = yielding || self.crowded(|m| cur & (1 << m) == 0);
             }
-            pause(yielding);
+            pause(give_way);
         }
         let mut lens = Vec::with_capacity(self.members);
         for m in 0..self.members {
@@ -289,19 +330,31 @@ fn pause(yielding: bool) {
     }
 }
 
-/// Spins until `ready` or `deadline`; true when ready.
-fn wait_until(ready: impl Fn() -> bool, deadline: Instant, yielding: bool) -> bool {
+/// Spins until `ready` or `deadline`, yielding the core while `give_way` (asked every
+/// 64 turns) says so; true when ready.
+fn wait_until(ready: impl Fn() -> bool, deadline: Instant, give_way: impl Fn() -> bool) -> bool {
     let mut turns = 0u32;
+    let mut yielding = false;
     loop {
         if ready() {
             return true;
         }
         turns = turns.wrapping_add(1);
-        if turns % 64 == 0 && Instant::now() >= deadline {
-            return false;
+        if turns % 64 == 0 {
+            if Instant::now() >= deadline {
+                return false;
+            }
+            yielding = give_way();
         }
         pause(yielding);
     }
+}
+
+/// The CPU this thread runs on now, plus one (0: unknown).
+fn current_cpu() -> u64 {
+    // SAFETY: sched_getcpu takes nothing and only reads the caller's CPU.
+    let cpu = unsafe { libc::sched_getcpu() };
+    u64::try_from(cpu).map_or(0, |c| c + 1)
 }
 
 #[cfg(test)]

@@ -2,6 +2,7 @@
 001 and the other spellings that read as Perseus's own; and the framework-free facade
 before init()."""
 
+import os
 import subprocess
 import sys
 
@@ -59,8 +60,21 @@ def test_invalid_env_value_fails_init(run_workers, variable, value):
 
 @pytest.mark.timeout(90)
 def test_thread_affinity_pins_each_ranks_engine_thread_to_its_core(run_workers):
-    """Local rank 0 on core 1, local rank 1 on core 0 (the reverse of the usual order)."""
-    run_workers(2, "affinity.py", env={"HOROVOD_THREAD_AFFINITY": "1, 0"}, timeout=60)
+    """Local rank 0 on core 1, local rank 1 on core 0 (the reverse of the usual order);
+    the ranks themselves left where they were (PERSEUS_BIND_CORES=0)."""
+    run_workers(2, "affinity.py", env={"HOROVOD_THREAD_AFFINITY": "1, 0",
+                                       "PERSEUS_BIND_CORES": "0"}, timeout=60)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("bind", [None, "0"])
+def test_perseusrun_gives_each_local_rank_its_own_share_of_the_cores(run_workers, bind):
+    """Unset under perseusrun: from init on each rank (and the engine thread it starts)
+    runs on its own run of the cores; 0: the ranks keep every core they had."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one core: no share to give each of 2 ranks")
+    env = {} if bind is None else {"PERSEUS_BIND_CORES": bind}
+    run_workers(2, "bind.py", "bound" if bind is None else "free", env=env, timeout=60)
 
 
 @pytest.mark.timeout(30)

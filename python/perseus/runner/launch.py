@@ -21,6 +21,7 @@ from perseus.runner import job as _job
 from perseus.runner import threads as _threads
 
 DEFAULT_SSH = "ssh -o BatchMode=yes -o StrictHostKeyChecking=no"
+BIND_VAR = "PERSEUS_BIND_CORES"  # perseusrun's ranks: 1 unless the user set it
 
 
 class UsageError(ValueError):
@@ -419,6 +420,11 @@ def job_env(args, addr, port):
             os.path.abspath(args.output_filename or os.getcwd()), "perseus-flight-recorder",
             f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"),
     }
+    if knobs.text(BIND_VAR) is None:
+        # Each rank on its own share of its host's cores, as MPI launchers bind ranks:
+        # two ranks the scheduler puts on one core, beside busy processes, take a time
+        # slice to meet in every operation.
+        env[BIND_VAR] = "1"
     if args.log_level:
         env["PERSEUS_LOG_LEVEL"] = env["HOROVOD_LOG_LEVEL"] = args.log_level
     if args.network_interface:

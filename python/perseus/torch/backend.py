@@ -253,7 +253,7 @@ class _Collectives:
             return _ops.Sum, float(factor)
         raise UnsupportedError(f"perseus: no reduction {kind}")
 
-    def _allreduce_work(self, tensor, op):
+    def _allreduce_work(self, tensor, op, blocking=True):
         given = tensor
         if tensor.dtype == torch.bool:  # as gloo: a sum is an "or", a product an "and"
             kind = getattr(op, "op", op)  # a ReduceOp, or its RedOpType
@@ -270,11 +270,11 @@ class _Collectives:
                     out = extra(out, row)
                 return [_written(given, out)]
             return self._work(handle, finish, _devices(tensor))
-        # Blocking: torch's caller waits for most all_reduces at once, so a small one
-        # may complete among the callers before this returns (PERSEUS_LANE_BYTES); an
-        # async_op=True caller waits at most PERSEUS_LANE_PATIENCE_US here.
+        # Blocking: a caller that waits at once may see a small one complete among the
+        # callers before this returns (PERSEUS_LANE_BYTES), after waiting up to
+        # PERSEUS_LANE_PATIENCE_US for the others.
         handle = mpi_ops._allreduce_async(tensor, None, None, rop, extra, 1.0, self._ps,
-                                          blocking=True)
+                                          blocking=blocking)
         return self._work(handle, lambda _r: [given], _devices(tensor))
 
     # ------------------------------------------------------------------ allreduce
@@ -283,7 +283,11 @@ class _Collectives:
         """``all_reduce``: every ReduceOp (bitwise ones by gathering the values)."""
         tensor = _one(tensors, "all_reduce")
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-        return self._allreduce_work(tensor, op)
+        # The lane only for a caller that waits at once (async_op=False, torch 2.6 and
+        # later say so): DDP's gradient buckets (asyncOp=True) overlap the backward pass
+        # and must not wait for the other ranks here.
+        blocking = not getattr(opts, "asyncOp", False)
+        return self._allreduce_work(tensor, op, blocking)
 
     def allreduce_coalesced(self, tensors, opts=None):
         """``all_reduce_coalesced``: the tensors reduced in one batch (fused)."""

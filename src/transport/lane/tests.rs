@@ -206,3 +206,62 @@ fn a_member_one_attempt_behind_joins_the_one_waiting_ahead() {
     });
     assert_eq!(got, (Some(12), Some(12)));
 }
+
+#[test]
+fn a_declined_attempt_is_given_up_at_once_and_the_next_is_met() {
+    let all = lanes(2, "decline");
+    let got = thread::scope(|s| {
+        // Member 0 waits with a long patience; member 1 declines that attempt.
+        let a = s.spawn(|| {
+            let start = Instant::now();
+            let first = sum(&all[0], 1, 1, Duration::from_secs(30));
+            (first, start.elapsed())
+        });
+        thread::sleep(Duration::from_millis(20));
+        all[1].decline();
+        let (first, waited) = a.join().unwrap();
+        assert_eq!(first, None);
+        assert!(waited < Duration::from_secs(10), "waited {waited:?}");
+        // Both then meet at the next attempt, in step.
+        let a = s.spawn(|| sum(&all[0], 2, 5, Duration::from_secs(5)));
+        let b = s.spawn(|| sum(&all[1], 2, 7, Duration::from_secs(5)));
+        (a.join().unwrap(), b.join().unwrap())
+    });
+    assert_eq!(got, (Some(12), Some(12)));
+    // A member that declines first: the other finds the attempt passed and does not wait.
+    all[0].decline();
+    let start = Instant::now();
+    assert_eq!(sum(&all[1], 3, 1, Duration::from_secs(30)), None);
+    assert!(start.elapsed() < Duration::from_secs(10));
+}
+
+#[test]
+fn a_member_waited_for_from_this_cpu_makes_the_wait_give_way() {
+    let all = lanes(2, "crowd");
+    let on = |cpu: usize| {
+        // SAFETY: a zeroed cpu_set_t is empty; CPU_SET and sched_setaffinity only
+        // touch it and this thread's affinity.
+        unsafe {
+            let mut set: libc::cpu_set_t = std::mem::zeroed();
+            libc::CPU_SET(cpu, &mut set);
+            libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) == 0
+        }
+    };
+    thread::scope(|s| {
+        s.spawn(|| {
+            assert!(on(0), "this test runs where CPU 0 may be used");
+            // Neither member has said where it runs: nothing to give way to.
+            assert!(!all[0].crowded(|_| true));
+            all[1].show_cpu();
+            assert!(all[0].crowded(|_| true), "member 1 came from this CPU");
+            assert!(
+                !all[0].crowded(|_| false),
+                "but member 0 does not wait for it"
+            );
+            all[1].cpu(1).store(u64::MAX, Ordering::Relaxed);
+            assert!(!all[0].crowded(|_| true), "member 1 on another CPU");
+        })
+        .join()
+        .unwrap();
+    });
+}

@@ -216,6 +216,27 @@ def through_engine(r, n):
     assert delta(before)["lane_operations"] == 0, (r, delta(before))
 
 
+def declined(r, n):
+    """Run with a patience of seconds: where one rank runs an operation of the lane on
+    the engine (its allgather rows pass the limit, or its timeline is recorded), the
+    others give their attempt up at once rather than after the patience, and the next
+    operation meets in the lane again."""
+    rows = 16385 if r == n - 1 else 4  # 64 KiB + 4 bytes on the last rank only
+    start = time.monotonic()
+    before = hvd.counters()
+    got = hvd.allgather(torch.full((rows, 1), float(r)), name="lane.decline.gather")
+    took = time.monotonic() - start
+    want = torch.cat([torch.full((16385 if q == n - 1 else 4, 1), float(q))
+                      for q in range(n)])
+    close(got, want, "allgather above one rank's limit")
+    assert delta(before)["lane_operations"] == 0, (r, delta(before))
+    assert took < 2.5, f"rank {r} waited {took:.2f} s for a rank on the engine"
+    before = hvd.counters()
+    got = hvd.allreduce(torch.full((3,), float(r)), op=hvd.Sum, name="lane.decline.next")
+    close(got, torch.full((3,), float(n * (n - 1) // 2)), "the next operation")
+    assert delta(before)["lane_operations"] == 1, (r, delta(before))
+
+
 SUBSET = None
 
 
@@ -227,6 +248,8 @@ def main():
     mode = sys.argv[1]
     if mode == "sweep":
         sweep(r, n)
+    elif mode == "decline":
+        declined(r, n)
     else:
         through_engine(r, n)
     hvd.shutdown()

@@ -30,6 +30,7 @@ import perseus  # noqa: F401 - registers the backend
 import torch
 import torch.distributed as dist
 from _helpers import close, done, raises, tol
+from perseus.common.basics import counters
 
 CHECK = sys.argv[1]
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int32,
@@ -211,6 +212,17 @@ def check_async(r, n, group, ranks):
         w.wait()
     for k, t in enumerate(ts):
         close(t, torch.full((2,), float(k * len(ranks))), f"work {k}")
+    if group is None and hasattr(dist.AllreduceOptions(), "asyncOp"):
+        # async_op=True never waits for the others in the lane (DDP's buckets overlap the
+        # backward pass); a caller that waits at once takes it (one try in five at least,
+        # however loaded the host).
+        lane = lambda: counters()["lane_operations"]
+        before = lane()
+        dist.all_reduce(torch.ones(3), async_op=True).wait()
+        assert lane() == before, "an async_op=True all_reduce went through the lane"
+        for _ in range(5):
+            dist.all_reduce(torch.ones(3))
+        assert lane() > before, "no async_op=False all_reduce went through the lane"
     dist.barrier(group=group)
 
 
