@@ -591,7 +591,7 @@ def peer_ratio(mine, peers):
 
 def failure_notes(runs, impls):
     """``"IMPL: failed: ..."`` for each of ``impls`` whose job in ``runs`` failed."""
-    return [f"{i}: failed: {runs[i]['error']}" for i in impls if failed(runs[i])]
+    return [f"{i}: failed: {runs[i]['error']}" for i in impls if failed(runs.get(i))]
 
 
 def fmt(value, spec, missing="-"):

@@ -204,8 +204,9 @@ def sections(result, only=None):
     for n, runs in harness.runs_by_ranks(result, only):
         rows = []
         for key, label in labels(n).items():
-            ms = [None if harness.failed(runs[i]) else runs[i][0][key]["median"] * 1e3
-                  for i in IMPLS]
+            # A peer absent from an older run's JSON reads as not measured.
+            ms = [None if i not in runs or harness.failed(runs[i])
+                  else runs[i][0][key]["median"] * 1e3 for i in IMPLS]
             ratio = harness.peer_ratio(ms[0], ms[1:])
             rows.append([label, *(harness.fmt(m, ".3f") for m in ms),
                          harness.fmt(ratio, ".2f") + "×"])

@@ -106,6 +106,11 @@ impl CallerLane {
         self.lane.decline();
     }
 
+    /// Says that this rank waits in a join: the others stop waiting for it.
+    pub fn step_away(&self) {
+        self.lane.step_away();
+    }
+
     /// Runs the operation in the lane; its result, or None when every rank gave it
     /// up (nothing written).
     pub fn run(

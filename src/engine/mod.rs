@@ -508,6 +508,11 @@ impl Engine {
             self.shared.inflight.lock().unwrap().remove(&key);
             return Ok(Submitted::Ran(handle, out));
         }
+        if let (Some(lane), OpKind::Join, 0) = (&self.lane, req.kind, req.process_set) {
+            // A joined rank makes no attempt until it is back: the others' operations
+            // then run on the engine (which serves the join) without waiting for it.
+            lane.step_away();
+        }
         let handle = self.shared.handles.create();
         self.shared.recorder.lock().unwrap().submitted(handle, &req);
         let entry = Entry {

@@ -157,7 +157,8 @@ pub const PARAMS: &[Param] = &[
         note: "(microseconds)",
         doc: "how long a rank waits in the lane (PERSEUS_LANE_BYTES) for the others to \
               come with the same operation before every rank runs it on the engine \
-              (a rank that runs it on the engine ends the wait at once)",
+              (a rank that runs it on the engine, or waits in a join, ends the wait at \
+              once)",
     },
     Param {
         name: "PERSEUS_SHM_DIRECT",

@@ -46,7 +46,8 @@ const ABORTED: u64 = 1 << 31;
 const BITS: u64 = (1 << 31) - 1;
 
 /// Bytes of the lane in a segment of `members` (none above [`MAX_MEMBERS`]):
-/// two slot words, one line per member for its progress and its CPU, and per member two parts of
+/// two slot words, one line per member (its progress, its CPU, whether it is away), and
+/// per member two parts of
 /// [`SLOT_BYTES`], each after a line holding its identity.
 pub fn bytes(members: usize) -> usize {
     if members > MAX_MEMBERS {
@@ -85,6 +86,8 @@ pub struct Lane {
     /// The number of this rank's next attempt; its lock keeps a rank's attempts
     /// one at a time, in one order.
     next: Mutex<u64>,
+    /// The joins this member has been through (entered, and is back from).
+    joins_done: AtomicU64,
 }
 
 impl Lane {
@@ -97,6 +100,7 @@ impl Lane {
             me,
             members,
             next: Mutex::new(0),
+            joins_done: AtomicU64::new(0),
         })
     }
 
@@ -124,9 +128,44 @@ impl Lane {
         self.seg.word64(self.base + (2 + member) * LINE + 8)
     }
 
-    /// Says which CPU this member runs on now.
-    fn show_cpu(&self) {
+    /// The number of joins `member` entered ([`Lane::step_away`]).
+    fn away(&self, member: usize) -> &AtomicU64 {
+        self.seg.word64(self.base + (2 + member) * LINE + 16)
+    }
+
+    /// Says which CPU this member runs on now, and that it is here; returns the
+    /// attempt to make when its next is `next`: past every attempt the others made
+    /// while it was away (none of them was its own), else as [`Lane::catch_up`] says.
+    fn arrive(&self, next: u64) -> u64 {
         self.cpu(self.me).store(current_cpu(), Ordering::Relaxed);
+        let entered = self.away(self.me).load(Ordering::Relaxed);
+        if entered > self.joins_done.swap(entered, Ordering::Relaxed) {
+            // Back from a join, which every member has entered, so is over for all.
+            let ahead = (0..self.members)
+                .filter(|&m| m != self.me)
+                .map(|m| self.passed(m).load(Ordering::Acquire))
+                .max()
+                .unwrap_or(0);
+            return next.max(ahead);
+        }
+        self.catch_up(next)
+    }
+
+    /// Says that this member makes no attempt until its next one: it waits in a join,
+    /// which only the engine serves. Members that wait in an attempt for it give the
+    /// attempt up at once, rather than after their patience, and it skips every
+    /// attempt they made meanwhile when it is back.
+    pub fn step_away(&self) {
+        let entered = self.away(self.me).load(Ordering::Relaxed);
+        self.away(self.me).store(entered + 1, Ordering::Release);
+    }
+
+    /// True when a member that `waited_for` says this member still waits for is in a
+    /// join this member has not been through.
+    fn left(&self, waited_for: impl Fn(usize) -> bool) -> bool {
+        let done = self.joins_done.load(Ordering::Relaxed);
+        (0..self.members)
+            .any(|m| m != self.me && waited_for(m) && self.away(m).load(Ordering::Acquire) > done)
     }
 
     /// True when a member that `waited_for` says this member still waits for last came
@@ -174,8 +213,7 @@ impl Lane {
             "a lane carries {SLOT_BYTES} bytes at most"
         );
         let mut next = self.next.lock().unwrap_or_else(PoisonError::into_inner);
-        self.show_cpu();
-        let j = self.catch_up(*next);
+        let j = self.arrive(*next);
         if j > *next {
             self.passed(self.me).store(j, Ordering::Release);
         }
@@ -193,8 +231,7 @@ impl Lane {
     /// than after their patience, and the attempts stay in step.
     pub fn decline(&self) {
         let mut next = self.next.lock().unwrap_or_else(PoisonError::into_inner);
-        self.show_cpu();
-        let j = self.catch_up(*next);
+        let j = self.arrive(*next);
         *next = j + 1;
         self.passed(self.me).store(j + 1, Ordering::Release);
     }
@@ -244,7 +281,8 @@ impl Lane {
         if j >= 2 {
             let behind = |m: usize| self.passed(m).load(Ordering::Acquire) + 1 < j;
             let free = || !(0..self.members).any(behind);
-            if !wait_until(free, deadline, || yielding || self.crowded(behind)) {
+            let give_up = || Instant::now() >= deadline || self.left(behind);
+            if !wait_until(free, give_up, || yielding || self.crowded(behind)) {
                 return None;
             }
         }
@@ -291,7 +329,8 @@ impl Lane {
             }
             turns = turns.wrapping_add(1);
             if turns % 64 == 0 {
-                if Instant::now() >= deadline || self.passed_by_other(j) {
+                let missing = |m: usize| cur & (1 << m) == 0;
+                if Instant::now() >= deadline || self.passed_by_other(j) || self.left(missing) {
                     if word
                         .compare_exchange(cur, cur | ABORTED, Ordering::AcqRel, Ordering::Acquire)
                         .is_ok()
@@ -300,7 +339,7 @@ impl Lane {
                     }
                     continue;
                 }
-                give_way = yielding || self.crowded(|m| cur & (1 << m) == 0);
+                give_way = yielding || self.crowded(missing);
             }
             pause(give_way);
         }
@@ -330,9 +369,13 @@ fn pause(yielding: bool) {
     }
 }
 
-/// Spins until `ready` or `deadline`, yielding the core while `give_way` (asked every
-/// 64 turns) says so; true when ready.
-fn wait_until(ready: impl Fn() -> bool, deadline: Instant, give_way: impl Fn() -> bool) -> bool {
+/// Spins until `ready` or `give_up`, yielding the core while `give_way` says so (both
+/// asked every 64 turns); true when ready.
+fn wait_until(
+    ready: impl Fn() -> bool,
+    give_up: impl Fn() -> bool,
+    give_way: impl Fn() -> bool,
+) -> bool {
     let mut turns = 0u32;
     let mut yielding = false;
     loop {
@@ -341,7 +384,7 @@ fn wait_until(ready: impl Fn() -> bool, deadline: Instant, give_way: impl Fn() -
         }
         turns = turns.wrapping_add(1);
         if turns % 64 == 0 {
-            if Instant::now() >= deadline {
+            if give_up() {
                 return false;
             }
             yielding = give_way();

@@ -29,7 +29,8 @@ def test_lane_leaves_the_rest_to_the_engine(run_workers, n):
 def test_a_rank_on_the_engine_ends_the_others_wait(run_workers, n):
     """An allgather (concatenating, as Horovod's) whose rows pass the limit on one rank
     only: that rank declines the attempt and the others follow it to the engine at once,
-    with a patience of seconds (5 s here); the next operation meets in the lane."""
+    with a patience of seconds (5 s here); the next operation meets in the lane. So does
+    a rank waiting in a join: the others' operations do not wait for it."""
     run_workers(n, "lane.py", "decline", env={"PERSEUS_LANE_PATIENCE_US": "5000000",
                                               "PERSEUS_CHANGE_HVD_ALLGATHER": "1"})
 

@@ -252,7 +252,7 @@ fn a_member_waited_for_from_this_cpu_makes_the_wait_give_way() {
             assert!(on(0), "this test runs where CPU 0 may be used");
             // Neither member has said where it runs: nothing to give way to.
             assert!(!all[0].crowded(|_| true));
-            all[1].show_cpu();
+            all[1].arrive(0);
             assert!(all[0].crowded(|_| true), "member 1 came from this CPU");
             assert!(
                 !all[0].crowded(|_| false),
@@ -264,4 +264,24 @@ fn a_member_waited_for_from_this_cpu_makes_the_wait_give_way() {
         .join()
         .unwrap();
     });
+}
+
+#[test]
+fn a_member_that_stepped_away_is_not_waited_for_until_it_is_back() {
+    let all = lanes(2, "away");
+    all[1].step_away();
+    let start = Instant::now();
+    assert_eq!(sum(&all[0], 1, 1, Duration::from_secs(30)), None);
+    assert!(start.elapsed() < Duration::from_secs(10));
+    assert_eq!(sum(&all[0], 2, 1, Duration::from_millis(1)), None);
+    // Member 0 joins too, which ends the join. Back (each one's next attempt says so),
+    // member 1 skips the attempts member 0 made meanwhile, and both meet at once.
+    all[0].step_away();
+    let got = thread::scope(|s| {
+        let b = s.spawn(|| sum(&all[1], 3, 7, Duration::from_secs(5)));
+        thread::sleep(Duration::from_millis(20));
+        let a = s.spawn(|| sum(&all[0], 3, 5, Duration::from_secs(5)));
+        (a.join().unwrap(), b.join().unwrap())
+    });
+    assert_eq!(got, (Some(12), Some(12)));
 }

@@ -218,9 +218,9 @@ def through_engine(r, n):
 
 def declined(r, n):
     """Run with a patience of seconds: where one rank runs an operation of the lane on
-    the engine (its allgather rows pass the limit, or its timeline is recorded), the
-    others give their attempt up at once rather than after the patience, and the next
-    operation meets in the lane again."""
+    the engine (its allgather rows pass the limit, or its timeline is recorded) or waits
+    in a join, the others give their attempt up at once rather than after the patience,
+    and the next operation meets in the lane again."""
     rows = 16385 if r == n - 1 else 4  # 64 KiB + 4 bytes on the last rank only
     start = time.monotonic()
     before = hvd.counters()
@@ -234,6 +234,24 @@ def declined(r, n):
     before = hvd.counters()
     got = hvd.allreduce(torch.full((3,), float(r)), op=hvd.Sum, name="lane.decline.next")
     close(got, torch.full((3,), float(n * (n - 1) // 2)), "the next operation")
+    assert delta(before)["lane_operations"] == 1, (r, delta(before))
+
+    # A joined rank is not waited for: the others' small allreduces run on the engine
+    # at once (the joined rank gives zeros), and once every rank is back from the join
+    # they meet in the lane again.
+    if r == n - 1:
+        hvd.join()
+    else:
+        start = time.monotonic()
+        for k in range(5):
+            got = hvd.allreduce(torch.full((2,), 1.0), op=hvd.Sum, name=f"lane.join.{k}")
+            close(got, torch.full((2,), float(n - 1)), f"allreduce {k} beside a joined rank")
+        took = time.monotonic() - start
+        assert took < 2.5, f"rank {r} waited {took:.2f} s for a joined rank"
+        hvd.join()
+    before = hvd.counters()
+    got = hvd.allreduce(torch.full((3,), 1.0), op=hvd.Sum, name="lane.join.back")
+    close(got, torch.full((3,), float(n)), "the operation after the join")
     assert delta(before)["lane_operations"] == 1, (r, delta(before))
 
 
