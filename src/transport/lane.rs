@@ -141,12 +141,7 @@ impl Lane {
         let entered = self.away(self.me).load(Ordering::Relaxed);
         if entered > self.joins_done.swap(entered, Ordering::Relaxed) {
             // Back from a join, which every member has entered, so is over for all.
-            let ahead = (0..self.members)
-                .filter(|&m| m != self.me)
-                .map(|m| self.passed(m).load(Ordering::Acquire))
-                .max()
-                .unwrap_or(0);
-            return next.max(ahead);
+            return next.max(self.furthest_other());
         }
         self.catch_up(next)
     }
@@ -243,11 +238,7 @@ impl Lane {
     /// waits in `next` (one ahead and not waiting is a member that gave up the last
     /// attempt first, and now waits for this one on the engine).
     fn catch_up(&self, next: u64) -> u64 {
-        let ahead = (0..self.members)
-            .filter(|&m| m != self.me)
-            .map(|m| self.passed(m).load(Ordering::Acquire))
-            .max()
-            .unwrap_or(0);
+        let ahead = self.furthest_other();
         let waiting = |j: u64| {
             let w = self.slot_word((j % 2) as usize).load(Ordering::Acquire);
             w & !(ABORTED | BITS) == u64::from(j as u32) << 32 && w & BITS != 0 && w & ABORTED == 0
@@ -257,6 +248,15 @@ impl Lane {
         } else {
             next
         }
+    }
+
+    /// The most attempts any other member has finished.
+    fn furthest_other(&self) -> u64 {
+        (0..self.members)
+            .filter(|&m| m != self.me)
+            .map(|m| self.passed(m).load(Ordering::Acquire))
+            .max()
+            .unwrap_or(0)
     }
 
     /// True when another member finished attempt `j` (so it was given up).
